@@ -1,0 +1,56 @@
+"""The typed errors gemport raises.
+
+Every error names its culprit (file, tensor, dimension) and says what to do about it. Catch
+``GemportError`` to handle them all.
+"""
+
+
+class GemportError(Exception):
+    """Base class of every error gemport raises on bad input."""
+
+
+class SpecError(GemportError, ValueError):
+    """A config describes an architecture gemport does not support, or is inconsistent."""
+
+
+class CheckpointError(GemportError):
+    """A checkpoint on disk cannot be read or written as asked."""
+
+
+class MissingTensorError(CheckpointError, KeyError):
+    """A tensor the architecture needs is not in the checkpoint."""
+
+    def __str__(self):
+        return Exception.__str__(self)
+
+
+class UnexpectedTensorError(CheckpointError):
+    """The checkpoint holds a tensor that the architecture does not have."""
+
+
+class ShapeMismatchError(CheckpointError, ValueError):
+    """A tensor's shape disagrees with the config."""
+
+
+class CorruptFileError(CheckpointError):
+    """A file is truncated, malformed, or its contents disagree with its header or index."""
+
+
+class UnsafePathError(CheckpointError):
+    """A path points outside the checkpoint directory, or an output would land inside an input."""
+
+
+class MeshError(GemportError, ValueError):
+    """A mesh does not fit the model: an axis does not divide a dimension it shards."""
+
+
+class LoraError(GemportError, ValueError):
+    """A LoRA config or adapter cannot be mapped between PEFT and Qwix/Tunix."""
+
+
+class MaskError(GemportError, ValueError):
+    """A conversation cannot be rendered or masked as asked."""
+
+
+class OptimizerConfigError(GemportError, ValueError):
+    """HF TrainingArguments ask for something gemport cannot reproduce in Optax."""
