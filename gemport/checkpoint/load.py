@@ -1,0 +1,130 @@
+"""HF safetensors -> Tunix parameters, streamed tensor by tensor straight into their mesh shardings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+from tqdm.auto import tqdm
+
+from gemport import names
+from gemport.checkpoint.hf_dir import HFCheckpoint
+from gemport.errors import MissingTensorError, ShapeMismatchError, UnexpectedTensorError
+from gemport.specs import GemmaSpec
+
+
+def path_str(path) -> str:
+    """A dotted string of an nnx state path: ``("layers", 0, "attn")`` -> ``"layers.0.attn"``."""
+    return ".".join(str(p) for p in path)
+
+
+def abstract_model(spec: GemmaSpec, *, param_dtype=None, dtype=None):
+    """The Tunix model of ``spec`` as shapes only (``nnx.eval_shape``): no memory, sharding annotations kept."""
+    cfg = spec.to_tunix(param_dtype=param_dtype, dtype=dtype)
+    model_cls = spec.tunix_model_class()
+    return nnx.eval_shape(lambda: model_cls(cfg, rngs=nnx.Rngs(0)))
+
+
+def matched_entries(ckpt: HFCheckpoint, spec: GemmaSpec) -> tuple[str, tuple[names.Entry, ...]]:
+    """Check that ``ckpt``'s text tensors are exactly those ``spec`` needs, with the right shapes.
+
+    Returns the checkpoint's text prefix and the spec's entries. Raises ``MissingTensorError``,
+    ``UnexpectedTensorError`` or ``ShapeMismatchError`` naming the tensor, its file and what was expected.
+    """
+    keys = ckpt.keys()
+    prefix = names.detect_prefix(keys)
+    entries = names.entries(spec)
+    wanted = {prefix + h: e for e in entries for h in e.hf}
+    unexpected = [k for k in keys if names.owns(k, prefix) and k not in wanted and k != "lm_head.weight"]
+    if unexpected:
+        k = unexpected[0]
+        raise UnexpectedTensorError(
+            f"{ckpt.info(k).file}: tensor {k!r} is not part of a {spec.family} model with this config"
+            f"{f' (and {len(unexpected) - 1} more)' if len(unexpected) > 1 else ''}; the config.json does not "
+            "describe these weights"
+        )
+    for full, entry in wanted.items():
+        if full not in ckpt.tensors:
+            raise MissingTensorError(
+                f"{ckpt.dir}: tensor {full!r} (for Tunix {entry.tunix}) is missing; the config describes a "
+                "layer the weights do not have"
+            )
+        found = ckpt.tensors[full].shape
+        if found != entry.hf_shape:
+            raise ShapeMismatchError(
+                f"{ckpt.tensors[full].file}: tensor {full!r} has shape {list(found)}, but config.json implies "
+                f"{list(entry.hf_shape)} ({', '.join(f'{a}={n}' for a, n in entry.sizes if a != 's')}); the "
+                "config does not match the weights"
+            )
+    return prefix, entries
+
+
+def load_hf(hf_dir: str | Path, spec: GemmaSpec | None = None, *, mesh=None, dtype=None) -> nnx.State:
+    """Load an HF Gemma checkpoint as the Tunix parameter state, tensor by tensor.
+
+    Each Tunix parameter is built from memory-mapped HF tensors (renamed, transposed, fused per
+    ``gemport.names``) and placed straight into its sharding: with ``mesh``, Tunix's default annotation on
+    that mesh (axes ``fsdp`` and ``tp``), each device reading only its slice; without, the default device.
+    Peak memory is the loaded state plus one tensor.
+
+    Args:
+      hf_dir: directory with ``config.json`` and ``model.safetensors`` or sharded safetensors + index.
+      spec: the architecture; read from ``hf_dir/config.json`` when omitted.
+      mesh: a ``jax.sharding.Mesh`` with axes ``fsdp`` and ``tp`` (see ``gemport.mesh.make_mesh``).
+      dtype: parameter dtype (e.g. ``jnp.bfloat16``); default keeps the checkpoint's dtype.
+
+    Returns:
+      An ``nnx.State`` of ``nnx.Param`` with the Tunix model's paths, e.g. ``layers.0.attn.q_einsum.w``
+      of shape (N, D, H). Vision/audio tensors are ignored (see ``save_hf(base_dir=...)`` to keep them).
+    """
+    ckpt = HFCheckpoint(hf_dir)
+    spec = spec or GemmaSpec.from_hf(hf_dir)
+    prefix, entries = matched_entries(ckpt, spec)
+    file_dtype = np.dtype(ckpt.array(prefix + "embed_tokens.weight").dtype)
+    target = np.dtype(dtype) if dtype is not None else file_dtype
+    _, abstract = nnx.split(abstract_model(spec, param_dtype=target))
+    by_path = {e.tunix: e for e in entries}
+    flat = []
+    for path, var in tqdm(nnx.to_flat_state(abstract), desc="load_hf", unit="tensor", leave=False):
+        entry = by_path[path_str(path)]
+        shape = var.get_value().shape
+        sharding = _sharding(var, mesh)
+        flat.append((path, var.replace(_place(ckpt, prefix, entry, shape, target, sharding))))
+    return nnx.from_flat_state(flat)
+
+
+def _sharding(var, mesh):
+    if mesh is None:
+        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    spec = var.get_metadata().get("out_sharding") or ()
+    return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+def _place(ckpt: HFCheckpoint, prefix: str, entry: names.Entry, shape, dtype, sharding) -> jax.Array:
+    if entry.fill is not None:
+        return jax.make_array_from_callback(
+            shape, sharding, lambda index: np.full(shape, entry.fill, dtype)[index]
+        )
+
+    def read(index):
+        # Re-mapped per slice: the views (and their resident pages) are dropped as soon as the slice is copied.
+        tensor = entry.to_tunix([ckpt.array(prefix + h) for h in entry.hf])
+        return np.asarray(tensor[index], dtype=dtype)
+
+    return jax.make_array_from_callback(shape, sharding, read)
+
+
+def load_tunix_model(hf_dir: str | Path, *, mesh=None, dtype=None):
+    """Load an HF Gemma checkpoint as a ready Tunix model (``tunix.models.gemma3.Gemma3`` or ``gemma4.Gemma4``).
+
+    The architecture comes from ``hf_dir/config.json``; weights are loaded as in ``load_hf``. The model's
+    compute dtype equals its parameter dtype.
+    """
+    spec = GemmaSpec.from_hf(hf_dir)
+    state = load_hf(hf_dir, spec, mesh=mesh, dtype=dtype)
+    param_dtype = jax.tree.leaves(state)[0].dtype
+    graphdef, _ = nnx.split(abstract_model(spec, param_dtype=param_dtype))
+    return nnx.merge(graphdef, state)

@@ -1,0 +1,210 @@
+"""A strict, streaming safetensors reader and writer.
+
+Reading memory-maps one tensor at a time, so a tensor costs address space, not RAM, until it is touched, and
+its pages are released when the view is dropped. Writing takes tensors lazily, one at a time, after a header
+computed from their declared dtypes and shapes: peak memory is one tensor. Untouched tensors can be copied
+as raw bytes without being decoded.
+
+Format: 8-byte little-endian header length N, N bytes of JSON header
+(``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}``), then the data;
+offsets are relative to the end of the header.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import struct
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import BinaryIO
+
+import ml_dtypes
+import numpy as np
+
+from gemport.errors import CorruptFileError
+
+DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+CODES: dict[np.dtype, str] = {v: k for k, v in DTYPES.items()}
+
+_MAX_HEADER = 100 * 2**20
+_COPY_CHUNK = 64 * 2**20
+
+
+def dtype_code(dtype) -> str:
+    """The safetensors code (``"BF16"``, ``"F32"``, ...) of a numpy or JAX dtype."""
+    try:
+        return CODES[np.dtype(dtype)]
+    except KeyError:
+        raise CorruptFileError(f"dtype {dtype} has no safetensors code; supported: {', '.join(DTYPES)}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives: its file, dtype code, shape and absolute byte range in the file."""
+
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+class SafetensorsFile:
+    """One ``.safetensors`` file, its header validated on open.
+
+    Raises ``CorruptFileError`` naming the file when it is truncated, its header is malformed, a dtype is
+    unknown, or a tensor's byte range disagrees with its shape or lies outside the file.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.tensors: dict[str, TensorInfo] = {}
+        self.metadata: dict[str, str] = {}
+        self._parse()
+
+    def _fail(self, what: str):
+        raise CorruptFileError(f"{self.path}: {what}; the file is damaged or incomplete, download or write it again")
+
+    def _parse(self) -> None:
+        size = self.path.stat().st_size
+        with open(self.path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                self._fail(f"{size} bytes is too short for a safetensors header")
+            (n,) = struct.unpack("<Q", head)
+            if n > _MAX_HEADER or 8 + n > size:
+                self._fail(f"header length {n} does not fit a file of {size} bytes")
+            raw = fh.read(n)
+        try:
+            header = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            self._fail(f"header is not valid JSON ({e})")
+        if not isinstance(header, dict):
+            self._fail("header is not a JSON object")
+        base = 8 + n
+        self.metadata = header.pop("__metadata__", None) or {}
+        spans = []
+        for name, t in header.items():
+            try:
+                dtype, shape, (begin, end) = t["dtype"], tuple(t["shape"]), t["data_offsets"]
+            except (KeyError, TypeError, ValueError):
+                self._fail(f"tensor {name!r} has a malformed header entry {t!r}")
+            if dtype not in DTYPES:
+                self._fail(f"tensor {name!r} has unknown dtype {dtype!r}")
+            if any(not isinstance(d, int) or d < 0 for d in shape):
+                self._fail(f"tensor {name!r} has invalid shape {list(shape)}")
+            expected = math.prod(shape) * DTYPES[dtype].itemsize
+            if end - begin != expected or begin < 0:
+                self._fail(f"tensor {name!r} spans {end - begin} bytes but dtype {dtype} shape {list(shape)} needs {expected}")
+            if base + end > size:
+                self._fail(f"tensor {name!r} ends at byte {base + end}, past the end of the file ({size} bytes)")
+            spans.append((begin, end, name))
+            self.tensors[name] = TensorInfo(self.path, dtype, shape, base + begin, base + end)
+        spans.sort()
+        for (_, end_a, a), (begin_b, _, b) in zip(spans, spans[1:]):
+            if begin_b < end_a:
+                self._fail(f"tensors {a!r} and {b!r} overlap")
+
+    def array(self, name: str) -> np.ndarray:
+        """A read-only memory-mapped view of tensor ``name`` (numpy; bf16 and fp8 via ml_dtypes)."""
+        return read_array(self.tensors[name])
+
+
+def read_array(info: TensorInfo) -> np.ndarray:
+    """A read-only memory-mapped view of the tensor at ``info``."""
+    dtype = DTYPES[info.dtype]
+    if info.nbytes == 0:
+        return np.zeros(info.shape, dtype)
+    return np.memmap(info.file, dtype=dtype, mode="r", offset=info.start, shape=info.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSource:
+    """A tensor to write: its name, dtype code and shape, and a callable that writes its bytes to a file."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    write: Callable[[BinaryIO], None]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+    @classmethod
+    def from_array(cls, name: str, make: Callable[[], np.ndarray], dtype, shape) -> TensorSource:
+        """A tensor computed when written: ``make()`` must return an array of ``dtype`` and ``shape``."""
+
+        def write(fh: BinaryIO) -> None:
+            array = np.ascontiguousarray(make())
+            if array.shape != tuple(shape) or array.dtype != np.dtype(dtype):
+                raise CorruptFileError(
+                    f"tensor {name!r} was declared {np.dtype(dtype)} {list(shape)} but produced "
+                    f"{array.dtype} {list(array.shape)}"
+                )
+            fh.write(memoryview(array.reshape(-1).view(np.uint8)))
+
+        return cls(name, dtype_code(dtype), tuple(shape), write)
+
+    @classmethod
+    def copy_of(cls, name: str, info: TensorInfo) -> TensorSource:
+        """Tensor bytes copied from another file without decoding them."""
+
+        def write(fh: BinaryIO) -> None:
+            with open(info.file, "rb") as src:
+                src.seek(info.start)
+                left = info.nbytes
+                while left:
+                    chunk = src.read(min(left, _COPY_CHUNK))
+                    if not chunk:
+                        raise CorruptFileError(f"{info.file}: ended while copying tensor {name!r}")
+                    fh.write(chunk)
+                    left -= len(chunk)
+
+        return cls(name, info.dtype, info.shape, write)
+
+
+def write_file(path: str | Path, sources: Iterable[TensorSource], metadata: dict[str, str] | None = None) -> int:
+    """Write ``sources`` to a safetensors file at ``path``, one tensor in memory at a time.
+
+    Returns the number of data bytes written. The caller makes the write atomic (see ``atomic_dir``).
+    """
+    sources = list(sources)
+    header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
+    offset = 0
+    for s in sources:
+        header[s.name] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [offset, offset + s.nbytes]}
+        offset += s.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(raw)))
+        fh.write(raw)
+        for s in sources:
+            before = fh.tell()
+            s.write(fh)
+            if fh.tell() - before != s.nbytes:
+                raise CorruptFileError(f"{path}: tensor {s.name!r} wrote {fh.tell() - before} bytes, expected {s.nbytes}")
+        fh.flush()
+        os.fsync(fh.fileno())
+    return offset

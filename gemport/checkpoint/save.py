@@ -1,0 +1,89 @@
+"""Tunix parameters -> HF safetensors, tensor by tensor, atomically."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from gemport import names
+from gemport.checkpoint.hf_dir import HFCheckpoint
+from gemport.checkpoint.load import path_str
+from gemport.checkpoint.output import atomic_dir, check_output, copy_side_files, write_sharded
+from gemport.checkpoint.safetensors import TensorSource
+from gemport.errors import MissingTensorError, UnexpectedTensorError
+from gemport.specs import GemmaSpec
+
+
+def flat_params(state_or_model) -> dict[str, jax.Array]:
+    """``{dotted path: array}`` of an nnx model's or state's parameters (``nnx.Param`` and subclasses)."""
+    state = state_or_model
+    if isinstance(state_or_model, nnx.Module):
+        state = nnx.state(state_or_model, nnx.Param)
+    return {path_str(p): v.get_value() if hasattr(v, "get_value") else v for p, v in nnx.to_flat_state(state)}
+
+
+def save_hf(state_or_model, out_dir: str | Path, *, spec: GemmaSpec, base_dir: str | Path | None = None,
+            max_shard_size: int | str = "5GB") -> Path:
+    """Write Tunix parameters as an HF checkpoint: sharded safetensors, index and config.json.
+
+    Each Tunix parameter is gathered, converted back to its HF tensor(s) (``gemport.names``) in its own
+    dtype, and written before the next is read, so peak memory is one tensor beyond the state itself.
+    The directory appears atomically when complete.
+
+    Args:
+      state_or_model: a Tunix Gemma model, or its ``nnx.State`` of parameters (as from ``load_hf``).
+      out_dir: the output directory; must not exist, be empty, or lie inside ``base_dir``.
+      spec: the architecture.
+      base_dir: an HF checkpoint of the same model. Its key prefix is kept (e.g. ``model.language_model.``
+        of multimodal checkpoints), its non-text tensors (vision, audio) are copied byte for byte, and its
+        config, tokenizer and other files are copied. Without it, keys use ``model.`` and config.json is
+        generated from ``spec`` for ``Gemma3ForCausalLM`` / ``Gemma4ForCausalLM``.
+      max_shard_size: bytes per shard, an int or a string such as ``"5GB"``.
+
+    Returns:
+      The output directory.
+    """
+    params = flat_params(state_or_model)
+    entries = names.entries(spec)
+    known = {e.tunix for e in entries}
+    extra = sorted(set(params) - known)
+    if extra:
+        hint = "; LoRA params must be merged with export_merged" if any("lora" in p for p in extra) else ""
+        raise UnexpectedTensorError(f"state has {extra[0]!r} (and {len(extra) - 1} more), which a {spec.family} "
+                                    f"model with this spec does not have{hint}")
+    missing = sorted(known - set(params))
+    if missing:
+        raise MissingTensorError(f"state lacks {missing[0]!r} (and {len(missing) - 1} more) for this spec")
+    out = check_output(out_dir, base_dir)
+    base = HFCheckpoint(base_dir) if base_dir is not None else None
+    prefix = names.detect_prefix(base.keys()) if base else "model."
+
+    sources = []
+    for e in entries:
+        if not e.hf:
+            continue
+        array = params[e.tunix]
+        for i, h in enumerate(e.hf):
+            sources.append(TensorSource.from_array(prefix + h, _hf_tensor(e, array, i), array.dtype, e.hf_shape))
+    if base:
+        sources += [TensorSource.copy_of(k, base.info(k)) for k in base.keys() if not names.owns(k, prefix)]
+
+    with atomic_dir(out) as tmp:
+        write_sharded(tmp, sources, max_shard_size, desc="save_hf")
+        if base:
+            copy_side_files(base.dir, tmp)
+        else:
+            config = dict(spec.to_hf_config(), dtype=str(np.dtype(next(iter(params.values())).dtype)))
+            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def _hf_tensor(entry: names.Entry, array: jax.Array, i: int):
+    def make() -> np.ndarray:
+        return entry.to_hf(np.asarray(jax.device_get(array)))[i]
+
+    return make
