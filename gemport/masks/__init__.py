@@ -1,0 +1,41 @@
+"""Loss masks and packing for Gemma chat data.
+
+Render a conversation in the Gemma 3 or Gemma 4 chat format (``Gemma3``, ``Gemma4``), decide which
+segments are trained (``MaskPolicy``), carry that to tokens through character offsets
+(``encode``), fit to a length without teaching the wrong thing (``Truncation``, ``truncate``),
+pack best fit decreasing (``pack``) and feed Tunix (``tunix_inputs``), with a loss whose scope is
+explicit (``masked_cross_entropy``, ``loss_scopes``). Grain integration is in
+``gemport.masks.grain``.
+"""
+
+from gemport.masks.gemma3 import Gemma3
+from gemport.masks.gemma4 import Gemma4
+from gemport.masks.loss import loss_scopes, masked_cross_entropy
+from gemport.masks.packing import attention_mask, pack, tunix_inputs
+from gemport.masks.pipeline import build
+from gemport.masks.policies import MaskPolicy
+from gemport.masks.render import PARTS, ROLES, Segment
+from gemport.masks.tokenize import Example, check_tokenizer, encode, token_offsets
+from gemport.masks.truncation import Truncation, TruncationReport, truncate
+
+__all__ = [
+    "PARTS",
+    "ROLES",
+    "Example",
+    "Gemma3",
+    "Gemma4",
+    "MaskPolicy",
+    "Segment",
+    "Truncation",
+    "TruncationReport",
+    "attention_mask",
+    "build",
+    "check_tokenizer",
+    "encode",
+    "loss_scopes",
+    "masked_cross_entropy",
+    "pack",
+    "token_offsets",
+    "truncate",
+    "tunix_inputs",
+]

@@ -1,0 +1,48 @@
+"""Cross-entropy with an explicit scope: which targets a reported loss averages over."""
+
+import jax
+import jax.numpy as jnp
+
+
+def _target_nll(logits, tokens):
+    # Position t predicts token t + 1; the float32 log-softmax keeps bf16 logits from skewing the mean.
+    log_probs = jax.nn.log_softmax(jnp.asarray(logits[:, :-1], jnp.float32), axis=-1)
+    return -jnp.take_along_axis(log_probs, jnp.asarray(tokens)[:, 1:, None], axis=-1)[..., 0]
+
+
+def _mean(nll, targets):
+    count = targets.sum()
+    return jnp.where(targets, nll, 0.0).sum() / jnp.maximum(count, 1), count
+
+
+def masked_cross_entropy(logits, tokens, loss_mask):
+    """Mean next-token cross-entropy over the trained targets.
+
+    logits: float [B, T, V]; tokens: int [B, T]; loss_mask: bool [B, T], ``loss_mask[b, t]`` saying
+    token t is a target predicted at t - 1 (column 0 is ignored). Normalised by the number of
+    targets in the batch, not per row. Returns float32 []; 0 when there is no target.
+    """
+    return _mean(_target_nll(logits, tokens), jnp.asarray(loss_mask, bool)[:, 1:])[0]
+
+
+def loss_scopes(logits, tokens, loss_mask, segment_ids):
+    """The masked and the full-sequence loss side by side, from the same logits.
+
+    logits: float [B, T, V]; tokens: int [B, T]; loss_mask: bool [B, T]; segment_ids: int [B, T]
+    (``pack``'s, or an unpacked batch's padding mask as 0/1). "masked" is the loss the policy
+    trains (assistant-only under the default policy); "full_sequence" scores every token that
+    follows a token of its own segment (what a run without masks reports), so packed neighbours
+    and padding never count. Returns {"masked": float32 [], "full_sequence": float32 [],
+    "masked_targets": int32 [], "full_sequence_targets": int32 []}.
+    """
+    nll = _target_nll(logits, tokens)
+    segment_ids = jnp.asarray(segment_ids)
+    same_segment = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] != 0)
+    masked, masked_targets = _mean(nll, jnp.asarray(loss_mask, bool)[:, 1:])
+    full, full_targets = _mean(nll, same_segment)
+    return {
+        "masked": masked,
+        "full_sequence": full,
+        "masked_targets": masked_targets.astype(jnp.int32),
+        "full_sequence_targets": full_targets.astype(jnp.int32),
+    }

@@ -1,0 +1,41 @@
+"""Which rendered segments are trained: the loss-mask policy as data."""
+
+import dataclasses
+
+import numpy as np
+
+from gemport.errors import MaskError
+
+_TRAIN = ("assistant", "all", "last_assistant")
+_TRAINED_PARTS = ("content", "tool_call", "end")
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskPolicy:
+    """A named loss-mask policy.
+
+    train: ``"assistant"`` trains every assistant turn; ``"all"`` trains every user and assistant
+        turn; ``"last_assistant"`` trains the last turn that has assistant output only.
+    reasoning: also train the ``<|channel>thought ... <channel|>`` blocks of trained turns
+        (default False: reasoning is context, not a target).
+
+    Whatever the policy, a turn is trained on its content, tool calls and end-of-turn text, never on
+    its header; ``<bos>``, system and tool segments are never trained.
+    """
+
+    train: str = "assistant"
+    reasoning: bool = False
+
+    def __post_init__(self):
+        if self.train not in _TRAIN:
+            raise MaskError(f"MaskPolicy.train: {self.train!r} is not one of {_TRAIN}")
+
+    def select(self, segments):
+        """Returns bool [len(segments)]: whether each ``Segment`` is trained."""
+        roles = ("user", "assistant") if self.train == "all" else ("assistant",)
+        parts = _TRAINED_PARTS + (("reasoning",) if self.reasoning else ())
+        trained = np.array([s.role in roles and s.part in parts for s in segments], dtype=bool)
+        if self.train == "last_assistant":
+            last = max((s.turn for s in segments if s.role == "assistant"), default=None)
+            trained &= np.array([s.turn == last for s in segments], dtype=bool)
+        return trained

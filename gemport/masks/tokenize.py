@@ -1,0 +1,119 @@
+"""Token labels from character offsets: the mask is decided on text, then carried to tokens.
+
+Works with ``tokenizers.Tokenizer``, transformers fast tokenizers (through their backend) and
+``sentencepiece.SentencePieceProcessor``: anything that reports where each token sits in the text.
+"""
+
+from typing import NamedTuple
+
+import numpy as np
+
+from gemport.errors import MaskError
+from gemport.masks.render import PARTS, ROLES
+
+
+class Example(NamedTuple):
+    """One tokenized conversation; every array is [n] with n the number of tokens.
+
+    tokens: int32 token ids.
+    loss_mask: bool; ``loss_mask[t]`` says token t is a trained *target*, predicted from position
+        t - 1 (the convention of TRL's labels and of Tunix's ``input_mask``). ``loss_mask[0]`` is
+        False: the first token has no predecessor.
+    turn_ids: int32 index of the turn each token belongs to, -1 for ``<bos>``.
+    role_ids: int8 index into ``ROLES``; part_ids: int8 index into ``PARTS``.
+    """
+
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    turn_ids: np.ndarray
+    role_ids: np.ndarray
+    part_ids: np.ndarray
+
+
+def token_offsets(tokenizer, text):
+    """Tokenizes ``text`` without adding special tokens.
+
+    Returns (ids int32 [n], starts int32 [n], ends int32 [n]): each token's character span
+    ``text[start:end]``. Raises MaskError for a tokenizer that cannot report offsets.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+    if hasattr(backend, "encode_batch"):
+        encoding = backend.encode(text, add_special_tokens=False)
+        spans = np.asarray(encoding.offsets, dtype=np.int32).reshape(-1, 2)
+        return np.asarray(encoding.ids, dtype=np.int32), spans[:, 0], spans[:, 1]
+    if hasattr(tokenizer, "serialized_model_proto"):
+        pieces = tokenizer.encode(text, return_type="proto").pieces
+        ids = np.fromiter((p.id for p in pieces), dtype=np.int32, count=len(pieces))
+        spans = np.fromiter((b for p in pieces for b in (p.begin, p.end)), np.int32, 2 * len(pieces))
+        spans = _char_of_byte(text)[spans].reshape(-1, 2)
+        return ids, spans[:, 0], spans[:, 1]
+    raise MaskError(
+        f"tokenizer: {type(tokenizer).__name__} reports no character offsets; pass a tokenizers.Tokenizer, "
+        "a transformers fast tokenizer or a sentencepiece.SentencePieceProcessor"
+    )
+
+
+def _char_of_byte(text):
+    # sentencepiece reports UTF-8 byte offsets; map each byte offset to its character index.
+    widths = [len(c.encode("utf-8")) for c in text] if not text.isascii() else [1] * len(text)
+    return np.repeat(np.arange(len(text) + 1, dtype=np.int32), widths + [1])
+
+
+def check_tokenizer(tokenizer, chat_format):
+    """Raises MaskError unless every control token of ``chat_format`` is one token of ``tokenizer``.
+
+    A control token split into pieces would put text the model never saw in pretraining where its
+    turn markers belong, and lets a merge cross a turn boundary.
+    """
+    seen = {}
+    for token in chat_format.control_tokens:
+        ids = token_offsets(tokenizer, token)[0]
+        if len(ids) != 1:
+            raise MaskError(
+                f"tokenizer: {token!r} encodes to {len(ids)} tokens {ids.tolist()}; add the Gemma control "
+                "tokens as special tokens"
+            )
+        if int(ids[0]) in seen:
+            raise MaskError(f"tokenizer: {token!r} and {seen[int(ids[0])]!r} share the id {int(ids[0])}")
+        seen[int(ids[0])] = token
+
+
+_ROLE_ID = {name: i for i, name in enumerate(ROLES)}
+_PART_ID = {name: i for i, name in enumerate(PARTS)}
+
+
+def encode(segments, trained, tokenizer):
+    """Tokenizes rendered ``segments`` and labels every token through character offsets.
+
+    segments: sequence of ``Segment`` (from a chat format's ``render``); trained: bool [len(segments)]
+    (from ``MaskPolicy.select``). A token is a target when any of its characters is trained, so a
+    token that a merge stretches across a boundary (e.g. a header's ``\\n`` fused with the first
+    word of the answer) is trained and the answer's first characters are never lost. A zero-width
+    token (a sentencepiece byte piece or dummy prefix) takes the label of the character it stands
+    before. Role, part and turn of a token are those of its last character.
+    Returns an ``Example``.
+    """
+    text = "".join(s.text for s in segments)
+    lengths = np.fromiter((len(s.text) for s in segments), dtype=np.int64, count=len(segments))
+    trained = np.asarray(trained, dtype=bool)
+    if trained.shape != lengths.shape:
+        raise MaskError(f"trained: shape {trained.shape} for {len(segments)} segments")
+    ids, starts, ends = token_offsets(tokenizer, text)
+    if len(ids) == 0:
+        raise MaskError("segments: the rendered text is empty")
+    char_trained = np.repeat(trained, lengths)
+    trained_before = np.concatenate([[0], np.cumsum(char_trained)])
+    owner = np.clip(np.where(ends > starts, ends - 1, starts), 0, len(text) - 1)
+    loss_mask = (trained_before[ends] > trained_before[starts]) | ((ends == starts) & char_trained[owner])
+    # Nothing precedes the first token, so it cannot be a target whatever its segment says.
+    loss_mask[0] = False
+    segment_of = np.repeat(np.arange(len(segments)), lengths)[owner]
+    table = np.array([(s.turn, _ROLE_ID[s.role], _PART_ID[s.part]) for s in segments], dtype=np.int32)
+    labels = table[segment_of]
+    return Example(
+        tokens=ids,
+        loss_mask=loss_mask,
+        turn_ids=labels[:, 0].copy(),
+        role_ids=labels[:, 1].astype(np.int8),
+        part_ids=labels[:, 2].astype(np.int8),
+    )
