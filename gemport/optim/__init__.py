@@ -1,0 +1,18 @@
+"""Optimizer porting: the HF Trainer's AdamW step (schedule, decay exclusions, clipping, accumulation) in Optax."""
+
+from gemport.optim.accumulation import AccumulateTokensState, accumulate_tokens
+from gemport.optim.clipping import clip_grad_norm
+from gemport.optim.decay import decay_mask, decays
+from gemport.optim.hf import HFOptimizer, from_hf
+from gemport.optim.schedules import hf_schedule
+
+__all__ = [
+    "AccumulateTokensState",
+    "HFOptimizer",
+    "accumulate_tokens",
+    "clip_grad_norm",
+    "decay_mask",
+    "decays",
+    "from_hf",
+    "hf_schedule",
+]

@@ -1,0 +1,140 @@
+"""``from_hf``: the HF Trainer's optimizer step, read from TrainingArguments, as one Optax transformation."""
+
+import math
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import optax
+
+from gemport.errors import OptimizerConfigError
+from gemport.optim.accumulation import accumulate_tokens
+from gemport.optim.clipping import clip_grad_norm
+from gemport.optim.decay import decay_mask
+from gemport.optim.schedules import hf_schedule
+
+# TrainingArguments fields from_hf reads, with their transformers 5.12 defaults (used for dict keys
+# that are absent). Note the pitfalls: weight decay 0.0 (optax.adamw: 1e-4, torch AdamW: 1e-2) and
+# clipping on at 1.0 (optax.adamw: none).
+_READ = {
+    "learning_rate": 5e-5,
+    "weight_decay": 0.0,
+    "adam_beta1": 0.9,
+    "adam_beta2": 0.999,
+    "adam_epsilon": 1e-8,
+    "max_grad_norm": 1.0,
+    "lr_scheduler_type": "linear",
+    "lr_scheduler_kwargs": None,
+    "warmup_steps": 0,
+    "warmup_ratio": None,
+    "optim": "adamw_torch_fused",
+    "gradient_accumulation_steps": 1,
+}
+
+# Fields that change the optimizer step in ways gemport does not reproduce: each must keep its
+# default, else the error gives the reason.
+_MUST_BE_DEFAULT = {
+    "optim_args": (None, "adamw_torch ignores optim_args in HF; remove them"),
+    "optim_target_modules": (None, "it selects modules for GaLore/APOLLO optimizers, which gemport does not port"),
+    "deepspeed": (None, "a DeepSpeed config can define its own optimizer and scheduler"),
+    "average_tokens_across_devices": (
+        True,
+        "gemport normalises by the token count of the whole global batch, which is HF's behaviour "
+        "with True; on a single GPU the flag has no effect, so drop it",
+    ),
+}
+
+# torch.optim.AdamW under both names; Optax's adamw computes the same update.
+_OPTIMS = ("adamw_torch", "adamw_torch_fused")
+
+
+class HFOptimizer(NamedTuple):
+    """What ``from_hf`` returns: the transformation and its learning-rate schedule."""
+
+    tx: optax.GradientTransformationExtraArgs
+    schedule: optax.Schedule
+
+
+def _plain(value):
+    """HF stores lr_scheduler_type and optim as str enums; compare their values."""
+    return getattr(value, "value", value)
+
+
+def _fields(training_args_or_dict):
+    if isinstance(training_args_or_dict, Mapping):
+        get = training_args_or_dict.get
+    else:
+
+        def get(name, default):
+            return getattr(training_args_or_dict, name, default)
+
+    defaults = {**_READ, **{name: default for name, (default, _) in _MUST_BE_DEFAULT.items()}}
+    return {name: _plain(get(name, default)) for name, default in defaults.items()}
+
+
+def _warmup_steps(fields, num_training_steps):
+    # TrainingArguments moves a set warmup_ratio into warmup_steps; below 1 it is a ratio.
+    warmup = fields["warmup_steps"] if fields["warmup_ratio"] is None else fields["warmup_ratio"]
+    if warmup < 0:
+        raise OptimizerConfigError(f"warmup_steps must be >= 0, got {warmup}.")
+    return int(warmup) if warmup >= 1 else math.ceil(num_training_steps * warmup)
+
+
+def from_hf(training_args_or_dict, *, num_training_steps, params=None):
+    """Map HF ``TrainingArguments`` to the Optax transformation of the HF Trainer's optimizer step.
+
+    ``training_args_or_dict`` is a ``transformers.TrainingArguments`` (or a subclass such as TRL's
+    ``SFTConfig``) or a plain dict of its fields; absent keys take transformers 5.12's defaults,
+    keys that do not bear on the optimizer step are ignored. ``num_training_steps`` is the number
+    of optimizer steps, as passed to ``Trainer.create_scheduler``.
+
+    The transformation reproduces, in order:
+
+    - ``max_grad_norm > 0``: ``clip_grad_norm`` (torch's rule, with its 1e-6) on the gradient.
+    - ``optim`` in ``adamw_torch``/``adamw_torch_fused``: ``optax.adamw`` with ``adam_beta1``,
+      ``adam_beta2``, ``adam_epsilon`` and ``weight_decay``, decay multiplied by the learning
+      rate as in ``torch.optim.AdamW``, masked by ``decay_mask`` (HF's exclusion of biases and
+      norm weights). With ``params`` the mask is computed now from that pytree; with ``None`` it
+      is computed from the params given to ``init``, so it fits any tree (a LoRA-only state too).
+    - ``lr_scheduler_type``, ``lr_scheduler_kwargs`` and ``warmup_steps`` (or ``warmup_ratio``;
+      a value below 1 is a ratio, rounded up to steps): ``hf_schedule``.
+    - ``gradient_accumulation_steps > 1``: ``accumulate_tokens``; then ``update`` takes gradients
+      of each micro-batch's summed token loss and ``num_tokens=``. With 1, ``update`` takes the
+      gradient of the batch's mean token loss, which is HF's loss normalisation for one batch.
+
+    Another ``optim``, a schedule or ``lr_scheduler_kwargs`` outside ``hf_schedule``, or a set
+    ``optim_args``, ``optim_target_modules``, ``deepspeed`` or ``average_tokens_across_devices=False``
+    raises ``OptimizerConfigError`` naming what is supported.
+    """
+    fields = _fields(training_args_or_dict)
+    if fields["optim"] not in _OPTIMS:
+        raise OptimizerConfigError(f"optim {fields['optim']!r} is not supported; gemport reproduces {list(_OPTIMS)}.")
+    for name, (default, reason) in _MUST_BE_DEFAULT.items():
+        if fields[name] != default:
+            raise OptimizerConfigError(f"{name}={fields[name]!r} is not supported ({reason}); leave it at {default!r}.")
+    scheduler_kwargs = fields["lr_scheduler_kwargs"] or {}
+    if not isinstance(scheduler_kwargs, Mapping):
+        raise OptimizerConfigError(f"lr_scheduler_kwargs must be a dict, got {scheduler_kwargs!r}.")
+    accumulation = fields["gradient_accumulation_steps"]
+    if not (isinstance(accumulation, int) and accumulation >= 1):
+        raise OptimizerConfigError(f"gradient_accumulation_steps must be a positive int, got {accumulation!r}.")
+
+    schedule = hf_schedule(
+        fields["lr_scheduler_type"],
+        learning_rate=fields["learning_rate"],
+        num_training_steps=num_training_steps,
+        num_warmup_steps=_warmup_steps(fields, num_training_steps),
+        **scheduler_kwargs,
+    )
+    adamw = optax.adamw(
+        schedule,
+        b1=fields["adam_beta1"],
+        b2=fields["adam_beta2"],
+        eps=fields["adam_epsilon"],
+        weight_decay=fields["weight_decay"],
+        mask=decay_mask if params is None else decay_mask(params),
+    )
+    max_grad_norm = fields["max_grad_norm"]
+    tx = optax.chain(clip_grad_norm(max_grad_norm), adamw) if max_grad_norm and max_grad_norm > 0 else adamw
+    if accumulation > 1:
+        tx = accumulate_tokens(tx, accumulation)
+    return HFOptimizer(tx, schedule)

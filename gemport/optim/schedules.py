@@ -1,0 +1,130 @@
+"""HF learning-rate schedules (``lr_scheduler_type``) as Optax schedules.
+
+Each HF schedule is a ``LambdaLR``: at optimizer step ``t`` (counted from 0, so the first step of
+a warmup runs at learning rate 0) the learning rate is ``learning_rate * factor(t)``, computed in
+Python floats. Evaluating the same factor in float32 inside a jitted step drifts where cosines
+cancel (near the end of a decay, at each restart), so the schedule here is HF's factor evaluated
+in float64 once per step and stored as a float32 table: every step's learning rate is HF's,
+rounded once to float32.
+"""
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from gemport.errors import OptimizerConfigError
+
+
+def _warmup(step, warmup):
+    return step / max(1, warmup)
+
+
+def _progress(step, warmup, total):
+    return (step - warmup) / max(1, total - warmup)
+
+
+def _linear(step, warmup, total):
+    if step < warmup:
+        return _warmup(step, warmup)
+    return max(0.0, (total - step) / max(1, total - warmup))
+
+
+def _cosine(step, warmup, total, num_cycles):
+    if step < warmup:
+        return _warmup(step, warmup)
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * num_cycles * 2.0 * _progress(step, warmup, total))))
+
+
+def _cosine_with_restarts(step, warmup, total, num_cycles):
+    if step < warmup:
+        return _warmup(step, warmup)
+    progress = _progress(step, warmup, total)
+    if progress >= 1.0:
+        return 0.0
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * ((num_cycles * progress) % 1.0))))
+
+
+def _polynomial(step, warmup, total, lr_end, power, learning_rate):
+    if step < warmup:
+        return _warmup(step, warmup)
+    remaining = 1 - (step - warmup) / (total - warmup)
+    return ((learning_rate - lr_end) * remaining**power + lr_end) / learning_rate
+
+
+def _constant(step, warmup, total):
+    return 1.0
+
+
+def _constant_with_warmup(step, warmup, total):
+    return _warmup(step, warmup) if step < warmup else 1.0
+
+
+# name -> (factor, the lr_scheduler_kwargs HF accepts for it with their HF defaults)
+_SCHEDULES = {
+    "linear": (_linear, {}),
+    "cosine": (_cosine, {"num_cycles": 0.5}),
+    "cosine_with_restarts": (_cosine_with_restarts, {"num_cycles": 1}),
+    "polynomial": (_polynomial, {"lr_end": 1e-7, "power": 1.0}),
+    "constant": (_constant, {}),
+    "constant_with_warmup": (_constant_with_warmup, {}),
+}
+
+
+def hf_schedule(lr_scheduler_type, *, learning_rate, num_training_steps, num_warmup_steps=0, **scheduler_kwargs):
+    """Map HF's ``lr_scheduler_type`` (as built by ``transformers.get_scheduler``) to an Optax schedule.
+
+    ``schedule(t)`` is the learning rate of optimizer step ``t`` (0-based; Optax's count), equal to
+    HF's ``scheduler.get_last_lr()`` before its ``t``-th ``optimizer.step()``, rounded to float32:
+
+    - ``linear``: ``t/w`` while ``t < w``, then ``max(0, (N - t) / max(1, N - w))``.
+    - ``cosine``: warmup, then ``max(0, (1 + cos(2π·num_cycles·p)) / 2)`` with
+      ``p = (t - w) / max(1, N - w)``; ``num_cycles`` defaults to 0.5 (one half-cosine down to 0).
+    - ``cosine_with_restarts``: warmup, then ``(1 + cos(π·((num_cycles·p) mod 1))) / 2``, 0 once
+      ``p >= 1``; ``num_cycles`` defaults to 1.
+    - ``polynomial``: warmup, then ``lr_end + (lr - lr_end)·(1 - (t - w)/(N - w))**power``;
+      ``lr_end=1e-7``, ``power=1.0`` by default, and HF requires ``lr > lr_end``.
+    - ``constant``: ``lr`` at every step. HF ignores ``num_warmup_steps`` here; so does this.
+    - ``constant_with_warmup``: warmup, then ``lr``.
+
+    Warmup ramps ``t / max(1, w)`` from 0. ``w`` is ``num_warmup_steps``, ``N`` is
+    ``num_training_steps``; the factors multiply ``learning_rate``. HF's Trainer never steps past
+    ``N``; past it this schedule holds its value at step ``N - 1``.
+
+    ``scheduler_kwargs`` are HF's ``lr_scheduler_kwargs``. A name or keyword not listed above raises
+    ``OptimizerConfigError``.
+    """
+    name = getattr(lr_scheduler_type, "value", lr_scheduler_type)
+    if name not in _SCHEDULES:
+        raise OptimizerConfigError(
+            f"lr_scheduler_type {name!r} is not supported; gemport reproduces {sorted(_SCHEDULES)}."
+        )
+    factor, defaults = _SCHEDULES[name]
+    unknown = sorted(set(scheduler_kwargs) - set(defaults))
+    if unknown:
+        accepted = sorted(defaults) or "none"
+        raise OptimizerConfigError(
+            f"lr_scheduler_kwargs {unknown} are not supported for lr_scheduler_type {name!r}; "
+            f"it accepts: {accepted}."
+        )
+    if not (isinstance(num_training_steps, int) and num_training_steps >= 1):
+        raise OptimizerConfigError(f"num_training_steps must be a positive int, got {num_training_steps!r}.")
+    if not (isinstance(num_warmup_steps, int) and num_warmup_steps >= 0):
+        raise OptimizerConfigError(f"num_warmup_steps must be a non-negative int, got {num_warmup_steps!r}.")
+    kwargs = {**defaults, **scheduler_kwargs}
+    if name == "polynomial":
+        if not learning_rate > kwargs["lr_end"]:
+            raise OptimizerConfigError(
+                f"polynomial needs learning_rate > lr_end, got {learning_rate} and {kwargs['lr_end']}."
+            )
+        kwargs["learning_rate"] = learning_rate
+
+    table = np.array(
+        [learning_rate * factor(t, num_warmup_steps, num_training_steps, **kwargs) for t in range(num_training_steps)],
+        dtype=np.float32,
+    )
+
+    def schedule(count):
+        return jnp.asarray(table)[jnp.minimum(count, num_training_steps - 1)]
+
+    return schedule

@@ -1,0 +1,175 @@
+"""from_hf against the HF Trainer's own optimizer and scheduler on a tiny Gemma 4 with real parameter names.
+
+The reference is built by ``Trainer.create_optimizer_and_scheduler`` (torch AdamW with HF's
+weight-decay groups, ``get_scheduler``) and stepped as the Trainer steps it, with
+``clip_grad_norm_``; both sides get the same parameters and the same 200 gradients.
+"""
+
+import copy
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+from transformers import Gemma4ForCausalLM, Gemma4TextConfig, Trainer, TrainingArguments
+
+from gemport.optim import clip_grad_norm, decays, from_hf
+
+STEPS = 200
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    config = Gemma4TextConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        global_head_dim=8,
+        hidden_size_per_layer_input=4,
+        vocab_size_per_layer_input=64,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+        attention_bias=True,
+    )
+    return Gemma4ForCausalLM(config)
+
+
+@pytest.fixture(scope="module")
+def gradients(model):
+    """200 random gradients whose global norm spans 0.1..13, so clipping at 1.0 acts on some steps only."""
+    rng = np.random.default_rng(0)
+    scales = 10 ** rng.uniform(-2.8, -0.8, STEPS)
+    return {
+        name: (rng.standard_normal((STEPS, *p.shape)) * scales.reshape(-1, *[1] * p.dim())).astype(np.float32)
+        for name, p in model.named_parameters()
+    }
+
+
+def hf_run(model, args, gradients):
+    """Steps HF's optimizer and scheduler; returns final parameters and the learning rate of each step."""
+    model = copy.deepcopy(model)
+    trainer = Trainer(model=model, args=args)
+    trainer.create_optimizer_and_scheduler(num_training_steps=STEPS)
+    params = dict(model.named_parameters())
+    lrs = []
+    for step in range(STEPS):
+        for name, p in params.items():
+            p.grad = torch.from_numpy(gradients[name][step]).clone()
+        if args.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        lrs.append(trainer.lr_scheduler.get_last_lr()[0])
+        trainer.optimizer.step()
+        trainer.lr_scheduler.step()
+    return {name: p.detach().numpy().copy() for name, p in params.items()}, np.array(lrs)
+
+
+def optax_run(tx, params, gradients):
+    @jax.jit
+    def run(params, gradients):
+        def step(carry, grads):
+            params, state = carry
+            updates, state = tx.update(grads, state, params)
+            return (optax.apply_updates(params, updates), state), None
+
+        (params, _), _ = jax.lax.scan(step, (params, tx.init(params)), gradients)
+        return params
+
+    out = run(jax.tree.map(jnp.asarray, params), jax.tree.map(jnp.asarray, gradients))
+    return {name: np.asarray(v) for name, v in out.items()}
+
+
+def relative_error(a, b):
+    return max(np.abs(a[n] - b[n]).max() for n in b) / max(np.abs(b[n]).max() for n in b)
+
+
+def initial(model):
+    return {name: p.detach().numpy().copy() for name, p in model.named_parameters()}
+
+
+def test_decay_rule_equals_hf_get_decay_parameter_names(model):
+    names = [name for name, _ in model.named_parameters()]
+    hf_decayed = set(Trainer.get_decay_parameter_names(None, model))
+    # HF's list also names the tied lm_head.weight, which named_parameters() yields once as the embedding.
+    assert {name for name in {*names, *hf_decayed} if decays(name)} == hf_decayed
+    excluded = set(names) - hf_decayed
+    assert {
+        "model.norm.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.0.self_attn.q_norm.weight",
+        "model.layers.0.self_attn.q_proj.bias",
+        "model.per_layer_projection_norm.weight",
+    } <= excluded
+    assert "model.layers.0.self_attn.q_proj.weight" in hf_decayed
+
+
+def test_decay_rule_equals_hf_on_a_peft_lora_model(model):
+    peft = pytest.importorskip("peft")
+    lora = peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    names = [name for name, _ in lora.named_parameters()]
+    assert any("lora_A" in name for name in names)
+    hf_decayed = set(Trainer.get_decay_parameter_names(None, lora))
+    assert {name for name in {*names, *hf_decayed} if decays(name)} == hf_decayed
+
+
+CASES = {
+    "linear": dict(lr_scheduler_type="linear", warmup_steps=20),
+    "cosine": dict(lr_scheduler_type="cosine", warmup_steps=0.1),
+    "cosine_with_restarts": dict(
+        lr_scheduler_type="cosine_with_restarts", warmup_ratio=0.05, lr_scheduler_kwargs={"num_cycles": 3}
+    ),
+    "polynomial": dict(
+        lr_scheduler_type="polynomial", warmup_steps=10, lr_scheduler_kwargs={"lr_end": 1e-4, "power": 2.0}
+    ),
+    "constant": dict(lr_scheduler_type="constant"),
+    "constant_with_warmup": dict(lr_scheduler_type="constant_with_warmup", warmup_steps=30),
+}
+
+
+@pytest.mark.parametrize("max_grad_norm", [1.0, 0.0], ids=["clipped", "unclipped"])
+@pytest.mark.parametrize("case", CASES)
+def test_200_steps_match_hf_trainer(model, gradients, tmp_path, case, max_grad_norm):
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        learning_rate=1e-2,
+        weight_decay=0.1,
+        adam_beta1=0.85,
+        adam_beta2=0.98,
+        adam_epsilon=1e-7,
+        max_grad_norm=max_grad_norm,
+        optim="adamw_torch_fused" if max_grad_norm else "adamw_torch",
+        **CASES[case],
+    )
+    expected, hf_lrs = hf_run(model, args, gradients)
+    start = initial(model)
+    tx, schedule = from_hf(args, num_training_steps=STEPS, params=start if max_grad_norm else None)
+
+    np.testing.assert_array_equal(np.asarray(schedule(jnp.arange(STEPS))), hf_lrs.astype(np.float32))
+    assert relative_error(optax_run(tx, start, gradients), expected) < TOLERANCE
+    # Parameters moved by far more than the tolerance, so the comparison above is not vacuous.
+    assert relative_error(start, expected) > 1000 * TOLERANCE
+
+
+def test_decaying_norms_and_biases_too_misses_the_tolerance(model, gradients, tmp_path):
+    """The tolerance tells HF's step from optax.adamw without HF's exclusions."""
+    args = TrainingArguments(output_dir=str(tmp_path), learning_rate=1e-2, weight_decay=0.1, warmup_steps=20)
+    expected, _ = hf_run(model, args, gradients)
+    start = initial(model)
+    _, schedule = from_hf(args, num_training_steps=STEPS)
+    decay_everything = optax.chain(clip_grad_norm(1.0), optax.adamw(schedule, weight_decay=0.1))
+    assert relative_error(optax_run(decay_everything, start, gradients), expected) > 100 * TOLERANCE
+
+
+def test_clipping_changes_the_trajectory(model, gradients, tmp_path):
+    """Clipping at 1.0 acts on these gradients, so the clipped cases test the clipping rule."""
+    base = dict(output_dir=str(tmp_path), learning_rate=1e-2, warmup_steps=20)
+    clipped, _ = hf_run(model, TrainingArguments(max_grad_norm=1.0, **base), gradients)
+    unclipped, _ = hf_run(model, TrainingArguments(max_grad_norm=0.0, **base), gradients)
+    assert relative_error(unclipped, clipped) > 100 * TOLERANCE
