@@ -127,11 +127,7 @@ class Gemma4:
         return name, self._fields(arguments, where)
 
     def _response(self, name, content, where):
-        if isinstance(content, Mapping):
-            fields = self._fields(content, where)
-        else:
-            fields = "value:" + self._value(self._plain(content, where), where)
-        return f"response:{name}{{{fields}}}<tool_response|>"
+        return f"response:{name}{{value:{self._value(self._plain(content, where), where)}}}<tool_response|>"
 
     def _fields(self, mapping, where):
         # Keys sorted case-insensitively, as Jinja's dictsort does in the template.
