@@ -76,7 +76,7 @@ class HFCheckpoint:
             raise MissingTensorError(f"{self.dir}: no tensor {name!r}") from None
 
     def array(self, name: str) -> np.ndarray:
-        """A read-only memory-mapped view of tensor ``name``."""
+        """Tensor ``name`` as a new numpy array, read from its shard."""
         return read_array(self.info(name))
 
     @property

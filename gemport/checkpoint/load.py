@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import jax
@@ -83,6 +84,12 @@ def load_hf(hf_dir: str | Path, spec: GemmaSpec | None = None, *, mesh=None, dty
     ckpt = HFCheckpoint(hf_dir)
     spec = spec or GemmaSpec.from_hf(hf_dir)
     prefix, entries = matched_entries(ckpt, spec)
+    if spec.num_experts:
+        warnings.warn(
+            "Tunix 0.1.7's Gemma 4 MoE routes tokens from the pre_feedforward_layernorm_2 output where HF routes "
+            "from the residual; its logits match transformers only where those norm weights are constant",
+            stacklevel=2,
+        )
     file_dtype = np.dtype(ckpt.array(prefix + "embed_tokens.weight").dtype)
     target = np.dtype(dtype) if dtype is not None else file_dtype
     _, abstract = nnx.split(abstract_model(spec, param_dtype=target))
@@ -109,10 +116,15 @@ def _place(ckpt: HFCheckpoint, prefix: str, entry: names.Entry, shape, dtype, sh
             shape, sharding, lambda index: np.full(shape, entry.fill, dtype)[index]
         )
 
+    tensor = None
+
     def read(index):
-        # Re-mapped per slice: the views (and their resident pages) are dropped as soon as the slice is copied.
-        tensor = entry.to_tunix([ckpt.array(prefix + h) for h in entry.hf])
-        return np.asarray(tensor[index], dtype=dtype)
+        # Read on the first device's request and shared by the others, so each tensor is read from disk
+        # once and only one is in memory at a time.
+        nonlocal tensor
+        if tensor is None:
+            tensor = entry.to_tunix([ckpt.array(prefix + h) for h in entry.hf]).astype(dtype, copy=False)
+        return tensor[index]
 
     return jax.make_array_from_callback(shape, sharding, read)
 

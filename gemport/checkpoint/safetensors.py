@@ -1,7 +1,7 @@
 """A strict, streaming safetensors reader and writer.
 
-Reading memory-maps one tensor at a time, so a tensor costs address space, not RAM, until it is touched, and
-its pages are released when the view is dropped. Writing takes tensors lazily, one at a time, after a header
+Reading reads one tensor at a time into a fresh buffer with plain file reads: unlike a memory map, the
+page cache never counts toward the process's memory, so a load costs what it keeps plus one tensor. Writing takes tensors lazily, one at a time, after a header
 computed from their declared dtypes and shapes: peak memory is one tensor. Untouched tensors can be copied
 as raw bytes without being decoded.
 
@@ -44,6 +44,7 @@ CODES: dict[np.dtype, str] = {v: k for k, v in DTYPES.items()}
 
 _MAX_HEADER = 100 * 2**20
 _COPY_CHUNK = 64 * 2**20
+_ALIGN = 64
 
 
 def dtype_code(dtype) -> str:
@@ -126,16 +127,25 @@ class SafetensorsFile:
                 self._fail(f"tensors {a!r} and {b!r} overlap")
 
     def array(self, name: str) -> np.ndarray:
-        """A read-only memory-mapped view of tensor ``name`` (numpy; bf16 and fp8 via ml_dtypes)."""
+        """Tensor ``name`` as a new numpy array (bf16 and fp8 via ml_dtypes)."""
         return read_array(self.tensors[name])
 
 
 def read_array(info: TensorInfo) -> np.ndarray:
-    """A read-only memory-mapped view of the tensor at ``info``."""
-    dtype = DTYPES[info.dtype]
-    if info.nbytes == 0:
-        return np.zeros(info.shape, dtype)
-    return np.memmap(info.file, dtype=dtype, mode="r", offset=info.start, shape=info.shape)
+    """The tensor at ``info`` as a new numpy array, 64-byte aligned so JAX can adopt it without a copy."""
+    buffer = np.empty(info.nbytes + _ALIGN, np.uint8)
+    skip = -buffer.ctypes.data % _ALIGN
+    data = buffer[skip : skip + info.nbytes]
+    with open(info.file, "rb", buffering=0) as fh:
+        fh.seek(info.start)
+        view = memoryview(data)
+        done = 0
+        while done < info.nbytes:
+            n = fh.readinto(view[done:])
+            if not n:
+                raise CorruptFileError(f"{info.file}: ended while reading a tensor at byte {info.start + done}")
+            done += n
+    return data.view(DTYPES[info.dtype]).reshape(info.shape)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,102 @@
+"""Tiny random Gemma models built with transformers, shared by the tests.
+
+Every config differs from the others in head counts and head widths, and every sliding window (4) is
+shorter than the test sequences (12 tokens), so a wrong mask or layout cannot hide.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import transformers as tf
+
+SEQ = 12
+
+TEXT_CONFIGS = {
+    # Gemma 4 31B layout: k_eq_v global layers with fewer, wider KV heads, 5:1 sliding pattern.
+    "gemma4_dense": dict(
+        model_type="gemma4_text", vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=16, num_global_key_value_heads=1,
+        attention_k_eq_v=True, sliding_window=4, hidden_size_per_layer_input=0, final_logit_softcapping=30.0,
+    ),
+    # E2B/E4B-like: per-layer inputs, KV-shared trailing layers with double-wide MLPs, 4:1 pattern.
+    "gemma4_ple": dict(
+        model_type="gemma4_text", vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_layers=7,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, global_head_dim=32, sliding_window=4,
+        layer_types=["sliding_attention"] * 4 + ["full_attention", "sliding_attention", "full_attention"],
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=96, num_kv_shared_layers=2,
+        use_double_wide_mlp=True, final_logit_softcapping=30.0,
+    ),
+    # 26B-A4B-like: MoE beside the dense MLP, k_eq_v global layers.
+    "gemma4_moe": dict(
+        model_type="gemma4_text", vocab_size=96, hidden_size=32, intermediate_size=24, num_hidden_layers=6,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=4, global_head_dim=8, num_global_key_value_heads=2,
+        attention_k_eq_v=True, sliding_window=4, hidden_size_per_layer_input=0, enable_moe_block=True,
+        num_experts=4, top_k_experts=2, moe_intermediate_size=16, final_logit_softcapping=30.0,
+    ),
+    # Gemma 3 1B-like: GQA with one KV head, queries scaled by head_dim.
+    "gemma3_1b": dict(
+        model_type="gemma3_text", vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=8, query_pre_attn_scalar=8, sliding_window=4,
+    ),
+    # Gemma 3 with as many KV heads as query heads (Tunix fuses qkv_einsum), queries scaled by D/N, linear RoPE.
+    "gemma3_qkv": dict(
+        model_type="gemma3_text", vocab_size=96, hidden_size=48, intermediate_size=40, num_hidden_layers=6,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+        },
+    ),
+}
+
+
+def text_config(name: str):
+    kwargs = dict(TEXT_CONFIGS[name])
+    model_type = kwargs.pop("model_type")
+    cls = tf.Gemma4TextConfig if model_type == "gemma4_text" else tf.Gemma3TextConfig
+    return cls(**kwargs)
+
+
+def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Give every parameter (norms and layer scalars too) a random value of a realistic magnitude."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if p.ndim == 1:
+                p.copy_(1.0 + 0.1 * noise if "norm" in name or "scale" in name else 0.1 * noise)
+            else:
+                p.copy_(noise * p.shape[-1] ** -0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.copy_(0.75 + 0.5 * torch.rand(b.shape, generator=g))
+    return model.eval()
+
+
+def causal_lm(name: str, seed: int = 0):
+    """A randomised ``Gemma3ForCausalLM`` / ``Gemma4ForCausalLM`` of config ``name``, in float32, eager attention."""
+    cfg = text_config(name)
+    cls = tf.Gemma4ForCausalLM if isinstance(cfg, tf.Gemma4TextConfig) else tf.Gemma3ForCausalLM
+    cfg._attn_implementation = "eager"
+    return randomize(cls(cfg), seed)
+
+
+def token_ids(vocab: int, batch: int = 2, seq: int = SEQ, seed: int = 0) -> np.ndarray:
+    return np.random.RandomState(seed).randint(0, vocab, (batch, seq)).astype(np.int32)
+
+
+def hf_logits(model, ids: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(ids, dtype=torch.long)).logits.float().numpy()
+
+
+def tunix_logits(model, ids: np.ndarray) -> np.ndarray:
+    """Logits of a Tunix Gemma model on ``ids`` [B, T] with a plain causal mask."""
+    import jax.numpy as jnp
+
+    b, t = ids.shape
+    positions = jnp.tile(jnp.arange(t)[None], (b, 1))
+    mask = jnp.tril(jnp.ones((b, t, t), bool))
+    logits, _ = model(jnp.asarray(ids), positions, None, mask)
+    return np.asarray(logits)
