@@ -12,7 +12,7 @@ from gemport.masks.gemma3 import Gemma3
 from gemport.masks.gemma4 import Gemma4
 from gemport.masks.loss import loss_scopes, masked_cross_entropy
 from gemport.masks.packing import attention_mask, pack, tunix_inputs
-from gemport.masks.pipeline import build
+from gemport.masks.pipeline import build, prepare
 from gemport.masks.policies import MaskPolicy
 from gemport.masks.render import PARTS, ROLES, Segment
 from gemport.masks.tokenize import Example, check_tokenizer, encode, token_offsets
@@ -35,6 +35,7 @@ __all__ = [
     "loss_scopes",
     "masked_cross_entropy",
     "pack",
+    "prepare",
     "token_offsets",
     "truncate",
     "tunix_inputs",

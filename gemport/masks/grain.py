@@ -3,16 +3,18 @@
 Grain is imported here only, so ``gemport.masks`` itself does not need it.
 """
 
-import grain
+import grain.transforms
 import numpy as np
 
-from gemport.masks.tokenize import check_tokenizer, encode
-from gemport.masks.truncation import TruncationReport, truncate
+from gemport.masks.pipeline import prepare
+from gemport.masks.tokenize import check_tokenizer
+from gemport.masks.truncation import TruncationReport
 
 
-class MaskTransform(grain.MapTransform):
-    """Maps a record {"messages": [...]} to {"tokens": int32 [n], "loss_mask": bool [n]}.
+class MaskTransform(grain.transforms.Map):
+    """Grain map transform: a record {"messages": [...]} to {"tokens": int32 [n], "loss_mask": bool [n]}.
 
+    A ``grain.transforms.Map`` (Grain's ``MapTransform`` in earlier releases).
     Renders with ``chat_format``, masks with ``policy`` and fits with ``truncation``, as ``build``
     does. A map cannot drop, so a dropped example comes out with n = 0: follow with
     ``.filter(has_target)``. ``report`` counts the decisions taken in this process (each Grain
@@ -30,8 +32,10 @@ class MaskTransform(grain.MapTransform):
         self.report = TruncationReport()
 
     def map(self, element):
-        segments = self.chat_format.render(element["messages"])
-        example, decision, lost = truncate(encode(segments, self.policy.select(segments), self.tokenizer), self.truncation)
+        """Returns {"tokens": int32 [n], "loss_mask": bool [n]} for ``element["messages"]``; n = 0 if dropped."""
+        example, decision, lost = prepare(
+            element["messages"], self.tokenizer, self.chat_format, self.policy, self.truncation
+        )
         self.report.record(decision, lost)
         if example is None:
             return {"tokens": np.zeros(0, np.int32), "loss_mask": np.zeros(0, bool)}

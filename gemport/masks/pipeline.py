@@ -1,7 +1,16 @@
-"""From conversations to fitted, masked examples in one call."""
+"""From conversations to fitted, masked examples."""
 
 from gemport.masks.tokenize import check_tokenizer, encode
 from gemport.masks.truncation import TruncationReport, truncate
+
+
+def prepare(messages, tokenizer, chat_format, policy, truncation):
+    """Renders, masks and truncates one conversation (the tokenizer is not checked: see ``build``).
+
+    Returns (example or None, decision, targets_lost), as ``truncate`` does.
+    """
+    segments = chat_format.render(messages)
+    return truncate(encode(segments, policy.select(segments), tokenizer), truncation)
 
 
 def build(conversations, tokenizer, chat_format, policy, truncation):
@@ -16,8 +25,7 @@ def build(conversations, tokenizer, chat_format, policy, truncation):
     report = TruncationReport()
     examples = []
     for messages in conversations:
-        segments = chat_format.render(messages)
-        example, decision, lost = truncate(encode(segments, policy.select(segments), tokenizer), truncation)
+        example, decision, lost = prepare(messages, tokenizer, chat_format, policy, truncation)
         report.record(decision, lost)
         if example is not None:
             examples.append(example)
