@@ -83,7 +83,8 @@ def hf_schedule(lr_scheduler_type, *, learning_rate, num_training_steps, num_war
     - ``cosine_with_restarts``: warmup, then ``(1 + cos(π·((num_cycles·p) mod 1))) / 2``, 0 once
       ``p >= 1``; ``num_cycles`` defaults to 1.
     - ``polynomial``: warmup, then ``lr_end + (lr - lr_end)·(1 - (t - w)/(N - w))**power``;
-      ``lr_end=1e-7``, ``power=1.0`` by default, and HF requires ``lr > lr_end``.
+      ``lr_end=1e-7``, ``power=1.0`` by default; HF requires ``lr > lr_end`` and fails when
+      ``w == N``.
     - ``constant``: ``lr`` at every step. HF ignores ``num_warmup_steps`` here; so does this.
     - ``constant_with_warmup``: warmup, then ``lr``.
 
@@ -116,6 +117,11 @@ def hf_schedule(lr_scheduler_type, *, learning_rate, num_training_steps, num_war
         if not learning_rate > kwargs["lr_end"]:
             raise OptimizerConfigError(
                 f"polynomial needs learning_rate > lr_end, got {learning_rate} and {kwargs['lr_end']}."
+            )
+        if num_warmup_steps == num_training_steps:
+            raise OptimizerConfigError(
+                "polynomial with num_warmup_steps == num_training_steps divides by zero in HF after the "
+                "last step; use constant_with_warmup, which has the same learning rates."
             )
         kwargs["learning_rate"] = learning_rate
 
