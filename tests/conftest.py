@@ -9,3 +9,27 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory):
+    """Factory ``(config name, kind) -> (torch model, saved directory)``, each built and saved once per session.
+
+    ``kind`` is ``"causal"`` (``Gemma*ForCausalLM``) or ``"conditional"`` (``Gemma*ForConditionalGeneration``
+    with a tiny vision tower). Config names are those of ``tests/tiny.py``.
+    """
+    from tiny import causal_lm, conditional_generation
+
+    cache = {}
+
+    def make(name: str, kind: str = "causal"):
+        if (name, kind) not in cache:
+            model = causal_lm(name) if kind == "causal" else conditional_generation(name)
+            path = tmp_path_factory.mktemp(f"{name}-{kind}")
+            model.save_pretrained(path)
+            cache[name, kind] = (model, path)
+        return cache[name, kind]
+
+    return make
