@@ -1,0 +1,130 @@
+"""Masks and packing for synthetic Gemma 4 conversations, beside TRL's pack_dataset (bfd).
+
+Prints throughput in tokens per second and the padding fraction of both packers on the same
+token lists, and, on a sample rendered in the Gemma 3 format, gemport's masks beside TRL's way of
+building them (``apply_chat_template`` with its Gemma 3 training template and
+``return_assistant_tokens_mask``). Timings are wall-clock on this machine; compare the ratios.
+
+    python bench/bench_masks.py [--n 100000] [--seq-len 1024] [--trl-mask-sample 2000]
+"""
+
+import argparse
+import random
+import time
+
+import numpy as np
+import pyarrow as pa
+from datasets import Dataset
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+from trl import pack_dataset
+from trl.chat_template_utils import gemma3_training_chat_template
+
+import gemport.masks as masks
+
+WORDS = [
+    "module", "wire", "reg", "assign", "always", "posedge", "clk", "reset", "begin", "end", "counter", "adder",
+    "the", "a", "of", "to", "is", "and", "signal", "output", "input", "width", "bits", "state", "next", "value",
+    "write", "read", "enable", "valid", "ready", "data", "address", "memory", "fifo", "pipeline", "stage",
+]
+
+
+def sentence(rng, low, high):
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high))).capitalize() + "."
+
+
+def conversation(rng):
+    chat = [{"role": "system", "content": sentence(rng, 5, 30)}] if rng.random() < 0.5 else []
+    for _ in range(rng.randint(1, 4)):
+        chat.append({"role": "user", "content": sentence(rng, 3, 60)})
+        answer = {"role": "assistant", "content": sentence(rng, 5, 150)}
+        if rng.random() < 0.5:
+            answer["reasoning"] = sentence(rng, 5, 80)
+        chat.append(answer)
+    return chat
+
+
+def tokenizer(rng):
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=1000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<pad>", "<unk>", *masks.Gemma4.control_tokens, *masks.Gemma3.control_tokens[1:]]
+    )
+    bpe.train_from_iterator((sentence(rng, 5, 50) for _ in range(2000)), trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", unk_token="<unk>")
+
+
+def ragged(arrays, dtype):
+    # Built from flat buffers: a 100k-row dataset of Python lists would cost gigabytes.
+    offsets = np.concatenate([[0], np.cumsum([len(a) for a in arrays])]).astype(np.int64)
+    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(arrays).astype(dtype)))
+
+
+def timed(fn):
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=100_000, help="number of conversations")
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--trl-mask-sample", type=int, default=2000, help="conversations for the mask comparison")
+    args = parser.parse_args()
+    rng = random.Random(0)
+    tok = tokenizer(rng)
+    chats = [conversation(rng) for _ in range(args.n)]
+
+    policy, truncation = masks.MaskPolicy(), masks.Truncation(args.seq_len, "trim")
+    (examples, report), mask_seconds = timed(
+        lambda: masks.build(chats, tok, masks.Gemma4(thinking=True), policy, truncation)
+    )
+    tokens = [e.tokens for e in examples]
+    loss_mask = [e.loss_mask for e in examples]
+    total = sum(len(t) for t in tokens)
+    print(f"conversations {args.n}, kept examples {len(examples)}, tokens {total}, seq_len {args.seq_len}")
+    print(f"truncation report: {report}")
+    print(f"gemport masks (render, tokenize, mask, truncate): {total / mask_seconds:,.0f} tokens/s ({mask_seconds:.1f} s)")
+
+    packed, pack_seconds = timed(lambda: masks.pack(tokens, loss_mask, args.seq_len))
+    rows = packed["tokens"].shape[0]
+    ours_padding = 1 - total / (rows * args.seq_len)
+
+    table = pa.table({"input_ids": ragged(tokens, np.int32), "assistant_masks": ragged(loss_mask, np.int8)})
+    dataset = Dataset(table)
+    trl_packed, trl_seconds = timed(lambda: pack_dataset(dataset, args.seq_len, strategy="bfd"))
+    trl_total = sum(sum(lengths) for lengths in trl_packed["seq_lengths"])
+    trl_padding = 1 - trl_total / (len(trl_packed) * args.seq_len)
+
+    print(f"gemport pack (bfd):        {total / pack_seconds:>14,.0f} tokens/s, {rows} rows, padding {ours_padding:.2%}")
+    print(f"TRL pack_dataset (bfd):    {trl_total / trl_seconds:>14,.0f} tokens/s, {len(trl_packed)} rows, padding {trl_padding:.2%}")
+    print(f"speed ratio gemport/TRL packing: {trl_seconds / pack_seconds:.2f}x")
+    print(f"speed ratio gemport masks+packing / TRL packing alone: {trl_seconds / (mask_seconds + pack_seconds):.2f}x")
+    print(f"padding gemport - TRL: {ours_padding - trl_padding:+.2%}")
+    compare_masks(tok, chats[: args.trl_mask_sample], args.seq_len)
+
+
+def compare_masks(tok, chats, seq_len):
+    chats = [[{k: v for k, v in m.items() if k != "reasoning"} for m in chat] for chat in chats]
+    (examples, _), ours = timed(
+        lambda: masks.build(chats, tok, masks.Gemma3(), masks.MaskPolicy(), masks.Truncation(1 << 30))
+    )
+    total = sum(len(e.tokens) for e in examples)
+    trl, theirs = timed(lambda: [
+        tok.apply_chat_template(
+            chat, chat_template=gemma3_training_chat_template, tokenize=True, return_dict=True,
+            return_assistant_tokens_mask=True, bos_token="<bos>",
+        )
+        for chat in chats
+    ])
+    same = sum(
+        e.tokens.tolist() == t["input_ids"] and e.loss_mask.astype(int).tolist() == t["assistant_masks"]
+        for e, t in zip(examples, trl, strict=True)
+    )
+    print(f"Gemma 3 masks on {len(chats)} conversations ({total} tokens): gemport {total / ours:,.0f} tokens/s, "
+          f"TRL template {total / theirs:,.0f} tokens/s, ratio {theirs / ours:.2f}x; identical masks {same}/{len(chats)}")
+
+
+if __name__ == "__main__":
+    main()
