@@ -1,0 +1,257 @@
+"""Sharding on 8 simulated CPU devices: a real LoRA training step on a 2x4 mesh, the rank-mismatch repair,
+the memory plan against the bytes of real sharded arrays, and optimizer-state shardings."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import qwix
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+import tiny
+from gemport.checkpoint.load import load_tunix_model
+from gemport.errors import MeshError
+from gemport.mesh import make_mesh, memory_plan
+from gemport.sharding import audit, fix_lora, optimizer_shardings
+from gemport.specs import GemmaSpec
+
+# Gemma 4 31B's layout (k_eq_v global layer) with every tp-sharded dimension divisible by 4 and D by 2:
+# 8 query heads, 4 KV heads on both layer types, head widths 8 and 16, MLP 64, vocabulary 128.
+MESH24 = dict(
+    model_type="gemma4_text", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    layer_types=["sliding_attention", "full_attention"], num_attention_heads=8, num_key_value_heads=4, head_dim=8,
+    global_head_dim=16, num_global_key_value_heads=4, attention_k_eq_v=True, sliding_window=4,
+    hidden_size_per_layer_input=0, final_logit_softcapping=30.0,
+)  # fmt: skip
+TARGETS = ".*/(q_einsum|kv_einsum|k_einsum|attn_vec_einsum|gate_proj|up_proj|down_proj)"
+RANK = 4
+EXPECTED_LORA = {
+    "attn.q_einsum.w": (("fsdp", None), (None, "tp", None)),
+    "attn.kv_einsum.w": (("fsdp", None), (None, None, "tp", None)),
+    "attn.k_einsum.w": (("fsdp", None), (None, "tp", None)),
+    "attn.attn_vec_einsum.w": (("tp", None, None), (None, "fsdp")),
+    "mlp.gate_proj.kernel": (("fsdp", None), (None, "tp")),
+    "mlp.up_proj.kernel": (("fsdp", None), (None, "tp")),
+    "mlp.down_proj.kernel": (("tp", None), (None, "fsdp")),
+}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    tiny.TEXT_CONFIGS.setdefault("mesh24", MESH24)
+    path = tmp_path_factory.mktemp("mesh24")
+    tiny.causal_lm("mesh24").save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def spec(ckpt):
+    return GemmaSpec.from_hf(ckpt)
+
+
+@pytest.fixture(scope="module")
+def mesh(spec):
+    return make_mesh(spec, fsdp=2, tp=4)
+
+
+def lora_model(ckpt, mesh):
+    model = load_tunix_model(ckpt, mesh=mesh)
+    provider = qwix.LoraProvider(module_path=TARGETS, rank=RANK, alpha=8.0)
+    if mesh is None:
+        return qwix.apply_lora_to_model(model, provider, rngs=nnx.Rngs(1), **model.get_model_input())
+    with jax.set_mesh(mesh):
+        return qwix.apply_lora_to_model(model, provider, rngs=nnx.Rngs(1), **model.get_model_input())
+
+
+@pytest.fixture(scope="module")
+def sharded(ckpt, mesh):
+    return lora_model(ckpt, mesh)
+
+
+def lora_paths(model):
+    return {".".join(map(str, p)): v for p, v in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))}
+
+
+def loss_fn(model, ids):
+    b, t = ids.shape[0], ids.shape[1] - 1
+    positions = jnp.tile(jnp.arange(t)[None], (b, 1))
+    mask = jnp.tril(jnp.ones((b, t, t), bool))
+    logits, _ = model(ids[:, :-1], positions, None, mask)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
+
+
+@nnx.jit
+def train_step(model, optimizer, ids):
+    loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam))(model, ids)
+    optimizer.update(model, grads)
+    return loss
+
+
+def train(model, mesh, steps=2):
+    ids = jnp.asarray(tiny.token_ids(128, batch=4, seq=9))
+    tx = optax.adamw(1e-2)
+    if mesh is None:
+        optimizer = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)
+        return [float(train_step(model, optimizer, ids)) for _ in range(steps)], optimizer
+    with jax.set_mesh(mesh):
+        optimizer = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)
+        return [float(train_step(model, optimizer, ids)) for _ in range(steps)], optimizer
+
+
+def test_qwix_lora_annotations_agree_with_fix_lora(sharded, mesh):
+    assert fix_lora(nnx.clone(sharded), mesh) == ()
+    found = lora_paths(sharded)
+    assert len(found) == 2 * (len(EXPECTED_LORA) - 1) * 2  # kv_einsum on the sliding layer, k_einsum on the global
+    for path, var in found.items():
+        weight, factor = path.split(".", 2)[2].rsplit("_lora_", 1)
+        base = weight.replace(".w", ".w").replace(".kernel", ".kernel")
+        expected = EXPECTED_LORA[base if base in EXPECTED_LORA else weight][factor == "b"]
+        assert tuple(var.get_metadata()["out_sharding"]) == expected, path
+        assert var.get_value().sharding.is_equivalent_to(NamedSharding(mesh, PartitionSpec(*expected)), var.ndim)
+
+
+def test_training_step_on_2x4_matches_one_device(ckpt, sharded, mesh):
+    model = nnx.clone(sharded)
+    losses, optimizer = train(model, mesh)
+    single_losses, _ = train(lora_model(ckpt, None), None)
+    np.testing.assert_allclose(losses, single_losses, rtol=0, atol=1e-5)
+    assert losses[1] < losses[0]
+    # k_einsum (the K=V projection of the global layer) is trained.
+    assert float(jnp.abs(model.layers[1].attn.k_einsum.w_lora_b.get_value()).max()) > 0
+
+    for report in (audit(model, mesh), audit(optimizer, mesh)):
+        for row in report:
+            assert not row.findings, (row.path, row.findings)
+    moments = [r for r in audit(optimizer, mesh) if ".mu." in f".{r.path}." or ".nu." in f".{r.path}."]
+    assert len(moments) == 2 * len(lora_paths(model))
+    arrays = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(nnx.state(optimizer))}
+    arrays.update({".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model))})
+    checked = 0
+    for row in [*audit(model, mesh), *audit(optimizer, mesh)]:
+        array = arrays[row.path]
+        if row.shape:
+            assert array.sharding.is_equivalent_to(NamedSharding(mesh, PartitionSpec(*row.spec)), array.ndim), row
+            assert array.addressable_shards[0].data.nbytes == row.bytes_per_device, row
+            checked += 1
+    assert checked > 60
+    for row in moments:
+        weight = row.path.split(".")[-1]
+        assert row.spec == tuple(lora_paths(model)[row.path.split(".", 2)[2]].get_metadata()["out_sharding"]), weight
+
+
+def scanned_like(model):
+    """Annotate each LoRA factor with its base weight's full spec, as LoRA under scanned layers ends up."""
+    broken = []
+    for path, module in nnx.iter_modules(model):
+        for name in list(vars(module)):
+            if name.endswith(("_lora_a", "_lora_b")):
+                base = getattr(module, name[:-7])
+                getattr(module, name).set_metadata("out_sharding", ("fsdp", None) + tuple(base.get_metadata()["out_sharding"]))
+                broken.append(".".join(map(str, path)) + "." + name)
+    return broken
+
+
+def test_rank_mismatch_fails_without_fix_lora_and_trains_with_it(sharded, mesh):
+    model = nnx.clone(sharded)
+    broken = scanned_like(model)
+    assert all(f.startswith("spec longer than rank") for f in (audit(model, mesh)[p].findings[0] for p in broken))
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match="only valid for values of rank at least"):
+        nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.LoRAParam)
+
+    changes = fix_lora(model, mesh)
+    assert sorted(c.path for c in changes) == sorted(broken)
+    assert all("spec of length" in c.reason for c in changes)
+    assert fix_lora(model, mesh) == ()
+    losses, optimizer = train(model, mesh, steps=1)
+    assert np.isfinite(losses[0])
+    assert not audit(optimizer, mesh).problems
+
+
+class Proj(nnx.Module):
+    def __init__(self, n):
+        self.einsum_str = "BTD,NDH->BTNH"
+        self.w = nnx.Param(jnp.ones((n, 8, 4)), out_sharding=("tp", "fsdp", None))
+        self.w_lora_a = nnx.LoRAParam(jnp.ones((8, 2)))
+        self.w_lora_b = nnx.LoRAParam(jnp.ones((2, n, 4)))
+
+
+def test_fix_lora_replicates_only_what_does_not_divide(mesh):
+    with jax.set_mesh(mesh):
+        model = nnx.Dict(good=Proj(8), odd=Proj(6))
+    changes = {c.path: c for c in fix_lora(model, mesh)}
+    assert {p: c.new for p, c in changes.items()} == {
+        "good.w_lora_a": ("fsdp", None),
+        "good.w_lora_b": (None, "tp", None),
+        "odd.w_lora_a": ("fsdp", None),
+        "odd.w_lora_b": (None, None, None),
+    }
+    assert "dim 1 of size 6 does not divide by tp=4: replicated" in changes["odd.w_lora_b"].reason
+    assert "does not divide" not in changes["good.w_lora_b"].reason
+    assert model["odd"].w_lora_b.get_value().sharding.is_fully_replicated
+    assert model["good"].w_lora_b.get_value().sharding.spec == PartitionSpec(None, "tp", None)
+    with pytest.raises(MeshError, match="needs the model"):
+        fix_lora(nnx.state(model), mesh)
+
+
+def test_memory_plan_equals_bytes_of_sharded_arrays(sharded, spec, mesh):
+    model = nnx.clone(sharded)
+    _, optimizer = train(model, mesh, steps=1)
+    plan = memory_plan(spec, 2, 4, lora_rank=RANK, param_dtype="float32", targets=TARGETS)
+
+    def on_device0(state):
+        device = mesh.devices.flat[0]
+        return sum(
+            s.data.nbytes
+            for leaf in jax.tree.leaves(state)
+            for s in leaf.addressable_shards
+            if s.device == device
+        )
+
+    base = nnx.state(model, nnx.Not(nnx.LoRAParam))
+    assert plan.base_bytes == on_device0(base)
+    assert plan.lora_bytes == on_device0(nnx.state(model, nnx.LoRAParam))
+    adam = optimizer.opt_state[0]
+    assert plan.optimizer_bytes == on_device0(adam.mu) + on_device0(adam.nu)
+    assert plan.lora_bytes > 0 and plan.optimizer_bytes == 2 * plan.lora_bytes
+    assert memory_plan(spec, 2, 4, lora_rank=RANK, param_dtype="float32", moments_dtype="bfloat16").optimizer_bytes == plan.lora_bytes
+
+
+@pytest.mark.parametrize(
+    "make_tx",
+    [
+        lambda: optax.adamw(1e-3),
+        lambda: optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3),
+        lambda: optax.MultiSteps(optax.adamw(1e-3), every_k_schedule=2),
+        lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)),
+        lambda: optax.masked(optax.adamw(1e-3), lambda p: jax.tree.map(lambda x: x.ndim == 2, p)),
+    ],
+    ids=["adamw", "inject_hyperparams", "MultiSteps", "chain", "masked"],
+)
+def test_optimizer_shardings_follow_params(sharded, mesh, make_tx):
+    tx = make_tx()
+    params = nnx.state(sharded, nnx.LoRAParam)
+    shardings = optimizer_shardings(tx, params)
+    state = jax.jit(tx.init, out_shardings=shardings)(nnx.as_pure(params) if hasattr(nnx, "as_pure") else params)
+    by_spec = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+        for i in range(len(keys)):
+            name = ".".join(keys[i:])
+            if name in lora_paths(sharded):
+                var = lora_paths(sharded)[name]
+                assert leaf.sharding.spec == PartitionSpec(*var.get_metadata()["out_sharding"]), keys
+                by_spec[name] = by_spec.get(name, 0) + 1
+                break
+        else:
+            assert leaf.ndim == 0 and leaf.sharding.is_fully_replicated, keys
+    assert by_spec, "no param-shaped state found"
+
+
+def test_optimizer_shardings_refuses_unmatched_state(sharded, mesh):
+    params = nnx.state(sharded, nnx.LoRAParam)
+    with pytest.raises(MeshError, match="matches no param"):
+        optimizer_shardings(optax.adafactor(1e-3, min_dim_size_to_factor=2), params)

@@ -1,0 +1,133 @@
+"""GemmaSpec from HF configs and presets, and its Tunix configs."""
+
+import dataclasses
+
+import pytest
+import transformers as tf
+from tiny import TEXT_CONFIGS, text_config
+from tunix.models.gemma3 import model as g3
+from tunix.models.gemma4 import model as g4
+
+from gemport import SpecError
+from gemport.specs import GemmaSpec
+
+PRESETS = ("gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b", "gemma4-e2b", "gemma4-e4b", "gemma4-31b",
+           "gemma4-26b-a4b")
+
+
+def test_presets_cover_the_published_sizes():
+    assert set(PRESETS) <= set(GemmaSpec.presets())
+
+
+def test_gemma4_31b_preset():
+    spec = GemmaSpec.preset("gemma4-31b")
+    assert (spec.num_layers, spec.hidden, spec.mlp, spec.vocab) == (60, 5376, 21504, 262144)
+    assert (spec.num_heads, spec.num_kv_heads, spec.head_dim) == (32, 16, 256)
+    assert (spec.global_kv_heads, spec.global_head_dim, spec.k_eq_v) == (4, 512, True)
+    assert spec.layers_of("global") == tuple(range(5, 60, 6))
+    assert spec.final_logit_softcap == 30.0 and spec.tied_embeddings
+
+
+@pytest.mark.parametrize(
+    "preset,tunix",
+    [("gemma4-31b", g4.ModelConfig.gemma4_31b), ("gemma4-e4b", g4.ModelConfig.gemma4_e4b),
+     ("gemma4-e2b", g4.ModelConfig.gemma4_e2b), ("gemma4-26b-a4b", g4.ModelConfig.gemma4_26b_a4b)],
+)
+def test_gemma4_presets_agree_with_tunix_presets(preset, tunix):
+    ours, theirs = GemmaSpec.preset(preset).to_tunix(), tunix()
+    for field in ("num_layers", "num_embed", "embed_dim", "hidden_dim", "num_heads", "head_dim", "num_kv_heads",
+                  "sliding_window_size", "per_layer_input_dim", "k_eq_v_global", "num_experts", "expert_dim",
+                  "num_experts_per_tok", "final_logit_softcap", "override_kv_shared_ffw_hidden"):
+        assert getattr(ours, field) == getattr(theirs, field), field
+    assert (ours.num_global_kv_heads or ours.num_kv_heads) == (theirs.num_global_kv_heads or theirs.num_kv_heads)
+    num_layers = theirs.num_layers
+    shared = lambda c: num_layers - int(num_layers - c.frac_shared_layers * num_layers)  # noqa: E731
+    assert shared(ours) == shared(theirs)
+    pattern = [theirs.attention_pattern[i % len(theirs.attention_pattern)] for i in range(num_layers)]
+    assert list(ours.attention_pattern) == pattern
+
+
+def test_gemma3_27b_preset_agrees_with_tunix():
+    ours, theirs = GemmaSpec.preset("gemma3-27b").to_tunix(), g3.ModelConfig.gemma3_27b_pt()
+    for field in ("num_layers", "embed_dim", "hidden_dim", "num_heads", "head_dim", "num_kv_heads",
+                  "sliding_window_size", "query_pre_attn_norm", "global_scale_factor", "global_base_frequency"):
+        assert getattr(ours, field) == getattr(theirs, field), field
+
+
+@pytest.mark.parametrize("name", sorted(TEXT_CONFIGS))
+def test_from_hf_reads_transformers_configs(name):
+    cfg = text_config(name)
+    spec = GemmaSpec.from_hf(cfg.to_dict())
+    assert spec.num_layers == cfg.num_hidden_layers and spec.num_heads == cfg.num_attention_heads
+    assert spec.layer_types == tuple("global" if t == "full_attention" else "sliding" for t in cfg.layer_types)
+    assert GemmaSpec.from_hf(spec.to_hf_config()) == spec
+
+
+def test_from_hf_reads_the_text_part_of_multimodal_configs():
+    text = text_config("gemma4_dense").to_dict()
+    spec = GemmaSpec.from_hf({"model_type": "gemma4", "text_config": text, "vision_config": {}})
+    assert spec == GemmaSpec.from_hf(text)
+
+
+def test_from_hf_reads_legacy_gemma3_rope_keys():
+    legacy = {
+        "model_type": "gemma3_text", "num_hidden_layers": 6, "hidden_size": 32, "intermediate_size": 48,
+        "vocab_size": 96, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 8,
+        "query_pre_attn_scalar": 8, "sliding_window": 4, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+    }
+    spec = GemmaSpec.from_hf(legacy)
+    assert (spec.global_rope_base, spec.local_rope_base, spec.global_rope_scale) == (1e6, 1e4, 8.0)
+    modern = tf.Gemma3TextConfig(**{k: v for k, v in legacy.items() if k != "model_type"}).to_dict()
+    assert GemmaSpec.from_hf(modern) == spec
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"attention_bias": True}, "attention_bias"),
+        ({"use_bidirectional_attention": "all"}, "causal"),
+        ({"hidden_activation": "silu"}, "GELU"),
+        ({"tie_word_embeddings": False}, "tie_word_embeddings"),
+        ({"rope_parameters": {"sliding_attention": {"rope_type": "yarn", "factor": 4.0}}}, "rope"),
+        ({"vocab_size_per_layer_input": 5}, "vocab_size_per_layer_input"),
+        ({"num_kv_shared_layers": 1}, "sliding then global"),
+    ],
+)
+def test_unsupported_gemma4_features_are_errors(change, message):
+    cfg = dict(TEXT_CONFIGS["gemma4_ple"], **change)
+    with pytest.raises(SpecError, match=message):
+        GemmaSpec.from_hf(cfg)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"query_pre_attn_scalar": 100}, "query_pre_attn_scalar"),
+        ({"final_logit_softcapping": 30.0}, "softcap"),
+        ({"attn_logit_softcapping": 50.0}, "softcap"),
+        ({"layer_types": ["full_attention"] * 6}, "5 sliding : 1 global"),
+    ],
+)
+def test_unsupported_gemma3_features_are_errors(change, message):
+    with pytest.raises(SpecError, match=message):
+        GemmaSpec.from_hf(dict(TEXT_CONFIGS["gemma3_1b"], **change))
+
+
+def test_other_models_and_bad_inputs_are_errors(tmp_path):
+    with pytest.raises(SpecError, match="llama"):
+        GemmaSpec.from_hf({"model_type": "llama"})
+    with pytest.raises(SpecError, match="no config.json"):
+        GemmaSpec.from_hf(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(SpecError, match="not valid JSON"):
+        GemmaSpec.from_hf(tmp_path)
+    with pytest.raises(SpecError, match="unknown preset"):
+        GemmaSpec.preset("gemma5-1t")
+    with pytest.raises(SpecError, match="layer_types"):
+        dataclasses.replace(GemmaSpec.preset("gemma4-31b"), num_layers=59)
+
+
+def test_spec_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        GemmaSpec.preset("gemma3-1b").num_layers = 3
