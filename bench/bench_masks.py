@@ -48,7 +48,9 @@ def tokenizer(rng):
     bpe = Tokenizer(models.BPE(unk_token="<unk>"))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=1000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<pad>", "<unk>", *masks.Gemma4.control_tokens, *masks.Gemma3.control_tokens[1:]]
+        vocab_size=1000,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<pad>", "<unk>", *masks.Gemma4.control_tokens, *masks.Gemma3.control_tokens[1:]],
     )
     bpe.train_from_iterator((sentence(rng, 5, 50) for _ in range(2000)), trainer)
     return PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", unk_token="<unk>")

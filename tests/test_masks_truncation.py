@@ -40,7 +40,8 @@ def test_untrained_tail_is_cut_at_the_turn_boundary(overflow):
 
 def test_drop_policy_drops_an_example_whose_targets_would_be_cut():
     ex = example(TWO_TURNS)
-    assert masks.truncate(ex, masks.Truncation(45, "drop")) == (None, "dropped_too_long", 12)  # "Yo<end_of_turn>\n" 4 + "Answer<end_of_turn>\n" 8
+    # All 12 targets are lost: "Yo<end_of_turn>\n" (4) and "Answer<end_of_turn>\n" (8).
+    assert masks.truncate(ex, masks.Truncation(45, "drop")) == (None, "dropped_too_long", 12)
 
 
 def test_trim_policy_keeps_the_whole_turns_that_fit():

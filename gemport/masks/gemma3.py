@@ -42,7 +42,8 @@ class Gemma3:
                     raise MaskError(f"{where}: Gemma 3 has no format for {key!r}; use Gemma4 or drop it")
             content = check_plain(message.get("content"), f"{where}.content", self.control_tokens).strip()
             role = message["role"]
-            segments.append(Segment("<start_of_turn>" + ("model" if role == "assistant" else "user") + "\n", role, "header", turn))
+            header = "<start_of_turn>" + ("model" if role == "assistant" else "user") + "\n"
+            segments.append(Segment(header, role, "header", turn))
             if turn == 0 and prefix:
                 segments.append(Segment(prefix, "system", "content", turn))
             if content:

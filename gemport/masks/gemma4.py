@@ -87,17 +87,7 @@ class Gemma4:
                 name, arguments = self._call(call, f"{where}.tool_calls[{k}]")
                 names[call.get("id")] = name
                 out.add(f"<|tool_call>call:{name}{{{arguments}}}<tool_call|>", role, "tool_call")
-            j = i + 1
-            while calls and j < len(body) and body[j]["role"] == "tool":
-                tool = body[j]
-                name = names.get(tool.get("tool_call_id")) or tool.get("name") or "unknown"
-                name = self._plain(name, f"messages[{j + offset}].name")
-                if j == i + 1:
-                    out.add("<|tool_response>", role, "end")
-                else:
-                    out.add("<|tool_response>", "tool", "content")
-                out.add(self._response(name, tool.get("content"), f"messages[{j + offset}].content"), "tool", "content")
-                j += 1
+            j = self._responses(body, i + 1, names, offset, out) if calls else i + 1
             content = message.get("content")
             content = "" if content is None and calls else self._plain(content, f"{where}.content").strip()
             out.add(content, role, "content")
@@ -110,6 +100,20 @@ class Gemma4:
                     out.add("<turn|>\n", role, "end")
             previous, i = role, j
         return tuple(out.segments)
+
+    def _responses(self, body, j, names, offset, out):
+        # The tool messages from body[j] on, rendered inside the model turn; returns the index after them.
+        first = j
+        while j < len(body) and body[j]["role"] == "tool":
+            tool, where = body[j], f"messages[{j + offset}]"
+            name = names.get(tool.get("tool_call_id")) or tool.get("name") or "unknown"
+            name = self._plain(name, f"{where}.name")
+            # Only the first opener is the model's output: it stops there and the tool answers.
+            out.add("<|tool_response>", *(("assistant", "end") if j == first else ("tool", "content")))
+            value = self._value(self._plain(tool.get("content"), f"{where}.content"), where)
+            out.add(f"response:{name}{{value:{value}}}<tool_response|>", "tool", "content")
+            j += 1
+        return j
 
     def _plain(self, text, where):
         return check_plain(text, where, self.control_tokens)
@@ -125,9 +129,6 @@ class Gemma4:
         if not isinstance(arguments, Mapping):
             raise MaskError(f"{where}.function.arguments: expected a dict (parse JSON strings first)")
         return name, self._fields(arguments, where)
-
-    def _response(self, name, content, where):
-        return f"response:{name}{{value:{self._value(self._plain(content, where), where)}}}<tool_response|>"
 
     def _fields(self, mapping, where):
         # Keys sorted case-insensitively, as Jinja's dictsort does in the template.

@@ -32,7 +32,7 @@ class MaskTransform(grain.transforms.Map):
         self.report = TruncationReport()
 
     def map(self, element):
-        """Returns {"tokens": int32 [n], "loss_mask": bool [n]} for ``element["messages"]``; n = 0 if dropped."""
+        """{"tokens": int32 [n], "loss_mask": bool [n]} for ``element["messages"]``; n = 0 if dropped."""
         example, decision, lost = prepare(
             element["messages"], self.tokenizer, self.chat_format, self.policy, self.truncation
         )

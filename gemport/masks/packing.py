@@ -110,9 +110,10 @@ def tunix_inputs(tokens, loss_mask, segment_ids, positions):
     tokens, segment_ids, positions: int [B, T]; loss_mask: bool [B, T] (targets). Returns
     {"input_tokens": int32 [B, T], "input_mask": bool [B, T], "positions": int32 [B, T],
     "attention_mask": bool [B, T, T]}. Tunix scores ``input_tokens[:, 1:]`` where
-    ``input_mask[:, 1:]``, the same target convention, and builds positions and attention from a
-    padding mask unless given them: packed rows need these. Use it as the trainer's
-    ``gen_model_input_fn`` (``lambda batch: tunix_inputs(**batch)`` on ``pack``'s rows); it is jittable.
+    ``input_mask[:, 1:]``, the same target convention. Tunix's examples derive positions and
+    attention from a padding mask, which lets packed examples see each other; these come from
+    ``segment_ids`` instead. Use it as the trainer's ``gen_model_input_fn``
+    (``lambda batch: tunix_inputs(**batch)`` on ``pack``'s rows); it is jittable.
     """
     return {
         "input_tokens": jnp.asarray(tokens, jnp.int32),
