@@ -1,0 +1,158 @@
+"""Qwix LoRA parameters from where Tunix leaves them, checked against the model they adapt.
+
+Sources: an nnx model or state (``nnx.LoRAParam``), a flat ``{path: array}`` dict, or an Orbax checkpoint
+written by Tunix's PeftTrainer with ``save_only_lora_params`` (``<root>/<step>/model_params``). Tunix does not
+record rank, alpha or targets; `save_lora_spec` writes them beside the checkpoint root so that exports can find
+them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from gemport.checkpoint.load import path_str
+from gemport.errors import CheckpointError, LoraError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError
+from gemport.lora import LoraSpec, Target, targets
+from gemport.specs import GemmaSpec
+
+LORA_SPEC_FILE = "gemport_lora.json"
+PARAMS_DIR = "model_params"
+
+
+def lora_params(source, *, step: int | None = None) -> dict[str, np.ndarray]:
+    """``{"layers.0.attn.q_einsum.w_lora_a": array, ...}`` from a model, state, dict or Orbax path.
+
+    Args:
+      source: an nnx model with Qwix LoRA, its ``nnx.State``, a flat dict, or a path: a PeftTrainer
+        checkpoint root, one of its step directories, or a ``model_params`` directory.
+      step: with a checkpoint root, the step to read; default the latest.
+    """
+    if isinstance(source, (str, os.PathLike)):
+        return read_orbax(source, step=step)
+    if isinstance(source, Mapping) and not hasattr(source, "flat_state"):
+        return {k: np.asarray(v) for k, v in source.items()}
+    from flax import nnx
+
+    state = nnx.state(source, nnx.LoRAParam) if isinstance(source, nnx.Module) else source
+    flat = {path_str(p): v.get_value() if hasattr(v, "get_value") else v for p, v in nnx.to_flat_state(state)}
+    return {k: np.asarray(v) for k, v in flat.items() if k.endswith(("_lora_a", "_lora_b"))}
+
+
+def params_dir(path: str | os.PathLike, *, step: int | None = None) -> Path:
+    """The ``model_params`` directory of a PeftTrainer checkpoint root, step directory, or itself."""
+    path = Path(path)
+    if path.name == PARAMS_DIR:
+        return path
+    if (path / PARAMS_DIR).is_dir():
+        return path / PARAMS_DIR
+    steps = sorted(int(p.name) for p in path.iterdir() if p.name.isdigit() and (p / PARAMS_DIR).is_dir()) \
+        if path.is_dir() else []
+    if not steps:
+        raise CheckpointError(
+            f"{path}: no <step>/{PARAMS_DIR} here; pass the checkpoint root of Tunix's PeftTrainer, a step "
+            f"directory or a {PARAMS_DIR} directory"
+        )
+    if step is None:
+        step = steps[-1]
+    if step not in steps:
+        raise CheckpointError(f"{path}: no step {step}; steps present: {steps}")
+    return path / str(step) / PARAMS_DIR
+
+
+def read_orbax(path: str | os.PathLike, *, step: int | None = None) -> dict[str, np.ndarray]:
+    """The LoRA params of a PeftTrainer Orbax checkpoint, as host numpy arrays (no model or mesh needed)."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    directory = params_dir(path, step=step).resolve()
+    checkpointer = ocp.PyTreeCheckpointer()
+    try:
+        tree = checkpointer.metadata(directory).item_metadata.tree
+    except (FileNotFoundError, ValueError) as e:
+        raise CheckpointError(f"{directory}: not a readable Orbax checkpoint ({e})") from None
+    restore = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    restored = checkpointer.restore(directory, args=ocp.args.PyTreeRestore(restore_args=restore))
+    out = {}
+    for keys, value in jax.tree_util.tree_flatten_with_path(restored)[0]:
+        parts = [str(getattr(k, "key", getattr(k, "idx", k))) for k in keys]
+        if parts[-1] == "value":  # nnx.Variable leaves are saved as {"value": array}
+            parts = parts[:-1]
+        out[".".join(parts)] = np.asarray(value)
+    return {k: v for k, v in out.items() if k.endswith(("_lora_a", "_lora_b"))}
+
+
+def save_lora_spec(root: str | os.PathLike, lora_spec: LoraSpec) -> Path:
+    """Record ``lora_spec`` as ``<root>/gemport_lora.json`` beside a checkpoint (atomically)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / LORA_SPEC_FILE
+    tmp = root / f".{LORA_SPEC_FILE}.{os.getpid()}"
+    tmp.write_text(lora_spec.to_json())
+    os.replace(tmp, path)
+    return path
+
+
+def find_lora_spec(path: str | os.PathLike) -> LoraSpec | None:
+    """The LoraSpec recorded by `save_lora_spec` for a checkpoint root, step or ``model_params`` path."""
+    path = Path(path).resolve()
+    for directory in (path, path.parent, path.parent.parent):
+        if (directory / LORA_SPEC_FILE).is_file():
+            return LoraSpec.from_json((directory / LORA_SPEC_FILE).read_text())
+    return None
+
+
+def resolve(lora, lora_spec: LoraSpec | None, *, step: int | None = None) -> tuple[dict[str, np.ndarray], LoraSpec]:
+    """LoRA params of ``lora`` and its spec: ``lora_spec``, or the one recorded beside an Orbax checkpoint."""
+    if lora_spec is None and isinstance(lora, (str, os.PathLike)):
+        lora_spec = find_lora_spec(lora)
+    if lora_spec is None:
+        raise LoraError(
+            "no LoraSpec: Tunix does not store rank, alpha or targets; pass lora_spec=LoraSpec(...), or record "
+            "it when training with gemport.checkpoint.save_lora_spec(checkpoint_root, lora_spec)"
+        )
+    return lora_params(lora, step=step), lora_spec
+
+
+def match(params: dict[str, np.ndarray], spec: GemmaSpec, lora_spec: LoraSpec,
+          source: str = "adapter") -> list[tuple[Target, np.ndarray, np.ndarray]]:
+    """Pair each Tunix module that ``lora_spec`` targets on ``spec`` with its ``lora_a``, ``lora_b``.
+
+    Raises, naming the tensor: ``MissingTensorError`` for a targeted module without LoRA params,
+    ``UnexpectedTensorError`` for params no target explains (another model, or wrong targets),
+    ``ShapeMismatchError`` for shapes that do not fit the model or the spec's rank, and ``LoraError`` for
+    NaN or Inf.
+    """
+    found = targets(spec, lora_spec.targets)
+    known = {name for t in found for name in (t.lora_a, t.lora_b)}
+    extra = sorted(set(params) - known)
+    if extra:
+        raise UnexpectedTensorError(
+            f"{source}: {extra[0]!r} (and {len(extra) - 1} more) is not a LoRA param of this {spec.family} model "
+            f"with targets {list(lora_spec.targets)}; the adapter is for a different model or the LoraSpec's "
+            "targets are wrong"
+        )
+    out = []
+    for t in found:
+        for name in (t.lora_a, t.lora_b):
+            if name not in params:
+                raise MissingTensorError(
+                    f"{source}: no {name!r}, but targets {list(lora_spec.targets)} put LoRA on {t.module}; "
+                    "the LoraSpec does not match the training run"
+                )
+        a, b = params[t.lora_a], params[t.lora_b]
+        want_a, want_b = t.shapes(lora_spec.module_rank(t))
+        for name, array, want, axes in ((t.lora_a, a, want_a, t.a), (t.lora_b, b, want_b, t.b)):
+            if array.shape != want:
+                raise ShapeMismatchError(
+                    f"{source}: {name!r} has shape {list(array.shape)}, but the model and LoraSpec need "
+                    f"{list(want)} ({axes}; {', '.join(f'{x}={n}' for x, n in t.entry.sizes if x in axes)}, "
+                    f"r={lora_spec.module_rank(t)}); the adapter is for a different model or rank"
+                )
+            if not np.isfinite(array).all():
+                raise LoraError(f"{source}: {name!r} holds NaN or Inf; the training diverged, export an earlier step")
+        out.append((t, a, b))
+    return out
