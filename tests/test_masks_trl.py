@@ -24,7 +24,7 @@ CONVERSATIONS = [
 
 
 @pytest.fixture(scope="module")
-def trl_labels():
+def trl_labels(tmp_path_factory):
     torch = pytest.importorskip("torch")
     from datasets import Dataset
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
@@ -40,7 +40,9 @@ def trl_labels():
         vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
         num_attention_heads=1, num_key_value_heads=1, head_dim=16,
     )
-    args = SFTConfig(output_dir="/tmp/gemport_trl_masks", assistant_only_loss=True, report_to=[], use_cpu=True)
+    args = SFTConfig(
+        output_dir=str(tmp_path_factory.mktemp("trl")), assistant_only_loss=True, report_to=[], use_cpu=True
+    )
     trainer = SFTTrainer(
         model=Gemma3ForCausalLM(config), args=args, processing_class=tokenizer,
         train_dataset=Dataset.from_dict({"messages": CONVERSATIONS}),
