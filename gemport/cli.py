@@ -1,0 +1,180 @@
+"""The ``gemport`` command line: a thin layer over the library. ``gemport COMMAND --help`` for each command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from gemport.errors import GemportError
+
+
+def _spec(model: str):
+    from gemport.specs import GemmaSpec
+
+    return GemmaSpec.from_hf(model) if Path(model).exists() else GemmaSpec.preset(model)
+
+
+def _lora_spec(path: str | None):
+    from gemport.lora import LoraSpec
+
+    return LoraSpec.from_peft(path) if path else None
+
+
+def plan(args) -> int:
+    from gemport.mesh import valid_meshes
+
+    spec = _spec(args.model)
+    hbm = int(args.hbm) if args.hbm and args.hbm.isdigit() else args.hbm
+    plans = valid_meshes(spec, args.devices, hbm_bytes=hbm, lora_rank=args.lora_rank, param_dtype=args.dtype)
+    print(f"{args.model}: {len(plans)} valid (fsdp, tp) meshes on {args.devices} devices")
+    for p in plans:
+        print(f"  {p}")
+    return 0
+
+
+def convert(args) -> int:
+    from gemport.checkpoint import load_hf, save_hf
+    from gemport.checkpoint.orbax import load_orbax, save_orbax
+
+    src = Path(args.src)
+    if (src / "config.json").is_file():
+        out = save_orbax(load_hf(src, dtype=args.dtype), args.out)
+    else:
+        if not (args.spec or args.base_dir):
+            raise GemportError(f"{src} is an Orbax checkpoint: pass --spec (HF dir or preset) or --base-dir")
+        spec = _spec(args.spec or args.base_dir)
+        out = save_hf(load_orbax(src, spec, dtype=args.dtype), args.out, spec=spec, base_dir=args.base_dir,
+                      max_shard_size=args.max_shard_size)
+    print(f"wrote {out}")
+    return 0
+
+
+def export(args) -> int:
+    from gemport.checkpoint import export_merged, export_peft
+
+    lora_spec = _lora_spec(args.lora_config)
+    if args.format == "merged":
+        out = export_merged(args.base, args.lora, args.out, lora_spec=lora_spec, step=args.step,
+                            max_shard_size=args.max_shard_size)
+    else:
+        out = export_peft(args.lora, args.out, spec=_spec(args.base), lora_spec=lora_spec, step=args.step,
+                          base_model_name_or_path=args.base_model_name or str(Path(args.base).resolve()))
+    print(f"wrote {out}")
+    return 0
+
+
+def import_peft(args) -> int:
+    from gemport.checkpoint import import_peft as read_adapter
+    from gemport.checkpoint import save_lora_spec
+    from gemport.checkpoint.orbax import save_orbax
+    from gemport.checkpoint.output import check_output
+
+    out = check_output(args.out, args.adapter)
+    lora_spec, state = read_adapter(args.adapter, _spec(args.model))
+    save_orbax(state, out / "0" / "model_params")
+    save_lora_spec(out, lora_spec)
+    print(f"wrote {out} (step 0, rank {lora_spec.rank}, alpha {lora_spec.alpha}, fused {lora_spec.fused})")
+    return 0
+
+
+def verify(args) -> int:
+    from gemport.checkpoint import load_tunix_model
+    from gemport.checkpoint.adapters import resolve
+    from gemport.verify import compare_logits, with_lora
+
+    hf_dir, adapter = Path(args.hf_dir), None
+    if (hf_dir / "adapter_config.json").is_file():
+        if not args.base:
+            raise GemportError(f"{hf_dir} is a PEFT adapter: pass --base, the checkpoint it adapts")
+        adapter, hf_dir = hf_dir, Path(args.base)
+    if args.lora:
+        base = Path(args.base or hf_dir)
+        spec = _spec(str(base))
+        params, lora_spec = resolve(args.lora, _lora_spec(args.lora_config), step=args.step)
+        model = with_lora(load_tunix_model(base), spec, lora_spec, params)
+    else:
+        model = load_tunix_model(hf_dir)
+    report = compare_logits(hf_dir, model, adapter_dir=adapter, seq_len=args.seq_len, atol=args.atol)
+    print(report)
+    return 0 if report.ok else 1
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gemport", description="Port Gemma LoRA fine-tuning between HF and Tunix.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    model_help = "an HF checkpoint directory or a preset name (e.g. gemma4-31b)"
+
+    c = sub.add_parser("plan", help="valid (fsdp, tp) meshes and per-device memory for a model",
+                       description="List every valid (fsdp, tp) mesh for a model on N devices with what each "
+                                   "device holds: base params, LoRA params, Adam moments.")
+    c.add_argument("model", help=model_help)
+    c.add_argument("--devices", type=int, required=True, help="number of chips (v5p-8: 4, v6e-8: 8)")
+    c.add_argument("--hbm", help="HBM per chip: a chip name (v4, v5e, v5p, v6e) or bytes")
+    c.add_argument("--lora-rank", type=int, help="LoRA rank (omit for full fine-tuning)")
+    c.add_argument("--dtype", default="bfloat16", help="parameter dtype (default bfloat16)")
+    c.set_defaults(run=plan)
+
+    c = sub.add_parser("convert", help="HF safetensors <-> Orbax Tunix parameters",
+                       description="An HF checkpoint directory becomes an Orbax checkpoint of the Tunix "
+                                   "parameters; an Orbax checkpoint becomes HF safetensors.")
+    c.add_argument("src", help="an HF checkpoint directory, or an Orbax checkpoint")
+    c.add_argument("out", help="the output directory (must not exist)")
+    c.add_argument("--spec", help=f"for Orbax -> HF: {model_help}")
+    c.add_argument("--base-dir", help="for Orbax -> HF: the original HF checkpoint (keeps its layout and files)")
+    c.add_argument("--dtype", help="parameter dtype, e.g. bfloat16 (default: keep)")
+    c.add_argument("--max-shard-size", default="5GB", help="HF shard size (default 5GB)")
+    c.set_defaults(run=convert)
+
+    c = sub.add_parser("export", help="Orbax LoRA -> merged HF safetensors or a PEFT adapter",
+                       description="Export LoRA params trained with Tunix (a PeftTrainer checkpoint) for the GPU "
+                                   "world: merged into the base (for vLLM) or as a PEFT adapter.")
+    c.add_argument("base", help="the HF checkpoint the adapter was trained on")
+    c.add_argument("lora", help="the PeftTrainer checkpoint root, a step, or a model_params directory")
+    c.add_argument("out", help="the output directory (must not exist)")
+    c.add_argument("--format", choices=("merged", "peft"), default="merged", help="default merged")
+    c.add_argument("--step", type=int, help="checkpoint step (default: latest)")
+    c.add_argument("--lora-config", help="a PEFT adapter_config.json or its directory, if gemport did not record "
+                                         "the LoRA spec beside the checkpoint")
+    c.add_argument("--base-model-name", help="base_model_name_or_path for the PEFT adapter (default: base path)")
+    c.add_argument("--max-shard-size", default="5GB", help="merged shard size (default 5GB)")
+    c.set_defaults(run=export)
+
+    c = sub.add_parser("import-peft", help="a PEFT adapter -> Orbax LoRA params for Tunix",
+                       description="Read a PEFT LoRA adapter trained on GPUs as Qwix LoRA params, saved as a "
+                                   "PeftTrainer-style checkpoint (<out>/0/model_params) with its LoRA spec.")
+    c.add_argument("adapter", help="the PEFT adapter directory")
+    c.add_argument("model", help=model_help)
+    c.add_argument("out", help="the output checkpoint root (must not exist)")
+    c.set_defaults(run=import_peft)
+
+    c = sub.add_parser("verify", help="compare Tunix and transformers logits",
+                       description="Run the same tokens through transformers and Tunix and report the largest "
+                                   "logit difference. HF_DIR alone: the checkpoint against its Tunix load. With "
+                                   "--base and --lora: an export (merged dir or PEFT adapter) against Tunix "
+                                   "with the LoRA. Exit status 1 when they disagree beyond --atol.")
+    c.add_argument("hf_dir", help="an HF checkpoint, a merged export, or a PEFT adapter")
+    c.add_argument("--base", help="the base HF checkpoint (for an export or an adapter)")
+    c.add_argument("--lora", help="the Orbax LoRA checkpoint the export came from")
+    c.add_argument("--step", type=int, help="checkpoint step (default: latest)")
+    c.add_argument("--lora-config", help="PEFT adapter_config.json, if no LoRA spec was recorded")
+    c.add_argument("--seq-len", type=int, default=16, help="tokens per row (default 16)")
+    c.add_argument("--atol", type=float, default=1e-4, help="max-abs tolerance (default 1e-4)")
+    c.set_defaults(run=verify)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except GemportError as e:
+        print(f"gemport {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as e:
+        print(f"gemport {args.command}: error: {e.filename or e}: no such file or directory", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
