@@ -9,10 +9,12 @@ import peft
 import pytest
 import tiny
 import torch
+import transformers
 from flax import nnx
 
 from gemport.checkpoint import HFCheckpoint, export_merged, export_peft, import_peft, load_tunix_model, lora_params
 from gemport.checkpoint.adapters import match
+from gemport.checkpoint.safetensors import SafetensorsFile
 from gemport.lora import PROJECTIONS, LoraSpec, apply_lora
 from gemport.specs import GemmaSpec
 
@@ -34,8 +36,8 @@ def hf_deltas(params, spec, lora_spec):
 
 
 def hf_model(directory):
-    model = tiny.causal_lm.__globals__["tf"].AutoModelForCausalLM.from_pretrained(
-        directory, dtype=torch.float32, attn_implementation="eager")
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
+                                                              attn_implementation="eager")
     return model.eval()
 
 
@@ -75,7 +77,7 @@ def test_peft_adapter_matches_tunix_with_lora(run):
 
 
 def test_gemma4_k_eq_v_layers_get_k_proj_only(run):
-    keys = set(HFCheckpoint.__init__.__globals__["SafetensorsFile"](run.root / "peft/adapter_model.safetensors").tensors)
+    keys = set(SafetensorsFile(run.root / "peft/adapter_model.safetensors").tensors)
     for i in range(run.spec.num_layers):
         has_v = f"base_model.model.model.layers.{i}.self_attn.v_proj.lora_A.weight" in keys
         assert f"base_model.model.model.layers.{i}.self_attn.k_proj.lora_A.weight" in keys
