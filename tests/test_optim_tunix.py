@@ -49,7 +49,7 @@ def test_tunix_paths_exclude_exactly_the_norm_scales_and_skip_scale(extra):
 
 @pytest.fixture(scope="module")
 def lora_model():
-    model = gemma4.Gemma4(gemma4.ModelConfig(**TINY), rngs=nnx.Rngs(0))
+    model = gemma4.Gemma4(gemma4.ModelConfig(**{**TINY, "num_layers": 1, "per_layer_input_dim": 0}), rngs=nnx.Rngs(0))
     provider = qwix.LoraProvider(module_path=".*q_einsum|.*gate_proj", rank=2, alpha=4.0)
     return qwix.apply_lora_to_model(model, provider, rngs=nnx.Rngs(1), **model.get_model_input())
 
@@ -61,10 +61,14 @@ def loss(model, tokens):
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
+grad_fn = nnx.jit(nnx.grad(loss, argnums=nnx.DiffState(0, nnx.LoRAParam)))
+
+
 def pure(model, kind):
     return nnx.as_pure(nnx.state(model, kind))
 
 
+BASE = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))  # LoRAParam subclasses Param
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, TINY["num_embed"], (2, 6)), jnp.int32)
 
 
@@ -80,10 +84,9 @@ def test_nnx_optimizer_over_lora_params_steps_like_the_transformation(lora_model
     recipe = {"learning_rate": 1e-2, "weight_decay": 0.1, "warmup_steps": 1, "lr_scheduler_type": "linear"}
     tx = from_hf(recipe, num_training_steps=10).tx
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)  # as tunix's PeftTrainer builds it
-    base_before, lora_before = pure(model, nnx.Param), pure(model, nnx.LoRAParam)
+    base_before, lora_before = pure(model, BASE), pure(model, nnx.LoRAParam)
     expected_params, expected_state = lora_before, tx.init(lora_before)
 
-    grad_fn = nnx.jit(nnx.grad(loss, argnums=nnx.DiffState(0, nnx.LoRAParam)))
     for _ in range(3):
         grads = grad_fn(model, TOKENS)
         updates, expected_state = tx.update(nnx.as_pure(grads), expected_state, expected_params)
@@ -91,9 +94,9 @@ def test_nnx_optimizer_over_lora_params_steps_like_the_transformation(lora_model
         optimizer.update(model, grads)
 
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), pure(model, nnx.LoRAParam), expected_params)
-    jax.tree.map(np.testing.assert_array_equal, pure(model, nnx.Param), base_before)
+    jax.tree.map(np.testing.assert_array_equal, pure(model, BASE), base_before)
     moved = jax.tree.leaves(jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), pure(model, nnx.LoRAParam), lora_before))
-    assert min(moved) > 0
+    assert max(moved) > 1e-3
 
 
 def test_decay_reaches_lora_params_through_nnx_optimizer(lora_model):
@@ -111,7 +114,7 @@ def test_accumulation_passes_num_tokens_through_nnx_optimizer(lora_model):
     tx = from_hf({"learning_rate": 1e-2, "gradient_accumulation_steps": 2}, num_training_steps=10).tx
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)
     before = pure(model, nnx.LoRAParam)
-    grads = nnx.grad(loss, argnums=nnx.DiffState(0, nnx.LoRAParam))(model, TOKENS)
+    grads = grad_fn(model, TOKENS)
     optimizer.update(model, grads, num_tokens=10)
     jax.tree.map(np.testing.assert_array_equal, pure(model, nnx.LoRAParam), before)
     optimizer.update(model, grads, num_tokens=10)
