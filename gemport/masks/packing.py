@@ -24,8 +24,8 @@ def pack(tokens, loss_mask, seq_len):
     """
     if len(tokens) != len(loss_mask):
         raise MaskError(f"pack: {len(tokens)} token arrays but {len(loss_mask)} loss masks")
-    lengths = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=len(tokens))
-    mask_lengths = np.fromiter((len(m) for m in loss_mask), dtype=np.int64, count=len(loss_mask))
+    lengths = np.array(list(map(len, tokens)), dtype=np.int64)
+    mask_lengths = np.array(list(map(len, loss_mask)), dtype=np.int64)
     mismatched = np.flatnonzero(mask_lengths != lengths)
     if mismatched.size:
         i = int(mismatched[0])
@@ -34,45 +34,50 @@ def pack(tokens, loss_mask, seq_len):
     if bad.size:
         i = int(bad[0])
         raise MaskError(f"pack: example {i} has {lengths[i]} tokens; need 1..{seq_len} (truncate first)")
-    first_trained = np.flatnonzero(np.fromiter((bool(m[0]) for m in loss_mask), bool, len(loss_mask)))
+    row, offset, rows = _best_fit_decreasing(lengths, seq_len)
+    # Laid out row by row, the packed tokens are the examples concatenated in (row, offset) order.
+    placed = np.lexsort((offset, row))
+    placed_lengths = lengths[placed]
+    starts = np.cumsum(placed_lengths) - placed_lengths
+    flat_mask = _concatenate([loss_mask[i] for i in placed], bool)
+    first_trained = np.flatnonzero(flat_mask[starts])
     if first_trained.size:
         raise MaskError(
-            f"pack: loss_mask[{int(first_trained[0])}][0] is True; the first token of an example has "
-            "nothing before it to be predicted from"
+            f"pack: loss_mask[{int(placed[first_trained[0]])}][0] is True; the first token of an example "
+            "has nothing before it to be predicted from"
         )
-    row, offset, segment, rows = _best_fit_decreasing(lengths, seq_len)
-    starts = np.cumsum(lengths) - lengths
-    total = int(lengths.sum())
-    within = np.arange(total) - np.repeat(starts, lengths)
-    where = np.repeat(row * seq_len + offset, lengths) + within
-    out = {
-        "tokens": np.zeros(rows * seq_len, np.int32),
-        "loss_mask": np.zeros(rows * seq_len, bool),
-        "segment_ids": np.zeros(rows * seq_len, np.int32),
-        "positions": np.zeros(rows * seq_len, np.int32),
-    }
-    if total:
-        out["tokens"][where] = np.concatenate(tokens)
-        out["loss_mask"][where] = np.concatenate(loss_mask)
-    out["segment_ids"][where] = np.repeat(segment, lengths)
-    out["positions"][where] = within
-    return {key: value.reshape(rows, seq_len) for key, value in out.items()}
+    column = np.arange(seq_len, dtype=np.int32)
+    padding = column >= np.bincount(row, weights=lengths, minlength=rows)[:, None]
+    out = {"tokens": np.zeros((rows, seq_len), np.int32), "loss_mask": np.zeros((rows, seq_len), bool)}
+    out["tokens"][~padding] = _concatenate([tokens[i] for i in placed], np.int32)
+    out["loss_mask"][~padding] = flat_mask
+    out["positions"] = np.zeros((rows, seq_len), np.int32)
+    out["positions"][~padding] = _concatenate([column[:n] for n in placed_lengths.tolist()], np.int32)
+    # Segment ids count the example starts met so far in the row.
+    starts_here = np.zeros((rows, seq_len), np.int32)
+    starts_here[row, offset] = 1
+    out["segment_ids"] = np.cumsum(starts_here, axis=1, dtype=np.int32)
+    out["segment_ids"][padding] = 0
+    return out
+
+
+def _concatenate(arrays, dtype):
+    return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
 
 
 def _best_fit_decreasing(lengths, seq_len):
     # Open rows are bucketed by free space; `free` lists the non-empty bucket sizes in order, so
     # the tightest row that fits is one bisect away.
-    row = np.empty(len(lengths), np.int64)
-    offset = np.empty(len(lengths), np.int64)
-    segment = np.empty(len(lengths), np.int32)
-    filled, count, buckets, free = [], [], {}, []
+    n = len(lengths)
+    row, offset = [0] * n, [0] * n
+    filled, buckets, free = [], {}, []
+    sizes = lengths.tolist()
     for i in np.argsort(-lengths, kind="stable").tolist():
-        length = int(lengths[i])
+        length = sizes[i]
         k = bisect.bisect_left(free, length)
         if k == len(free):
             r = len(filled)
             filled.append(0)
-            count.append(0)
         else:
             space = free[k]
             r = buckets[space].pop()
@@ -81,15 +86,13 @@ def _best_fit_decreasing(lengths, seq_len):
                 free.pop(k)
         row[i], offset[i] = r, filled[r]
         filled[r] += length
-        count[r] += 1
-        segment[i] = count[r]
         space = seq_len - filled[r]
         if space:
             if space not in buckets:
                 buckets[space] = []
                 bisect.insort(free, space)
             buckets[space].append(r)
-    return row, offset, segment, len(filled)
+    return np.array(row, np.int64), np.array(offset, np.int64), len(filled)
 
 
 def attention_mask(segment_ids):

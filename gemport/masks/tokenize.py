@@ -103,7 +103,7 @@ def encode(segments, trained, tokenizer):
         raise MaskError("segments: the rendered text is empty")
     char_trained = np.repeat(trained, lengths)
     trained_before = np.concatenate([[0], np.cumsum(char_trained)])
-    owner = np.clip(np.where(ends > starts, ends - 1, starts), 0, len(text) - 1)
+    owner = np.minimum(np.where(ends > starts, ends - 1, starts), len(text) - 1)
     loss_mask = (trained_before[ends] > trained_before[starts]) | ((ends == starts) & char_trained[owner])
     # Nothing precedes the first token, so it cannot be a target whatever its segment says.
     loss_mask[0] = False
