@@ -1,0 +1,157 @@
+"""Sharding of Qwix LoRA params, derived from the base weight and the contraction that uses it.
+
+Qwix splits a base weight's axes between the two LoRA factors by the einsum (or dot) that consumes it:
+weight axes that also appear in the activation (contracted or batch axes) go to ``lora_a``, followed by the
+rank axis ``r``; ``lora_b`` is ``r`` followed by the remaining (output) axes. Each factor takes the base
+weight's spec entry for the axes it inherits; the rank axis is never sharded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from gemport.errors import MeshError
+from gemport.sharding._specs import Spec, axes_of, padded, shards, spec_of
+
+# nnx.Linear computes x @ kernel with kernel (in, out): the same split as this einsum.
+LINEAR_EQUATION = "bi,io->bo"
+
+
+def lora_layout(equation: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The weight axes that ``lora_a`` and ``lora_b`` inherit, for the weight operand of ``equation``.
+
+    ``equation`` is ``"activation,weight->out"``. E.g. Tunix's ``q_einsum`` ``"BTD,NDH->BTNH"`` gives
+    ``((1,), (0, 2))``: lora_a is (D, r), lora_b is (r, N, H).
+    """
+    inputs = equation.replace(" ", "").split("->")[0]
+    lhs, rhs = inputs.split(",")
+    return tuple(i for i, c in enumerate(rhs) if c in lhs), tuple(i for i, c in enumerate(rhs) if c not in lhs)
+
+
+def lora_shapes(shape, equation: str, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of (lora_a, lora_b) for a base weight of ``shape``: (inherited..., r) and (r, rest...)."""
+    a_axes, b_axes = lora_layout(equation)
+    return tuple(shape[i] for i in a_axes) + (rank,), (rank,) + tuple(shape[i] for i in b_axes)
+
+
+def lora_specs(base_spec: Spec, ndim: int, equation: str) -> tuple[Spec, Spec]:
+    """Specs of (lora_a, lora_b) for a base weight of rank ``ndim`` annotated ``base_spec``.
+
+    E.g. ``kv_einsum`` (2, K, D, H) annotated (None, "tp", "fsdp", None) with ``"BSD,CKDH->CBSKH"`` gives
+    ("fsdp", None) for lora_a (D, r) and (None, None, "tp", None) for lora_b (r, 2, K, H).
+    """
+    base_spec = padded(base_spec, ndim)
+    a_axes, b_axes = lora_layout(equation)
+    return tuple(base_spec[i] for i in a_axes) + (None,), (None,) + tuple(base_spec[i] for i in b_axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraChange:
+    """One repaired LoRA annotation: ``path`` went from ``old`` to ``new`` spec, and why."""
+
+    path: str
+    shape: tuple[int, ...]
+    old: Spec
+    new: Spec
+    reason: str
+
+    def __str__(self):
+        return f"{self.path} {list(self.shape)}: {self.old} -> {self.new} ({self.reason})"
+
+
+def _equation(module, base_name: str, path: str) -> str:
+    if isinstance(module, nnx.Linear) and base_name == "kernel":
+        return LINEAR_EQUATION
+    if isinstance(getattr(module, "einsum_str", None), str) and base_name == "w":
+        return module.einsum_str
+    raise MeshError(
+        f"{path}: cannot tell which axes of {base_name!r} feed lora_a on a {type(module).__name__}; fix_lora "
+        "knows Tunix Einsum modules (weight 'w', equation 'einsum_str') and nnx.Linear (weight 'kernel')"
+    )
+
+
+def _divisible(spec: Spec, shape, mesh) -> tuple[Spec, list[str]]:
+    """``spec`` with every entry that does not divide its dimension (or names no mesh axis) replaced by None."""
+    sizes = dict(mesh.shape)
+    out, notes = [], []
+    for dim, (size, entry) in enumerate(zip(shape, spec)):
+        unknown = [a for a in axes_of(entry) if a not in sizes]
+        if unknown:
+            notes.append(f"dim {dim} names axis {unknown[0]!r} that mesh {tuple(sizes)} lacks: replicated")
+            entry = None
+        elif size % shards(entry, sizes):
+            notes.append(f"dim {dim} of size {size} does not divide by {entry}={shards(entry, sizes)}: replicated")
+            entry = None
+        out.append(entry)
+    return tuple(out), notes
+
+
+def _lora_params(module):
+    for name, value in vars(module).items():
+        if name.endswith("_lora_a") and isinstance(value, nnx.LoRAParam):
+            yield name[: -len("_lora_a")], value, getattr(module, name[: -len("_lora_a")] + "_lora_b")
+
+
+def fix_lora(model: nnx.Module, mesh: jax.sharding.Mesh) -> tuple[LoraChange, ...]:
+    """Repair the sharding annotations (and placement) of every Qwix LoRA param of ``model`` in place.
+
+    For each ``<w>_lora_a`` / ``<w>_lora_b`` pair the wanted spec is derived from the base weight's
+    ``out_sharding`` and the module's contraction (``lora_specs``); any entry whose axes do not divide its
+    dimension on ``mesh``, or that names an axis ``mesh`` lacks, is replicated (that dimension only). A
+    param whose annotation differs is re-annotated and, when it holds a concrete array, moved to
+    ``NamedSharding(mesh, new_spec)``.
+
+    Returns:
+      One ``LoraChange`` per param re-annotated or moved, and per param with a dimension left replicated
+      because it does not divide (even if it already was): old and new spec and the reason. () if every
+      LoRA param already matched its base weight.
+    """
+    if not isinstance(model, nnx.Module):
+        raise MeshError(
+            f"fix_lora needs the model (an nnx.Module), got {type(model).__name__}: the einsum equations that "
+            "decide each LoRA factor's layout live on the modules, not in a state"
+        )
+    changes = []
+    for module_path, module in nnx.iter_modules(model):
+        for base_name, lora_a, lora_b in _lora_params(module):
+            prefix = ".".join(map(str, module_path))
+            base = getattr(module, base_name)
+            shape = base.get_value().shape
+            base_spec = spec_of(base)
+            if len(base_spec) > len(shape):
+                raise MeshError(
+                    f"{prefix}.{base_name}: base weight of shape {list(shape)} is annotated {base_spec}, longer "
+                    "than its rank; fix the base weight's annotation first (see gemport.sharding.audit)"
+                )
+            wanted = lora_specs(base_spec, len(shape), _equation(module, base_name, prefix))
+            for suffix, var, spec in (("_lora_a", lora_a, wanted[0]), ("_lora_b", lora_b, wanted[1])):
+                change = _apply(f"{prefix}.{base_name}{suffix}", var, spec, mesh)
+                if change is not None:
+                    changes.append(change)
+    return tuple(changes)
+
+
+def _apply(path: str, var: nnx.Variable, wanted: Spec, mesh) -> LoraChange | None:
+    value = var.get_value()
+    spec, notes = _divisible(wanted, value.shape, mesh)
+    old = spec_of(var)
+    sharding = NamedSharding(mesh, PartitionSpec(*spec))
+    misplaced = isinstance(value, jax.Array) and not value.sharding.is_equivalent_to(sharding, value.ndim)
+    if len(old) > value.ndim:
+        reason = f"spec of length {len(old)} on a rank-{value.ndim} array"
+    elif padded(old, value.ndim) != spec:
+        reason = "differs from the base weight's layout"
+    elif misplaced:
+        reason = f"array was placed as {value.sharding}"
+    elif notes:
+        reason = "annotation already replicated there"
+    else:
+        return None
+    var.set_metadata("out_sharding", spec)
+    if misplaced:
+        var.set_value(jax.device_put(value, sharding))
+    return LoraChange(path, tuple(value.shape), old, spec, "; ".join([reason, *notes]))
