@@ -9,10 +9,10 @@ them.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
+from flax import nnx
 
 from gemport.checkpoint.load import path_str
 from gemport.errors import CheckpointError, LoraError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError
@@ -33,13 +33,11 @@ def lora_params(source, *, step: int | None = None) -> dict[str, np.ndarray]:
     """
     if isinstance(source, (str, os.PathLike)):
         return read_orbax(source, step=step)
-    if isinstance(source, Mapping) and not hasattr(source, "flat_state"):
-        return {k: np.asarray(v) for k, v in source.items()}
-    from flax import nnx
-
-    state = nnx.state(source, nnx.LoRAParam) if isinstance(source, nnx.Module) else source
-    flat = {path_str(p): v.get_value() if hasattr(v, "get_value") else v for p, v in nnx.to_flat_state(state)}
-    return {k: np.asarray(v) for k, v in flat.items() if k.endswith(("_lora_a", "_lora_b"))}
+    if isinstance(source, nnx.Module):
+        source = nnx.state(source, nnx.LoRAParam)
+    if isinstance(source, nnx.State):
+        source = {path_str(p): v.get_value() for p, v in nnx.to_flat_state(source)}
+    return {k: np.asarray(v) for k, v in source.items() if k.endswith(("_lora_a", "_lora_b"))}
 
 
 def params_dir(path: str | os.PathLike, *, step: int | None = None) -> Path:

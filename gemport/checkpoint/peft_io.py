@@ -15,6 +15,7 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+from flax import nnx
 
 from gemport import names
 from gemport.checkpoint.adapters import match, resolve
@@ -97,8 +98,6 @@ def import_peft(adapter_dir: str | Path, spec: GemmaSpec):
       ``LoraError`` for configs Qwix cannot reproduce or NaN/Inf weights; ``MissingTensorError``,
       ``UnexpectedTensorError`` (e.g. vision-tower adapters), ``ShapeMismatchError`` naming the tensor.
     """
-    from flax import nnx
-
     directory = Path(adapter_dir)
     for file in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
         if not (directory / file).is_file():
