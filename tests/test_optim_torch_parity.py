@@ -144,7 +144,8 @@ def test_200_steps_match_hf_trainer(model, gradients, tmp_path, case, max_grad_n
         adam_beta2=0.98,
         adam_epsilon=1e-7,
         max_grad_norm=max_grad_norm,
-        optim="adamw_torch_fused" if max_grad_norm else "adamw_torch",
+        # HF's default optim; fused AdamW is slow on CPU, so only one case runs it.
+        optim="adamw_torch_fused" if case == "linear" else "adamw_torch",
         **CASES[case],
     )
     expected, hf_lrs = hf_run(model, args, gradients)
@@ -159,7 +160,9 @@ def test_200_steps_match_hf_trainer(model, gradients, tmp_path, case, max_grad_n
 
 def test_decaying_norms_and_biases_too_misses_the_tolerance(model, gradients, tmp_path):
     """The tolerance tells HF's step from optax.adamw without HF's exclusions."""
-    args = TrainingArguments(output_dir=str(tmp_path), learning_rate=1e-2, weight_decay=0.1, warmup_steps=20)
+    args = TrainingArguments(
+        output_dir=str(tmp_path), learning_rate=1e-2, weight_decay=0.1, warmup_steps=20, optim="adamw_torch"
+    )
     expected, _ = hf_run(model, args, gradients)
     start = initial(model)
     _, schedule = from_hf(args, num_training_steps=STEPS)
@@ -169,7 +172,7 @@ def test_decaying_norms_and_biases_too_misses_the_tolerance(model, gradients, tm
 
 def test_clipping_changes_the_trajectory(model, gradients, tmp_path):
     """Clipping at 1.0 acts on these gradients, so the clipped cases test the clipping rule."""
-    base = dict(output_dir=str(tmp_path), learning_rate=1e-2, warmup_steps=20)
+    base = dict(output_dir=str(tmp_path), learning_rate=1e-2, warmup_steps=20, optim="adamw_torch")
     clipped, _ = hf_run(model, TrainingArguments(max_grad_norm=1.0, **base), gradients)
     unclipped, _ = hf_run(model, TrainingArguments(max_grad_norm=0.0, **base), gradients)
     assert relative_error(unclipped, clipped) > 100 * TOLERANCE
