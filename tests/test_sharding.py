@@ -267,3 +267,16 @@ def test_optimizer_shardings_refuses_unmatched_state(sharded, mesh):
     params = nnx.state(sharded, nnx.LoRAParam)
     with pytest.raises(MeshError, match="matches no param"):
         optimizer_shardings(optax.adafactor(1e-3, min_dim_size_to_factor=2), params)
+
+
+def test_memory_plan_skips_kv_shared_layers_as_qwix_does(tmp_path):
+    # gemma4_ple: the last two layers reuse earlier K/V, so their kv_einsum never runs and gets no LoRA.
+    tiny.causal_lm("gemma4_ple").save_pretrained(tmp_path)
+    model = load_tunix_model(tmp_path)
+    provider = qwix.LoraProvider(module_path=TARGETS, rank=RANK, alpha=8.0)
+    model = qwix.apply_lora_to_model(model, provider, rngs=nnx.Rngs(1), **model.get_model_input())
+    lora = nnx.state(model, nnx.LoRAParam)
+    assert not any("layers.6.attn.kv_einsum" in ".".join(map(str, p)) for p, _ in nnx.to_flat_state(lora))
+    plan = memory_plan(GemmaSpec.from_hf(tmp_path), 1, 1, lora_rank=RANK, param_dtype="float32", targets=TARGETS)
+    assert plan.lora_bytes == sum(x.nbytes for x in jax.tree.leaves(lora))
+    assert plan.base_bytes == sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Not(nnx.LoRAParam))))
