@@ -113,6 +113,12 @@ def test_what_it_cannot_reproduce_is_an_error(fields, match):
     assert isinstance(error.value, GemportError)
 
 
+def test_a_trl_sft_config_is_read_with_its_own_defaults(tmp_path):
+    trl = pytest.importorskip("trl")
+    config = trl.SFTConfig(output_dir=str(tmp_path), bf16=False, lr_scheduler_type="constant")
+    assert float(from_hf(config, num_training_steps=STEPS).schedule(0)) == np.float32(2e-5)
+
+
 def test_enum_fields_of_training_arguments_are_read(tmp_path):
     args = training_args(tmp_path, optim="sgd")
     with pytest.raises(OptimizerConfigError, match="'sgd'"):
