@@ -105,6 +105,8 @@ def test_params_fix_the_mask_now():
         ({"average_tokens_across_devices": False}, "average_tokens_across_devices"),
         ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps"),
         ({"warmup_steps": -1}, "warmup_steps"),
+        ({"learning_rate": "2e-4"}, "learning_rate must be a number.*'2e-4'"),
+        ({"warmup_ratio": "0.1"}, "warmup_ratio must be a number"),
     ],
 )
 def test_what_it_cannot_reproduce_is_an_error(fields, match):

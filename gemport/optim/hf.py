@@ -43,6 +43,8 @@ _MUST_BE_DEFAULT = {
     ),
 }
 
+_NUMBERS = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "warmup_steps")
+
 # torch.optim.AdamW under both names; Optax's adamw computes the same update.
 _OPTIMS = ("adamw_torch", "adamw_torch_fused")
 
@@ -111,6 +113,10 @@ def from_hf(training_args_or_dict, *, num_training_steps, params=None):
     for name, (default, reason) in _MUST_BE_DEFAULT.items():
         if fields[name] != default:
             raise OptimizerConfigError(f"{name}={fields[name]!r} is not supported ({reason}); leave it at {default!r}.")
+    for name in _NUMBERS + (("warmup_ratio",) if fields["warmup_ratio"] is not None else ()):
+        if isinstance(fields[name], bool) or not isinstance(fields[name], (int, float)):
+            # PyYAML reads 2e-4 (no dot) as a string: the usual way a recipe gets here.
+            raise OptimizerConfigError(f"{name} must be a number, got {fields[name]!r}.")
     scheduler_kwargs = fields["lr_scheduler_kwargs"] or {}
     if not isinstance(scheduler_kwargs, Mapping):
         raise OptimizerConfigError(f"lr_scheduler_kwargs must be a dict, got {scheduler_kwargs!r}.")
@@ -134,7 +140,7 @@ def from_hf(training_args_or_dict, *, num_training_steps, params=None):
         mask=decay_mask if params is None else decay_mask(params),
     )
     max_grad_norm = fields["max_grad_norm"]
-    tx = optax.chain(clip_grad_norm(max_grad_norm), adamw) if max_grad_norm and max_grad_norm > 0 else adamw
+    tx = optax.chain(clip_grad_norm(max_grad_norm), adamw) if max_grad_norm > 0 else adamw
     if accumulation > 1:
         tx = accumulate_tokens(tx, accumulation)
     return HFOptimizer(tx, schedule)
