@@ -73,7 +73,8 @@ def test_a_dict_of_fields_is_the_same_training_arguments(tmp_path):
 
 
 def test_weight_decay_spares_norms():
-    tx = from_hf({"weight_decay": 0.5, "learning_rate": 0.1, "lr_scheduler_type": "constant"}, num_training_steps=STEPS).tx
+    recipe = {"weight_decay": 0.5, "learning_rate": 0.1, "lr_scheduler_type": "constant"}
+    tx = from_hf(recipe, num_training_steps=STEPS).tx
     params = {"layer.weight": jnp.ones(4), "layer.norm.weight": jnp.ones(4)}
     zeros = jax.tree.map(jnp.zeros_like, params)
     updates, _ = tx.update(zeros, tx.init(params), params)

@@ -41,7 +41,9 @@ def test_tunix_paths_exclude_exactly_the_norm_scales_and_skip_scale(extra):
     }
     # Found by module type, not by name: every RMSNorm's scale, and the Param Tunix uses for HF's
     # layer_scalar buffer.
-    norm_scales = {f"{dotted(path)}.scale" for path, node in nnx.iter_graph(model) if isinstance(node, gemma4.RMSNorm)}
+    norm_scales = {
+        f"{dotted(path)}.scale" for path, node in nnx.iter_graph(model) if isinstance(node, gemma4.RMSNorm)
+    }
     skip_scales = {f"layers.{i}.skip_scale" for i in range(TINY["num_layers"])}
     assert excluded == norm_scales | skip_scales
     assert {"final_norm.scale", "layers.0.pre_attention_norm.scale", "layers.0.attn._query_norm.scale"} <= excluded
@@ -49,7 +51,8 @@ def test_tunix_paths_exclude_exactly_the_norm_scales_and_skip_scale(extra):
 
 @pytest.fixture(scope="module")
 def lora_model():
-    model = gemma4.Gemma4(gemma4.ModelConfig(**{**TINY, "num_layers": 1, "per_layer_input_dim": 0}), rngs=nnx.Rngs(0))
+    config = gemma4.ModelConfig(**{**TINY, "num_layers": 1, "per_layer_input_dim": 0})
+    model = gemma4.Gemma4(config, rngs=nnx.Rngs(0))
     provider = qwix.LoraProvider(module_path=".*q_einsum|.*gate_proj", rank=2, alpha=4.0)
     return qwix.apply_lora_to_model(model, provider, rngs=nnx.Rngs(1), **model.get_model_input())
 
@@ -74,7 +77,8 @@ TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, TINY["num_embed"], (2,
 
 def test_lora_factors_are_decayed(lora_model):
     lora = pure(lora_model, nnx.LoRAParam)
-    names = [jax.tree_util.keystr(p, simple=True, separator=".") for p, _ in jax.tree_util.tree_leaves_with_path(lora)]
+    paths = [path for path, _ in jax.tree_util.tree_leaves_with_path(lora)]
+    names = [jax.tree_util.keystr(path, simple=True, separator=".") for path in paths]
     assert "layers.0.attn.q_einsum.w_lora_a" in names
     assert all(jax.tree.leaves(decay_mask(lora)))
 
@@ -93,9 +97,10 @@ def test_nnx_optimizer_over_lora_params_steps_like_the_transformation(lora_model
         expected_params = optax.apply_updates(expected_params, updates)
         optimizer.update(model, grads)
 
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), pure(model, nnx.LoRAParam), expected_params)
+    lora_after = pure(model, nnx.LoRAParam)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), lora_after, expected_params)
     jax.tree.map(np.testing.assert_array_equal, pure(model, BASE), base_before)
-    moved = jax.tree.leaves(jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), pure(model, nnx.LoRAParam), lora_before))
+    moved = jax.tree.leaves(jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), lora_after, lora_before))
     assert max(moved) > 1e-3
 
 
@@ -106,7 +111,8 @@ def test_decay_reaches_lora_params_through_nnx_optimizer(lora_model):
     optimizer = nnx.Optimizer(model, from_hf(recipe, num_training_steps=10).tx, wrt=nnx.LoRAParam)
     before = pure(model, nnx.LoRAParam)
     optimizer.update(model, jax.tree.map(jnp.zeros_like, nnx.state(model, nnx.LoRAParam)))
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b * (1 - 1e-2 * 0.1), rtol=1e-6), pure(model, nnx.LoRAParam), before)
+    decayed = pure(model, nnx.LoRAParam)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b * (1 - 1e-2 * 0.1), rtol=1e-6), decayed, before)
 
 
 def test_accumulation_passes_num_tokens_through_nnx_optimizer(lora_model):
@@ -118,4 +124,5 @@ def test_accumulation_passes_num_tokens_through_nnx_optimizer(lora_model):
     optimizer.update(model, grads, num_tokens=10)
     jax.tree.map(np.testing.assert_array_equal, pure(model, nnx.LoRAParam), before)
     optimizer.update(model, grads, num_tokens=10)
-    assert any(bool(jnp.any(a != b)) for a, b in zip(jax.tree.leaves(pure(model, nnx.LoRAParam)), jax.tree.leaves(before)))
+    after = jax.tree.leaves(pure(model, nnx.LoRAParam))
+    assert any(bool(jnp.any(a != b)) for a, b in zip(after, jax.tree.leaves(before)))

@@ -43,7 +43,15 @@ _MUST_BE_DEFAULT = {
     ),
 }
 
-_NUMBERS = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "warmup_steps")
+_NUMBERS = (
+    "learning_rate",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
+    "max_grad_norm",
+    "warmup_steps",
+)
 
 # torch.optim.AdamW under both names; Optax's adamw computes the same update.
 _OPTIMS = ("adamw_torch", "adamw_torch_fused")
@@ -109,10 +117,14 @@ def from_hf(training_args_or_dict, *, num_training_steps, params=None):
     """
     fields = _fields(training_args_or_dict)
     if fields["optim"] not in _OPTIMS:
-        raise OptimizerConfigError(f"optim {fields['optim']!r} is not supported; gemport reproduces {list(_OPTIMS)}.")
+        raise OptimizerConfigError(
+            f"optim {fields['optim']!r} is not supported; gemport reproduces {list(_OPTIMS)}."
+        )
     for name, (default, reason) in _MUST_BE_DEFAULT.items():
         if fields[name] != default:
-            raise OptimizerConfigError(f"{name}={fields[name]!r} is not supported ({reason}); leave it at {default!r}.")
+            raise OptimizerConfigError(
+                f"{name}={fields[name]!r} is not supported ({reason}); leave it at {default!r}."
+            )
     for name in _NUMBERS + (("warmup_ratio",) if fields["warmup_ratio"] is not None else ()):
         if isinstance(fields[name], bool) or not isinstance(fields[name], (int, float)):
             # PyYAML reads 2e-4 (no dot) as a string: the usual way a recipe gets here.

@@ -125,10 +125,8 @@ def hf_schedule(lr_scheduler_type, *, learning_rate, num_training_steps, num_war
             )
         kwargs["learning_rate"] = learning_rate
 
-    table = np.array(
-        [learning_rate * factor(t, num_warmup_steps, num_training_steps, **kwargs) for t in range(num_training_steps)],
-        dtype=np.float32,
-    )
+    factors = [factor(t, num_warmup_steps, num_training_steps, **kwargs) for t in range(num_training_steps)]
+    table = np.array([learning_rate * f for f in factors], dtype=np.float32)
 
     def schedule(count):
         return jnp.asarray(table)[jnp.minimum(count, num_training_steps - 1)]
