@@ -115,6 +115,18 @@ def test_from_hf_accumulation_equals_single_batch_steps(params):
     assert relative_error(params, reference) > 1e-3
 
 
+def test_state_keeps_the_parameters_dtype_under_scan():
+    params = {"w": jnp.ones(4, jnp.bfloat16)}
+    tx = accumulate_tokens(optax.sgd(0.1), 2)
+
+    def step(state, grads):
+        _, state = tx.update(grads, state, params, num_tokens=2)
+        return state, None
+
+    state, _ = jax.lax.scan(step, tx.init(params), {"w": jnp.ones((3, 4), jnp.float32)})
+    assert state.grad_sum["w"].dtype == jnp.bfloat16
+
+
 def test_num_tokens_is_required(params):
     tx = from_hf({"gradient_accumulation_steps": 2}, num_training_steps=4).tx
     with pytest.raises(TypeError, match="num_tokens"):

@@ -28,7 +28,8 @@ def accumulate_tokens(inner, steps):
     gradient of the micro-batch's *summed* token loss and ``n`` its number of trained tokens. Every
     ``steps``-th call applies ``inner`` to ``sum(grads) / sum(n)`` and returns its updates; the
     other calls return zeros and leave ``inner``'s state (its step count, hence its learning-rate
-    schedule) untouched. Other keyword arguments are passed on to ``inner``.
+    schedule) untouched. Other keyword arguments are passed on to ``inner``. The running sum is kept
+    in the parameters' dtype, as torch accumulates ``.grad``; updates come in the gradients' dtype.
     """
 
     def init(params):
@@ -40,13 +41,16 @@ def accumulate_tokens(inner, steps):
         )
 
     def update(updates, state, params=None, *, num_tokens, **extra_args):
-        grad_sum = jax.tree.map(jnp.add, state.grad_sum, updates)
+        # Sums stay in the parameters' dtype, as torch accumulates .grad, so the state's type is fixed.
+        grad_sum = jax.tree.map(lambda s, g: (s + g).astype(s.dtype), state.grad_sum, updates)
         total = state.num_tokens + jnp.asarray(num_tokens, jnp.int32)
         last = state.micro_step == steps - 1
 
         def apply():
             mean = jax.tree.map(lambda g: g / total, grad_sum)
-            return inner.update(mean, state.inner_state, params, **extra_args)
+            inner_updates, inner_state = inner.update(mean, state.inner_state, params, **extra_args)
+            # Both branches of the cond must agree on dtypes: every call returns the gradients' dtype.
+            return jax.tree.map(lambda u, g: u.astype(g.dtype), inner_updates, updates), inner_state
 
         def hold():
             return jax.tree.map(jnp.zeros_like, updates), state.inner_state
