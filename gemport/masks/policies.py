@@ -15,7 +15,7 @@ class MaskPolicy:
     """A named loss-mask policy.
 
     train: ``"assistant"`` trains every assistant turn; ``"all"`` trains every user and assistant
-        turn; ``"last_assistant"`` trains the last turn that has assistant output only.
+        turn; ``"last_assistant"`` trains only the last turn that has assistant output.
     reasoning: also train the ``<|channel>thought ... <channel|>`` blocks of trained turns
         (default False: reasoning is context, not a target).
 
