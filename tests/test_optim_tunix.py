@@ -39,12 +39,11 @@ def test_tunix_paths_exclude_exactly_the_norm_scales_and_skip_scale(extra):
         for path, decayed in jax.tree_util.tree_leaves_with_path(mask)
         if not decayed
     }
-    # Found by module type, not by name: every RMSNorm's scale, and the Param Tunix uses for HF's
-    # layer_scalar buffer.
-    norm_scales = {
-        f"{dotted(path)}.scale" for path, node in nnx.iter_graph(model) if isinstance(node, gemma4.RMSNorm)
-    }
-    skip_scales = {f"layers.{i}.skip_scale" for i in range(TINY["num_layers"])}
+    # Found by module type, not by name: every RMSNorm's scale, and each decoder layer's Param that
+    # stands for HF's layer_scalar buffer.
+    modules = list(nnx.iter_graph(model))
+    norm_scales = {f"{dotted(path)}.scale" for path, node in modules if isinstance(node, gemma4.RMSNorm)}
+    skip_scales = {f"{dotted(path)}.skip_scale" for path, node in modules if isinstance(node, gemma4.DecoderLayer)}
     assert excluded == norm_scales | skip_scales
     assert {"final_norm.scale", "layers.0.pre_attention_norm.scale", "layers.0.attn._query_norm.scale"} <= excluded
 
