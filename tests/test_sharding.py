@@ -223,7 +223,7 @@ def test_memory_plan_equals_bytes_of_sharded_arrays(trained, spec, mesh):
             if s.device == device
         )
 
-    base = nnx.state(model, nnx.Not(nnx.LoRAParam))
+    base = nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
     assert plan.base_bytes == on_device0(base)
     assert plan.lora_bytes == on_device0(nnx.state(model, nnx.LoRAParam))
     adam = optimizer.opt_state[0]
@@ -272,11 +272,17 @@ def test_optimizer_shardings_refuses_unmatched_state(sharded, mesh):
 def test_memory_plan_skips_kv_shared_layers_as_qwix_does(tmp_path):
     # gemma4_ple: the last two layers reuse earlier K/V, so their kv_einsum never runs and gets no LoRA.
     tiny.causal_lm("gemma4_ple").save_pretrained(tmp_path)
-    model = load_tunix_model(tmp_path)
-    provider = qwix.LoraProvider(module_path=TARGETS, rank=RANK, alpha=8.0)
-    model = qwix.apply_lora_to_model(model, provider, rngs=nnx.Rngs(1), **model.get_model_input())
+    spec = GemmaSpec.from_hf(tmp_path)
+
+    def build():
+        model = spec.tunix_model_class()(spec.to_tunix(), rngs=nnx.Rngs(0))
+        provider = qwix.LoraProvider(module_path=TARGETS, rank=RANK, alpha=8.0)
+        return qwix.apply_lora_to_model(model, provider, rngs=nnx.Rngs(1), **model.get_model_input())
+
+    model = nnx.eval_shape(build)
     lora = nnx.state(model, nnx.LoRAParam)
     assert not any("layers.6.attn.kv_einsum" in ".".join(map(str, p)) for p, _ in nnx.to_flat_state(lora))
-    plan = memory_plan(GemmaSpec.from_hf(tmp_path), 1, 1, lora_rank=RANK, param_dtype="float32", targets=TARGETS)
-    assert plan.lora_bytes == sum(x.nbytes for x in jax.tree.leaves(lora))
-    assert plan.base_bytes == sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Not(nnx.LoRAParam))))
+    plan = memory_plan(spec, 1, 1, lora_rank=RANK, param_dtype="float32", targets=TARGETS)
+    nbytes = lambda state: sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state))  # noqa: E731
+    assert plan.lora_bytes == nbytes(lora)
+    assert plan.base_bytes == nbytes(nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))))
