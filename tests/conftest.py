@@ -3,8 +3,10 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# On a busy 2-core machine one simulated device can reach an all-reduce long after the others: allow it.
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_force_host_platform_device_count=8 --xla_cpu_collective_call_terminate_timeout_seconds=900"
 ).strip()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -1,0 +1,222 @@
+"""The published Gemma 4 31B LoRA recipe, ported GPU -> TPU with gemport, in miniature.
+
+By default it builds a tiny random Gemma 4 with the 31B layout (k_eq_v global layers with fewer KV heads,
+5 sliding : 1 global) and runs on 8 simulated CPU devices in a few minutes. ``--hf-dir`` takes a real
+checkpoint (with its tokenizer) and ``--fsdp/--tp`` a real TPU slice's mesh. Every step prints what it did.
+
+    python examples/port_gemma4.py [--out DIR] [--steps 40] [--hf-dir DIR --fsdp 1 --tp 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+if "jax" not in sys.modules and not os.environ.get("JAX_PLATFORMS"):
+    # 8 simulated devices on the host CPU; on a busy 2-core machine one device can reach an all-reduce long
+    # after the others, so XLA's 40 s stuck-collective abort is raised.
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + (
+        " --xla_force_host_platform_device_count=8 --xla_cpu_collective_call_terminate_timeout_seconds=900"
+    )
+
+DATA = Path(__file__).parent / "data" / "verilog_chat.jsonl"
+
+# The GPU recipe, as the TRL/PEFT run configured it.
+PEFT_CONFIG = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "lora_dropout": 0.0,
+               "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+TRAINING_ARGS = {"learning_rate": 3e-3, "lr_scheduler_type": "cosine", "warmup_ratio": 0.1, "weight_decay": 0.01,
+                 "max_grad_norm": 1.0, "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_epsilon": 1e-8}
+
+# Tiny, but shaped like 31B: 8 query heads, 8 sliding KV heads, 4 global K-only heads (so tp=8 fails, as on 31B).
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=8,
+            num_key_value_heads=8, head_dim=16, global_head_dim=32, num_global_key_value_heads=4,
+            attention_k_eq_v=True, sliding_window=64, hidden_size_per_layer_input=0, final_logit_softcapping=30.0)
+
+
+
+def step(n: int, text: str) -> None:
+    print(f"\n[{n}/9] {text}", flush=True)
+
+
+def tiny_checkpoint(out: Path, conversations: list) -> None:
+    """A random Gemma4ForCausalLM with the 31B layout, saved with a BPE tokenizer trained on the chats."""
+    import tokenizers
+    import torch
+    import transformers
+
+    from gemport.masks import Gemma4
+
+    texts = [m["content"] + " " + m.get("reasoning", "") for c in conversations for m in c]
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=TINY["vocab_size"], special_tokens=["<pad>", "<eos>", "<unk>", *Gemma4.control_tokens],
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(texts, trainer)
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<bos>", eos_token="<eos>",
+                                                     pad_token="<pad>", unk_token="<unk>")
+    ids = tokenizer.convert_tokens_to_ids
+    config = transformers.Gemma4TextConfig(**TINY, pad_token_id=ids("<pad>"), eos_token_id=ids("<turn|>"),
+                                           bos_token_id=ids("<bos>"))
+    torch.manual_seed(0)
+    model = transformers.Gemma4ForCausalLM(config)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def batches(rows: dict, batch_size: int, steps: int):
+    """``steps`` batches of packed rows, cycling through them."""
+    n = len(rows["tokens"])
+    for i in range(steps):
+        index = [(i * batch_size + j) % n for j in range(batch_size)]
+        yield {k: v[index] for k, v in rows.items()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="working directory (default: a new temporary one)")
+    parser.add_argument("--hf-dir", type=Path, help="a real Gemma 4 checkpoint with its tokenizer")
+    parser.add_argument("--fsdp", type=int)
+    parser.add_argument("--tp", type=int)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=256)
+    args = parser.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+    import transformers
+    from flax import nnx
+    from tqdm.auto import tqdm
+    from tunix.sft import checkpoint_manager
+
+    from gemport import MeshError, masks, optim
+    from gemport.checkpoint import export_merged, export_peft, load_tunix_model, save_lora_spec
+    from gemport.lora import LoraSpec, apply_lora
+    from gemport.lora import targets as lora_targets
+    from gemport.mesh import make_mesh, valid_meshes
+    from gemport.sharding import audit, fix_lora
+    from gemport.specs import GemmaSpec
+    from gemport.verify import compare_logits
+
+    work = args.out or Path(tempfile.mkdtemp(prefix="gemport-demo-"))
+    work.mkdir(parents=True, exist_ok=True)
+    conversations = [json.loads(line)["messages"] for line in DATA.read_text().splitlines()]
+
+    step(1, "Base checkpoint")
+    base = args.hf_dir
+    if base is None:
+        base = work / "base"
+        shutil.rmtree(base, ignore_errors=True)
+        tiny_checkpoint(base, conversations)
+        print(f"built a random Gemma4ForCausalLM with the 31B layout at {base}")
+    spec = GemmaSpec.from_hf(base)
+    print(f"GemmaSpec: {spec.num_layers} layers, {spec.num_heads} query heads, KV heads {spec.num_kv_heads} "
+          f"(sliding) / {spec.global_kv_heads} (global, k_eq_v={spec.k_eq_v}), global layers {spec.layers_of('global')}")
+
+    step(2, "Mesh and memory plan")
+    devices = jax.devices()
+    try:
+        make_mesh(spec, tp=len(devices))
+    except MeshError as e:
+        print(f"tp={len(devices)} refused before compiling:\n  {e}")
+    mesh = make_mesh(spec, fsdp=args.fsdp, tp=args.tp)
+    print(f"mesh: {dict(mesh.shape)} on {len(devices)} {devices[0].platform} devices")
+    lora_spec = LoraSpec.from_peft(PEFT_CONFIG)
+    for plan in valid_meshes(spec, len(devices), lora_rank=lora_spec.rank, param_dtype="float32"):
+        print(f"  {plan}")
+
+    step(3, "Load the base into Tunix, add LoRA from the PEFT config")
+    with jax.set_mesh(mesh):
+        model = load_tunix_model(base, mesh=mesh, dtype=jnp.float32)
+        hit = sorted({t.module.rsplit(".", 1)[-1] for t in lora_targets(spec, lora_spec.targets)})
+        print(f"PEFT {PEFT_CONFIG['target_modules']} r={lora_spec.rank} alpha={lora_spec.alpha} -> Qwix on {hit}")
+        model = apply_lora(model, spec, lora_spec)
+        for change in fix_lora(model, mesh):
+            print(f"  fix_lora: {change}")
+        report = audit(model, mesh)
+        print(f"audit: {len(report)} params, {len(report.problems)} findings, "
+              f"{report.bytes_per_device / 2**20:.2f} MiB per device")
+
+    step(4, "Chat data -> masked, packed rows")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(base)
+    chat = masks.Gemma4(thinking=True, keep_reasoning=True)
+    examples, truncation = masks.build(conversations, tokenizer, chat, masks.MaskPolicy(),
+                                       masks.Truncation(max_len=args.seq_len))
+    rows = masks.pack([e.tokens for e in examples], [e.loss_mask for e in examples], args.seq_len)
+    trained = int(rows["loss_mask"].sum())
+    print(f"{len(examples)} conversations -> {len(rows['tokens'])} rows of {args.seq_len} tokens; "
+          f"{trained} trained targets (assistant answers and <turn|>; system, user, headers and reasoning "
+          f"masked); padding {1 - (rows['segment_ids'] > 0).mean():.1%}")
+    print(f"truncation: {truncation}")
+
+    def scoped_losses(model):
+        inputs = masks.tunix_inputs(**{k: v[:args.batch_size] for k, v in rows.items()})
+        logits, _ = model(inputs["input_tokens"], inputs["positions"], None, inputs["attention_mask"])
+        scopes = masks.loss_scopes(logits, rows["tokens"][:args.batch_size], rows["loss_mask"][:args.batch_size],
+                                   rows["segment_ids"][:args.batch_size])
+        return float(scopes["masked"]), float(scopes["full_sequence"])
+
+    step(5, "Optimizer from HF TrainingArguments")
+    hf_optimizer = optim.from_hf(TRAINING_ARGS, num_training_steps=args.steps)
+    print(f"{TRAINING_ARGS}\n-> optax: clip (torch rule) + adamw, lr at steps 0/{args.steps // 2}/{args.steps - 1}: "
+          + ", ".join(f"{float(hf_optimizer.schedule(s)):.2e}" for s in (0, args.steps // 2, args.steps - 1)))
+
+    step(6, "Train (an nnx loop; checkpoints written by Tunix's CheckpointManager, as PeftTrainer does)")
+    root = work / "checkpoints"
+    shutil.rmtree(root, ignore_errors=True)
+
+    @nnx.jit
+    def train_step(model, optimizer, batch):
+        def loss_fn(model):
+            inputs = masks.tunix_inputs(**batch)
+            logits, _ = model(inputs["input_tokens"], inputs["positions"], None, inputs["attention_mask"])
+            return masks.masked_cross_entropy(logits, batch["tokens"], batch["loss_mask"])
+
+        loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    with jax.set_mesh(mesh):
+        before = scoped_losses(model)
+        optimizer = nnx.Optimizer(model, hf_optimizer.tx, wrt=nnx.LoRAParam)
+        checkpoints = checkpoint_manager.CheckpointManager(str(root))
+        for batch in tqdm(batches(rows, args.batch_size, args.steps), total=args.steps, desc="train"):
+            train_step(model, optimizer, batch)
+        checkpoints.save(args.steps, model, optimizer, save_only_lora_params=True, force=True)
+        checkpoints.close()
+        after = scoped_losses(model)
+    save_lora_spec(root, lora_spec)
+    print(f"assistant-only loss {before[0]:.3f} -> {after[0]:.3f}; full-sequence loss {before[1]:.3f} -> "
+          f"{after[1]:.3f} (report both: they are different numbers for the same model)")
+    print(f"Orbax checkpoint: {sorted(p.name for p in root.iterdir())}")
+
+    step(7, "Export: merged HF safetensors (for vLLM) and a PEFT adapter")
+    merged = work / "merged"
+    adapter = work / "adapter"
+    for path in (merged, adapter):
+        shutil.rmtree(path, ignore_errors=True)
+    export_merged(base, root, merged)
+    export_peft(root, adapter, spec=spec, base_model_name_or_path=str(base))
+    print(f"merged: {merged}\nadapter: {adapter} ({sorted(p.name for p in adapter.iterdir())})")
+
+    step(8, "Check: transformers on the exports vs the trained Tunix model")
+    with jax.set_mesh(mesh):
+        reports = {"merged": compare_logits(merged, model), "peft": compare_logits(base, model, adapter_dir=adapter)}
+    for name, report in reports.items():
+        print(f"{name}: {report}")
+
+    step(9, "Done")
+    ok = all(r.ok for r in reports.values()) and after[0] < before[0]
+    print(f"{'PASS' if ok else 'FAIL'}: outputs in {work}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
