@@ -286,3 +286,36 @@ def test_memory_plan_skips_kv_shared_layers_as_qwix_does(tmp_path):
     nbytes = lambda state: sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state))  # noqa: E731
     assert plan.lora_bytes == nbytes(lora)
     assert plan.base_bytes == nbytes(nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))))
+
+
+def test_audit_findings_and_table(mesh):
+    arrays = {
+        "long": ((8, 4), ("fsdp", None, "tp")),
+        "unknown": ((8, 4), ("data", None)),
+        "odd": ((6, 4), ("tp",)),
+        "big": ((512, 512), ()),
+        "moved": ((8, 4), ("fsdp", None)),
+        "ok": ((8, 4), ("fsdp", "tp")),
+    }
+    state = {}
+    for name, (shape, spec) in arrays.items():
+        placed = PartitionSpec("fsdp", "tp") if name == "ok" else PartitionSpec()
+        state[name] = nnx.Param(jax.device_put(jnp.ones(shape), NamedSharding(mesh, placed)))
+        state[name].set_metadata("out_sharding", spec)
+    report = audit(nnx.State(state), mesh)
+    findings = {r.path: r.findings for r in report}
+    assert findings["long"] == ("spec longer than rank (3 > 2)",)
+    assert findings["unknown"] == ("unknown axis 'data' (mesh has fsdp, tp)",)
+    assert findings["odd"] == ("indivisible: dim 0 of size 6 by tp=4",)
+    assert findings["big"] == ("large tensor replicated (1,048,576 bytes on every device)",)
+    assert findings["moved"][0].startswith("placed as NamedSharding") and "spec=P()" in findings["moved"][0]
+    assert findings["ok"] == ()
+    # Bytes per device: indivisible dims padded as JAX does (ceil(6 / 4) = 2 rows of 4 float32).
+    assert {r.path: r.bytes_per_device for r in report} == {
+        "long": 64, "unknown": 128, "odd": 32, "big": 2**20, "moved": 64, "ok": 16,
+    }  # fmt: skip
+    assert [r.path for r in report.problems] == ["big", "long", "moved", "odd", "unknown"]
+    lines = str(report).splitlines()
+    assert lines[0].split() == ["path", "shape", "dtype", "spec", "bytes/device", "finding"]
+    assert lines[1].startswith("!") and "big" in lines[1] and "1,048,576" in lines[1]
+    assert lines[-1].split()[:3] == ["total", f"{report.bytes_per_device:,}", "5"]

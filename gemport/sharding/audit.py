@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -100,7 +99,7 @@ def _row(path, var, mesh, large_bytes) -> AuditRow:
     value = var.get_value() if isinstance(var, nnx.Variable) else var
     spec = spec_of(var) if isinstance(var, nnx.Variable) else ()
     shape, sizes = tuple(value.shape), dict(mesh.shape)
-    dtype = np.dtype(value.dtype)
+    dtype = value.dtype  # not np.dtype: PRNG key arrays (nnx.Rngs) have JAX's extended key dtypes
     findings = []
     if len(spec) > len(shape):
         findings.append(f"spec longer than rank ({len(spec)} > {len(shape)})")
@@ -118,4 +117,4 @@ def _row(path, var, mesh, large_bytes) -> AuditRow:
         wanted = NamedSharding(mesh, PartitionSpec(*padded(usable, len(shape))))
         if not value.sharding.is_equivalent_to(wanted, len(shape)):
             findings.append(f"placed as {value.sharding}")
-    return AuditRow(".".join(map(str, path)), shape, dtype.name, spec, nbytes, tuple(findings))
+    return AuditRow(".".join(map(str, path)), shape, str(dtype), spec, nbytes, tuple(findings))
