@@ -128,3 +128,24 @@ def test_31b_lora_fits_a_v5p_8_at_every_valid_tp():
         memory_plan(G31, 4, 1, hbm_bytes="v7")
     with pytest.raises(MeshError, match="tp=8 does not divide"):
         memory_plan(G31, 1, 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeDevice:
+    """Enough of a device for JAX's mesh utilities to lay out slices (real multi-slice needs TPUs)."""
+
+    id: int
+    slice_index: int
+    process_index: int
+    platform: str = "cpu"
+    device_kind: str = "cpu"
+
+
+def test_multislice_puts_slices_along_fsdp():
+    two_slices = [FakeDevice(i, i // 4, i // 4) for i in range(8)]
+    mesh = make_mesh(G31, tp=4, devices=two_slices)
+    assert [[d.slice_index for d in row] for row in mesh.devices] == [[0, 0, 0, 0], [1, 1, 1, 1]]
+    assert mesh.axis_types == (AxisType.Auto, AxisType.Auto)
+    four_slices = [FakeDevice(i, i // 2, i // 2) for i in range(8)]
+    with pytest.raises(MeshError, match="fsdp=2 does not divide by the 4 slices"):
+        make_mesh(G31, fsdp=2, tp=4, devices=four_slices)
