@@ -31,16 +31,13 @@ def optimizer_shardings(tx: optax.GradientTransformation, params, mesh: jax.shar
       MeshError: a non-scalar state leaf matches no param (e.g. Adafactor's factored moments).
     """
     mesh = mesh or _mesh_of(params)
-    by_path = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(_param_shardings(params, mesh))[0]:
-        by_path[_keys(path)] = leaf
-    shapes = {_keys(p): leaf.shape for p, leaf in jax.tree_util.tree_flatten_with_path(_values(params))[0]}
+    by_path = dict(jax.tree_util.tree_flatten_with_path(_param_shardings(params, mesh))[0])
+    shapes = {path: leaf.shape for path, leaf in jax.tree_util.tree_flatten_with_path(_values(params))[0]}
     state = jax.eval_shape(tx.init, _values(params))
 
     def sharding(path, leaf):
-        keys = _keys(path)
-        for start in range(len(keys)):
-            tail = keys[start:]
+        for start in range(len(path)):
+            tail = tuple(path[start:])
             if tail in by_path and shapes[tail] == leaf.shape:
                 return by_path[tail]
         if leaf.ndim:
@@ -51,11 +48,6 @@ def optimizer_shardings(tx: optax.GradientTransformation, params, mesh: jax.shar
         return NamedSharding(mesh, PartitionSpec())
 
     return jax.tree_util.tree_map_with_path(sharding, state)
-
-
-def _keys(path) -> tuple:
-    # nnx.State and plain dicts key by DictKey, Variables add an attribute step: compare the names only.
-    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
 def _values(params):

@@ -1,0 +1,92 @@
+"""``make_mesh``: a 2-D (fsdp, tp) mesh with Auto axes, checked against the model before it is built."""
+
+from __future__ import annotations
+
+import jax
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh
+
+from gemport.errors import MeshError
+from gemport.mesh.dims import FSDP, TP, misfits
+from gemport.specs import GemmaSpec
+
+def valid_tp(spec: GemmaSpec, num_devices: int) -> list[int]:
+    """The tp sizes for which (fsdp = num_devices // tp, tp) fits ``spec``, ascending."""
+    return [
+        tp
+        for tp in range(1, num_devices + 1)
+        if num_devices % tp == 0 and not misfits(spec, {FSDP: num_devices // tp, TP: tp})
+    ]
+
+
+def check(spec: GemmaSpec, fsdp: int, tp: int) -> None:
+    bad = misfits(spec, {FSDP: fsdp, TP: tp})
+    if not bad:
+        return
+    n = fsdp * tp
+    lines = [f"{d.axis}={fsdp if d.axis == FSDP else tp} does not divide {d}" for d in bad]
+    tps = valid_tp(spec, n)
+    pairs = ", ".join(f"fsdp={n // t} tp={t}" for t in tps)
+    raise MeshError(
+        f"mesh fsdp={fsdp} x tp={tp} does not fit this {spec.family} model ({spec.num_layers} layers, "
+        f"hidden {spec.hidden}):\n  " + "\n  ".join(lines) + f"\nvalid tp on {n} devices: {tps} ({pairs}); "
+        "pass one of these, or a device count that the dimensions above divide"
+    )
+
+
+def _sizes(spec: GemmaSpec, n: int, fsdp: int | None, tp: int | None) -> tuple[int, int]:
+    if fsdp is None and tp is None:
+        tps = valid_tp(spec, n)
+        if not tps:
+            raise MeshError(f"no (fsdp, tp) with fsdp * tp = {n} fits this model; use another device count")
+        tp = tps[-1]
+    if tp is None:
+        tp = n // fsdp
+    if fsdp is None:
+        fsdp = n // tp
+    if fsdp * tp != n:
+        raise MeshError(
+            f"fsdp={fsdp} x tp={tp} = {fsdp * tp} devices, but {n} are given; "
+            f"pick sizes whose product is {n}, or pass devices= with {fsdp * tp} devices"
+        )
+    return fsdp, tp
+
+
+def make_mesh(
+    spec: GemmaSpec,
+    *,
+    fsdp: int | None = None,
+    tp: int | None = None,
+    devices=None,
+    axis_names: tuple[str, str] = (FSDP, TP),
+) -> Mesh:
+    """A 2-D ``(fsdp, tp)`` mesh with Auto axes over ``devices``, checked against ``spec`` first.
+
+    Unset sizes are chosen: without both, the largest tp that fits and fsdp = devices // tp. Devices that
+    span several slices (multi-slice, DCN) get a hybrid mesh with the slices along fsdp, so tp (and its
+    frequent collectives) stays inside a slice's ICI; multi-host single slices use JAX's topology-aware order.
+
+    Args:
+      spec: the architecture, e.g. ``GemmaSpec.preset("gemma4-31b")``.
+      fsdp, tp: axis sizes; their product must be the device count.
+      devices: default ``jax.devices()`` (all processes' devices).
+      axis_names: names of the two axes; Tunix's annotations use ``("fsdp", "tp")``.
+
+    Raises:
+      MeshError: an axis does not divide a dimension it shards (each named with its size, layers and
+        params, with the valid tp sizes), or the sizes do not multiply to the device count.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    fsdp, tp = _sizes(spec, len(devices), fsdp, tp)
+    check(spec, fsdp, tp)
+    axis_types = (AxisType.Auto, AxisType.Auto)
+    slices = len({getattr(d, "slice_index", 0) for d in devices})
+    if slices == 1:
+        return jax.make_mesh((fsdp, tp), axis_names, axis_types, devices=devices)
+    if fsdp % slices:
+        raise MeshError(
+            f"fsdp={fsdp} does not divide by the {slices} slices the devices span; fsdp runs across slices, "
+            f"so pick an fsdp that is a multiple of {slices}"
+        )
+    grid = mesh_utils.create_hybrid_device_mesh((fsdp // slices, tp), (slices, 1), devices)
+    return Mesh(grid, axis_names, axis_types=axis_types)
