@@ -1,6 +1,7 @@
 """Qwix LoRA on Tunix -> merged HF safetensors and PEFT adapters, and PEFT adapters -> Qwix, checked against
 transformers + peft on tiny random Gemma 3 and Gemma 4 (k_eq_v global layers) models."""
 
+import json
 from types import SimpleNamespace
 
 import jax.numpy as jnp
@@ -41,7 +42,7 @@ def hf_model(directory):
     return model.eval()
 
 
-@pytest.fixture(scope="module", params=["gemma4_dense", "gemma3_1b"])
+@pytest.fixture(scope="module", params=["gemma4_dense", "gemma3_1b", "gemma3_qkv"])
 def run(request, tmp_path_factory):
     """A base checkpoint, a Tunix model with random Qwix LoRA on every projection, and both exports."""
     root = tmp_path_factory.mktemp(request.param)
@@ -116,3 +117,14 @@ def test_gpu_adapter_imports_exactly(run, rslora, tmp_path):
     assert lora_spec.rslora == rslora
     tunix = apply_lora(load_tunix_model(run.root / "base"), run.spec, lora_spec, state)
     np.testing.assert_allclose(tiny.tunix_logits(tunix, run.ids), expected, atol=1e-4, rtol=0)
+
+
+def test_stacked_adapter_exports_with_rank_pattern(run, tmp_path):
+    """Re-exporting an imported adapter keeps the 2r (3r) fused modules exact via rank_pattern/alpha_pattern."""
+    lora_spec, state = import_peft(run.root / "peft", run.spec)
+    export_peft(state, tmp_path / "again", spec=run.spec, lora_spec=lora_spec)
+    config = json.loads((tmp_path / "again/adapter_config.json").read_text())
+    fused = [m for m, r in config["rank_pattern"].items() if r != config["r"]]
+    assert fused and all(m.endswith(("q_proj", "k_proj", "v_proj")) for m in fused)
+    model = peft.PeftModel.from_pretrained(hf_model(run.root / "base"), tmp_path / "again").eval()
+    np.testing.assert_allclose(tiny.hf_logits(model, run.ids), run.logits, atol=1e-4, rtol=0)

@@ -19,8 +19,9 @@ from gemport.errors import CorruptFileError
 from gemport.lora import LoraSpec
 from gemport.specs import GemmaSpec
 
-# Rows of a weight merged at a time: bounds the float32 working set whatever the tensor's size.
-_BLOCK_BYTES = 32 * 2**20
+# Float32 bytes of the rows merged at a time. Bounds memory whatever the tensor's size, and stays below glibc's
+# mmap threshold so that blocks reuse heap pages instead of faulting fresh ones in.
+_BLOCK_BYTES = 16 * 2**20
 
 
 def export_merged(base_hf_dir: str | Path, lora, out_dir: str | Path, *, lora_spec: LoraSpec | None = None,
@@ -84,19 +85,20 @@ def _merged(name: str, info: TensorInfo, A: np.ndarray, B: np.ndarray) -> Tensor
     step = max(1, _BLOCK_BYTES // (4 * cols))
     cpu = jax.devices("cpu")[0]
 
-    def merge(raw: bytes, start: int) -> np.ndarray:
+    def merge(raw: memoryview, start: int) -> np.ndarray:
         w = np.frombuffer(raw, dtype).reshape(-1, cols)
         b = B[start : start + w.shape[0]]
         return np.asarray(_add_delta(*(jax.device_put(x, cpu) for x in (w, b, A))))
 
     def write(fh) -> None:
+        # Two read buffers: block k is read into one while block k - 1, in the other, is being merged.
+        buffers = [bytearray(step * cols * dtype.itemsize) for _ in range(2)]
         with open(info.file, "rb") as src, ThreadPoolExecutor(1) as pool:
             src.seek(info.start)
             pending = None
-            for start in range(0, rows, step):
-                size = min(step, rows - start) * cols * dtype.itemsize
-                raw = src.read(size)
-                if len(raw) != size:
+            for k, start in enumerate(range(0, rows, step)):
+                raw = memoryview(buffers[k % 2])[: min(step, rows - start) * cols * dtype.itemsize]
+                if src.readinto(raw) != len(raw):
                     raise CorruptFileError(f"{info.file}: ended while reading tensor {name!r}")
                 merged = pool.submit(merge, raw, start)
                 if pending is not None:
