@@ -36,8 +36,10 @@ def plan(args) -> int:
 def convert(args) -> int:
     from gemport.checkpoint import load_hf, save_hf
     from gemport.checkpoint.orbax import load_orbax, save_orbax
+    from gemport.checkpoint.output import check_output
 
     src = Path(args.src)
+    check_output(args.out, src, args.base_dir)
     if (src / "config.json").is_file():
         out = save_orbax(load_hf(src, dtype=args.dtype), args.out)
     else:

@@ -1,0 +1,115 @@
+"""The ``gemport`` command line, run as a subprocess on tiny checkpoints, failure paths included."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gemport.checkpoint import HFCheckpoint
+
+COMMANDS = ("plan", "convert", "export", "import-peft", "verify")
+
+
+def gemport(*args, ok=True):
+    env = dict(os.environ)
+    result = subprocess.run([sys.executable, "-m", "gemport", *map(str, args)], capture_output=True, text=True,
+                            env=env, timeout=600)
+    if ok:
+        assert result.returncode == 0, result.stderr
+    return result
+
+
+def one_line_error(result, *fragments):
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.startswith("gemport")]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def base(hf_checkpoint):
+    return hf_checkpoint("gemma4_dense")[1]
+
+
+@pytest.fixture(scope="module")
+def adapter(hf_checkpoint, tmp_path_factory):
+    """A PEFT adapter with non-zero lora_A and lora_B on every projection of the tiny Gemma 4."""
+    from peft import LoraConfig, get_peft_model
+
+    model, _ = hf_checkpoint("gemma4_dense")
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                           "up_proj", "down_proj"])
+    peft_model = get_peft_model(type(model)(model.config).eval(), config)
+    peft_model.base_model.model.load_state_dict(model.state_dict(), strict=False)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.2)
+    path = tmp_path_factory.mktemp("adapter")
+    peft_model.save_pretrained(path)
+    return path
+
+
+def test_every_command_has_help():
+    assert "COMMAND" in gemport("--help").stdout
+    for command in COMMANDS:
+        assert "usage: gemport " + command in gemport(command, "--help").stdout
+
+
+def test_plan_lists_the_valid_meshes_and_what_fits():
+    out = gemport("plan", "gemma4-31b", "--devices", "8", "--hbm", "v6e", "--lora-rank", "16").stdout
+    assert "3 valid (fsdp, tp) meshes on 8 devices" in out
+    assert "fsdp=2 tp=4" in out and "tp=8" not in out and "fits" in out
+
+
+def test_plan_failures():
+    one_line_error(gemport("plan", "gemma9-1t", "--devices", "8", ok=False), "unknown preset", "gemma4-31b")
+    assert gemport("plan", "gemma4-31b", ok=False).returncode == 2
+
+
+def test_convert_round_trip(base, tmp_path):
+    gemport("convert", base, tmp_path / "orbax")
+    gemport("convert", tmp_path / "orbax", tmp_path / "hf", "--base-dir", base, "--max-shard-size", "100KB")
+    original, back = HFCheckpoint(base), HFCheckpoint(tmp_path / "hf")
+    assert sorted(original.keys()) == sorted(back.keys())
+    assert all(original.array(k).tobytes() == back.array(k).tobytes() for k in original.keys())
+
+
+def test_convert_failures(base, tmp_path):
+    (tmp_path / "orbax").mkdir()
+    one_line_error(gemport("convert", tmp_path / "orbax", tmp_path / "out", ok=False), "Orbax", "--spec")
+    one_line_error(gemport("convert", base, base / "inside", ok=False), "inside", str(base))
+    one_line_error(gemport("convert", tmp_path / "missing", tmp_path / "out", ok=False))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(base, adapter, tmp_path_factory):
+    """The GPU adapter imported as a PeftTrainer-style checkpoint."""
+    out = tmp_path_factory.mktemp("imported") / "checkpoint"
+    assert "rank 4, alpha 8.0, fused stacked" in gemport("import-peft", adapter, base, out).stdout
+    return out
+
+
+def test_export_and_verify(base, checkpoint, tmp_path):
+    gemport("export", base, checkpoint, tmp_path / "merged")
+    gemport("export", base, checkpoint, tmp_path / "peft", "--format", "peft")
+    assert "logits agree" in gemport("verify", base).stdout
+    for export in ("merged", "peft"):
+        result = gemport("verify", tmp_path / export, "--base", base, "--lora", checkpoint)
+        assert "logits agree" in result.stdout
+
+
+def test_verify_reports_disagreement(base, checkpoint):
+    result = gemport("verify", base, "--lora", checkpoint, ok=False)
+    assert result.returncode == 1 and "DISAGREE" in result.stdout
+
+
+def test_export_and_verify_failures(base, adapter, tmp_path):
+    one_line_error(gemport("export", base, tmp_path / "nothing", tmp_path / "out", ok=False), "nothing")
+    one_line_error(gemport("verify", adapter, ok=False), "PEFT adapter", "--base")
+    one_line_error(gemport("import-peft", adapter, "gemma4-31b", tmp_path / "out", ok=False))
+    assert not (tmp_path / "out").exists()
