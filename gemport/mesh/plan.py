@@ -52,14 +52,20 @@ class MemoryPlan:
         return None if self.hbm_bytes is None else self.total_bytes <= self.hbm_bytes
 
     def __str__(self):
-        gib = lambda b: f"{b / GiB:.2f} GiB"  # noqa: E731
         text = (
-            f"fsdp={self.fsdp} tp={self.tp}: base {gib(self.base_bytes)} + LoRA {gib(self.lora_bytes)} + "
-            f"Adam mu,nu {gib(self.optimizer_bytes)} = {gib(self.total_bytes)} per device"
+            f"fsdp={self.fsdp} tp={self.tp}: base {_human(self.base_bytes)} + LoRA {_human(self.lora_bytes)} + "
+            f"Adam mu,nu {_human(self.optimizer_bytes)} = {_human(self.total_bytes)} per device"
         )
         if self.hbm_bytes is None:
             return text
-        return text + f" of {gib(self.hbm_bytes)}: " + ("fits" if self.fits else "does not fit")
+        return text + f" of {_human(self.hbm_bytes)}: " + ("fits" if self.fits else "does not fit")
+
+
+def _human(nbytes: int) -> str:
+    for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} B"
 
 
 def _hbm(hbm_bytes: int | str | None) -> int | None:
