@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 import qwix
+import transformers
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -40,11 +41,18 @@ EXPECTED_LORA = {
 }
 
 
+def mesh24_causal_lm():
+    """A randomised Gemma4ForCausalLM of MESH24, built as tests/tiny.py builds its configs."""
+    kwargs = {k: v for k, v in MESH24.items() if k != "model_type"}
+    cfg = transformers.Gemma4TextConfig(**kwargs)
+    cfg._attn_implementation = "eager"
+    return tiny.randomize(transformers.Gemma4ForCausalLM(cfg))
+
+
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    tiny.TEXT_CONFIGS.setdefault("mesh24", MESH24)
     path = tmp_path_factory.mktemp("mesh24")
-    tiny.causal_lm("mesh24").save_pretrained(path)
+    mesh24_causal_lm().save_pretrained(path)
     return path
 
 

@@ -14,9 +14,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import tiny
 from gemport.checkpoint.load import load_hf
-from test_sharding import MESH24
+from test_sharding import mesh24_causal_lm
 
 WORKER = """
 import json, sys
@@ -52,9 +51,8 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    tiny.TEXT_CONFIGS.setdefault("mesh24", MESH24)
     path = tmp_path_factory.mktemp("mesh24_mp")
-    tiny.causal_lm("mesh24").save_pretrained(path)
+    mesh24_causal_lm().save_pretrained(path)
     return path
 
 
