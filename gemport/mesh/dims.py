@@ -24,7 +24,7 @@ FSDP, TP = "fsdp", "tp"
 _DIM_NAMES = {
     "d": "model width", "f": "MLP width", "n": "query heads", "k": "KV heads", "h": "head width",
     "v": "vocabulary", "l": "layers", "p": "per-layer input width", "e": "experts", "i": "expert width",
-    "g": "gate/up", "s": "stacked K/V", "o": "layer scalar",
+    "g": "gate/up", "s": "stacked projections", "o": "layer scalar",
 }  # fmt: skip
 
 
