@@ -14,7 +14,7 @@ import re
 from flax import nnx
 
 from gemport import names
-from gemport.checkpoint.load import path_str
+from gemport.checkpoint.load import abstract_model, path_str
 from gemport.sharding._specs import axes_of, spec_of
 from gemport.sharding.lora import LINEAR_EQUATION
 from gemport.specs import GemmaSpec
@@ -79,22 +79,11 @@ def _where(spec: GemmaSpec, layers: tuple[int, ...], params: tuple[str, ...]) ->
     return f"layers {_numbers(layers)}"
 
 
-def _abstract_model(spec: GemmaSpec):
-    def build():
-        # RNG counters held as refs: updating a plain traced counter makes flax query the tracer's sharding,
-        # and JAX's error text for that walks the whole trace; gemma4-31b then takes 10 s instead of 1.5 s.
-        with nnx.var_defaults(ref=True):
-            rngs = nnx.Rngs(0)
-        return spec.tunix_model_class()(spec.to_tunix(), rngs=rngs)
-
-    return nnx.eval_shape(build)
-
-
 @functools.lru_cache(maxsize=16)
 def annotated(spec: GemmaSpec):
     """(path, shape, spec, entry) of every Tunix parameter, and (match path, weight path, shape, spec,
     equation) of every module LoRA can target: all from Tunix's own model, built as shapes only."""
-    model = _abstract_model(spec)
+    model = abstract_model(spec)
     by_path = {e.tunix: e for e in names.entries(spec)}
     params = tuple(
         (path_str(p), tuple(v.get_value().shape), spec_of(v), by_path[path_str(p)])
