@@ -120,7 +120,7 @@ class Target:
 
     def _rearrange(self, x: np.ndarray, pattern: str) -> np.ndarray:
         used = set(re.findall(r"\w", pattern))
-        return einops.rearrange(x, pattern, **{k: n for k, n in self.entry.sizes if k in used and k != "s"})
+        return einops.rearrange(x, pattern, **{k: n for k, n in self.entry.sizes if k in used})
 
 
 def _target(entry: names.Entry) -> Target:

@@ -195,3 +195,10 @@ def test_import_refuses_broken_and_foreign_adapters(run, tmp_path):
     weights.write_bytes(bytes(data))
     with pytest.raises(LoraError, match="NaN"):
         import_peft(bad, run.spec)
+
+
+def test_export_peft_warns_when_vllm_would_refuse_the_rank(run, tmp_path):
+    with pytest.warns(UserWarning, match="vLLM"):
+        export_peft(run.params, tmp_path / "rank4", spec=run.spec, lora_spec=LORA)
+    config = json.loads((tmp_path / "rank4/adapter_config.json").read_text())
+    assert config["r"] == 4 and config["modules_to_save"] is None and not config["rank_pattern"]
