@@ -39,7 +39,8 @@ def export_peft(lora, out_dir: str | Path, *, spec: GemmaSpec, lora_spec: LoraSp
     (kv_einsum -> k_proj and v_proj; k_eq_v layers' k_einsum -> k_proj only, no v_proj invented). HF modules
     whose rank differs from ``lora_spec.rank`` (stacked fused modules) get ``rank_pattern`` entries and an
     ``alpha_pattern`` that keeps their scale equal to every other module's. Warns when vLLM would refuse the
-    adapter (rank outside ``VLLM_RANKS``). Tensors keep the adapter's dtype.
+    adapter (rank outside ``VLLM_RANKS``: it needs a larger ``--max-lora-rank``, or above 512 cannot be
+    served). Tensors keep the adapter's dtype.
 
     Args:
       lora: the Qwix LoRA params (nnx model or state, flat dict, or PeftTrainer Orbax checkpoint path).
@@ -66,9 +67,10 @@ def export_peft(lora, out_dir: str | Path, *, spec: GemmaSpec, lora_spec: LoraSp
     config["alpha_pattern"] = {module: lora_spec.alpha_at(r) for module, r in odd.items()}
     top = max(ranks.values())
     if top not in VLLM_RANKS:
+        fits = [r for r in VLLM_RANKS if r > top]
         warnings.warn(
-            f"adapter rank {top} is not one of vLLM's max_lora_rank values {VLLM_RANKS}; vLLM will refuse it "
-            "unless max_lora_rank is set to a larger allowed value",
+            f"adapter rank {top} is not one of vLLM's max_lora_rank values {VLLM_RANKS}: "
+            + (f"serve it with --max-lora-rank {fits[0]} or more" if fits else "vLLM cannot serve it"),
             stacklevel=2,
         )
     with atomic_dir(out) as tmp:
