@@ -105,12 +105,15 @@ def find_lora_spec(path: str | os.PathLike) -> LoraSpec | None:
 
 def resolve(lora, lora_spec: LoraSpec | None, *, step: int | None = None) -> tuple[dict[str, np.ndarray], LoraSpec]:
     """LoRA params of ``lora`` and its spec: ``lora_spec``, or the one recorded beside an Orbax checkpoint."""
-    if lora_spec is None and isinstance(lora, (str, os.PathLike)):
-        lora_spec = find_lora_spec(lora)
+    where = ""
+    if isinstance(lora, (str, os.PathLike)):
+        directory = params_dir(lora, step=step)  # a missing checkpoint is reported before a missing spec
+        lora_spec = lora_spec or find_lora_spec(directory)
+        where = f"{lora}: "
     if lora_spec is None:
         raise LoraError(
-            "no LoraSpec: Tunix does not store rank, alpha or targets; pass lora_spec=LoraSpec(...), or record "
-            "it when training with gemport.checkpoint.save_lora_spec(checkpoint_root, lora_spec)"
+            f"{where}no LoraSpec: Tunix does not store rank, alpha or targets; pass lora_spec=LoraSpec(...), or "
+            "record it when training with gemport.checkpoint.save_lora_spec(checkpoint_root, lora_spec)"
         )
     return lora_params(lora, step=step), lora_spec
 
