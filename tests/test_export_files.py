@@ -202,3 +202,9 @@ def test_export_peft_warns_when_vllm_would_refuse_the_rank(run, tmp_path):
         export_peft(run.params, tmp_path / "rank4", spec=run.spec, lora_spec=LORA)
     config = json.loads((tmp_path / "rank4/adapter_config.json").read_text())
     assert config["r"] == 4 and config["modules_to_save"] is None and not config["rank_pattern"]
+
+
+def test_missing_lora_checkpoint_is_named(run, tmp_path):
+    with pytest.raises(CheckpointError, match="nothing.*PeftTrainer"):
+        export_merged(run.root / "base", tmp_path / "nothing", tmp_path / "out")
+    no_output(tmp_path / "out")
