@@ -97,8 +97,10 @@ def import_peft(adapter_dir: str | Path, spec: GemmaSpec):
       ...) to ``nnx.update`` into the model after ``qwix.apply_lora_to_model``.
 
     Raises:
-      ``LoraError`` for configs Qwix cannot reproduce or NaN/Inf weights; ``MissingTensorError``,
-      ``UnexpectedTensorError`` (e.g. vision-tower adapters), ``ShapeMismatchError`` naming the tensor.
+      LoraError: a config Qwix cannot reproduce, or NaN/Inf weights.
+      MissingTensorError: an adapter tensor the targets need is absent.
+      UnexpectedTensorError: an adapter tensor outside the text model's targets (e.g. a vision tower's).
+      ShapeMismatchError: an adapter tensor's shape does not fit the base; names the tensor.
     """
     directory = Path(adapter_dir)
     for file in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):

@@ -181,15 +181,16 @@ class TensorSource:
         """Tensor bytes copied from another file without decoding them."""
 
         def write(fh: BinaryIO) -> None:
-            with open(info.file, "rb") as src:
+            buffer = memoryview(bytearray(min(info.nbytes, _COPY_CHUNK)))
+            with open(info.file, "rb", buffering=0) as src:
                 src.seek(info.start)
                 left = info.nbytes
                 while left:
-                    chunk = src.read(min(left, _COPY_CHUNK))
-                    if not chunk:
+                    n = src.readinto(buffer[: min(left, len(buffer))])
+                    if not n:
                         raise CorruptFileError(f"{info.file}: ended while copying tensor {name!r}")
-                    fh.write(chunk)
-                    left -= len(chunk)
+                    fh.write(buffer[:n])
+                    left -= n
 
         return cls(name, info.dtype, info.shape, write)
 

@@ -68,7 +68,8 @@ def make_mesh(
 
     Args:
       spec: the architecture, e.g. ``GemmaSpec.preset("gemma4-31b")``.
-      fsdp, tp: axis sizes; their product must be the device count.
+      fsdp: size of the fsdp axis; with ``tp``, their product must be the device count.
+      tp: size of the tp axis.
       devices: default ``jax.devices()`` (all processes' devices).
       axis_names: names of the two axes; Tunix's annotations use ``("fsdp", "tp")``.
 

@@ -28,7 +28,8 @@ class MemoryPlan:
     """Bytes each device holds for one (fsdp, tp) mesh, before activations.
 
     Attributes:
-      fsdp, tp: the mesh.
+      fsdp: the mesh's fsdp size.
+      tp: the mesh's tp size.
       base_bytes: the model's params under Tunix's annotations.
       lora_bytes: lora_a and lora_b of every target module (0 for full fine-tuning).
       optimizer_bytes: Adam's mu and nu for the trainable params (LoRA, or all params without LoRA).
