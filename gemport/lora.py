@@ -26,7 +26,6 @@ import math
 import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any, Literal
 
 import einops
@@ -34,6 +33,7 @@ import numpy as np
 
 from gemport import names
 from gemport.errors import LoraError
+from gemport.jsonfile import read_json
 from gemport.specs import GemmaSpec
 
 # HF linear modules of a Gemma text layer that gemport maps to Qwix, in PEFT's spelling.
@@ -327,15 +327,7 @@ def _peft_dict(config: Any) -> dict[str, Any]:
         return dict(config)
     if hasattr(config, "to_dict"):
         return config.to_dict()
-    path = Path(config)
-    if path.is_dir():
-        path = path / "adapter_config.json"
-    if not path.is_file():
-        raise LoraError(f"{path}: no adapter_config.json here; pass a PEFT adapter directory, config or dict")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise LoraError(f"{path}: not valid JSON ({e})") from None
+    return read_json(config, "adapter_config.json", LoraError, "a PEFT adapter directory, config or dict")
 
 
 def apply_lora(model, spec: GemmaSpec, lora_spec: LoraSpec, state=None, *, seed: int = 0):

@@ -8,11 +8,11 @@ Features gemport cannot reproduce exactly in Tunix raise ``SpecError`` instead o
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any, Literal
 
 from gemport.errors import SpecError
+from gemport.jsonfile import read_json
 
 SLIDING = "sliding"
 GLOBAL = "global"
@@ -251,15 +251,7 @@ class GemmaSpec:
 def _read_config(config: str | Path | dict[str, Any]) -> dict[str, Any]:
     if isinstance(config, dict):
         return config
-    path = Path(config)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        raise SpecError(f"{path}: no config.json here; pass an HF checkpoint directory or its config.json")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise SpecError(f"{path}: not valid JSON ({e})") from None
+    return read_json(config, "config.json", SpecError, "an HF checkpoint directory or its config.json")
 
 
 def _require(cfg: dict[str, Any], key: str) -> Any:
@@ -417,12 +409,8 @@ def _sharding_or_default(module, sharding):
     return sharding if sharding is not None else module.ShardingConfig.get_default_sharding()
 
 
-def _gemma3_to_tunix(spec: GemmaSpec, param_dtype, sharding):
-    from tunix.models.gemma3 import model as g3
-
-    norm = g3.QueryPreAttentionNormalisation
-    by_head = abs(spec.query_scale - spec.head_dim**-0.5) < 1e-12
-    return g3.ModelConfig(
+def _common_tunix_fields(spec: GemmaSpec) -> dict[str, Any]:
+    return dict(
         num_layers=spec.num_layers,
         num_embed=spec.vocab,
         embed_dim=spec.hidden,
@@ -433,6 +421,16 @@ def _gemma3_to_tunix(spec: GemmaSpec, param_dtype, sharding):
         sliding_window_size=spec.sliding_window,
         local_base_frequency=spec.local_rope_base,
         global_base_frequency=spec.global_rope_base,
+    )
+
+
+def _gemma3_to_tunix(spec: GemmaSpec, param_dtype, sharding):
+    from tunix.models.gemma3 import model as g3
+
+    norm = g3.QueryPreAttentionNormalisation
+    by_head = abs(spec.query_scale - spec.head_dim**-0.5) < 1e-12
+    return g3.ModelConfig(
+        **_common_tunix_fields(spec),
         global_scale_factor=spec.global_rope_scale,
         query_pre_attn_norm=norm.BY_ONE_OVER_SQRT_HEAD_DIM if by_head else norm.BY_ONE_OVER_SQRT_EMBED_DIM_DIV_NUM_HEADS,
         shd_config=_sharding_or_default(g3, sharding),
@@ -446,18 +444,11 @@ def _gemma4_to_tunix(spec: GemmaSpec, param_dtype, dtype, sharding):
     types = {SLIDING: g4.AttentionType.LOCAL_SLIDING, GLOBAL: g4.AttentionType.GLOBAL}
     shared = spec.num_kv_shared_layers
     return g4.ModelConfig(
-        num_layers=spec.num_layers,
-        num_embed=spec.vocab,
-        embed_dim=spec.hidden,
-        hidden_dim=spec.mlp,
-        num_heads=spec.num_heads,
-        head_dim=spec.head_dim,
-        num_kv_heads=spec.num_kv_heads,
+        **_common_tunix_fields(spec),
         num_global_kv_heads=spec.global_kv_heads,
         global_key_size=spec.global_head_dim,
         k_eq_v_global=spec.k_eq_v,
         final_logit_softcap=spec.final_logit_softcap,
-        sliding_window_size=spec.sliding_window,
         attention_pattern=tuple(types[t] for t in spec.layer_types),
         per_layer_input_dim=spec.per_layer_input_dim,
         # Tunix recovers the shared-layer count as int(L - frac * L); half a layer of slack keeps float
@@ -465,8 +456,6 @@ def _gemma4_to_tunix(spec: GemmaSpec, param_dtype, dtype, sharding):
         frac_shared_layers=(shared - 0.5) / spec.num_layers if shared else 0.0,
         override_kv_shared_ffw_hidden=spec.mlp * 2 if spec.double_wide_mlp else None,
         global_rope_proportion=spec.global_rope_fraction,
-        local_base_frequency=spec.local_rope_base,
-        global_base_frequency=spec.global_rope_base,
         enable_moe=spec.num_experts > 0,
         num_experts=spec.num_experts or None,
         num_experts_per_tok=spec.experts_per_token or None,
