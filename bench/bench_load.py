@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from synthetic import spec_31b, write_checkpoint  # noqa: E402
+from synthetic import write_checkpoint  # noqa: E402
 
 _CHILD = r"""
 import json, resource, sys, time

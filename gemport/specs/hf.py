@@ -1,0 +1,248 @@
+"""HF ``config.json`` <-> ``GemmaSpec``: reading every Gemma 3/4 config layout, and writing one back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from gemport.errors import SpecError
+from gemport.jsonfile import read_json
+from gemport.specs.spec import GLOBAL, SLIDING, GemmaSpec
+
+_HF_LAYER_TYPES = {"sliding_attention": SLIDING, "full_attention": GLOBAL}
+
+
+def spec_from_hf(config: str | Path | dict[str, Any]) -> GemmaSpec:
+    """See ``GemmaSpec.from_hf``."""
+    cfg = _read_config(config)
+    model_type = cfg.get("model_type")
+    if model_type in ("gemma3", "gemma4"):
+        text = cfg.get("text_config") or {}
+        text = dict(text, model_type=text.get("model_type", f"{model_type}_text"))
+        if "tie_word_embeddings" in cfg:
+            text.setdefault("tie_word_embeddings", cfg["tie_word_embeddings"])
+        cfg = text
+        model_type = cfg["model_type"]
+    if model_type == "gemma3_text":
+        return _gemma3_from_hf(cfg)
+    if model_type == "gemma4_text":
+        return _gemma4_from_hf(cfg)
+    raise SpecError(
+        f"model_type {model_type!r} is not a Gemma 3 or Gemma 4 text model; gemport supports "
+        "gemma3, gemma3_text, gemma4 and gemma4_text configs"
+    )
+
+
+def hf_config(spec: GemmaSpec) -> dict[str, Any]:
+    """See ``GemmaSpec.to_hf_config``."""
+    hf_types = {SLIDING: "sliding_attention", GLOBAL: "full_attention"}
+    common = {
+        "vocab_size": spec.vocab,
+        "hidden_size": spec.hidden,
+        "intermediate_size": spec.mlp,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": spec.sliding_window,
+        "layer_types": [hf_types[t] for t in spec.layer_types],
+        "final_logit_softcapping": spec.final_logit_softcap,
+        "tie_word_embeddings": True,
+        "rms_norm_eps": 1e-6,
+    }
+    if spec.family == "gemma3":
+        full = {"rope_type": "default", "rope_theta": spec.global_rope_base}
+        if spec.global_rope_scale != 1.0:
+            full = {"rope_type": "linear", "factor": spec.global_rope_scale, "rope_theta": spec.global_rope_base}
+        return {
+            **common,
+            "architectures": ["Gemma3ForCausalLM"],
+            "model_type": "gemma3_text",
+            "query_pre_attn_scalar": round(spec.query_scale**-2, 6),
+            "attn_logit_softcapping": None,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": spec.local_rope_base},
+                "full_attention": full,
+            },
+        }
+    return {
+        **common,
+        "architectures": ["Gemma4ForCausalLM"],
+        "model_type": "gemma4_text",
+        "global_head_dim": spec.global_head_dim,
+        "num_global_key_value_heads": spec.global_kv_heads,
+        "attention_k_eq_v": spec.k_eq_v,
+        "hidden_size_per_layer_input": spec.per_layer_input_dim,
+        "vocab_size_per_layer_input": spec.vocab,
+        "num_kv_shared_layers": spec.num_kv_shared_layers,
+        "use_double_wide_mlp": spec.double_wide_mlp,
+        "enable_moe_block": spec.num_experts > 0,
+        "num_experts": spec.num_experts or None,
+        "top_k_experts": spec.experts_per_token or None,
+        "moe_intermediate_size": spec.expert_dim or None,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": spec.local_rope_base},
+            "full_attention": {
+                "rope_type": "proportional",
+                "partial_rotary_factor": spec.global_rope_fraction,
+                "rope_theta": spec.global_rope_base,
+            },
+        },
+    }
+
+
+def _read_config(config: str | Path | dict[str, Any]) -> dict[str, Any]:
+    if isinstance(config, dict):
+        return config
+    return read_json(config, "config.json", SpecError, "an HF checkpoint directory or its config.json")
+
+
+def _require(cfg: dict[str, Any], key: str) -> Any:
+    if cfg.get(key) is None:
+        raise SpecError(f"config has no {key!r}; it is required for a {cfg.get('model_type')} model")
+    return cfg[key]
+
+
+def _layer_types(cfg: dict[str, Any], num_layers: int) -> tuple[str, ...]:
+    raw = cfg.get("layer_types")
+    if raw is None:
+        period = cfg.get("sliding_window_pattern", 6)
+        return tuple(SLIDING if (i + 1) % period else GLOBAL for i in range(num_layers))
+    unknown = sorted(set(raw) - set(_HF_LAYER_TYPES))
+    if unknown:
+        raise SpecError(f"layer_types has {unknown}; gemport supports sliding_attention and full_attention")
+    return tuple(_HF_LAYER_TYPES[t] for t in raw)
+
+
+def _rope(cfg: dict[str, Any], kind: str, legacy_theta: str, default_theta: float) -> dict[str, Any]:
+    params = cfg.get("rope_parameters") or {}
+    if kind in params:
+        return dict(params[kind])
+    rope = {"rope_type": "default", "rope_theta": cfg.get(legacy_theta, default_theta)}
+    if kind == "full_attention" and cfg.get("rope_scaling"):
+        rope.update(cfg["rope_scaling"])
+    return rope
+
+
+def _check_common(cfg: dict[str, Any]) -> None:
+    if cfg.get("hidden_activation", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise SpecError(f"hidden_activation {cfg['hidden_activation']!r}: Tunix Gemma uses tanh-approximated GELU only")
+    if cfg.get("attention_bias"):
+        raise SpecError("attention_bias=true: Tunix Gemma projections have no bias")
+    if cfg.get("use_bidirectional_attention"):
+        raise SpecError("use_bidirectional_attention is set: Tunix Gemma is causal only")
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise SpecError("attn_logit_softcapping is set: Tunix Gemma 3/4 attention has no softcap")
+    if cfg.get("tie_word_embeddings") is False:
+        raise SpecError("tie_word_embeddings=false: Tunix Gemma always decodes with the input embedding")
+
+
+def _gemma3_from_hf(cfg: dict[str, Any]) -> GemmaSpec:
+    _check_common(cfg)
+    num_layers = _require(cfg, "num_hidden_layers")
+    layer_types = _layer_types(cfg, num_layers)
+    tunix_cycle = tuple(SLIDING if (i + 1) % 6 else GLOBAL for i in range(num_layers))
+    if layer_types != tunix_cycle:
+        raise SpecError("Gemma 3 layer_types differ from the 5 sliding : 1 global cycle that Tunix Gemma 3 hard-codes")
+    local, full = _rope(cfg, "sliding_attention", "rope_local_base_freq", 10_000.0), _rope(
+        cfg, "full_attention", "rope_theta", 1_000_000.0
+    )
+    if local.get("rope_type", "default") != "default":
+        raise SpecError(f"sliding-layer rope_type {local['rope_type']!r}: Tunix Gemma 3 supports 'default' only")
+    if full.get("rope_type", "default") not in ("default", "linear"):
+        raise SpecError(f"global-layer rope_type {full['rope_type']!r}: Tunix Gemma 3 supports 'default' and 'linear'")
+    if cfg.get("final_logit_softcapping") is not None:
+        raise SpecError("final_logit_softcapping is set: Tunix Gemma 3 has no logit softcap")
+    hidden, heads, head_dim = _require(cfg, "hidden_size"), _require(cfg, "num_attention_heads"), cfg.get("head_dim", 256)
+    scalar = cfg.get("query_pre_attn_scalar", 256)
+    if scalar not in (head_dim, hidden // heads):
+        raise SpecError(
+            f"query_pre_attn_scalar={scalar}: Tunix Gemma 3 scales queries by head_dim ({head_dim}) or "
+            f"hidden_size // num_attention_heads ({hidden // heads}) only"
+        )
+    kv = cfg.get("num_key_value_heads", heads)
+    return GemmaSpec(
+        family="gemma3",
+        num_layers=num_layers,
+        hidden=hidden,
+        mlp=_require(cfg, "intermediate_size"),
+        vocab=_require(cfg, "vocab_size"),
+        num_heads=heads,
+        head_dim=head_dim,
+        num_kv_heads=kv,
+        global_head_dim=head_dim,
+        global_kv_heads=kv,
+        sliding_window=_require(cfg, "sliding_window"),
+        layer_types=layer_types,
+        norm="one_plus_scale",
+        local_rope_base=float(local.get("rope_theta", 10_000.0)),
+        global_rope_base=float(full.get("rope_theta", 1_000_000.0)),
+        global_rope_scale=float(full.get("factor", 1.0)),
+        query_scale=float(scalar) ** -0.5,
+    )
+
+
+def _gemma4_from_hf(cfg: dict[str, Any]) -> GemmaSpec:
+    _check_common(cfg)
+    num_layers = _require(cfg, "num_hidden_layers")
+    layer_types = _layer_types(cfg, num_layers)
+    local, full = _rope(cfg, "sliding_attention", "rope_local_base_freq", 10_000.0), _rope(
+        cfg, "full_attention", "rope_theta", 1_000_000.0
+    )
+    if local.get("rope_type", "default") != "default" or local.get("factor", 1.0) != 1.0:
+        raise SpecError(f"sliding-layer rope {local}: Tunix Gemma 4 supports unscaled 'default' RoPE only")
+    if full.get("rope_type", "default") not in ("default", "proportional") or full.get("factor", 1.0) != 1.0:
+        raise SpecError(f"global-layer rope {full}: Tunix Gemma 4 supports unscaled 'proportional' RoPE only")
+    fraction = float(full.get("partial_rotary_factor", 1.0)) if full.get("rope_type") == "proportional" else 1.0
+    heads, kv = _require(cfg, "num_attention_heads"), cfg.get("num_key_value_heads", 1)
+    ple = cfg.get("hidden_size_per_layer_input") or 0
+    vocab = _require(cfg, "vocab_size")
+    if ple and cfg.get("vocab_size_per_layer_input", vocab) != vocab:
+        raise SpecError(
+            f"vocab_size_per_layer_input={cfg['vocab_size_per_layer_input']} differs from vocab_size={vocab}: "
+            "Tunix Gemma 4 sizes its per-layer embedding by vocab_size"
+        )
+    shared = cfg.get("num_kv_shared_layers") or 0
+    if shared:
+        _check_kv_sharing(layer_types, shared)
+    moe = bool(cfg.get("enable_moe_block"))
+    return GemmaSpec(
+        family="gemma4",
+        num_layers=num_layers,
+        hidden=_require(cfg, "hidden_size"),
+        mlp=_require(cfg, "intermediate_size"),
+        vocab=vocab,
+        num_heads=heads,
+        head_dim=cfg.get("head_dim", 256),
+        num_kv_heads=kv,
+        global_head_dim=cfg.get("global_head_dim") or cfg.get("head_dim", 256),
+        global_kv_heads=cfg.get("num_global_key_value_heads") or kv,
+        sliding_window=_require(cfg, "sliding_window"),
+        layer_types=layer_types,
+        k_eq_v=bool(cfg.get("attention_k_eq_v")),
+        per_layer_input_dim=ple,
+        num_kv_shared_layers=shared,
+        double_wide_mlp=bool(cfg.get("use_double_wide_mlp")) and shared > 0,
+        num_experts=_require(cfg, "num_experts") if moe else 0,
+        experts_per_token=_require(cfg, "top_k_experts") if moe else 0,
+        expert_dim=_require(cfg, "moe_intermediate_size") if moe else 0,
+        final_logit_softcap=cfg.get("final_logit_softcapping"),
+        norm="scale",
+        local_rope_base=float(local.get("rope_theta", 10_000.0)),
+        global_rope_base=float(full.get("rope_theta", 1_000_000.0)),
+        global_rope_fraction=fraction,
+    )
+
+
+def _check_kv_sharing(layer_types: tuple[str, ...], shared: int) -> None:
+    # Tunix lets shared global layers read the last unshared layer and shared sliding layers the one before it;
+    # HF reads the last unshared layer of the same type. They agree only when the unshared part ends sliding, global.
+    first = len(layer_types) - shared
+    if first < 2 or layer_types[first - 2 : first] != (SLIDING, GLOBAL):
+        raise SpecError(
+            f"num_kv_shared_layers={shared}: the last two unshared layers ({first - 2}, {first - 1}) must be "
+            "sliding then global for Tunix's KV sharing to match HF's"
+        )
+
+
