@@ -9,12 +9,13 @@ import transformers as tf
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from safetensors import safe_open
-from tiny import TEXT_CONFIGS, hf_logits, token_ids, tunix_logits
+from tiny import TEXT_CONFIGS, hf_logits, token_ids
 
 from gemport import names
 from gemport.checkpoint import HFCheckpoint, load_hf, load_tunix_model, save_hf
 from gemport.checkpoint.load import abstract_model, path_str
 from gemport.specs import GemmaSpec
+from gemport.verify import tunix_logits
 
 CASES = [(name, "causal") for name in TEXT_CONFIGS] + [("gemma4_dense", "conditional"), ("gemma3_qkv", "conditional")]
 

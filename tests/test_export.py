@@ -18,6 +18,7 @@ from gemport.checkpoint.adapters import match
 from gemport.checkpoint.safetensors import SafetensorsFile
 from gemport.lora import PROJECTIONS, LoraSpec, apply_lora
 from gemport.specs import GemmaSpec
+from gemport.verify import tunix_logits
 
 LORA = LoraSpec(rank=4, alpha=8.0)
 
@@ -53,7 +54,7 @@ def run(request, tmp_path_factory):
     ids = tiny.token_ids(spec.vocab)
     export_merged(root / "base", model, root / "merged", lora_spec=LORA)
     export_peft(model, root / "peft", spec=spec, lora_spec=LORA, base_model_name_or_path=str(root / "base"))
-    return SimpleNamespace(root=root, spec=spec, model=model, ids=ids, logits=tiny.tunix_logits(model, ids))
+    return SimpleNamespace(root=root, spec=spec, model=model, ids=ids, logits=tunix_logits(model, ids))
 
 
 def test_family_has_what_the_acceptance_needs(run):
@@ -98,7 +99,7 @@ def test_import_of_export_reproduces_the_deltas(run):
 def test_imported_adapter_runs_in_tunix(run):
     lora_spec, state = import_peft(run.root / "peft", run.spec)
     model = apply_lora(load_tunix_model(run.root / "base"), run.spec, lora_spec, state)
-    np.testing.assert_allclose(tiny.tunix_logits(model, run.ids), run.logits, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(tunix_logits(model, run.ids), run.logits, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("rslora", [False, True])
@@ -116,7 +117,7 @@ def test_gpu_adapter_imports_exactly(run, rslora, tmp_path):
     lora_spec, state = import_peft(tmp_path, run.spec)
     assert lora_spec.rslora == rslora
     tunix = apply_lora(load_tunix_model(run.root / "base"), run.spec, lora_spec, state)
-    np.testing.assert_allclose(tiny.tunix_logits(tunix, run.ids), expected, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(tunix_logits(tunix, run.ids), expected, atol=1e-4, rtol=0)
 
 
 def test_stacked_adapter_exports_with_rank_pattern(run, tmp_path):

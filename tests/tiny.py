@@ -124,14 +124,3 @@ def token_ids(vocab: int, batch: int = 2, seq: int = SEQ, seed: int = 0) -> np.n
 def hf_logits(model, ids: np.ndarray) -> np.ndarray:
     with torch.no_grad():
         return model(torch.tensor(ids, dtype=torch.long)).logits.float().numpy()
-
-
-def tunix_logits(model, ids: np.ndarray) -> np.ndarray:
-    """Logits of a Tunix Gemma model on ``ids`` [B, T] with a plain causal mask."""
-    import jax.numpy as jnp
-
-    b, t = ids.shape
-    positions = jnp.tile(jnp.arange(t)[None], (b, 1))
-    mask = jnp.tril(jnp.ones((b, t, t), bool))
-    logits, _ = model(jnp.asarray(ids), positions, None, mask)
-    return np.asarray(logits)

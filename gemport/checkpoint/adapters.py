@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
-from gemport.checkpoint.load import path_str
+from gemport.checkpoint.load import flat_params
 from gemport.errors import CheckpointError, LoraError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError
 from gemport.lora import LoraSpec, Target, targets
 from gemport.specs import GemmaSpec
@@ -33,10 +33,8 @@ def lora_params(source, *, step: int | None = None) -> dict[str, np.ndarray]:
     """
     if isinstance(source, (str, os.PathLike)):
         return read_orbax(source, step=step)
-    if isinstance(source, nnx.Module):
-        source = nnx.state(source, nnx.LoRAParam)
-    if isinstance(source, nnx.State):
-        source = {path_str(p): v.get_value() for p, v in nnx.to_flat_state(source)}
+    if isinstance(source, (nnx.Module, nnx.State)):
+        source = flat_params(source, nnx.LoRAParam)
     return {k: np.asarray(v) for k, v in source.items() if k.endswith(("_lora_a", "_lora_b"))}
 
 

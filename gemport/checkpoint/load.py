@@ -22,6 +22,13 @@ def path_str(path) -> str:
     return ".".join(str(p) for p in path)
 
 
+def flat_params(state_or_model, kind=nnx.Param) -> dict[str, jax.Array]:
+    """``{dotted path: array}`` of a model's ``kind`` variables (``nnx.Param`` includes LoRA params), or of every
+    variable of an ``nnx.State``."""
+    state = nnx.state(state_or_model, kind) if isinstance(state_or_model, nnx.Module) else state_or_model
+    return {path_str(p): v.get_value() if hasattr(v, "get_value") else v for p, v in nnx.to_flat_state(state)}
+
+
 def abstract_model(spec: GemmaSpec, *, param_dtype=None, dtype=None):
     """The Tunix model of ``spec`` as shapes only (``nnx.eval_shape``): no memory, sharding annotations kept."""
     cfg = spec.to_tunix(param_dtype=param_dtype, dtype=dtype)

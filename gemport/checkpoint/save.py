@@ -7,23 +7,14 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from flax import nnx
 
 from gemport import names
 from gemport.checkpoint.hf_dir import HFCheckpoint
-from gemport.checkpoint.load import path_str
+from gemport.checkpoint.load import flat_params
 from gemport.checkpoint.output import atomic_dir, check_output, copy_side_files, write_sharded
 from gemport.checkpoint.safetensors import TensorSource
 from gemport.errors import MissingTensorError, UnexpectedTensorError
 from gemport.specs import GemmaSpec
-
-
-def flat_params(state_or_model) -> dict[str, jax.Array]:
-    """``{dotted path: array}`` of an nnx model's or state's parameters (``nnx.Param`` and subclasses)."""
-    state = state_or_model
-    if isinstance(state_or_model, nnx.Module):
-        state = nnx.state(state_or_model, nnx.Param)
-    return {path_str(p): v.get_value() if hasattr(v, "get_value") else v for p, v in nnx.to_flat_state(state)}
 
 
 def save_hf(state_or_model, out_dir: str | Path, *, spec: GemmaSpec, base_dir: str | Path | None = None,

@@ -7,7 +7,7 @@ from typing import Any
 
 from gemport.errors import SpecError
 from gemport.jsonfile import read_json
-from gemport.specs.spec import GLOBAL, SLIDING, GemmaSpec
+from gemport.specs.spec import GLOBAL, SLIDING, GemmaSpec, layer_cycle
 
 _HF_LAYER_TYPES = {"sliding_attention": SLIDING, "full_attention": GLOBAL}
 
@@ -108,7 +108,7 @@ def _layer_types(cfg: dict[str, Any], num_layers: int) -> tuple[str, ...]:
     raw = cfg.get("layer_types")
     if raw is None:
         period = cfg.get("sliding_window_pattern", 6)
-        return tuple(SLIDING if (i + 1) % period else GLOBAL for i in range(num_layers))
+        return layer_cycle(num_layers, period)
     unknown = sorted(set(raw) - set(_HF_LAYER_TYPES))
     if unknown:
         raise SpecError(f"layer_types has {unknown}; gemport supports sliding_attention and full_attention")
@@ -142,8 +142,7 @@ def _gemma3_from_hf(cfg: dict[str, Any]) -> GemmaSpec:
     _check_common(cfg)
     num_layers = _require(cfg, "num_hidden_layers")
     layer_types = _layer_types(cfg, num_layers)
-    tunix_cycle = tuple(SLIDING if (i + 1) % 6 else GLOBAL for i in range(num_layers))
-    if layer_types != tunix_cycle:
+    if layer_types != layer_cycle(num_layers, 6):
         raise SpecError("Gemma 3 layer_types differ from the 5 sliding : 1 global cycle that Tunix Gemma 3 hard-codes")
     local, full = _rope(cfg, "sliding_attention", "rope_local_base_freq", 10_000.0), _rope(
         cfg, "full_attention", "rope_theta", 1_000_000.0

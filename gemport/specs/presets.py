@@ -1,17 +1,13 @@
 """The published Gemma sizes as ``GemmaSpec`` presets."""
 
-from gemport.specs.spec import GLOBAL, SLIDING, GemmaSpec
-
-
-def _cycle(num_layers: int, period: int) -> tuple[str, ...]:
-    return tuple(SLIDING if (i + 1) % period else GLOBAL for i in range(num_layers))
+from gemport.specs.spec import GemmaSpec, layer_cycle
 
 
 def _gemma3(num_layers, hidden, mlp, heads, kv, head_dim, window, vocab, query_scalar, rope_scale):
     return GemmaSpec(
         family="gemma3", num_layers=num_layers, hidden=hidden, mlp=mlp, vocab=vocab, num_heads=heads,
         head_dim=head_dim, num_kv_heads=kv, global_head_dim=head_dim, global_kv_heads=kv, sliding_window=window,
-        layer_types=_cycle(num_layers, 6), norm="one_plus_scale", global_rope_scale=rope_scale,
+        layer_types=layer_cycle(num_layers, 6), norm="one_plus_scale", global_rope_scale=rope_scale,
         query_scale=query_scalar**-0.5,
     )  # fmt: skip
 
@@ -20,7 +16,7 @@ def _gemma4(num_layers, hidden, mlp, heads, kv, global_kv, window, period, **ext
     return GemmaSpec(
         family="gemma4", num_layers=num_layers, hidden=hidden, mlp=mlp, vocab=262_144, num_heads=heads,
         head_dim=256, num_kv_heads=kv, global_head_dim=512, global_kv_heads=global_kv, sliding_window=window,
-        layer_types=_cycle(num_layers, period), final_logit_softcap=30.0, global_rope_fraction=0.25, **extra,
+        layer_types=layer_cycle(num_layers, period), final_logit_softcap=30.0, global_rope_fraction=0.25, **extra,
     )  # fmt: skip
 
 

@@ -17,6 +17,11 @@ SLIDING = "sliding"
 GLOBAL = "global"
 
 
+def layer_cycle(num_layers: int, period: int) -> tuple[str, ...]:
+    """Layer types of a ``period - 1`` sliding : 1 global pattern (every ``period``-th layer global)."""
+    return tuple(SLIDING if (i + 1) % period else GLOBAL for i in range(num_layers))
+
+
 @dataclasses.dataclass(frozen=True)
 class GemmaSpec:
     """A Gemma text architecture.
