@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from os import PathLike
 from pathlib import Path
 from typing import Any
 
 from gemport.errors import SpecError
-from gemport.jsonfile import read_json
+from gemport.jsonfile import Fields, read_json
 from gemport.specs.spec import GLOBAL, SLIDING, GemmaSpec, layer_cycle
 
 _HF_LAYER_TYPES = {"sliding_attention": SLIDING, "full_attention": GLOBAL}
@@ -15,20 +17,20 @@ _HF_LAYER_TYPES = {"sliding_attention": SLIDING, "full_attention": GLOBAL}
 def spec_from_hf(config: str | Path | dict[str, Any]) -> GemmaSpec:
     """See ``GemmaSpec.from_hf``."""
     cfg = _read_config(config)
-    model_type = cfg.get("model_type")
+    model_type = cfg.string("model_type", None)
     if model_type in ("gemma3", "gemma4"):
-        text = cfg.get("text_config") or {}
-        text = dict(text, model_type=text.get("model_type", f"{model_type}_text"))
-        if "tie_word_embeddings" in cfg:
-            text.setdefault("tie_word_embeddings", cfg["tie_word_embeddings"])
-        cfg = text
-        model_type = cfg["model_type"]
+        text = cfg.fields("text_config")
+        data = dict(text.data, model_type=text.data.get("model_type") or f"{model_type}_text")
+        if "tie_word_embeddings" in cfg.data:
+            data.setdefault("tie_word_embeddings", cfg.data["tie_word_embeddings"])
+        cfg = Fields(data, text.source, SpecError)
+        model_type = cfg.string("model_type")
     if model_type == "gemma3_text":
         return _gemma3_from_hf(cfg)
     if model_type == "gemma4_text":
         return _gemma4_from_hf(cfg)
     raise SpecError(
-        f"model_type {model_type!r} is not a Gemma 3 or Gemma 4 text model; gemport supports "
+        f"{cfg.source}: model_type {model_type!r} is not a Gemma 3 or Gemma 4 text model; gemport supports "
         "gemma3, gemma3_text, gemma4 and gemma4_text configs"
     )
 
@@ -92,144 +94,168 @@ def hf_config(spec: GemmaSpec) -> dict[str, Any]:
     }
 
 
-def _read_config(config: str | Path | dict[str, Any]) -> dict[str, Any]:
-    if isinstance(config, dict):
-        return config
-    return read_json(config, "config.json", SpecError, "an HF checkpoint directory or its config.json")
+def _read_config(config: str | Path | dict[str, Any]) -> Fields:
+    if isinstance(config, Mapping):
+        return Fields(config, "config", SpecError)
+    if not isinstance(config, (str, PathLike)):
+        raise SpecError(f"config {config!r:.80}: pass an HF checkpoint directory, its config.json, or its dict")
+    path = Path(config)
+    data = read_json(path, "config.json", SpecError, "an HF checkpoint directory or its config.json")
+    return Fields(data, str(path / "config.json" if path.is_dir() else path), SpecError)
 
 
-def _require(cfg: dict[str, Any], key: str) -> Any:
-    if cfg.get(key) is None:
-        raise SpecError(f"config has no {key!r}; it is required for a {cfg.get('model_type')} model")
-    return cfg[key]
-
-
-def _layer_types(cfg: dict[str, Any], num_layers: int) -> tuple[str, ...]:
-    raw = cfg.get("layer_types")
+def _layer_types(cfg: Fields, num_layers: int) -> tuple[str, ...]:
+    raw = cfg.strings("layer_types", None)
     if raw is None:
-        period = cfg.get("sliding_window_pattern", 6)
-        return layer_cycle(num_layers, period)
+        return layer_cycle(num_layers, cfg.integer("sliding_window_pattern", 6))
     unknown = sorted(set(raw) - set(_HF_LAYER_TYPES))
     if unknown:
-        raise SpecError(f"layer_types has {unknown}; gemport supports sliding_attention and full_attention")
+        raise SpecError(f"{cfg.source}: layer_types has {unknown}; gemport supports sliding_attention and full_attention")
     return tuple(_HF_LAYER_TYPES[t] for t in raw)
 
 
-def _rope(cfg: dict[str, Any], kind: str, legacy_theta: str, default_theta: float) -> dict[str, Any]:
-    params = cfg.get("rope_parameters") or {}
-    if kind in params:
-        return dict(params[kind])
-    rope = {"rope_type": "default", "rope_theta": cfg.get(legacy_theta, default_theta)}
-    if kind == "full_attention" and cfg.get("rope_scaling"):
-        rope.update(cfg["rope_scaling"])
+def _rope(cfg: Fields, kind: str, legacy_theta: str, default_theta: float) -> Fields:
+    params = cfg.fields("rope_parameters")
+    if kind in params.data:
+        rope = params.fields(kind)
+    else:
+        data = {"rope_type": "default", "rope_theta": cfg.data.get(legacy_theta, default_theta)}
+        if kind == "full_attention" and cfg.data.get("rope_scaling"):
+            data.update(cfg.mapping("rope_scaling"))
+        rope = Fields(data, cfg.source, SpecError)
+    rope.number("rope_theta", None, minimum=1.0)
+    rope.number("factor", None, minimum=1.0)
+    rope.number("partial_rotary_factor", None, minimum=0.0)
     return rope
 
 
-def _check_common(cfg: dict[str, Any]) -> None:
-    if cfg.get("hidden_activation", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise SpecError(f"hidden_activation {cfg['hidden_activation']!r}: Tunix Gemma uses tanh-approximated GELU only")
-    if cfg.get("attention_bias"):
+def _check_common(cfg: Fields) -> None:
+    get = cfg.data.get
+    if get("hidden_activation", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise SpecError(f"hidden_activation {get('hidden_activation')!r}: Tunix Gemma uses tanh-approximated GELU only")
+    if get("attention_bias"):
         raise SpecError("attention_bias=true: Tunix Gemma projections have no bias")
-    if cfg.get("use_bidirectional_attention"):
+    if get("use_bidirectional_attention"):
         raise SpecError("use_bidirectional_attention is set: Tunix Gemma is causal only")
-    if cfg.get("attn_logit_softcapping") is not None:
+    if get("attn_logit_softcapping") is not None:
         raise SpecError("attn_logit_softcapping is set: Tunix Gemma 3/4 attention has no softcap")
-    if cfg.get("tie_word_embeddings") is False:
+    if get("tie_word_embeddings") is False:
         raise SpecError("tie_word_embeddings=false: Tunix Gemma always decodes with the input embedding")
 
 
-def _gemma3_from_hf(cfg: dict[str, Any]) -> GemmaSpec:
+def _heads(cfg: Fields, heads: int, kv_key: str, kv_default: int) -> int:
+    """KV heads under ``kv_key``: grouped-query attention needs them to divide the query heads."""
+    kv = cfg.integer(kv_key, kv_default)
+    if heads % kv:
+        raise SpecError(f"{cfg.source}: num_attention_heads={heads} is not a multiple of {kv_key}={kv}; "
+                        "each KV head must serve the same number of query heads")
+    return kv
+
+
+def _gemma3_from_hf(cfg: Fields) -> GemmaSpec:
     _check_common(cfg)
-    num_layers = _require(cfg, "num_hidden_layers")
+    num_layers = cfg.integer("num_hidden_layers")
     layer_types = _layer_types(cfg, num_layers)
     if layer_types != layer_cycle(num_layers, 6):
         raise SpecError("Gemma 3 layer_types differ from the 5 sliding : 1 global cycle that Tunix Gemma 3 hard-codes")
     local, full = _rope(cfg, "sliding_attention", "rope_local_base_freq", 10_000.0), _rope(
         cfg, "full_attention", "rope_theta", 1_000_000.0
     )
-    if local.get("rope_type", "default") != "default":
-        raise SpecError(f"sliding-layer rope_type {local['rope_type']!r}: Tunix Gemma 3 supports 'default' only")
-    if full.get("rope_type", "default") not in ("default", "linear"):
-        raise SpecError(f"global-layer rope_type {full['rope_type']!r}: Tunix Gemma 3 supports 'default' and 'linear'")
-    if cfg.get("final_logit_softcapping") is not None:
+    if local.data.get("rope_type", "default") != "default":
+        raise SpecError(f"sliding-layer rope_type {local.data['rope_type']!r}: Tunix Gemma 3 supports 'default' only")
+    if full.data.get("rope_type", "default") not in ("default", "linear"):
+        raise SpecError(
+            f"global-layer rope_type {full.data['rope_type']!r}: Tunix Gemma 3 supports 'default' and 'linear'")
+    if cfg.data.get("final_logit_softcapping") is not None:
         raise SpecError("final_logit_softcapping is set: Tunix Gemma 3 has no logit softcap")
-    hidden, heads, head_dim = _require(cfg, "hidden_size"), _require(cfg, "num_attention_heads"), cfg.get("head_dim", 256)
-    scalar = cfg.get("query_pre_attn_scalar", 256)
+    hidden, heads, head_dim = cfg.integer("hidden_size"), cfg.integer("num_attention_heads"), cfg.integer("head_dim", 256)
+    scalar = cfg.number("query_pre_attn_scalar", 256)
     if scalar not in (head_dim, hidden // heads):
         raise SpecError(
-            f"query_pre_attn_scalar={scalar}: Tunix Gemma 3 scales queries by head_dim ({head_dim}) or "
+            f"query_pre_attn_scalar={scalar:g}: Tunix Gemma 3 scales queries by head_dim ({head_dim}) or "
             f"hidden_size // num_attention_heads ({hidden // heads}) only"
         )
-    kv = cfg.get("num_key_value_heads", heads)
+    kv = _heads(cfg, heads, "num_key_value_heads", heads)
     return GemmaSpec(
         family="gemma3",
         num_layers=num_layers,
         hidden=hidden,
-        mlp=_require(cfg, "intermediate_size"),
-        vocab=_require(cfg, "vocab_size"),
+        mlp=cfg.integer("intermediate_size"),
+        vocab=cfg.integer("vocab_size"),
         num_heads=heads,
         head_dim=head_dim,
         num_kv_heads=kv,
         global_head_dim=head_dim,
         global_kv_heads=kv,
-        sliding_window=_require(cfg, "sliding_window"),
+        sliding_window=cfg.integer("sliding_window"),
         layer_types=layer_types,
         norm="one_plus_scale",
-        local_rope_base=float(local.get("rope_theta", 10_000.0)),
-        global_rope_base=float(full.get("rope_theta", 1_000_000.0)),
-        global_rope_scale=float(full.get("factor", 1.0)),
+        local_rope_base=local.number("rope_theta", 10_000.0),
+        global_rope_base=full.number("rope_theta", 1_000_000.0),
+        global_rope_scale=full.number("factor", 1.0),
         query_scale=float(scalar) ** -0.5,
     )
 
 
-def _gemma4_from_hf(cfg: dict[str, Any]) -> GemmaSpec:
+def _gemma4_from_hf(cfg: Fields) -> GemmaSpec:
     _check_common(cfg)
-    num_layers = _require(cfg, "num_hidden_layers")
+    num_layers = cfg.integer("num_hidden_layers")
     layer_types = _layer_types(cfg, num_layers)
     local, full = _rope(cfg, "sliding_attention", "rope_local_base_freq", 10_000.0), _rope(
         cfg, "full_attention", "rope_theta", 1_000_000.0
     )
-    if local.get("rope_type", "default") != "default" or local.get("factor", 1.0) != 1.0:
-        raise SpecError(f"sliding-layer rope {local}: Tunix Gemma 4 supports unscaled 'default' RoPE only")
-    if full.get("rope_type", "default") not in ("default", "proportional") or full.get("factor", 1.0) != 1.0:
-        raise SpecError(f"global-layer rope {full}: Tunix Gemma 4 supports unscaled 'proportional' RoPE only")
-    fraction = float(full.get("partial_rotary_factor", 1.0)) if full.get("rope_type") == "proportional" else 1.0
-    heads, kv = _require(cfg, "num_attention_heads"), cfg.get("num_key_value_heads", 1)
-    ple = cfg.get("hidden_size_per_layer_input") or 0
-    vocab = _require(cfg, "vocab_size")
-    if ple and cfg.get("vocab_size_per_layer_input", vocab) != vocab:
+    if local.data.get("rope_type", "default") != "default" or local.data.get("factor", 1.0) != 1.0:
+        raise SpecError(f"sliding-layer rope {local.data}: Tunix Gemma 4 supports unscaled 'default' RoPE only")
+    if full.data.get("rope_type", "default") not in ("default", "proportional") or full.data.get("factor", 1.0) != 1.0:
+        raise SpecError(f"global-layer rope {full.data}: Tunix Gemma 4 supports unscaled 'proportional' RoPE only")
+    fraction = full.number("partial_rotary_factor", 1.0) if full.data.get("rope_type") == "proportional" else 1.0
+    if not 0 < fraction <= 1:
+        full.fail("partial_rotary_factor", fraction, "a fraction in (0, 1]")
+    heads = cfg.integer("num_attention_heads")
+    kv = _heads(cfg, heads, "num_key_value_heads", 1)
+    ple = cfg.integer("hidden_size_per_layer_input", 0, minimum=0)
+    vocab = cfg.integer("vocab_size")
+    if ple and cfg.integer("vocab_size_per_layer_input", vocab) != vocab:
         raise SpecError(
-            f"vocab_size_per_layer_input={cfg['vocab_size_per_layer_input']} differs from vocab_size={vocab}: "
+            f"vocab_size_per_layer_input={cfg.data['vocab_size_per_layer_input']} differs from vocab_size={vocab}: "
             "Tunix Gemma 4 sizes its per-layer embedding by vocab_size"
         )
-    shared = cfg.get("num_kv_shared_layers") or 0
+    shared = cfg.integer("num_kv_shared_layers", 0, minimum=0)
     if shared:
         _check_kv_sharing(layer_types, shared)
-    moe = bool(cfg.get("enable_moe_block"))
+    moe = bool(cfg.data.get("enable_moe_block"))
+    experts = cfg.integer("num_experts") if moe else 0
+    per_token = cfg.integer("top_k_experts") if moe else 0
+    if per_token > experts:
+        raise SpecError(f"{cfg.source}: top_k_experts={per_token} is more than num_experts={experts}")
+    head_dim = cfg.integer("head_dim", 256)
+    softcap = cfg.number("final_logit_softcapping", None)
+    if softcap is not None and softcap <= 0:
+        cfg.fail("final_logit_softcapping", softcap, "a positive number or null")
     return GemmaSpec(
         family="gemma4",
         num_layers=num_layers,
-        hidden=_require(cfg, "hidden_size"),
-        mlp=_require(cfg, "intermediate_size"),
+        hidden=cfg.integer("hidden_size"),
+        mlp=cfg.integer("intermediate_size"),
         vocab=vocab,
         num_heads=heads,
-        head_dim=cfg.get("head_dim", 256),
+        head_dim=head_dim,
         num_kv_heads=kv,
-        global_head_dim=cfg.get("global_head_dim") or cfg.get("head_dim", 256),
-        global_kv_heads=cfg.get("num_global_key_value_heads") or kv,
-        sliding_window=_require(cfg, "sliding_window"),
+        global_head_dim=cfg.integer("global_head_dim", head_dim),
+        global_kv_heads=_heads(cfg, heads, "num_global_key_value_heads", kv),
+        sliding_window=cfg.integer("sliding_window"),
         layer_types=layer_types,
-        k_eq_v=bool(cfg.get("attention_k_eq_v")),
+        k_eq_v=bool(cfg.data.get("attention_k_eq_v")),
         per_layer_input_dim=ple,
         num_kv_shared_layers=shared,
-        double_wide_mlp=bool(cfg.get("use_double_wide_mlp")) and shared > 0,
-        num_experts=_require(cfg, "num_experts") if moe else 0,
-        experts_per_token=_require(cfg, "top_k_experts") if moe else 0,
-        expert_dim=_require(cfg, "moe_intermediate_size") if moe else 0,
-        final_logit_softcap=cfg.get("final_logit_softcapping"),
+        double_wide_mlp=bool(cfg.data.get("use_double_wide_mlp")) and shared > 0,
+        num_experts=experts,
+        experts_per_token=per_token,
+        expert_dim=cfg.integer("moe_intermediate_size") if moe else 0,
+        final_logit_softcap=softcap,
         norm="scale",
-        local_rope_base=float(local.get("rope_theta", 10_000.0)),
-        global_rope_base=float(full.get("rope_theta", 1_000_000.0)),
+        local_rope_base=local.number("rope_theta", 10_000.0),
+        global_rope_base=full.number("rope_theta", 1_000_000.0),
         global_rope_fraction=fraction,
     )
 
