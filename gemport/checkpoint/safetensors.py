@@ -25,7 +25,7 @@ from typing import BinaryIO
 import ml_dtypes
 import numpy as np
 
-from gemport.errors import CorruptFileError
+from gemport.errors import CheckpointError, CorruptFileError
 
 DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64),
@@ -42,6 +42,8 @@ DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_),
 }
 CODES: dict[np.dtype, str] = {v: k for k, v in DTYPES.items()}
+# The safetensors format's other dtypes: well-formed files, which gemport does not decode.
+_UNREAD = ("U16", "U32", "U64", "C64", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4")
 
 _MAX_HEADER = 100 * 2**20
 _COPY_CHUNK = 64 * 2**20
@@ -107,18 +109,29 @@ class SafetensorsFile:
             self._fail("header is not a JSON object")
         base = 8 + n
         self.metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(self.metadata, dict):
+            self._fail(f"__metadata__ is a {type(self.metadata).__name__}, not an object")
         spans = []
         for name, t in header.items():
             try:
                 dtype, shape, (begin, end) = t["dtype"], tuple(t["shape"]), t["data_offsets"]
             except (KeyError, TypeError, ValueError):
                 self._fail(f"tensor {name!r} has a malformed header entry {t!r}")
+            if dtype in _UNREAD:
+                raise CheckpointError(
+                    f"{self.path}: tensor {name!r} has dtype {dtype}, valid in safetensors but not one gemport "
+                    f"reads ({', '.join(DTYPES)}); convert the checkpoint to bf16 or f32 first"
+                )
             if dtype not in DTYPES:
                 self._fail(f"tensor {name!r} has unknown dtype {dtype!r}")
-            if any(not isinstance(d, int) or d < 0 for d in shape):
+            if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
                 self._fail(f"tensor {name!r} has invalid shape {list(shape)}")
+            if any(isinstance(o, bool) or not isinstance(o, int) for o in (begin, end)):
+                self._fail(f"tensor {name!r} has data_offsets {[begin, end]}, which are not integers")
+            if begin < 0 or end < begin:
+                self._fail(f"tensor {name!r} has data_offsets {[begin, end]}: negative or reversed")
             expected = math.prod(shape) * DTYPES[dtype].itemsize
-            if end - begin != expected or begin < 0:
+            if end - begin != expected:
                 self._fail(f"tensor {name!r} spans {end - begin} bytes but dtype {dtype} shape {list(shape)} needs {expected}")
             if base + end > size:
                 self._fail(f"tensor {name!r} ends at byte {base + end}, past the end of the file ({size} bytes)")
