@@ -9,27 +9,61 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from gemport.checkpoint.load import abstract_model
-from gemport.checkpoint.output import check_output
-from gemport.errors import CheckpointError, ShapeMismatchError
+from gemport.checkpoint.load import abstract_model, path_str
+from gemport.checkpoint.output import atomic_dir, check_output
+from gemport.errors import (
+    CheckpointError,
+    CorruptFileError,
+    MissingTensorError,
+    ShapeMismatchError,
+    UnexpectedTensorError,
+)
 from gemport.specs import GemmaSpec
 
 
 def save_orbax(state_or_model, out_dir: str | Path) -> Path:
     """Save a Tunix model's parameters (or an ``nnx.State``) as an Orbax checkpoint at ``out_dir``.
 
-    Orbax writes into a temporary directory and renames it when complete. ``out_dir`` must not exist.
+    Orbax writes inside a temporary sibling of ``out_dir`` (see `gemport.checkpoint.output.atomic_dir`),
+    renamed into place when complete; an unwritable location fails before Orbax starts. ``out_dir`` must not
+    exist or be empty. One process writes (conversions, not multi-host training checkpoints).
+
+    Raises:
+      CheckpointError: the location is not writable, or Orbax failed (disk full...); names ``out_dir``.
     """
     import orbax.checkpoint as ocp
 
     state = nnx.state(state_or_model, nnx.Param) if isinstance(state_or_model, nnx.Module) else state_or_model
     out = check_output(out_dir)
-    if out.exists():
-        out.rmdir()
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(out, state)
-        checkpointer.wait_until_finished()
+    with atomic_dir(out) as tmp:
+        inner = tmp / "checkpoint"  # Orbax's own temporary folder then lands inside ours
+        try:
+            with ocp.StandardCheckpointer() as checkpointer:
+                checkpointer.save(inner, state)
+                checkpointer.wait_until_finished()
+        except Exception as e:
+            raise CheckpointError(f"output {out}: Orbax could not write the checkpoint ({e})") from None
+        for child in inner.iterdir():
+            child.rename(tmp / child.name)
+        inner.rmdir()
     return out
+
+
+def _stored_tree(checkpointer, path: Path):
+    """The metadata tree of the Orbax checkpoint at ``path``, or ``CorruptFileError`` naming it."""
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such Orbax checkpoint directory")
+    try:
+        metadata = checkpointer.metadata(path)
+    except Exception as e:
+        raise CorruptFileError(f"{path}: not a readable Orbax checkpoint ({e})") from None
+    tree = getattr(getattr(metadata, "item_metadata", metadata), "tree", None)
+    if not tree:
+        raise CorruptFileError(
+            f"{path}: not a readable Orbax checkpoint (no _METADATA describing its arrays); it is incomplete "
+            "or not an Orbax checkpoint"
+        )
+    return tree
 
 
 def load_orbax(path: str | Path, spec: GemmaSpec, *, mesh=None, dtype=None) -> nnx.State:
@@ -48,10 +82,7 @@ def load_orbax(path: str | Path, spec: GemmaSpec, *, mesh=None, dtype=None) -> n
 
     path = Path(path).resolve()
     with ocp.StandardCheckpointer() as checkpointer:
-        try:
-            stored = checkpointer.metadata(path).item_metadata.tree
-        except (FileNotFoundError, ValueError, KeyError) as e:
-            raise CheckpointError(f"{path}: not a readable Orbax checkpoint ({e})") from None
+        stored = _stored_tree(checkpointer, path)
         leaves = jax.tree.leaves(stored)
         target_dtype = np.dtype(dtype) if dtype is not None else np.dtype(leaves[0].dtype)
         graphdef, abstract = nnx.split(abstract_model(spec, param_dtype=target_dtype))
@@ -62,8 +93,34 @@ def load_orbax(path: str | Path, spec: GemmaSpec, *, mesh=None, dtype=None) -> n
                         else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
             value = var.get_value()
             flat.append((p, var.replace(jax.ShapeDtypeStruct(value.shape, target_dtype, sharding=sharding))))
+        _check_shapes(path, stored, flat)
         target = nnx.from_flat_state(flat)
         try:
             return checkpointer.restore(path, target)
         except ValueError as e:
             raise ShapeMismatchError(f"{path}: does not hold the parameters of this spec ({e})") from None
+        except Exception as e:
+            raise CorruptFileError(f"{path}: Orbax could not read the checkpoint's arrays ({e})") from None
+
+
+def _check_shapes(path: Path, stored, flat) -> None:
+    """Every parameter the spec needs, with its shape, and nothing else: before Orbax restores anything."""
+    found = {}
+    for keys, leaf in jax.tree_util.tree_flatten_with_path(stored)[0]:
+        parts = [str(getattr(k, "key", getattr(k, "idx", k))) for k in keys]
+        found[".".join(parts[:-1] if parts[-1] == "value" else parts)] = tuple(getattr(leaf, "shape", ()))
+    wanted = {path_str(p): tuple(v.get_value().shape) for p, v in flat}
+    for name, shape in wanted.items():
+        if name not in found:
+            raise MissingTensorError(f"{path}: no parameter {name!r}; the checkpoint is of another model or spec")
+        if found[name] != shape:
+            raise ShapeMismatchError(
+                f"{path}: parameter {name!r} has shape {list(found[name])}, but the spec needs {list(shape)}; "
+                "the checkpoint is of another model"
+            )
+    extra = sorted(set(found) - set(wanted))
+    if extra:
+        raise UnexpectedTensorError(
+            f"{path}: parameter {extra[0]!r} (and {len(extra) - 1} more) is not part of this spec's model; the "
+            "checkpoint is of another model (or holds LoRA params: export those with export_merged)"
+        )

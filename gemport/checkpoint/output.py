@@ -1,22 +1,27 @@
 """Writing checkpoint directories: atomically, in HF's sharded layout.
 
 Everything is written into a temporary sibling of the output directory, which is renamed into place only
-when complete, so an interrupted run never leaves a directory that looks like a checkpoint.
+when complete, so an interrupted run never leaves a directory that looks like a checkpoint. A run killed
+outright leaves its temporary sibling behind; the next run to the same output removes it (`atomic_dir`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import glob
 import json
 import os
 import re
 import shutil
+import socket
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from gemport.checkpoint.hf_dir import INDEX, SINGLE
+from gemport.checkpoint.hf_dir import INDEX, SINGLE, hub_repo
 from gemport.checkpoint.safetensors import TensorSource, write_file
 from gemport.errors import CheckpointError, UnsafePathError
 
@@ -34,32 +39,88 @@ def parse_size(size: int | str) -> int:
 
 
 def check_output(out_dir: str | Path, *inputs: str | Path | None) -> Path:
-    """Refuse an output equal to or inside an input, or an existing non-empty directory."""
+    """Refuse an output equal to or inside an input, or an existing non-empty directory or file.
+
+    An input that is a snapshot of the Hugging Face hub cache protects its whole repository folder
+    (``models--org--name``), whose ``blobs/`` hold the snapshot's data.
+    """
     out = Path(out_dir).resolve()
     for src in inputs:
         if src is None:
             continue
         src = Path(src).resolve()
-        if out == src or out.is_relative_to(src):
-            raise UnsafePathError(f"output {out} is {'the same as' if out == src else 'inside'} input {src}; "
-                                  "choose a directory outside the input")
+        for protected in (src, hub_repo(src) if src.is_dir() else None):
+            if protected is not None and (out == protected or out.is_relative_to(protected)):
+                raise UnsafePathError(
+                    f"output {out} is {'the same as' if out == protected else 'inside'} input {protected}; "
+                    "choose a directory outside the input"
+                )
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"output {out} already exists and is not empty; remove it or choose another")
     return out
 
 
+# A partial output is the folder ".<name>.partial-<host>-<pid>-<random>" beside the output.
+_HOST = socket.gethostname()
+_PARTIAL = re.compile(r"(?P<host>.+)-(?P<pid>\d+)-[a-z0-9_]{8}(\..*)?")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def remove_stale_partials(out_dir: Path) -> list[Path]:
+    """Remove the partial outputs of ``out_dir`` left by dead processes of this host; return them.
+
+    A run killed before it renamed its partial output into place (SIGKILL, out of memory, power loss) leaves
+    it behind. It is stale when the process that wrote it is gone: same host name, no process with its PID.
+    Partial outputs of running processes, and of other hosts (a shared file system), are left alone.
+    """
+    prefix = f".{out_dir.name}.partial-"
+    removed = []
+    for path in out_dir.parent.glob(glob.escape(prefix) + "*"):
+        m = _PARTIAL.fullmatch(path.name[len(prefix):])
+        if m and m["host"] == _HOST and not _alive(int(m["pid"])):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
 @contextlib.contextmanager
 def atomic_dir(out_dir: Path) -> Iterator[Path]:
-    """Yield a temporary sibling directory; rename it to ``out_dir`` on success, remove it on failure."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    """Yield a new temporary sibling directory; rename it to ``out_dir`` on success, remove it on failure.
+
+    Stale partial outputs of ``out_dir`` are removed first (see `remove_stale_partials`). An ``OSError`` (no
+    space left, read-only file system, a path through a file) becomes a ``CheckpointError`` naming
+    ``out_dir``, as does finding ``out_dir`` written by another run when this one is done.
+    """
+    out_dir = Path(out_dir)
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_partials(out_dir)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-{_HOST}-{os.getpid()}-", dir=out_dir.parent))
+    except OSError as e:
+        raise CheckpointError(f"output {out_dir}: cannot write there ({e}); choose a writable location") from None
     try:
         yield tmp
-        if out_dir.exists():
-            out_dir.rmdir()
-        os.rename(tmp, out_dir)
+        try:
+            os.rename(tmp, out_dir)  # replaces an empty directory; fails on anything else
+        except OSError as e:
+            if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                raise CheckpointError(
+                    f"output {out_dir} appeared while this run was writing it (another run writing the same "
+                    "output?); it was left as it is and this run's output discarded"
+                ) from None
+            raise
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"output {out_dir}: not written ({e}); the partial output was removed") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
