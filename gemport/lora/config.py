@@ -26,6 +26,8 @@ import math
 import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
+from os import PathLike
+from pathlib import Path
 from typing import Any, Literal
 
 import einops
@@ -33,7 +35,7 @@ import numpy as np
 
 from gemport import names
 from gemport.errors import LoraError
-from gemport.jsonfile import read_json
+from gemport.jsonfile import Fields, read_json
 from gemport.specs import GemmaSpec
 
 # HF linear modules of a Gemma text layer that gemport maps to Qwix, in PEFT's spelling.
@@ -322,12 +324,50 @@ def _alternation(paths: list[str]) -> str:
     return "|".join(f"layers/(?:{'|'.join(idx)})/{re.escape(rest)}" for rest, idx in layers.items())
 
 
+# PEFT options that change what an adapter computes or how it trains; Qwix LoRA has none of them.
+_PEFT_VARIANTS = {
+    "alora_invocation_tokens": "aLoRA turns the adapter on only after its invocation tokens; Qwix LoRA is always on",
+    "exclude_modules": "gemport adapts every layer's target_modules; list the targets without exclusions",
+    "trainable_token_indices": "it trains rows of the embedding, which Qwix LoRA does not",
+    "lora_bias": "it trains a bias beside lora_B, which Qwix LoRA has not",
+    "layer_replication": "it repeats layers, which the Tunix model does not",
+    "use_qalora": "QALoRA pools the adapter's input by quantization group; Qwix LoRA does not",
+    "use_bdlora": "block-diagonal factors have no Qwix equivalent",
+    "arrow_config": "Arrow routes between several adapters; Qwix LoRA is one adapter",
+    "kasa_config": "KaSA rewrites the base weight's singular values",
+    "monteclora_config": "Monte Carlo sampling of the adapter has no Qwix equivalent",
+    "velora_config": "VeLoRA replaces the adapter's backward pass",
+}
+
+
 def _peft_dict(config: Any) -> dict[str, Any]:
-    if isinstance(config, Mapping):
-        return dict(config)
-    if hasattr(config, "to_dict"):
-        return config.to_dict()
-    return read_json(config, "adapter_config.json", LoraError, "a PEFT adapter directory, config or dict")
+    """The fields of a PEFT LoRA config, checked: ``r`` a positive integer, ``lora_alpha`` a number, no option
+    that changes the adapter's function (`_PEFT_VARIANTS`). A config without ``peft_type`` is LoRA, as
+    ``LoraConfig(**d)`` reads it. Raises ``LoraError`` naming the file (or ``PEFT config``) and the field."""
+    if isinstance(config, Mapping) or hasattr(config, "to_dict"):
+        cfg, source = dict(config) if isinstance(config, Mapping) else config.to_dict(), "PEFT config"
+    elif isinstance(config, (str, PathLike)):
+        path = Path(config)
+        cfg = read_json(path, "adapter_config.json", LoraError, "a PEFT adapter directory, config or dict")
+        source = str(path / "adapter_config.json" if path.is_dir() else path)
+    else:
+        raise LoraError(f"{config!r:.80}: pass a peft.LoraConfig, its dict, or a PEFT adapter directory")
+    fields = Fields(cfg, source, LoraError)
+    if cfg.get("peft_type") is None:
+        cfg["peft_type"] = "LORA"
+    for key, why in _PEFT_VARIANTS.items():
+        if cfg.get(key):
+            raise LoraError(f"{source} sets {key}={cfg[key]!r:.80}: {why}")
+    cfg["r"] = fields.integer("r")
+    cfg["lora_alpha"] = fields.number("lora_alpha")
+    fields.number("lora_dropout", None, minimum=0.0, below=1.0)
+    fields.boolean("use_rslora", None)
+    ranks, alphas = fields.fields("rank_pattern"), fields.fields("alpha_pattern")
+    for key in ranks.data:
+        ranks.integer(key)
+    for key in alphas.data:
+        alphas.number(key)
+    return cfg
 
 
 def apply_lora(model, spec: GemmaSpec, lora_spec: LoraSpec, state=None, *, seed: int = 0):
