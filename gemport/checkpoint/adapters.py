@@ -15,7 +15,15 @@ import numpy as np
 from flax import nnx
 
 from gemport.checkpoint.load import flat_params
-from gemport.errors import CheckpointError, LoraError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError
+from gemport.checkpoint.orbax import stored_tree
+from gemport.errors import (
+    CheckpointError,
+    CorruptFileError,
+    LoraError,
+    MissingTensorError,
+    ShapeMismatchError,
+    UnexpectedTensorError,
+)
 from gemport.lora import LoraSpec, Target, targets
 from gemport.specs import GemmaSpec
 
@@ -66,12 +74,12 @@ def read_orbax(path: str | os.PathLike, *, step: int | None = None) -> dict[str,
 
     directory = params_dir(path, step=step).resolve()
     checkpointer = ocp.PyTreeCheckpointer()
-    try:
-        tree = checkpointer.metadata(directory).item_metadata.tree
-    except (FileNotFoundError, ValueError) as e:
-        raise CheckpointError(f"{directory}: not a readable Orbax checkpoint ({e})") from None
+    tree = stored_tree(checkpointer, directory)
     restore = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-    restored = checkpointer.restore(directory, args=ocp.args.PyTreeRestore(restore_args=restore))
+    try:
+        restored = checkpointer.restore(directory, args=ocp.args.PyTreeRestore(restore_args=restore))
+    except Exception as e:
+        raise CorruptFileError(f"{directory}: Orbax could not read the checkpoint's arrays ({e})") from None
     out = {}
     for keys, value in jax.tree_util.tree_flatten_with_path(restored)[0]:
         parts = [str(getattr(k, "key", getattr(k, "idx", k))) for k in keys]
@@ -96,8 +104,13 @@ def find_lora_spec(path: str | os.PathLike) -> LoraSpec | None:
     """The LoraSpec recorded by `save_lora_spec` for a checkpoint root, step or ``model_params`` path."""
     path = Path(path).resolve()
     for directory in (path, path.parent, path.parent.parent):
-        if (directory / LORA_SPEC_FILE).is_file():
-            return LoraSpec.from_json((directory / LORA_SPEC_FILE).read_text())
+        file = directory / LORA_SPEC_FILE
+        if file.is_file():
+            try:
+                return LoraSpec.from_json(file.read_bytes().decode())
+            except (ValueError, TypeError, KeyError) as e:
+                raise LoraError(f"{file}: not a LoraSpec as save_lora_spec writes it ({e}); write it again with "
+                                "save_lora_spec, or remove it and pass the LoraSpec") from None
     return None
 
 

@@ -49,7 +49,7 @@ def save_orbax(state_or_model, out_dir: str | Path) -> Path:
     return out
 
 
-def _stored_tree(checkpointer, path: Path):
+def stored_tree(checkpointer, path: Path):
     """The metadata tree of the Orbax checkpoint at ``path``, or ``CorruptFileError`` naming it."""
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such Orbax checkpoint directory")
@@ -82,7 +82,7 @@ def load_orbax(path: str | Path, spec: GemmaSpec, *, mesh=None, dtype=None) -> n
 
     path = Path(path).resolve()
     with ocp.StandardCheckpointer() as checkpointer:
-        stored = _stored_tree(checkpointer, path)
+        stored = stored_tree(checkpointer, path)
         leaves = jax.tree.leaves(stored)
         target_dtype = np.dtype(dtype) if dtype is not None else np.dtype(leaves[0].dtype)
         graphdef, abstract = nnx.split(abstract_model(spec, param_dtype=target_dtype))
