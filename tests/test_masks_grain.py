@@ -26,7 +26,7 @@ def test_grain_packers_keep_masks_and_boundaries(packer):
     transform = MaskTransform(TOKENIZER, masks.Gemma4(), policy, truncation)
     dataset = (
         grain.MapDataset.source([{"messages": c} for c in CHATS])
-        .map(transform)
+        .map_with_index(transform)
         .filter(has_target)
         .to_iter_dataset()
     )
@@ -37,6 +37,7 @@ def test_grain_packers_keep_masks_and_boundaries(packer):
     expected, report = masks.build(CHATS, TOKENIZER, masks.Gemma4(), policy, truncation)
     assert transform.report == report
     assert (report.kept, report.dropped_no_target, report.dropped_too_long) == (12, 1, 1)
+    assert report.which == {"dropped_no_target": [12], "dropped_too_long": [13]}
 
     found = []
     for row in rows:
@@ -53,9 +54,9 @@ def test_grain_packers_keep_masks_and_boundaries(packer):
 
 def test_dropped_example_maps_to_an_empty_record():
     transform = MaskTransform(TOKENIZER, masks.Gemma4(), masks.MaskPolicy(), masks.Truncation(SEQ_LEN))
-    record = transform.map({"messages": CHATS[-2]})
+    record = transform.map({"messages": CHATS[-2], "id": "q7"})
     assert record["tokens"].shape == (0,) and not has_target(record)
-    assert transform.report.dropped_no_target == 1
+    assert transform.report.dropped_no_target == 1 and transform.report.which == {"dropped_no_target": ["q7"]}
     assert np.array_equal(masks.tunix_inputs(**from_grain({
         "tokens": np.ones((1, 4)), "loss_mask": np.zeros((1, 4), bool),
         "tokens_segment_ids": np.ones((1, 4)), "tokens_positions": np.arange(4)[None],

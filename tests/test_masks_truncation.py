@@ -74,8 +74,10 @@ def test_inputs_are_not_modified():
 
 
 @pytest.mark.parametrize("overflow, counts", [
-    ("drop", dict(kept=2, trimmed_untrained=1, trimmed=0, dropped_too_long=1, dropped_no_target=1, targets_lost=12)),
-    ("trim", dict(kept=2, trimmed_untrained=1, trimmed=1, dropped_too_long=0, dropped_no_target=1, targets_lost=8)),
+    ("drop", dict(kept=2, trimmed_untrained=1, trimmed=0, dropped_too_long=1, dropped_no_target=1, targets_lost=12,
+                  which={"dropped_too_long": [1], "trimmed_untrained": [2], "dropped_no_target": [3]})),
+    ("trim", dict(kept=2, trimmed_untrained=1, trimmed=1, dropped_too_long=0, dropped_no_target=1, targets_lost=8,
+                  which={"trimmed": [1], "trimmed_untrained": [2], "dropped_no_target": [3]})),
 ])
 def test_build_reports_every_decision(overflow, counts):
     chats = [SHORT, TWO_TURNS, TRAILING_USER, NO_ASSISTANT, SHORT]

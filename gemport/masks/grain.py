@@ -6,37 +6,50 @@ Grain is imported here only, so ``gemport.masks`` itself does not need it.
 import grain.transforms
 import numpy as np
 
-from gemport.masks.pipeline import prepare
+from gemport.masks.formats import render
+from gemport.masks.pipeline import fit_batch
 from gemport.masks.tokenize import check_tokenizer
 from gemport.masks.truncation import TruncationReport
 
 
-class MaskTransform(grain.transforms.Map):
-    """Grain map transform: a record {"messages": [...]} to {"tokens": int32 [n], "loss_mask": bool [n]}.
+class MaskTransform(grain.transforms.Map, grain.transforms.MapWithIndex):
+    """Grain transform: a record of any SFT format to {"tokens": int32 [n], "loss_mask": bool [n]}.
 
-    A ``grain.transforms.Map`` (Grain's ``MapTransform`` in earlier releases).
-    Renders with ``chat_format``, masks with ``policy`` and fits with ``truncation``, as ``build``
-    does. A map cannot drop, so a dropped example comes out with n = 0: follow with
+    Records are those ``gemport.masks.formats`` reads ({"messages"}, {"prompt", "completion"},
+    {"text"}), rendered as ``formats.render`` does with ``chat_format``, ``policy`` and the keyword
+    options, and fitted with ``truncation``. Use it with ``.map_with_index(transform)`` (the report
+    then names records by their "id", else their index) or ``.map(transform)`` (by "id" only).
+    A map cannot drop, so a dropped example comes out with n = 0: follow with
     ``.filter(has_target)``. ``report`` counts the decisions taken in this process (each Grain
     worker process keeps its own copy). The output packs with Grain's packers
     (``length_struct={"tokens": L, "loss_mask": L}``); its first token is never a target, so no
     target crosses a packed boundary.
     """
 
-    def __init__(self, tokenizer, chat_format, policy, truncation):
+    def __init__(self, tokenizer, chat_format, policy, truncation, *, fmt=None, completion_only_loss=None,
+                 text_field="text", eos_token=None):
         check_tokenizer(tokenizer, chat_format)
         self.tokenizer = tokenizer
         self.chat_format = chat_format
-        self.policy = policy
         self.truncation = truncation
+        self.options = dict(
+            policy=policy, fmt=fmt, completion_only_loss=completion_only_loss, text_field=text_field,
+            eos_token=eos_token if eos_token is not None else getattr(tokenizer, "eos_token", None),
+        )
         self.report = TruncationReport()
 
     def map(self, element):
-        """{"tokens": int32 [n], "loss_mask": bool [n]} for ``element["messages"]``; n = 0 if dropped."""
-        example, decision, lost = prepare(
-            element["messages"], self.tokenizer, self.chat_format, self.policy, self.truncation
-        )
-        self.report.record(decision, lost)
+        """{"tokens": int32 [n], "loss_mask": bool [n]} for one record; n = 0 if dropped."""
+        return self._fit(element, element.get("id"))
+
+    def map_with_index(self, index, element):
+        """``map``, naming the record in ``report`` by its "id", else by ``index``."""
+        return self._fit(element, element.get("id", index))
+
+    def _fit(self, element, key):
+        rendered = render(element, self.chat_format, key=key, **self.options)
+        [(example, decision, lost)] = fit_batch([rendered], self.tokenizer, self.truncation)
+        self.report.record(decision, lost, key)
         if example is None:
             return {"tokens": np.zeros(0, np.int32), "loss_mask": np.zeros(0, bool)}
         return {"tokens": example.tokens, "loss_mask": example.loss_mask}

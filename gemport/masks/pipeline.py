@@ -1,7 +1,24 @@
 """From conversations to fitted, masked examples."""
 
-from gemport.masks.tokenize import check_tokenizer, encode
+import itertools
+from typing import NamedTuple
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from gemport.masks.tokenize import check_tokenizer, encode, encode_batch
 from gemport.masks.truncation import TruncationReport, truncate
+
+
+class Rendered(NamedTuple):
+    """One record ready to tokenize: its ``key`` for the report, its ``Segment``s and which are
+    trained (bool [len(segments)]), and whether it is plain text (tokenized with the tokenizer's
+    own special tokens, every token a boundary truncation may cut at)."""
+
+    key: object
+    segments: tuple
+    trained: np.ndarray
+    plain: bool = False
 
 
 def prepare(messages, tokenizer, chat_format, policy, truncation):
@@ -13,20 +30,61 @@ def prepare(messages, tokenizer, chat_format, policy, truncation):
     return truncate(encode(segments, policy.select(segments), tokenizer), truncation)
 
 
-def build(conversations, tokenizer, chat_format, policy, truncation):
+def build(conversations, tokenizer, chat_format, policy, truncation, *, batch_size=512, progress=True):
     """Renders, masks and truncates every conversation.
 
     conversations: iterable of message lists; chat_format: ``Gemma3()`` or ``Gemma4(...)``;
-    policy: ``MaskPolicy``; truncation: ``Truncation``. Checks the tokenizer once first.
-    Returns (examples, report): the kept ``Example``s in input order (each of at most
-    ``truncation.max_len`` tokens, each with at least one target) and the ``TruncationReport``.
+    policy: ``MaskPolicy``; truncation: ``Truncation``. Checks the tokenizer once first, then
+    tokenizes ``batch_size`` conversations per call (a progress bar counts them unless
+    ``progress`` is False). Returns (examples, report): the kept ``Example``s in input order (each
+    of at most ``truncation.max_len`` tokens, each with at least one target) and the
+    ``TruncationReport``, which names conversations by their index in ``conversations``.
     """
     check_tokenizer(tokenizer, chat_format)
+
+    def rendered():
+        for index, messages in enumerate(conversations):
+            segments = chat_format.render(messages)
+            yield Rendered(index, segments, policy.select(segments))
+
+    return fit(rendered(), tokenizer, truncation, batch_size=batch_size, progress=progress, total=_length(conversations))
+
+
+def fit(rendered, tokenizer, truncation, *, batch_size=512, progress=True, total=None):
+    """Tokenizes, labels and truncates ``Rendered`` records, ``batch_size`` per tokenizer call.
+
+    Returns (examples, report) as ``build`` does, the report naming records by their keys.
+    """
     report = TruncationReport()
     examples = []
-    for messages in conversations:
-        example, decision, lost = prepare(messages, tokenizer, chat_format, policy, truncation)
-        report.record(decision, lost)
-        if example is not None:
-            examples.append(example)
+    rendered = iter(rendered)
+    with tqdm(total=total, desc="masks", unit="example", disable=not progress, leave=False) as bar:
+        while batch := list(itertools.islice(rendered, batch_size)):
+            for r, (example, decision, lost) in zip(batch, fit_batch(batch, tokenizer, truncation)):
+                report.record(decision, lost, r.key)
+                if example is not None:
+                    examples.append(example)
+            bar.update(len(batch))
     return examples, report
+
+
+def fit_batch(batch, tokenizer, truncation):
+    """[(example or None, decision, targets_lost)] for a list of ``Rendered``, as ``truncate`` returns
+    them; one tokenizer call for the conversations of the batch and one for its plain texts."""
+    fitted = [None] * len(batch)
+    for plain in (False, True):
+        chosen = [i for i, r in enumerate(batch) if r.plain == plain]
+        items = [(batch[i].segments, batch[i].trained) for i in chosen]
+        for i, example in zip(chosen, encode_batch(items, tokenizer, add_special_tokens=plain)):
+            if plain:
+                # Plain text has no turns to protect: truncation may cut after any token.
+                example = example._replace(turn_ids=np.arange(len(example.tokens), dtype=np.int32))
+            fitted[i] = truncate(example, truncation)
+    return fitted
+
+
+def _length(source):
+    try:
+        return len(source)
+    except TypeError:
+        return None

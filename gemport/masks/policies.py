@@ -6,7 +6,7 @@ import numpy as np
 
 from gemport.errors import MaskError
 
-_TRAIN = ("assistant", "all", "last_assistant")
+_TRAIN = ("assistant", "all", "last_assistant", "all_tokens")
 _TRAINED_PARTS = ("content", "tool_call", "end")
 
 
@@ -15,12 +15,14 @@ class MaskPolicy:
     """A named loss-mask policy.
 
     train: ``"assistant"`` trains every assistant turn; ``"all"`` trains every user and assistant
-        turn; ``"last_assistant"`` trains only the last turn that has assistant output.
+        turn; ``"last_assistant"`` trains only the last turn that has assistant output;
+        ``"all_tokens"`` trains every token, headers and system text included (TRL's SFT loss without
+        ``assistant_only_loss``).
     reasoning: also train the ``<|channel>thought ... <channel|>`` blocks of trained turns
         (default False: reasoning is context, not a target).
 
-    Whatever the policy, a turn is trained on its content, tool calls and end-of-turn text, never on
-    its header; ``<bos>``, system and tool segments are never trained.
+    Except under ``"all_tokens"``, a turn is trained on its content, tool calls and end-of-turn text,
+    never on its header; ``<bos>``, system and tool segments are never trained.
     """
 
     train: str = "assistant"
@@ -32,6 +34,8 @@ class MaskPolicy:
 
     def select(self, segments):
         """Returns bool [len(segments)]: whether each ``Segment`` is trained."""
+        if self.train == "all_tokens":
+            return np.ones(len(segments), dtype=bool)
         roles = ("user", "assistant") if self.train == "all" else ("assistant",)
         parts = _TRAINED_PARTS + (("reasoning",) if self.reasoning else ())
         trained = np.array([s.role in roles and s.part in parts for s in segments], dtype=bool)

@@ -4,6 +4,7 @@ Works with ``tokenizers.Tokenizer``, transformers fast tokenizers (through their
 ``sentencepiece.SentencePieceProcessor``: anything that reports where each token sits in the text.
 """
 
+import itertools
 from typing import NamedTuple
 
 import numpy as np
@@ -93,27 +94,76 @@ def encode(segments, trained, tokenizer):
     before. Role, part and turn of a token are those of its last character.
     Returns an ``Example``.
     """
-    text = "".join(s.text for s in segments)
-    lengths = np.fromiter((len(s.text) for s in segments), dtype=np.int64, count=len(segments))
-    trained = np.asarray(trained, dtype=bool)
-    if trained.shape != lengths.shape:
-        raise MaskError(f"trained: shape {trained.shape} for {len(segments)} segments")
-    ids, starts, ends = token_offsets(tokenizer, text)
-    if len(ids) == 0:
-        raise MaskError("segments: the rendered text is empty")
-    char_trained = np.repeat(trained, lengths)
+    return encode_batch([(segments, trained)], tokenizer)[0]
+
+
+def encode_batch(items, tokenizer, add_special_tokens=False):
+    """``encode`` for many conversations at once: one batch call to the tokenizer, one labelling pass.
+
+    items: sequence of (segments, trained) pairs, as ``encode`` takes them. add_special_tokens: let
+    the tokenizer add its own special tokens (a ``<bos>`` for plain text, as TRL tokenizes its text
+    formats); they are zero-width and take the label of the character they stand before.
+    Returns a list of ``Example``, one per item. A fast tokenizer's batch API tokenizes on all cores.
+    """
+    texts, lengths, trained, table = [], [], [], []
+    for k, (segments, flags) in enumerate(items):
+        flags = np.asarray(flags, dtype=bool)
+        if flags.shape != (len(segments),):
+            raise MaskError(f"trained[{k}]: shape {flags.shape} for {len(segments)} segments")
+        texts.append("".join(s.text for s in segments))
+        if not texts[-1]:
+            raise MaskError(f"segments[{k}]: the rendered text is empty")
+        lengths.extend(len(s.text) for s in segments)
+        trained.append(flags)
+        table.extend((s.turn, _ROLE_ID[s.role], _PART_ID[s.part]) for s in segments)
+    if not items:
+        return []
+    counts, ids, starts, ends = _tokenize_batch(tokenizer, texts, add_special_tokens)
+    if (counts == 0).any():
+        raise MaskError(f"segments[{int(np.argmax(counts == 0))}]: the text tokenizes to nothing")
+    lengths = np.asarray(lengths, dtype=np.int64)
+    char_trained = np.repeat(np.concatenate(trained), lengths)
+    # Token offsets become offsets into the concatenated texts of the whole batch.
+    text_ends = np.cumsum([len(t) for t in texts])
+    base = np.repeat(text_ends - [len(t) for t in texts], counts)
+    starts, ends = starts + base, ends + base
     trained_before = np.concatenate([[0], np.cumsum(char_trained)])
-    owner = np.minimum(np.where(ends > starts, ends - 1, starts), len(text) - 1)
+    owner = np.minimum(np.where(ends > starts, ends - 1, starts), np.repeat(text_ends - 1, counts))
     loss_mask = (trained_before[ends] > trained_before[starts]) | ((ends == starts) & char_trained[owner])
-    # Nothing precedes the first token, so it cannot be a target whatever its segment says.
-    loss_mask[0] = False
-    segment_of = np.repeat(np.arange(len(segments)), lengths)[owner]
-    table = np.array([(s.turn, _ROLE_ID[s.role], _PART_ID[s.part]) for s in segments], dtype=np.int32)
-    labels = table[segment_of]
-    return Example(
-        tokens=ids,
-        loss_mask=loss_mask,
-        turn_ids=labels[:, 0].copy(),
-        role_ids=labels[:, 1].astype(np.int8),
-        part_ids=labels[:, 2].astype(np.int8),
-    )
+    firsts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    # Nothing precedes an example's first token, so it cannot be a target whatever its segment says.
+    loss_mask[firsts] = False
+    segment_of = np.repeat(np.arange(len(lengths)), lengths)[owner]
+    labels = np.asarray(table, dtype=np.int32)[segment_of]
+    splits = firsts[1:]
+    return [
+        Example(*fields)
+        for fields in zip(
+            np.split(ids, splits),
+            np.split(loss_mask, splits),
+            np.split(labels[:, 0].copy(), splits),
+            np.split(labels[:, 1].astype(np.int8), splits),
+            np.split(labels[:, 2].astype(np.int8), splits),
+        )
+    ]
+
+
+def _tokenize_batch(tokenizer, texts, add_special_tokens):
+    # (counts int [b], ids int32 [n], starts int64 [n], ends int64 [n]) with n the batch's tokens.
+    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+    if hasattr(backend, "encode_batch"):
+        encodings = backend.encode_batch(texts, add_special_tokens=add_special_tokens)
+        counts = np.fromiter(map(len, encodings), dtype=np.int64, count=len(encodings))
+        chain = itertools.chain.from_iterable
+        ids = np.fromiter(chain(e.ids for e in encodings), dtype=np.int32, count=int(counts.sum()))
+        spans = np.fromiter(chain(chain(e.offsets for e in encodings)), dtype=np.int64, count=2 * int(counts.sum()))
+        spans = spans.reshape(-1, 2)
+        return counts, ids, spans[:, 0], spans[:, 1]
+    if add_special_tokens:
+        raise MaskError(
+            f"tokenizer: {type(tokenizer).__name__} cannot say which special tokens it adds; pass a "
+            "tokenizers.Tokenizer or a transformers fast tokenizer"
+        )
+    parts = [token_offsets(tokenizer, text) for text in texts]
+    counts = np.array([len(p[0]) for p in parts], dtype=np.int64)
+    return counts, *(np.concatenate([p[k] for p in parts]).astype(np.int64 if k else np.int32) for k in range(3))

@@ -38,6 +38,8 @@ class TruncationReport:
     trimmed: turns with targets were cut (``overflow="trim"``). dropped_too_long: dropped because
     targets lay past ``max_len`` (``overflow="drop"``). dropped_no_target: dropped because no
     target was left (or there never was one). targets_lost: trained targets removed by trims and drops.
+    which: for every decision but ``kept``, the examples it was taken for, in input order: each is
+    named by its key (the record's ``"id"`` when it has one, else its index in the input).
     """
 
     kept: int = 0
@@ -46,11 +48,15 @@ class TruncationReport:
     dropped_too_long: int = 0
     dropped_no_target: int = 0
     targets_lost: int = 0
+    which: dict = dataclasses.field(default_factory=dict)
 
-    def record(self, decision, targets_lost):
-        """Counts one ``decision`` (a field name) that removed ``targets_lost`` targets."""
+    def record(self, decision, targets_lost, key=None):
+        """Counts one ``decision`` (a field name) that removed ``targets_lost`` targets, taken for
+        the example named ``key`` (listed in ``which`` unless the decision is ``kept`` or key is None)."""
         setattr(self, decision, getattr(self, decision) + 1)
         self.targets_lost += targets_lost
+        if decision != "kept" and key is not None:
+            self.which.setdefault(decision, []).append(key)
 
 
 def truncate(example, truncation):

@@ -1,0 +1,237 @@
+"""TRL's SFT dataset formats as masked examples, from the files and datasets they come in.
+
+TRL's ``SFTTrainer`` reads three kinds of record, and so does ``examples``:
+
+- conversational language modelling: ``{"messages": [...]}`` (or ShareGPT-style
+  ``{"conversations": [{"from", "value"}]}``), optional ``"tools"`` (a list, or its JSON text);
+- prompt/completion, conversational (two message lists) or standard (two strings);
+- plain text: ``{"text": str}`` (the field is ``text_field``, TRL's ``dataset_text_field``).
+
+Masks follow TRL's: ``policy`` plays ``assistant_only_loss`` (None trains every token, as TRL does
+without it), ``completion_only_loss`` trains only what follows the prompt, and the standard
+formats get the tokenizer's EOS appended and its own special tokens, as TRL tokenizes them.
+"""
+
+import itertools
+import json
+import os
+from collections.abc import Mapping, Sequence
+
+from gemport.errors import MaskError
+from gemport.masks.pipeline import Rendered, fit
+from gemport.masks.policies import MaskPolicy
+from gemport.masks.render import Segment
+from gemport.masks.tokenize import check_tokenizer
+
+FORMATS = ("messages", "prompt_completion", "text")
+"""Record formats, as ``detect`` names them."""
+
+_ALL_TOKENS = MaskPolicy("all_tokens")
+
+
+def read(source, batch_size=1024):
+    """Yields the records (dicts) of ``source``, lazily.
+
+    source: a path (str or os.PathLike) to a ``.jsonl`` file (one JSON object a line), a ``.json``
+        file (a list of objects) or a ``.parquet`` file (read ``batch_size`` rows at a time); or a
+        ``datasets.Dataset`` / ``IterableDataset``, a Grain ``MapDataset`` or data source, or any
+        sequence or iterable of dicts.
+    """
+    if isinstance(source, (str, os.PathLike)):
+        yield from _read_file(os.fspath(source), batch_size)
+    elif hasattr(source, "__len__") and hasattr(source, "__getitem__") and not isinstance(source, Mapping):
+        # Indexing, not iterating: a Grain MapDataset or data source iterates only through a sampler.
+        for i in range(len(source)):
+            yield source[i]
+    else:
+        yield from source
+
+
+def _read_file(path, batch_size):
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as error:
+            raise MaskError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from error
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_size):
+            yield from batch.to_pylist()
+    elif suffix in (".jsonl", ".ndjson"):
+        with open(path, encoding="utf-8") as f:
+            for line_number, line in enumerate(f, 1):
+                if line.strip():
+                    yield _json(line, f"{path}:{line_number}")
+    elif suffix == ".json":
+        with open(path, encoding="utf-8") as f:
+            records = _json(f.read(), path)
+        if not isinstance(records, list):
+            raise MaskError(f"{path}: expected a JSON list of records; for one record a line, name it .jsonl")
+        yield from records
+    else:
+        raise MaskError(f"{path}: unknown data file type {suffix!r}; use .jsonl, .json or .parquet")
+
+
+def _json(text, where):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise MaskError(f"{where}: not valid JSON ({error.msg} at column {error.colno})") from error
+
+
+def detect(record, text_field="text"):
+    """The format of one record, by its keys as TRL tells them apart: one of ``FORMATS``."""
+    if not isinstance(record, Mapping):
+        raise MaskError(f"record: expected a dict, got {type(record).__name__}")
+    if "messages" in record or "conversations" in record:
+        return "messages"
+    if "prompt" in record and "completion" in record:
+        return "prompt_completion"
+    if text_field in record:
+        return "text"
+    raise MaskError(
+        f"record: keys {sorted(record)} match no SFT format; expected 'messages', 'prompt' and "
+        f"'completion', or {text_field!r} (text_field)"
+    )
+
+
+def render(record, chat_format, *, policy=None, fmt=None, completion_only_loss=None, text_field="text",
+           eos_token=None, key=None):
+    """Renders one record and marks what is trained, as TRL's ``SFTTrainer`` would; returns ``Rendered``.
+
+    policy: ``MaskPolicy`` for conversations; None trains every token (TRL without
+        ``assistant_only_loss``; ``MaskPolicy("assistant")`` is TRL with it).
+    fmt: one of ``FORMATS``, or None to ``detect`` it per record.
+    completion_only_loss: for prompt/completion records, train only what follows the prompt (None:
+        True, TRL's default). In a conversation the prompt ends with the generation prompt, so the
+        completion's ``<|turn>model`` header is not trained.
+    eos_token: appended to standard completions and texts that do not end with it (TRL's rule);
+        required for those formats.
+    """
+    fmt = fmt or detect(record, text_field)
+    if fmt not in FORMATS:
+        raise MaskError(f"fmt: {fmt!r} is not one of {FORMATS}")
+    policy = policy or _ALL_TOKENS
+    tools = _tools(record.get("tools"))
+    if fmt == "messages":
+        segments = chat_format.render(_messages(record), tools)
+        return Rendered(key, segments, policy.select(segments))
+    if fmt == "text":
+        text = _string(record.get(text_field), f"record[{text_field!r}]")
+        return Rendered(key, (Segment(_with_eos(text, eos_token), "", "content", 0),), [True], plain=True)
+    prompt, completion = record["prompt"], record["completion"]
+    only = True if completion_only_loss is None else completion_only_loss
+    if isinstance(prompt, str) or isinstance(completion, str):
+        prompt = _string(prompt, "record['prompt']")
+        completion = _with_eos(_string(completion, "record['completion']"), eos_token)
+        segments = (Segment(prompt, "user", "content", 0), Segment(completion, "assistant", "content", 1))
+        return Rendered(key, segments, [not only, True], plain=True)
+    prompt, completion = _message_list(prompt, "prompt"), _message_list(completion, "completion")
+    segments = chat_format.render(prompt + completion, tools)
+    trained = policy.select(segments)
+    if not only:
+        return Rendered(key, segments, trained)
+    head = "".join(s.text for s in chat_format.render(prompt, tools, add_generation_prompt=True))
+    return Rendered(key, *_after(segments, trained, len(os.path.commonprefix([head, "".join(s.text for s in segments)]))))
+
+
+def examples(source, tokenizer, chat_format, truncation, *, policy=None, fmt=None, completion_only_loss=None,
+             text_field="text", eos_token=None, check="warn", check_sample=16, batch_size=512, progress=True):
+    """Masked, fitted examples from every record of ``source``, as TRL's ``SFTTrainer`` would train them.
+
+    source: anything ``read`` takes (a .jsonl/.json/.parquet path, a ``datasets.Dataset``, a Grain
+        source, a list of dicts). tokenizer: a fast tokenizer (its ``eos_token`` is the default
+        ``eos_token``). chat_format: ``Gemma3()`` or ``Gemma4(...)``, e.g. from
+        ``gemport.masks.template.chat_format(tokenizer)``. truncation: ``Truncation``.
+    policy, fmt, completion_only_loss, text_field, eos_token: as ``render`` takes them.
+    check: "warn", "raise" or None: compare the rendering of the first ``check_sample``
+        conversations with the tokenizer's own ``apply_chat_template`` (``check_template``); a
+        tokenizer without a chat template is not checked.
+    Returns (examples, report): the kept ``Example``s in input order and the ``TruncationReport``,
+    which names records by their ``"id"`` field, else by their index in ``source``.
+    """
+    from gemport.masks.template import check_template
+
+    check_tokenizer(tokenizer, chat_format)
+    if eos_token is None:
+        eos_token = getattr(tokenizer, "eos_token", None)
+    records = read(source)
+    if check and getattr(tokenizer, "chat_template", None):
+        head = list(itertools.islice(records, check_sample))
+        sample = [r for r in head if _conversational(r, fmt or detect(r, text_field))]
+        check_template(tokenizer, chat_format, sample, on_mismatch=check)
+        records = itertools.chain(head, records)
+
+    def rendered():
+        for index, record in enumerate(records):
+            key = record.get("id", index) if isinstance(record, Mapping) else index
+            yield render(record, chat_format, policy=policy, fmt=fmt, completion_only_loss=completion_only_loss,
+                         text_field=text_field, eos_token=eos_token, key=key)
+
+    total = len(source) if hasattr(source, "__len__") and not isinstance(source, (str, os.PathLike)) else None
+    return fit(rendered(), tokenizer, truncation, batch_size=batch_size, progress=progress, total=total)
+
+
+def conversation(record):
+    """(messages, tools) of a conversational record, as the chat template receives them: the
+    prompt and completion joined for prompt/completion records; tools parsed from JSON text."""
+    if "prompt" in record and "messages" not in record and "conversations" not in record:
+        messages = _message_list(record["prompt"], "prompt") + _message_list(record["completion"], "completion")
+    else:
+        messages = _messages(record)
+    return messages, _tools(record.get("tools"))
+
+
+def _conversational(record, fmt):
+    return fmt == "messages" or (fmt == "prompt_completion" and not isinstance(record["prompt"], str))
+
+
+def _messages(record):
+    if "messages" in record:
+        return _message_list(record["messages"], "messages")
+    # ShareGPT's {"from", "value"} keys, renamed as TRL's maybe_convert_to_chatml does (roles are kept).
+    rename = {"from": "role", "value": "content"}
+    return [
+        {rename.get(k, k): v for k, v in m.items()} if isinstance(m, Mapping) else m
+        for m in _message_list(record["conversations"], "conversations")
+    ]
+
+
+def _message_list(value, field):
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise MaskError(f"record[{field!r}]: expected a list of messages, got {type(value).__name__}")
+    return list(value)
+
+
+def _tools(tools):
+    # TRL reads a "tools" column that holds JSON text (Arrow cannot hold free-form schemas) or a list.
+    if isinstance(tools, str):
+        return _json(tools, "record['tools']")
+    return tools
+
+
+def _string(value, where):
+    if not isinstance(value, str):
+        raise MaskError(f"{where}: expected a string, got {type(value).__name__}")
+    return value
+
+
+def _with_eos(text, eos_token):
+    if eos_token is None:
+        raise MaskError("eos_token: None; the standard formats append it (pass eos_token= or a tokenizer that has one)")
+    return text if text.endswith(eos_token) else text + eos_token
+
+
+def _after(segments, trained, boundary):
+    # Segments and flags with nothing before character `boundary` trained; the segment it falls in is split.
+    out, flags, start = [], [], 0
+    for segment, flag in zip(segments, trained):
+        end = start + len(segment.text)
+        if start < boundary < end:
+            out += [segment._replace(text=segment.text[: boundary - start]), segment._replace(text=segment.text[boundary - start:])]
+            flags += [False, bool(flag)]
+        else:
+            out.append(segment)
+            flags.append(bool(flag) and start >= boundary)
+        start = end
+    return tuple(out), flags
+
