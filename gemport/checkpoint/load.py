@@ -13,7 +13,8 @@ from tqdm.auto import tqdm
 
 from gemport import names
 from gemport.checkpoint.hf_dir import HFCheckpoint
-from gemport.errors import MissingTensorError, ShapeMismatchError, UnexpectedTensorError
+from gemport.checkpoint.safetensors import DTYPES, FLOAT_DTYPES
+from gemport.errors import CheckpointError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError
 from gemport.specs import GemmaSpec
 
 
@@ -27,6 +28,13 @@ def flat_params(state_or_model, kind=nnx.Param) -> dict[str, jax.Array]:
     variable of an ``nnx.State``."""
     state = nnx.state(state_or_model, kind) if isinstance(state_or_model, nnx.Module) else state_or_model
     return {path_str(p): v.get_value() if hasattr(v, "get_value") else v for p, v in nnx.to_flat_state(state)}
+
+
+def warn_if_not_finite(array: np.ndarray, what: str) -> None:
+    """Warn, naming ``what``, when a float array holds NaN or Inf: loads and exports carry them unchanged, and a
+    model with them computes NaN."""
+    if array.dtype.kind in "fV" and array.size and not np.isfinite(array).all():
+        warnings.warn(f"{what} holds NaN or Inf; the model computes NaN from it", RuntimeWarning, stacklevel=3)
 
 
 def abstract_model(spec: GemmaSpec, *, param_dtype=None, dtype=None):
@@ -68,6 +76,11 @@ def matched_entries(ckpt: HFCheckpoint, spec: GemmaSpec) -> tuple[str, tuple[nam
                 f"{ckpt.dir}: tensor {full!r} (for Tunix {entry.tunix}) is missing; the config describes a "
                 "layer the weights do not have"
             )
+        if ckpt.tensors[full].dtype not in FLOAT_DTYPES:
+            raise CheckpointError(
+                f"{ckpt.tensors[full].file}: tensor {full!r} is {ckpt.tensors[full].dtype}, but a Gemma weight is a "
+                f"float ({', '.join(FLOAT_DTYPES)}); this is a quantized or damaged checkpoint, use the float one"
+            )
         found = ckpt.tensors[full].shape
         if found != entry.hf_shape:
             raise ShapeMismatchError(
@@ -105,7 +118,7 @@ def load_hf(hf_dir: str | Path, spec: GemmaSpec | None = None, *, mesh=None, dty
             "from the residual; its logits match transformers only where those norm weights are constant",
             stacklevel=2,
         )
-    file_dtype = np.dtype(ckpt.array(prefix + "embed_tokens.weight").dtype)
+    file_dtype = DTYPES[ckpt.info(prefix + "embed_tokens.weight").dtype]
     target = np.dtype(dtype) if dtype is not None else file_dtype
     _, abstract = nnx.split(abstract_model(spec, param_dtype=target))
     by_path = {e.tunix: e for e in entries}
@@ -138,7 +151,10 @@ def _place(ckpt: HFCheckpoint, prefix: str, entry: names.Entry, shape, dtype, sh
         # once and only one is in memory at a time.
         nonlocal tensor
         if tensor is None:
-            tensor = entry.to_tunix([ckpt.array(prefix + h) for h in entry.hf]).astype(dtype, copy=False)
+            arrays = [ckpt.array(prefix + h) for h in entry.hf]
+            for h, array in zip(entry.hf, arrays):
+                warn_if_not_finite(array, f"{ckpt.info(prefix + h).file}: tensor {prefix + h!r}")
+            tensor = entry.to_tunix(arrays).astype(dtype, copy=False)
         return tensor[index]
 
     return jax.make_array_from_callback(shape, sharding, read)

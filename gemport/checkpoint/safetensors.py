@@ -42,6 +42,7 @@ DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_),
 }
 CODES: dict[np.dtype, str] = {v: k for k, v in DTYPES.items()}
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 # The safetensors format's other dtypes: well-formed files, which gemport does not decode.
 _UNREAD = ("U16", "U32", "U64", "C64", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4")
 

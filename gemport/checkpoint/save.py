@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -10,10 +11,10 @@ import numpy as np
 
 from gemport import names
 from gemport.checkpoint.hf_dir import HFCheckpoint
-from gemport.checkpoint.load import flat_params
+from gemport.checkpoint.load import flat_params, matched_entries, warn_if_not_finite
 from gemport.checkpoint.output import atomic_dir, check_output, copy_side_files, write_sharded
 from gemport.checkpoint.safetensors import TensorSource
-from gemport.errors import MissingTensorError, UnexpectedTensorError
+from gemport.errors import MissingTensorError, SpecError, UnexpectedTensorError
 from gemport.specs import GemmaSpec
 
 
@@ -29,7 +30,8 @@ def save_hf(state_or_model, out_dir: str | Path, *, spec: GemmaSpec, base_dir: s
       state_or_model: a Tunix Gemma model, or its ``nnx.State`` of parameters (as from ``load_hf``).
       out_dir: the output directory; must not exist, be empty, or lie inside ``base_dir``.
       spec: the architecture.
-      base_dir: an HF checkpoint of the same model. Its key prefix is kept (e.g. ``model.language_model.``
+      base_dir: an HF checkpoint of the same model (its config must give ``spec``, else ``SpecError``, and its
+        text tensors ``spec``'s shapes). Its key prefix is kept (e.g. ``model.language_model.``
         of multimodal checkpoints), its non-text tensors (vision, audio) are copied byte for byte, and its
         config, tokenizer and other files are copied. Without it, keys use ``model.`` and config.json is
         generated from ``spec`` for ``Gemma3ForCausalLM`` / ``Gemma4ForCausalLM``.
@@ -51,7 +53,17 @@ def save_hf(state_or_model, out_dir: str | Path, *, spec: GemmaSpec, base_dir: s
         raise MissingTensorError(f"state lacks {missing[0]!r} (and {len(missing) - 1} more) for this spec")
     out = check_output(out_dir, base_dir)
     base = HFCheckpoint(base_dir) if base_dir is not None else None
-    prefix = names.detect_prefix(base.keys()) if base else "model."
+    prefix = "model."
+    if base:
+        base_spec = GemmaSpec.from_hf(base_dir)
+        if base_spec != spec:
+            differ = [f"{f.name} {getattr(base_spec, f.name)} != {getattr(spec, f.name)}"
+                      for f in dataclasses.fields(spec) if getattr(base_spec, f.name) != getattr(spec, f.name)]
+            raise SpecError(
+                f"base_dir {base_dir} is another model than the state's spec ({'; '.join(differ[:3])}); its "
+                "config.json would describe weights it does not match. Pass the checkpoint the state came from"
+            )
+        prefix, _ = matched_entries(base, spec)
 
     sources = []
     for e in entries:
@@ -75,6 +87,8 @@ def save_hf(state_or_model, out_dir: str | Path, *, spec: GemmaSpec, base_dir: s
 
 def _hf_tensor(entry: names.Entry, array: jax.Array, i: int):
     def make() -> np.ndarray:
-        return entry.to_hf(np.asarray(jax.device_get(array)))[i]
+        tensor = entry.to_hf(np.asarray(jax.device_get(array)))[i]
+        warn_if_not_finite(tensor, f"parameter {entry.tunix!r} (HF {entry.hf[i]!r})")
+        return tensor
 
     return make
