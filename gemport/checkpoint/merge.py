@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -70,9 +71,11 @@ def export_merged(base_hf_dir: str | Path, lora, out_dir: str | Path, *, lora_sp
 
 
 @jax.jit
-def _add_delta(w: jax.Array, b: jax.Array, a: jax.Array) -> jax.Array:
-    # XLA rather than numpy: OpenBLAS's threads thrash on a busy host, and this fuses the casts and the add.
-    return (w.astype(jnp.float32) + jnp.matmul(b, a, precision=jax.lax.Precision.HIGHEST)).astype(w.dtype)
+def _add_delta(w: jax.Array, b: jax.Array, a: jax.Array) -> tuple[jax.Array, jax.Array]:
+    # XLA rather than numpy: OpenBLAS's threads thrash on a busy host, and this fuses the casts, the add and the
+    # NaN/Inf check.
+    merged = (w.astype(jnp.float32) + jnp.matmul(b, a, precision=jax.lax.Precision.HIGHEST)).astype(w.dtype)
+    return merged, jnp.isfinite(merged).all()
 
 
 def _merged(name: str, info: TensorInfo, A: np.ndarray, B: np.ndarray) -> TensorSource:
@@ -93,7 +96,11 @@ def _merged(name: str, info: TensorInfo, A: np.ndarray, B: np.ndarray) -> Tensor
         if n < step:
             # The last block is padded to a full one, so each weight width compiles once, not once per tail.
             w, b = np.pad(w, ((0, step - n), (0, 0))), np.pad(b, ((0, step - n), (0, 0)))
-        return np.asarray(_add_delta(*(jax.device_put(x, cpu) for x in (w, b, A))))[:n]
+        merged, finite = _add_delta(*(jax.device_put(x, cpu) for x in (w, b, A)))
+        if not finite:
+            warnings.warn(f"{info.file}: tensor {name!r} holds NaN or Inf once merged; the merged model computes "
+                          "NaN", RuntimeWarning, stacklevel=2)
+        return np.asarray(merged)[:n]
 
     def write(fh) -> None:
         # Two read buffers: block k is read into one while block k - 1, in the other, is being merged.
