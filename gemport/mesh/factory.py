@@ -12,6 +12,8 @@ from gemport.specs import GemmaSpec
 
 def valid_tp(spec: GemmaSpec, num_devices: int) -> list[int]:
     """The tp sizes for which (fsdp = num_devices // tp, tp) fits ``spec``, ascending."""
+    if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
+        raise MeshError(f"{num_devices!r} devices: give the number of chips, at least 1")
     return [
         tp
         for tp in range(1, num_devices + 1)
@@ -35,6 +37,14 @@ def check(spec: GemmaSpec, fsdp: int, tp: int) -> None:
 
 
 def _sizes(spec: GemmaSpec, n: int, fsdp: int | None, tp: int | None) -> tuple[int, int]:
+    if n < 1:
+        raise MeshError("no devices given; pass devices= with at least one device")
+    for name, size in ((FSDP, fsdp), (TP, tp)):
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise MeshError(f"{name}={size!r}: a mesh axis size is a positive integer")
+        if size is not None and n % size:
+            raise MeshError(f"{name}={size} does not divide the {n} devices; pick a divisor of {n}, or pass "
+                            f"devices= with a multiple of {size}")
     if fsdp is None and tp is None:
         tps = valid_tp(spec, n)
         if not tps:
