@@ -53,6 +53,15 @@ _NUMBERS = (
     "warmup_steps",
 )
 
+# Ranges [low, high) that torch.optim.AdamW enforces.
+_RANGES = (
+    ("learning_rate", 0.0, math.inf),
+    ("adam_epsilon", 0.0, math.inf),
+    ("adam_beta1", 0.0, 1.0),
+    ("adam_beta2", 0.0, 1.0),
+    ("weight_decay", 0.0, math.inf),
+)
+
 # torch.optim.AdamW under both names; Optax's adamw computes the same update.
 _OPTIMS = ("adamw_torch", "adamw_torch_fused")
 
@@ -70,6 +79,10 @@ def _plain(value):
 
 
 def _fields(training_args_or_dict):
+    if not isinstance(training_args_or_dict, Mapping) and not hasattr(training_args_or_dict, "learning_rate"):
+        raise OptimizerConfigError(
+            f"{training_args_or_dict!r:.80} is neither TrainingArguments nor a dict of its fields; pass one of those"
+        )
     if isinstance(training_args_or_dict, Mapping):
         get = training_args_or_dict.get
     else:
@@ -113,7 +126,9 @@ def from_hf(training_args_or_dict, *, num_training_steps, params=None):
 
     Another ``optim``, a schedule or ``lr_scheduler_kwargs`` outside ``hf_schedule``, or a set
     ``optim_args``, ``optim_target_modules``, ``deepspeed`` or ``average_tokens_across_devices=False``
-    raises ``OptimizerConfigError`` naming what is supported.
+    raises ``OptimizerConfigError`` naming what is supported; so do values ``torch.optim.AdamW`` refuses
+    (negative learning rate, eps or weight decay, betas outside [0, 1)), NaN or infinite numbers, an argument
+    that is neither TrainingArguments nor a dict, and a ``num_training_steps`` that is not a positive int.
     """
     fields = _fields(training_args_or_dict)
     if fields["optim"] not in _OPTIMS:
@@ -129,6 +144,16 @@ def from_hf(training_args_or_dict, *, num_training_steps, params=None):
         if isinstance(fields[name], bool) or not isinstance(fields[name], (int, float)):
             # PyYAML reads 2e-4 (no dot) as a string: the usual way a recipe gets here.
             raise OptimizerConfigError(f"{name} must be a number, got {fields[name]!r}.")
+        if not math.isfinite(fields[name]):
+            raise OptimizerConfigError(f"{name} must be a finite number, got {fields[name]!r}.")
+    # torch.optim.AdamW's own checks: what it refuses, a port must not quietly run.
+    for name, low, high in _RANGES:
+        if not low <= fields[name] < high:
+            raise OptimizerConfigError(
+                f"{name}={fields[name]!r} is out of range: torch's AdamW requires {low} <= {name} < {high}."
+            )
+    if isinstance(num_training_steps, bool) or not isinstance(num_training_steps, int) or num_training_steps < 1:
+        raise OptimizerConfigError(f"num_training_steps must be a positive int, got {num_training_steps!r}.")
     scheduler_kwargs = fields["lr_scheduler_kwargs"] or {}
     if not isinstance(scheduler_kwargs, Mapping):
         raise OptimizerConfigError(f"lr_scheduler_kwargs must be a dict, got {scheduler_kwargs!r}.")
