@@ -3,8 +3,9 @@
 Prints throughput in tokens per second and the padding fraction of both packers on the same
 token lists, and, on a sample rendered in the Gemma 3 format, gemport's masks beside TRL's way of
 building them (``apply_chat_template`` with its Gemma 3 training template and
-``return_assistant_tokens_mask``). Timings are CPU seconds of this process (packers: best of 3), so
-that other load on the machine skews them less; compare the ratios.
+``return_assistant_tokens_mask``). Packing timings are CPU seconds of this process (best of 3), so
+that other load on the machine skews them less; the mask comparison is wall-clock (best of 3),
+since gemport tokenizes on every core, and prints CPU time beside it. Compare the ratios.
 
     python bench/bench_masks.py [--n 100000] [--seq-len 512] [--trl-mask-sample 2000]
 """
@@ -24,6 +25,7 @@ from trl.chat_template_utils import gemma3_training_chat_template
 
 import gemport.masks as masks
 
+TARGET = 2.0  # issue 13: masks at least twice as fast as TRL's template path, masks still equal
 WORDS = [
     "module", "wire", "reg", "assign", "always", "posedge", "clk", "reset", "begin", "end", "counter", "adder",
     "the", "a", "of", "to", "is", "and", "signal", "output", "input", "width", "bits", "state", "next", "value",
@@ -118,24 +120,40 @@ def main():
 
 
 def compare_masks(tok, chats, seq_len):
+    # Wall-clock seconds here: the batch API's gain is the cores it tokenizes on, which CPU time cannot show.
     chats = [[{k: v for k, v in m.items() if k != "reasoning"} for m in chat] for chat in chats]
-    (examples, _), ours = timed(
-        lambda: masks.build(chats, tok, masks.Gemma3(), masks.MaskPolicy(), masks.Truncation(1 << 30))
-    )
-    total = sum(len(e.tokens) for e in examples)
-    trl, theirs = timed(lambda: [
+    ours = lambda: masks.build(chats, tok, masks.Gemma3(), masks.MaskPolicy(), masks.Truncation(1 << 30), progress=False)
+    trl = lambda: [
         tok.apply_chat_template(
             chat, chat_template=gemma3_training_chat_template, tokenize=True, return_dict=True,
             return_assistant_tokens_mask=True, bos_token="<bos>",
         )
         for chat in chats
-    ])
+    ]
+    (examples, _), ours_wall, ours_cpu = timed_both(ours)
+    theirs, trl_wall, trl_cpu = timed_both(trl)
+    total = sum(len(e.tokens) for e in examples)
     same = sum(
         e.tokens.tolist() == t["input_ids"] and e.loss_mask.astype(int).tolist() == t["assistant_masks"]
-        for e, t in zip(examples, trl, strict=True)
+        for e, t in zip(examples, theirs, strict=True)
     )
-    print(f"Gemma 3 masks on {len(chats)} conversations ({total} tokens): gemport {total / ours:,.0f} tokens/s, "
-          f"TRL template {total / theirs:,.0f} tokens/s, ratio {theirs / ours:.2f}x; identical masks {same}/{len(chats)}")
+    print(f"Gemma 3 masks on {len(chats)} conversations ({total} tokens), identical masks {same}/{len(chats)}:")
+    print(f"  gemport {total / ours_wall:,.0f} tokens/s wall ({ours_cpu:.2f} CPU s), "
+          f"TRL template path {total / trl_wall:,.0f} tokens/s wall ({trl_cpu:.2f} CPU s)")
+    ratio = trl_wall / ours_wall
+    print(f"  speed ratio gemport/TRL masks: {ratio:.2f}x wall (target >= {TARGET:.1f}x: "
+          f"{'met' if ratio >= TARGET else 'NOT met'}), {trl_cpu / ours_cpu:.2f}x CPU time")
+
+
+def timed_both(fn, repeat=3):
+    # The best of `repeat` runs by wall-clock time, with that run's CPU time (all threads of the process).
+    best = (float("inf"), 0.0)
+    for _ in range(repeat):
+        gc.collect()
+        wall, cpu = time.perf_counter(), time.process_time()
+        out = fn()
+        best = min(best, (time.perf_counter() - wall, time.process_time() - cpu))
+    return out, *best
 
 
 if __name__ == "__main__":

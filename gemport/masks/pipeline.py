@@ -1,12 +1,13 @@
 """From conversations to fitted, masked examples."""
 
 import itertools
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from gemport.masks.tokenize import check_tokenizer, encode, encode_batch
+from gemport.masks.tokenize import check_tokenizer, encode, encode_batch, text_of, tokenize_batch
 from gemport.masks.truncation import TruncationReport, truncate
 
 
@@ -58,24 +59,45 @@ def fit(rendered, tokenizer, truncation, *, batch_size=512, progress=True, total
     report = TruncationReport()
     examples = []
     rendered = iter(rendered)
+
+    def label(batch, tokenized):
+        for r, (example, decision, lost) in zip(batch, fit_batch(batch, tokenizer, truncation, tokenized.result())):
+            report.record(decision, lost, r.key)
+            if example is not None:
+                examples.append(example)
+        bar.update(len(batch))
+
     with tqdm(total=total, desc="masks", unit="example", disable=not progress, leave=False) as bar:
-        while batch := list(itertools.islice(rendered, batch_size)):
-            for r, (example, decision, lost) in zip(batch, fit_batch(batch, tokenizer, truncation)):
-                report.record(decision, lost, r.key)
-                if example is not None:
-                    examples.append(example)
-            bar.update(len(batch))
+        with ThreadPoolExecutor(1) as pool:
+            queued = None
+            while batch := list(itertools.islice(rendered, batch_size)):
+                # The tokenizer works on this batch (native code, no GIL) while Python labels the one before.
+                job = (batch, pool.submit(_tokenize, batch, tokenizer))
+                if queued:
+                    label(*queued)
+                queued = job
+            if queued:
+                label(*queued)
     return examples, report
 
 
-def fit_batch(batch, tokenizer, truncation):
+def _tokenize(batch, tokenizer):
+    return {
+        plain: tokenize_batch(tokenizer, [text_of(r.segments) for r in batch if r.plain == plain], plain)
+        for plain in (False, True)
+    }
+
+
+def fit_batch(batch, tokenizer, truncation, tokenized=None):
     """[(example or None, decision, targets_lost)] for a list of ``Rendered``, as ``truncate`` returns
-    them; one tokenizer call for the conversations of the batch and one for its plain texts."""
+    them; one tokenizer call for the conversations of the batch and one for its plain texts
+    (``tokenized``: those two calls' results by plainness, when made elsewhere)."""
     fitted = [None] * len(batch)
     for plain in (False, True):
         chosen = [i for i, r in enumerate(batch) if r.plain == plain]
         items = [(batch[i].segments, batch[i].trained) for i in chosen]
-        for i, example in zip(chosen, encode_batch(items, tokenizer, add_special_tokens=plain)):
+        done = tokenized[plain] if tokenized else None
+        for i, example in zip(chosen, encode_batch(items, tokenizer, add_special_tokens=plain, tokenized=done)):
             if plain:
                 # Plain text has no turns to protect: truncation may cut after any token.
                 example = example._replace(turn_ids=np.arange(len(example.tokens), dtype=np.int32))

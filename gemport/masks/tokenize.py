@@ -97,35 +97,39 @@ def encode(segments, trained, tokenizer):
     return encode_batch([(segments, trained)], tokenizer)[0]
 
 
-def encode_batch(items, tokenizer, add_special_tokens=False):
+def encode_batch(items, tokenizer, add_special_tokens=False, tokenized=None):
     """``encode`` for many conversations at once: one batch call to the tokenizer, one labelling pass.
 
     items: sequence of (segments, trained) pairs, as ``encode`` takes them. add_special_tokens: let
     the tokenizer add its own special tokens (a ``<bos>`` for plain text, as TRL tokenizes its text
     formats); they are zero-width and take the label of the character they stand before.
+    tokenized: ``tokenize_batch``'s result for these items' texts, when it was computed elsewhere
+    (e.g. in another thread); None tokenizes here.
     Returns a list of ``Example``, one per item. A fast tokenizer's batch API tokenizes on all cores.
     """
-    texts, lengths, trained, table = [], [], [], []
+    lengths, trained, table, text_lengths = [], [], [], []
     for k, (segments, flags) in enumerate(items):
         flags = np.asarray(flags, dtype=bool)
         if flags.shape != (len(segments),):
             raise MaskError(f"trained[{k}]: shape {flags.shape} for {len(segments)} segments")
-        texts.append("".join(s.text for s in segments))
-        if not texts[-1]:
-            raise MaskError(f"segments[{k}]: the rendered text is empty")
         lengths.extend(len(s.text) for s in segments)
+        text_lengths.append(sum(lengths[len(lengths) - len(segments):]))
+        if not text_lengths[-1]:
+            raise MaskError(f"segments[{k}]: the rendered text is empty")
         trained.append(flags)
         table.extend((s.turn, _ROLE_ID[s.role], _PART_ID[s.part]) for s in segments)
     if not items:
         return []
-    counts, ids, starts, ends = _tokenize_batch(tokenizer, texts, add_special_tokens)
+    if tokenized is None:
+        tokenized = tokenize_batch(tokenizer, [text_of(segments) for segments, _ in items], add_special_tokens)
+    counts, ids, starts, ends = tokenized
     if (counts == 0).any():
         raise MaskError(f"segments[{int(np.argmax(counts == 0))}]: the text tokenizes to nothing")
     lengths = np.asarray(lengths, dtype=np.int64)
     char_trained = np.repeat(np.concatenate(trained), lengths)
     # Token offsets become offsets into the concatenated texts of the whole batch.
-    text_ends = np.cumsum([len(t) for t in texts])
-    base = np.repeat(text_ends - [len(t) for t in texts], counts)
+    text_ends = np.cumsum(text_lengths)
+    base = np.repeat(text_ends - text_lengths, counts)
     starts, ends = starts + base, ends + base
     trained_before = np.concatenate([[0], np.cumsum(char_trained)])
     owner = np.minimum(np.where(ends > starts, ends - 1, starts), np.repeat(text_ends - 1, counts))
@@ -148,8 +152,20 @@ def encode_batch(items, tokenizer, add_special_tokens=False):
     ]
 
 
-def _tokenize_batch(tokenizer, texts, add_special_tokens):
-    # (counts int [b], ids int32 [n], starts int64 [n], ends int64 [n]) with n the batch's tokens.
+def text_of(segments):
+    """The rendered text: the segments' texts joined."""
+    return "".join(s.text for s in segments)
+
+
+def tokenize_batch(tokenizer, texts, add_special_tokens=False):
+    """Tokenizes ``texts`` (b strings) in one call.
+
+    Returns (counts int64 [b], ids int32 [n], starts int64 [n], ends int64 [n]): the number of
+    tokens of each text, then every token of the batch, text after text, with its character span
+    in its own text. A fast tokenizer's batch call runs on all cores without holding the GIL.
+    """
+    if not texts:
+        return np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int64), np.zeros(0, np.int64)
     backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
     if hasattr(backend, "encode_batch"):
         encodings = backend.encode_batch(texts, add_special_tokens=add_special_tokens)

@@ -39,7 +39,8 @@ class TruncationReport:
     targets lay past ``max_len`` (``overflow="drop"``). dropped_no_target: dropped because no
     target was left (or there never was one). targets_lost: trained targets removed by trims and drops.
     which: for every decision but ``kept``, the examples it was taken for, in input order: each is
-    named by its key (the record's ``"id"`` when it has one, else its index in the input).
+    named by its key (the record's ``"id"`` when it has one, else its index in the input). Left out of
+    the repr, which stays one line on a large dataset.
     """
 
     kept: int = 0
@@ -48,7 +49,7 @@ class TruncationReport:
     dropped_too_long: int = 0
     dropped_no_target: int = 0
     targets_lost: int = 0
-    which: dict = dataclasses.field(default_factory=dict)
+    which: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def record(self, decision, targets_lost, key=None):
         """Counts one ``decision`` (a field name) that removed ``targets_lost`` targets, taken for
