@@ -1,7 +1,7 @@
 """gemport: move a Gemma LoRA fine-tuning recipe from PyTorch/HF to JAX/Tunix on TPU.
 
 ``import gemport`` is cheap: the submodules (``gemport.specs``, ``names``, ``checkpoint``, ``mesh``,
-``sharding``, ``lora``, ``masks``, ``optim``, ``verify``) load JAX and friends on first use.
+``sharding``, ``lora``, ``masks``, ``optim``, ``train``, ``verify``) load JAX and friends on first use.
 """
 
 import importlib
@@ -23,7 +23,7 @@ from gemport.errors import (
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("specs", "names", "checkpoint", "mesh", "sharding", "lora", "masks", "optim", "verify")
+_SUBMODULES = ("specs", "names", "checkpoint", "mesh", "sharding", "lora", "masks", "optim", "train", "verify")
 
 
 def __getattr__(name):

@@ -3,14 +3,15 @@
 Render a conversation in the Gemma 3 or Gemma 4 chat format (``Gemma3``, ``Gemma4``), decide which
 segments are trained (``MaskPolicy``), carry that to tokens through character offsets
 (``encode``), fit to a length without teaching the wrong thing (``Truncation``, ``truncate``),
-pack best fit decreasing (``pack``) and feed Tunix (``tunix_inputs``), with a loss whose scope is
-explicit (``masked_cross_entropy``, ``loss_scopes``). Grain integration is in
-``gemport.masks.grain``.
+pack best fit decreasing (``pack``) or batch without packing (``pad``, ``padding_free``) and feed
+Tunix (``tunix_inputs``), with a loss whose scope is explicit (``masked_cross_entropy``,
+``loss_scopes``). Grain integration is in ``gemport.masks.grain``.
 """
 
+from gemport.masks.batching import pad, padding_free
 from gemport.masks.gemma3 import Gemma3
 from gemport.masks.gemma4 import Gemma4
-from gemport.masks.loss import loss_scopes, masked_cross_entropy
+from gemport.masks.loss import loss_scopes, masked_cross_entropy, summed_cross_entropy
 from gemport.masks.packing import attention_mask, pack, tunix_inputs
 from gemport.masks.pipeline import build, prepare
 from gemport.masks.policies import MaskPolicy
@@ -35,7 +36,10 @@ __all__ = [
     "loss_scopes",
     "masked_cross_entropy",
     "pack",
+    "pad",
+    "padding_free",
     "prepare",
+    "summed_cross_entropy",
     "token_offsets",
     "truncate",
     "tunix_inputs",

@@ -25,6 +25,17 @@ def masked_cross_entropy(logits, tokens, loss_mask):
     return _mean(_target_nll(logits, tokens), jnp.asarray(loss_mask, bool)[:, 1:])[0]
 
 
+def summed_cross_entropy(logits, tokens, loss_mask):
+    """Summed next-token cross-entropy over the trained targets, and their count.
+
+    The shapes and target convention of ``masked_cross_entropy``. Returns (float32 [], int32 []):
+    the sum of the targets' negative log-likelihoods (what HF's Trainer sums per micro-batch before
+    dividing by the targets of the whole accumulated batch) and the number of targets.
+    """
+    targets = jnp.asarray(loss_mask, bool)[:, 1:]
+    return jnp.where(targets, _target_nll(logits, tokens), 0.0).sum(), targets.sum(dtype=jnp.int32)
+
+
 def loss_scopes(logits, tokens, loss_mask, segment_ids):
     """The masked and the full-sequence loss side by side, from the same logits.
 

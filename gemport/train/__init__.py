@@ -1,0 +1,24 @@
+"""Training pieces with HF Trainer semantics, for your own nnx loop or Tunix's PeftTrainer.
+
+``train_step`` takes one optimizer step as HF's Trainer does (token-weighted gradient accumulation,
+HF's logged ``loss`` and pre-clip ``grad_norm``) with the optimizer of ``hf_optimizer``;
+``optimizer_steps`` gives the rows of each step in the order HF's Trainer feeds them (torch's seeded
+``RandomSampler``, reproduced without torch), ``stack`` turns their micro-batches into a step's batch,
+and ``from_sft_config`` maps an ``SFTConfig`` onto the masks pipeline.
+"""
+
+from gemport.train.order import OptimizerStep, optimizer_steps, randperm, sample_order
+from gemport.train.step import BATCH_FIELDS, StepMetrics, hf_optimizer, stack, train_step, tunix_loss
+
+__all__ = [
+    "BATCH_FIELDS",
+    "OptimizerStep",
+    "StepMetrics",
+    "hf_optimizer",
+    "optimizer_steps",
+    "randperm",
+    "sample_order",
+    "stack",
+    "train_step",
+    "tunix_loss",
+]

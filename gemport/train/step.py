@@ -1,0 +1,148 @@
+"""One optimizer step as HF's Trainer takes it: token-weighted accumulation, HF's logged loss and grad_norm.
+
+HF's Trainer (transformers 5.12) takes ``gradient_accumulation_steps`` micro-batches per optimizer step,
+counts the targets of all of them (``num_items_in_batch``), backpropagates each micro-batch's summed token
+loss divided by that count, clips the summed gradient and steps the optimizer. It logs ``loss`` as the sum
+of those micro-batch losses (the summed token loss of the whole batch over its targets) and ``grad_norm``
+as the gradient's global L2 norm before clipping.
+"""
+
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from gemport.errors import OptimizerConfigError
+from gemport.masks.loss import summed_cross_entropy
+from gemport.masks.packing import tunix_inputs
+from gemport.optim.accumulation import AccumulateTokensState
+from gemport.optim.hf import from_hf
+
+BATCH_FIELDS = ("tokens", "loss_mask", "segment_ids", "positions")
+"""The fields of a step's batch, each [A, B, T]: A micro-batches of B rows of T tokens."""
+
+
+class StepMetrics(NamedTuple):
+    """What ``train_step``'s step returns, each float32 [] or int32 [].
+
+    loss: HF's logged ``loss``: the summed target loss of all micro-batches over their target count.
+    grad_norm: HF's logged ``grad_norm``: global L2 norm of the accumulated gradient, before clipping.
+    num_tokens: the targets of the whole batch (HF's ``num_items_in_batch``).
+    """
+
+    loss: jax.Array
+    grad_norm: jax.Array
+    num_tokens: jax.Array
+
+
+def _as_dict(training_args_or_dict):
+    if isinstance(training_args_or_dict, Mapping):
+        return dict(training_args_or_dict)
+    return training_args_or_dict.to_dict()
+
+
+def hf_optimizer(training_args_or_dict, *, num_training_steps, params=None):
+    """``optim.from_hf`` for ``train_step``: the HF optimizer step, applied once per accumulated batch.
+
+    ``train_step`` accumulates the micro-batches itself (a batch carries all of them), so the
+    transformation is ``from_hf`` of the same arguments with ``gradient_accumulation_steps`` 1: clipping,
+    AdamW with HF's decay mask and the schedule, updated with the mean gradient over the batch's targets.
+    ``num_training_steps`` counts optimizer steps. Returns an ``optim.HFOptimizer``. Also the optimizer to
+    give Tunix's ``PeftTrainer`` (without its ``gradient_accumulation_steps``) when it is fed whole
+    accumulated batches: the mean over all their targets is HF's loss, and its logged ``grad_norm`` is HF's.
+    """
+    fields = _as_dict(training_args_or_dict)
+    fields["gradient_accumulation_steps"] = 1
+    return from_hf(fields, num_training_steps=num_training_steps, params=params)
+
+
+def tunix_loss(model, micro_batch):
+    """Summed target loss and target count of a Tunix Gemma on one micro-batch of ``BATCH_FIELDS`` [B, T].
+
+    Positions and the block-diagonal causal attention come from ``positions`` and ``segment_ids``
+    (``masks.tunix_inputs``), so packed, padded and padding-free rows all work. Returns (float32 [], int32 []).
+    """
+    inputs = tunix_inputs(**{k: micro_batch[k] for k in BATCH_FIELDS})
+    logits, _ = model(inputs["input_tokens"], inputs["positions"], None, inputs["attention_mask"])
+    return summed_cross_entropy(logits, micro_batch["tokens"], micro_batch["loss_mask"])
+
+
+def train_step(*, wrt=nnx.LoRAParam, loss_fn=tunix_loss):
+    """An HF-Trainer optimizer step for an nnx model, jit-compiled once per batch shape.
+
+    wrt: what is trained, an nnx filter: ``nnx.LoRAParam`` (LoRA only, as PEFT) or ``nnx.Param`` (every
+        parameter); the same filter as the ``nnx.Optimizer``'s ``wrt``.
+    loss_fn: ``(model, micro_batch) -> (summed loss float32 [], target count int32 [])``; ``tunix_loss``
+        by default.
+
+    Returns ``step(model, optimizer, batch) -> StepMetrics``. ``batch`` maps each of ``BATCH_FIELDS`` to an
+    array [A, B, T] (``stack`` builds it): the A micro-batches of one optimizer step, run one after the
+    other (``lax.scan``, so memory holds one micro-batch's activations and one summed gradient). The
+    gradient of the summed loss is accumulated in the parameters' dtype, divided by the batch's target
+    count, its norm taken, and ``optimizer`` (an ``nnx.Optimizer`` over ``hf_optimizer``'s ``tx``)
+    updated once. Empty micro-batches and rows (no target) contribute nothing, so a short last step can
+    be padded to the same shape. A batch without any target leaves the parameters' gradient at zero.
+    """
+
+    @nnx.jit
+    def step(model, optimizer, batch):
+        if isinstance(optimizer.opt_state, AccumulateTokensState):
+            raise OptimizerConfigError(
+                "train_step accumulates micro-batches itself; build the optimizer with "
+                "gemport.train.hf_optimizer, not optim.from_hf with gradient_accumulation_steps > 1"
+            )
+        graphdef, params, rest = nnx.split(model, wrt, ...)
+
+        def micro(carry, micro_batch):
+            def summed(params):
+                return loss_fn(nnx.merge(graphdef, params, rest, copy=True), micro_batch)
+
+            (loss, count), grads = jax.value_and_grad(summed, has_aux=True)(params)
+            grad_sum, loss_sum, count_sum = carry
+            grad_sum = jax.tree.map(lambda s, g: (s + g).astype(s.dtype), grad_sum, grads)
+            return (grad_sum, loss_sum + loss, count_sum + count), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        init = (zeros, jnp.zeros([], jnp.float32), jnp.zeros([], jnp.int32))
+        (grad_sum, loss_sum, count), _ = jax.lax.scan(micro, init, {k: batch[k] for k in BATCH_FIELDS})
+        denominator = jnp.maximum(count, 1)
+        grads = jax.tree.map(lambda g: g / denominator.astype(g.dtype), grad_sum)
+        grad_norm = optax.tree.norm(grads)
+        optimizer.update(model, grads)
+        return StepMetrics(loss_sum / denominator, grad_norm, count)
+
+    return step
+
+
+def stack(micro_batches, *, accumulation=None, rows=None):
+    """A step's batch [A, B, T] from its micro-batches, each a dict of ``BATCH_FIELDS`` [b_i, T].
+
+    accumulation: A, at least the number of micro-batches (default: that number); rows: B, at least
+    every b_i (default: the largest). Missing rows and micro-batches are filled with empty ones
+    (padding, no target), which change neither the loss nor the gradient: so the last, shorter
+    step of an epoch keeps the shape of the others and the step is not compiled again.
+    """
+    if not micro_batches:
+        raise OptimizerConfigError("stack: no micro-batch")
+    widths = {np.shape(m["tokens"])[1] for m in micro_batches}
+    if len(widths) != 1:
+        raise OptimizerConfigError(f"stack: micro-batches of different lengths {sorted(widths)}; pad them to one")
+    accumulation = len(micro_batches) if accumulation is None else accumulation
+    rows = max(len(m["tokens"]) for m in micro_batches) if rows is None else rows
+    if accumulation < len(micro_batches) or rows < max(len(m["tokens"]) for m in micro_batches):
+        raise OptimizerConfigError(
+            f"stack: {len(micro_batches)} micro-batches of up to {max(len(m['tokens']) for m in micro_batches)} "
+            f"rows do not fit accumulation={accumulation}, rows={rows}"
+        )
+    (width,) = widths
+    out = {}
+    for k in BATCH_FIELDS:
+        dtype = bool if k == "loss_mask" else np.int32
+        out[k] = np.zeros((accumulation, rows, width), dtype)
+        for i, m in enumerate(micro_batches):
+            out[k][i, : len(m[k])] = m[k]
+    return out

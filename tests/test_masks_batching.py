@@ -1,0 +1,64 @@
+"""Batching without packing against TRL's DataCollatorForLanguageModeling (padded and padding-free)."""
+
+import numpy as np
+import pytest
+from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+import gemport.masks as masks
+from gemport.errors import MaskError
+
+TOKENS = [np.array([5, 6, 7]), np.array([8, 9, 10, 11, 12]), np.array([13, 14])]
+MASKS = [np.array([0, 1, 1], bool), np.array([0, 0, 1, 1, 1], bool), np.array([0, 1], bool)]
+
+
+def trl(padding_free, pad_to_multiple_of=None):
+    collator = DataCollatorForLanguageModeling(pad_token_id=3, padding_free=padding_free,
+                                               pad_to_multiple_of=pad_to_multiple_of)
+    rows = [{"input_ids": t.tolist(), "labels": np.where(m, t, -100).tolist()} for t, m in zip(TOKENS, MASKS)]
+    return {k: v.numpy() if hasattr(v, "numpy") else v for k, v in collator(rows).items()}
+
+
+@pytest.mark.parametrize("multiple", [None, 4])
+def test_pad_matches_trls_collator(multiple):
+    expected = trl(False, multiple)
+    rows = masks.pad(TOKENS, MASKS, pad_to_multiple_of=multiple, pad_id=3)
+    np.testing.assert_array_equal(rows["tokens"], expected["input_ids"])
+    np.testing.assert_array_equal(rows["loss_mask"], expected["labels"] != -100)
+    np.testing.assert_array_equal(rows["segment_ids"], expected["attention_mask"])
+    np.testing.assert_array_equal(rows["positions"][rows["segment_ids"] > 0],
+                                  np.concatenate([np.arange(len(t)) for t in TOKENS]))
+    assert masks.pad(TOKENS, MASKS, 8)["tokens"].shape == (3, 8)
+
+
+@pytest.mark.parametrize("multiple", [None, 4])
+def test_padding_free_matches_trls_collator(multiple):
+    expected = trl(True, multiple)
+    row = masks.padding_free(TOKENS, MASKS, pad_to_multiple_of=multiple, pad_id=3)
+    np.testing.assert_array_equal(row["tokens"], expected["input_ids"])
+    np.testing.assert_array_equal(row["loss_mask"], expected["labels"] != -100)
+    np.testing.assert_array_equal(row["positions"], expected["position_ids"])
+    assert row["segment_ids"].tolist() == [[1, 1, 1, 2, 2, 2, 2, 2, 3, 3] + [0] * (len(row["tokens"][0]) - 10)]
+
+
+def test_rows_feed_the_same_loss_as_packed_rows():
+    # One example per row and one row of all examples score the same targets.
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(1, 10, 16)).astype(np.float32)
+    row = masks.padding_free(TOKENS, MASKS)
+    rows = masks.pad(TOKENS, MASKS)
+    per_row = np.zeros((3, 5, 16), np.float32)
+    for i, (start, n) in enumerate([(0, 3), (3, 5), (8, 2)]):
+        per_row[i, :n] = logits[0, start:start + n]
+    a = masks.summed_cross_entropy(logits, row["tokens"], row["loss_mask"])
+    b = masks.summed_cross_entropy(per_row, rows["tokens"], rows["loss_mask"])
+    np.testing.assert_allclose(float(a[0]), float(b[0]), rtol=1e-6)
+    assert int(a[1]) == int(b[1]) == 6
+
+
+def test_bad_input_is_named():
+    with pytest.raises(MaskError, match="example 1 has 5 tokens"):
+        masks.pad(TOKENS, MASKS, 4)
+    with pytest.raises(MaskError, match=r"loss_mask\[2\]"):
+        masks.padding_free(TOKENS, MASKS[:2] + [np.array([0], bool)])
+    with pytest.raises(MaskError, match="2 loss masks"):
+        masks.pad(TOKENS, MASKS[:2])
