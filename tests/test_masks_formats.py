@@ -92,9 +92,8 @@ def assert_same(examples, rows):
 
 
 def ours(records, tok, chat_format, **options):
-    examples, report = formats.examples(
-        records, tok, chat_format, masks.Truncation(1024), progress=False, check="raise", **options
-    )
+    options = {"check": "raise", **options}
+    examples, report = formats.examples(records, tok, chat_format, masks.Truncation(1024), progress=False, **options)
     assert report.kept == len(records)
     return examples
 
@@ -140,6 +139,18 @@ def test_gemma4_prompt_completion_with_tools_equals_trl(sft, chat_template):
     assert_same(examples, sft(tok, records))
     header = tok.convert_tokens_to_ids("<|turn>")
     assert not examples[0].loss_mask[examples[0].tokens == header].any()
+
+
+def test_per_record_enable_thinking_equals_trl(sft):
+    tok = tokenizer(GEMMA4_CONTROL, gemma4_v5_chat_template)
+    chat = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", "reasoning": "add"}]
+    records = [{"messages": chat, "chat_template_kwargs": {"enable_thinking": flag}} for flag in (True, False)]
+    examples = ours(records, tok, masks.Gemma4(), policy=masks.MaskPolicy("assistant"))
+    rows = sft(tok, records)
+    assert [e.tokens.tolist() for e in examples] == [ids for ids, _ in rows]
+    assert "<|think|>" in "".join(tok.convert_ids_to_tokens(examples[0].tokens.tolist()))
+    with pytest.raises(MaskError, match="chat_template_kwargs"):
+        ours([{"messages": chat, "chat_template_kwargs": {"reasoning_effort": "high"}}], tok, masks.Gemma4())
 
 
 def test_every_source_gives_the_same_examples(tmp_path):

@@ -12,6 +12,7 @@ without it), ``completion_only_loss`` trains only what follows the prompt, and t
 formats get the tokenizer's EOS appended and its own special tokens, as TRL tokenizes them.
 """
 
+import dataclasses
 import itertools
 import json
 import os
@@ -106,11 +107,14 @@ def render(record, chat_format, *, policy=None, fmt=None, completion_only_loss=N
         completion's ``<|turn>model`` header is not trained.
     eos_token: appended to standard completions and texts that do not end with it (TRL's rule);
         required for those formats.
+    A record's ``"chat_template_kwargs"`` (which TRL passes to the template) may set
+    ``enable_thinking``, which replaces ``chat_format.thinking`` for that record.
     """
     fmt = fmt or detect(record, text_field)
     if fmt not in FORMATS:
         raise MaskError(f"fmt: {fmt!r} is not one of {FORMATS}")
     policy = policy or _ALL_TOKENS
+    chat_format = for_record(chat_format, record)
     tools = _tools(record.get("tools"))
     if fmt == "messages":
         segments = chat_format.render(_messages(record), tools)
@@ -179,6 +183,21 @@ def conversation(record):
     else:
         messages = _messages(record)
     return messages, _tools(record.get("tools"))
+
+
+def for_record(chat_format, record):
+    """``chat_format`` as ``record`` asks for it: its ``"chat_template_kwargs"`` may set ``enable_thinking``
+    (Gemma 4); any other key raises MaskError, since gemport would silently render without it."""
+    kwargs = record.get("chat_template_kwargs")
+    if not kwargs:
+        return chat_format
+    unknown = sorted(set(kwargs) - {"enable_thinking"})
+    if unknown or not hasattr(chat_format, "thinking"):
+        raise MaskError(
+            f"record['chat_template_kwargs']: {unknown or sorted(kwargs)} not rendered by {chat_format!r}; "
+            "gemport follows enable_thinking (Gemma 4) only"
+        )
+    return dataclasses.replace(chat_format, thinking=bool(kwargs["enable_thinking"]))
 
 
 def _conversational(record, fmt):

@@ -9,7 +9,7 @@ import warnings
 from collections.abc import Mapping
 
 from gemport.errors import MaskError
-from gemport.masks.formats import conversation
+from gemport.masks.formats import conversation, for_record
 from gemport.masks.gemma3 import Gemma3
 from gemport.masks.gemma4 import REVISIONS, Gemma4
 
@@ -59,7 +59,7 @@ def chat_format(tokenizer, *, thinking=False, keep_reasoning=False, empty_though
         agreeing = {}
         for revision in REVISIONS:
             candidate = Gemma4(revision=revision)
-            agreeing[revision] = [_first_difference(tokenizer, candidate, p, None) for p in _PROBES]
+            agreeing[revision] = [_first_difference(*_renderings(tokenizer, candidate, p, None)) for p in _PROBES]
         best = max(REVISIONS, key=lambda r: (agreeing[r].count(None), r))
         differing = [(k, at) for k, at in enumerate(agreeing[best]) if at is not None]
         if differing:
@@ -93,11 +93,11 @@ def check_template(tokenizer, chat_format, sample, on_mismatch="warn"):
         raise MaskError(f"on_mismatch: {on_mismatch!r}; use 'warn' or 'raise'")
     for index, item in enumerate(sample):
         messages, tools = conversation(item) if isinstance(item, Mapping) else (item, None)
-        found = []
-        at = _first_difference(tokenizer, chat_format, messages, tools, found)
+        record_format = for_record(chat_format, item) if isinstance(item, Mapping) else chat_format
+        expected, rendered = _renderings(tokenizer, record_format, messages, tools)
+        at = _first_difference(expected, rendered)
         if at is None:
             continue
-        expected, rendered = found
         message = (
             f"conversation {index}: gemport's {chat_format!r} renders differently from the tokenizer's chat "
             f"template from character {at}: template {expected[max(0, at - 40):at + 40]!r}, gemport "
@@ -111,8 +111,8 @@ def check_template(tokenizer, chat_format, sample, on_mismatch="warn"):
     return None
 
 
-def _first_difference(tokenizer, chat_format, messages, tools, found=None):
-    # The first character where the two renderings differ (None if equal); `found` collects both texts.
+def _renderings(tokenizer, chat_format, messages, tools):
+    # (the template's text, gemport's text); an error on either side stands in for its text.
     try:
         expected = tokenizer.apply_chat_template(
             messages, tools=tools, tokenize=False, enable_thinking=getattr(chat_format, "thinking", False)
@@ -123,8 +123,11 @@ def _first_difference(tokenizer, chat_format, messages, tools, found=None):
         rendered = "".join(s.text for s in chat_format.render(messages, tools))
     except MaskError as error:
         rendered = f"<gemport raised MaskError: {error}>"
-    if found is not None:
-        found += [expected, rendered]
+    return expected, rendered
+
+
+def _first_difference(expected, rendered):
+    # The first character where the two texts differ, None if they are equal.
     if expected == rendered:
         return None
     n = min(len(expected), len(rendered))
