@@ -6,13 +6,34 @@ import argparse
 import sys
 from pathlib import Path
 
-from gemport.errors import GemportError
+from gemport.errors import CheckpointError, GemportError, LoraError
 
 
 def _spec(model: str):
     from gemport.specs import GemmaSpec
 
     return GemmaSpec.from_hf(model) if Path(model).exists() else GemmaSpec.preset(model)
+
+
+def _check_out(args) -> Path:
+    """The output, refused if it is or lies inside any input of the command (see ``check_output``)."""
+    from gemport.checkpoint.output import check_output
+
+    inputs = [getattr(args, name, None) for name in ("src", "base", "lora", "adapter", "model", "spec", "base_dir",
+                                                     "lora_config")]
+    return check_output(args.out, *(p for p in inputs if p and Path(p).exists()))
+
+
+def _kind(src: Path) -> str:
+    """``"hf"`` or ``"orbax"``: what ``gemport convert`` was given (anything without HF files is taken for Orbax,
+    whose reader then names what is missing)."""
+    if not src.is_dir():
+        raise CheckpointError(f"{src}: no such directory; pass an HF checkpoint directory or an Orbax checkpoint")
+    if (src / "config.json").is_file():
+        return "hf"
+    if any(src.glob("*.safetensors")) or (src / "model.safetensors.index.json").is_file():
+        raise CheckpointError(f"{src}: HF safetensors without config.json; copy the model's config.json beside them")
+    return "orbax"
 
 
 def _lora_spec(path: str | None):
@@ -24,6 +45,9 @@ def _lora_spec(path: str | None):
 def plan(args) -> int:
     from gemport.mesh import valid_meshes
 
+    if args.lora_rank is not None and args.lora_rank < 1:
+        raise LoraError(f"--lora-rank {args.lora_rank}: a LoRA rank is a positive integer (omit it for full "
+                        "fine-tuning)")
     spec = _spec(args.model)
     hbm = int(args.hbm) if args.hbm and args.hbm.isdigit() else args.hbm
     plans = valid_meshes(spec, args.devices, hbm_bytes=hbm, lora_rank=args.lora_rank, param_dtype=args.dtype)
@@ -36,11 +60,10 @@ def plan(args) -> int:
 def convert(args) -> int:
     from gemport.checkpoint import load_hf, save_hf
     from gemport.checkpoint.orbax import load_orbax, save_orbax
-    from gemport.checkpoint.output import check_output
 
     src = Path(args.src)
-    check_output(args.out, src, args.base_dir)
-    if (src / "config.json").is_file():
+    _check_out(args)
+    if _kind(src) == "hf":
         out = save_orbax(load_hf(src, dtype=args.dtype), args.out)
     else:
         if not (args.spec or args.base_dir):
@@ -55,6 +78,7 @@ def convert(args) -> int:
 def export(args) -> int:
     from gemport.checkpoint import export_merged, export_peft
 
+    _check_out(args)
     lora_spec = _lora_spec(args.lora_config)
     if args.format == "merged":
         out = export_merged(args.base, args.lora, args.out, lora_spec=lora_spec, step=args.step,
@@ -70,12 +94,13 @@ def import_peft(args) -> int:
     from gemport.checkpoint import import_peft as read_adapter
     from gemport.checkpoint import save_lora_spec
     from gemport.checkpoint.orbax import save_orbax
-    from gemport.checkpoint.output import check_output
+    from gemport.checkpoint.output import atomic_dir
 
-    out = check_output(args.out, args.adapter)
+    out = _check_out(args)
     lora_spec, state = read_adapter(args.adapter, _spec(args.model))
-    save_orbax(state, out / "0" / "model_params")
-    save_lora_spec(out, lora_spec)
+    with atomic_dir(out) as tmp:
+        save_orbax(state, tmp / "0" / "model_params")
+        save_lora_spec(tmp, lora_spec)
     print(f"wrote {out} (step 0, rank {lora_spec.rank}, alpha {lora_spec.alpha}, fused {lora_spec.fused})")
     return 0
 
@@ -175,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except FileNotFoundError as e:
         print(f"gemport {args.command}: error: {e.filename or e}: no such file or directory", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"gemport {args.command}: error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
         return 2
 
 
