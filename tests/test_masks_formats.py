@@ -119,12 +119,13 @@ def test_gemma3_conversational_prompt_completion_with_assistant_only_loss(sft):
     assert_same(ours(PROMPT_COMPLETION, tok, masks.Gemma3(), policy=masks.MaskPolicy("assistant")), rows)
 
 
-def test_gemma4_tools_developer_and_none_content_equal_trl(sft):
+@pytest.mark.parametrize("records", [GEMMA4_CHATS, PARTS], ids=["tools, developer, None", "content parts"])
+def test_gemma4_conversations_equal_trl(sft, records):
     tok = tokenizer(GEMMA4_CONTROL, gemma4_v5_chat_template)
-    rows = sft(tok, GEMMA4_CHATS)
-    examples = ours(GEMMA4_CHATS, tok, template.chat_format(tok))
-    assert_same(examples, rows)
-    assert "<|tool>declaration:weather{" in "".join(tok.convert_ids_to_tokens(examples[0].tokens.tolist()))
+    examples = ours(records, tok, template.chat_format(tok))
+    assert_same(examples, sft(tok, records))
+    if records is GEMMA4_CHATS:
+        assert "<|tool>declaration:weather{" in "".join(tok.convert_ids_to_tokens(examples[0].tokens.tolist()))
 
 
 @pytest.mark.parametrize("chat_template", [gemma4_v5_chat_template, gemma4_v3_chat_template], ids=["v5", "v3"])
