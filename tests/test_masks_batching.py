@@ -62,3 +62,19 @@ def test_bad_input_is_named():
         masks.padding_free(TOKENS, MASKS[:2] + [np.array([0], bool)])
     with pytest.raises(MaskError, match="2 loss masks"):
         masks.pad(TOKENS, MASKS[:2])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_pack_makes_trls_bfd_rows_in_trls_order(seed):
+    import datasets
+    from trl.data_utils import pack_dataset
+
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 33, 60)
+    tokens = [np.arange(1, n + 1) + 100 * i for i, n in enumerate(lengths)]
+    loss_mask = [np.arange(n) > 0 for n in lengths]
+    packed = pack_dataset(datasets.Dataset.from_dict({"input_ids": [t.tolist() for t in tokens]}), 32, "bfd")
+    rows = masks.pack(tokens, loss_mask, 32)
+    ours = [r[s > 0].tolist() for r, s in zip(rows["tokens"], rows["segment_ids"])]
+    assert ours == packed["input_ids"]
+    assert [np.bincount(s[s > 0])[1:].tolist() for s in rows["segment_ids"]] == packed["seq_lengths"]

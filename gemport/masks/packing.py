@@ -5,6 +5,7 @@ Rows follow Grain's packing conventions: ``segment_ids`` are 1-based per example
 """
 
 import bisect
+import collections
 
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +19,8 @@ def pack(tokens, loss_mask, seq_len):
     tokens: sequence of int [n_i]; loss_mask: sequence of bool [n_i] (the target convention of
     ``Example``); every 1 <= n_i <= seq_len (truncate first) and ``loss_mask[i][0]`` False, so the
     first token of a segment is never a target predicted from the previous one. Examples are
-    placed longest first (ties in input order), each into the open row it fills most tightly.
+    placed longest first (ties in input order), each into the open row it fills most tightly (the
+    oldest such row): the rows of TRL's ``packing_strategy="bfd"``, in the same order.
     Returns a dict of [rows, seq_len] arrays: "tokens" int32, "loss_mask" bool, "segment_ids"
     int32, "positions" int32. Padding is token 0, never trained.
     """
@@ -67,7 +69,8 @@ def _concatenate(arrays, dtype):
 
 def _best_fit_decreasing(lengths, seq_len):
     # Open rows are bucketed by free space; `free` lists the non-empty bucket sizes in order, so
-    # the tightest row that fits is one bisect away.
+    # the tightest row that fits is one bisect away. Among rows with the same free space the oldest
+    # is filled first, as TRL's packer does, so the rows are TRL's.
     n = len(lengths)
     row, offset = [0] * n, [0] * n
     filled, buckets, free = [], {}, []
@@ -80,7 +83,7 @@ def _best_fit_decreasing(lengths, seq_len):
             filled.append(0)
         else:
             space = free[k]
-            r = buckets[space].pop()
+            r = buckets[space].popleft()
             if not buckets[space]:
                 del buckets[space]
                 free.pop(k)
@@ -89,7 +92,7 @@ def _best_fit_decreasing(lengths, seq_len):
         space = seq_len - filled[r]
         if space:
             if space not in buckets:
-                buckets[space] = []
+                buckets[space] = collections.deque()
                 bisect.insort(free, space)
             buckets[space].append(r)
     return np.array(row, np.int64), np.array(offset, np.int64), len(filled)
