@@ -22,7 +22,7 @@ from gemport.errors import MaskError
 from gemport.masks.pipeline import Rendered, fit
 from gemport.masks.policies import MaskPolicy
 from gemport.masks.render import Segment
-from gemport.masks.tokenize import check_tokenizer
+from gemport.masks.tokenize import check_tokenizer, text_of
 
 FORMATS = ("messages", "prompt_completion", "text")
 """Record formats, as ``detect`` names them."""
@@ -134,8 +134,10 @@ def render(record, chat_format, *, policy=None, fmt=None, completion_only_loss=N
     trained = policy.select(segments)
     if not only:
         return Rendered(key, segments, trained)
-    head = "".join(s.text for s in chat_format.render(prompt, tools, add_generation_prompt=True))
-    return Rendered(key, *_after(segments, trained, len(os.path.commonprefix([head, "".join(s.text for s in segments)]))))
+    # TRL trains from where the prompt, rendered with its generation prompt, stops matching the whole.
+    head = text_of(chat_format.render(prompt, tools, add_generation_prompt=True))
+    boundary = len(os.path.commonprefix([head, text_of(segments)]))
+    return Rendered(key, *_after(segments, trained, boundary))
 
 
 def examples(source, tokenizer, chat_format, truncation, *, policy=None, fmt=None, completion_only_loss=None,
@@ -153,7 +155,7 @@ def examples(source, tokenizer, chat_format, truncation, *, policy=None, fmt=Non
     Returns (examples, report): the kept ``Example``s in input order and the ``TruncationReport``,
     which names records by their ``"id"`` field, else by their index in ``source``.
     """
-    from gemport.masks.template import check_template
+    from gemport.masks.template import check_template  # template reads records through this module
 
     check_tokenizer(tokenizer, chat_format)
     if eos_token is None:
