@@ -8,12 +8,16 @@ and ``from_sft_config`` maps an ``SFTConfig`` onto the masks pipeline.
 """
 
 from gemport.train.order import OptimizerStep, optimizer_steps, randperm, sample_order
+from gemport.train.sft import LAYOUTS, SFTPipeline, from_sft_config
 from gemport.train.step import BATCH_FIELDS, StepMetrics, hf_optimizer, stack, train_step, tunix_loss
 
 __all__ = [
     "BATCH_FIELDS",
+    "LAYOUTS",
     "OptimizerStep",
+    "SFTPipeline",
     "StepMetrics",
+    "from_sft_config",
     "hf_optimizer",
     "optimizer_steps",
     "randperm",

@@ -1,0 +1,193 @@
+"""TRL's ``SFTConfig`` mapped onto gemport.masks in one call: formats, masks, truncation and batch layout."""
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from gemport.errors import OptimizerConfigError
+from gemport.masks import formats
+from gemport.masks.batching import pad, padding_free
+from gemport.masks.packing import pack
+from gemport.masks.policies import MaskPolicy
+from gemport.masks.truncation import Truncation
+from gemport.train.order import optimizer_steps
+from gemport.train.step import stack
+
+# SFTConfig fields read, with TRL 1.16's defaults.
+_READ = {
+    "assistant_only_loss": False,
+    "completion_only_loss": None,
+    "max_length": 1024,
+    "truncation_mode": "keep_start",
+    "packing": False,
+    "packing_strategy": "bfd",
+    "padding_free": False,
+    "pad_to_multiple_of": None,
+    "dataset_text_field": "text",
+    "eos_token": None,
+    "pad_token": None,
+    "loss_type": "nll",
+    "shuffle_dataset": False,
+    "per_device_train_batch_size": 8,
+    "gradient_accumulation_steps": 1,
+}
+
+LAYOUTS = ("pack", "pad", "padding_free")
+"""Batch layouts: best-fit-decreasing packed rows, one example per padded row, one padding-free row."""
+
+
+def _fields(config):
+    if isinstance(config, Mapping):
+        return {k: config.get(k, d) for k, d in _READ.items()}
+    return {k: getattr(config, k, d) for k, d in _READ.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTPipeline:
+    """What an ``SFTConfig`` asks of the data, as gemport.masks arguments; built by ``from_sft_config``.
+
+    chat_format: ``Gemma3()`` / ``Gemma4(...)``; policy: ``MaskPolicy("assistant")`` for
+    ``assistant_only_loss``, else None (every token trained, as TRL does); truncation: ``Truncation``
+    at ``max_length``; completion_only_loss, text_field, eos_token: ``formats.render``'s arguments;
+    layout: one of ``LAYOUTS``; max_length, pad_to_multiple_of, pad_id: the row geometry;
+    config: the ``SFTConfig`` (or dict) the sample order and batch sizes are read from.
+    """
+
+    chat_format: Any
+    policy: MaskPolicy | None
+    truncation: Truncation
+    completion_only_loss: bool | None
+    text_field: str
+    eos_token: str | None
+    layout: str
+    max_length: int | None
+    pad_to_multiple_of: int | None
+    pad_id: int
+    config: Any
+
+    def examples(self, source, tokenizer, **kwargs):
+        """``formats.examples`` of ``source`` with this pipeline's arguments: (examples, report).
+
+        ``source`` is a TRL dataset in any of its formats (messages, prompt/completion, text) or a
+        file of one; ``kwargs`` go to ``formats.examples`` (``check``, ``progress``, ...).
+        """
+        return formats.examples(
+            source, tokenizer, self.chat_format, self.truncation, policy=self.policy,
+            completion_only_loss=self.completion_only_loss, text_field=self.text_field,
+            eos_token=self.eos_token, **kwargs,
+        )
+
+    def units(self, examples):
+        """What HF's sampler orders: ``pack``'s rows for ``layout="pack"``, else the examples (as
+        ``{"tokens": [...], "loss_mask": [...]}`` lists)."""
+        tokens = [e.tokens for e in examples]
+        loss_mask = [e.loss_mask for e in examples]
+        if self.layout == "pack":
+            return pack(tokens, loss_mask, self.max_length)
+        return {"tokens": tokens, "loss_mask": loss_mask}
+
+    def batches(self, examples):
+        """Yields ``(OptimizerStep, batch)`` for every optimizer step of HF's Trainer on ``examples``.
+
+        Units (``units``) are visited in HF's order (``optimizer_steps`` of ``config``); each
+        micro-batch is laid out per ``layout`` and the step's batch is ``stack``ed to
+        [gradient_accumulation_steps, rows, T], ready for ``train_step``. T is fixed for the whole run,
+        so the step compiles once: ``max_length`` (packed, or padded when set), else the longest
+        example (padded) or the longest micro-batch (padding-free), rounded up to ``pad_to_multiple_of``.
+        """
+        units = self.units(examples)
+        size = len(units["tokens"])
+        plan = list(optimizer_steps(self.config, size))
+        f = _fields(self.config)
+        accumulation, batch_size = f["gradient_accumulation_steps"], f["per_device_train_batch_size"]
+        multiple = self.pad_to_multiple_of or 1
+        if self.layout == "pack":
+            rows = batch_size
+            width = self.max_length
+        elif self.layout == "pad":
+            rows = batch_size
+            longest = max(len(t) for t in units["tokens"])
+            width = math.ceil((self.max_length or longest) / multiple) * multiple
+        else:
+            rows = 1
+            lengths = np.array([len(t) for t in units["tokens"]])
+            longest = max(int(lengths[m].sum()) for s in plan for m in s.micro_batches)
+            width = math.ceil(longest / multiple) * multiple
+        for s in plan:
+            micro = []
+            for indices in s.micro_batches:
+                if self.layout == "pack":
+                    micro.append({k: v[indices] for k, v in units.items()})
+                    continue
+                picked = ([units["tokens"][i] for i in indices], [units["loss_mask"][i] for i in indices])
+                if self.layout == "pad":
+                    micro.append(pad(*picked, width, pad_id=self.pad_id))
+                else:
+                    micro.append(_widen(padding_free(*picked, pad_id=self.pad_id), width, self.pad_id))
+            yield s, stack(micro, accumulation=accumulation, rows=rows)
+
+
+def _widen(row, width, pad_id):
+    # Padding on the right: never a target, segment 0, position 0.
+    out = {}
+    for k, v in row.items():
+        out[k] = np.full((1, width), pad_id if k == "tokens" else 0, v.dtype)
+        out[k][:, : v.shape[1]] = v
+    return out
+
+
+def from_sft_config(config, tokenizer, *, chat_format=None):
+    """Map TRL's ``SFTConfig`` (or ``TrainingArguments``, or a dict of their fields) onto gemport.masks.
+
+    Reads ``assistant_only_loss`` (-> ``MaskPolicy("assistant")``, else every token trained),
+    ``completion_only_loss``, ``max_length`` (-> ``Truncation(max_length)``), ``packing`` /
+    ``packing_strategy`` / ``padding_free`` / ``pad_to_multiple_of`` (-> the layout),
+    ``dataset_text_field``, ``eos_token``, ``pad_token``, and the batch sizes and sample order
+    through ``optimizer_steps``. chat_format: default ``masks.template.chat_format(tokenizer)``
+    (pass ``chat_format(tokenizer, thinking=True)`` for Gemma 4 with thinking).
+
+    Where gemport deliberately differs from TRL: TRL truncates at ``max_length`` tokens wherever
+    they fall; gemport cuts at turn boundaries (``Truncation(max_length, overflow="trim")``), so
+    no trained turn loses its end, and reports what it cut. Identical for examples that fit.
+    Settings gemport does not reproduce raise ``OptimizerConfigError`` naming the field:
+    ``truncation_mode="keep_end"``, ``packing_strategy`` other than ``"bfd"``, ``loss_type="dft"``,
+    ``shuffle_dataset=True`` (TRL shuffles the prepared dataset with ``datasets``' generator).
+    Returns an ``SFTPipeline``.
+    """
+    f = _fields(config)
+    refused = {
+        "truncation_mode": (f["truncation_mode"] != "keep_start", "keep 'keep_start'"),
+        "packing_strategy": (f["packing"] and f["packing_strategy"] != "bfd",
+                             "use 'bfd' (best fit decreasing, as masks.pack)"),
+        "loss_type": (f["loss_type"] != "nll", "use 'nll'"),
+        "shuffle_dataset": (bool(f["shuffle_dataset"]), "leave it False; the trainer's sampler shuffles"),
+    }
+    for name, (bad, fix) in refused.items():
+        if bad:
+            raise OptimizerConfigError(f"SFTConfig.{name}={f[name]!r} is not reproduced by gemport; {fix}")
+    max_length = f["max_length"]
+    if f["packing"] and max_length is None:
+        raise OptimizerConfigError("SFTConfig.packing needs max_length, as in TRL")
+    if chat_format is None:
+        from gemport.masks.template import chat_format as from_tokenizer
+
+        chat_format = from_tokenizer(tokenizer)
+    pad_token = f["pad_token"] or getattr(tokenizer, "pad_token", None) or getattr(tokenizer, "eos_token", None)
+    pad_id = int(tokenizer.convert_tokens_to_ids(pad_token)) if pad_token is not None else 0
+    layout = "pack" if f["packing"] else "padding_free" if f["padding_free"] else "pad"
+    return SFTPipeline(
+        chat_format=chat_format,
+        policy=MaskPolicy("assistant") if f["assistant_only_loss"] else None,
+        truncation=Truncation(max_len=max_length if max_length is not None else 2**62, overflow="trim"),
+        completion_only_loss=f["completion_only_loss"],
+        text_field=f["dataset_text_field"],
+        eos_token=f["eos_token"],
+        layout=layout,
+        max_length=max_length,
+        pad_to_multiple_of=f["pad_to_multiple_of"],
+        pad_id=pad_id,
+        config=config,
+    )

@@ -1,0 +1,110 @@
+"""from_sft_config: one SFTConfig drives TRL's SFTTrainer and the port alike (masks, packing, order, steps)."""
+
+import datasets
+import jax
+import numpy as np
+import peft
+import pytest
+import torch
+import transformers
+from flax import nnx
+from trl import SFTConfig, SFTTrainer
+
+from gemport import masks, train
+from gemport.checkpoint import import_peft, load_tunix_model
+from gemport.errors import OptimizerConfigError
+from gemport.lora import apply_lora
+from gemport.masks.training_template import gemma4_training_template
+from gemport.specs import GemmaSpec
+from test_masks_tokenizers import GEMMA4_CONTROL, char_tokenizer
+
+WORDS = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"]
+
+
+def chats(n=10, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        chat = [{"role": "system", "content": "Be brief."}] if i % 3 == 0 else []
+        for _ in range(1 + i % 2):
+            chat.append({"role": "user", "content": " ".join(rng.choice(WORDS, rng.integers(1, 4)))})
+            chat.append({"role": "assistant", "content": " ".join(rng.choice(WORDS, rng.integers(1, 5)))})
+        out.append({"messages": chat})
+    return out
+
+
+def tokenizer():
+    t = char_tokenizer(GEMMA4_CONTROL)
+    t.chat_template = gemma4_training_template()
+    return t
+
+
+CONFIG = dict(assistant_only_loss=True, packing=True, max_length=128, per_device_train_batch_size=2,
+              gradient_accumulation_steps=2, max_steps=4, learning_rate=5e-3, weight_decay=0.1, max_grad_norm=0.5,
+              lr_scheduler_type="cosine", warmup_steps=1, seed=3, logging_steps=1, report_to="none",
+              save_strategy="no", use_cpu=True, bf16=False)
+
+
+def test_config_maps_onto_the_masks_pipeline():
+    t = tokenizer()
+    pipeline = train.from_sft_config(SFTConfig(output_dir="unused", **CONFIG), t)
+    assert isinstance(pipeline.chat_format, masks.Gemma4) and pipeline.policy == masks.MaskPolicy("assistant")
+    assert (pipeline.layout, pipeline.truncation.max_len, pipeline.pad_id) == ("pack", 128, t.pad_token_id)
+    assert train.from_sft_config({"padding_free": True}, t).layout == "padding_free"
+    plain = train.from_sft_config({"max_length": None, "pad_to_multiple_of": 8}, t)
+    assert (plain.layout, plain.policy, plain.pad_to_multiple_of) == ("pad", None, 8)
+    for bad, field in [({"truncation_mode": "keep_end"}, "truncation_mode"), ({"loss_type": "dft"}, "loss_type"),
+                       ({"packing": True, "packing_strategy": "wrapped"}, "packing_strategy"),
+                       ({"shuffle_dataset": True}, "shuffle_dataset"), ({"packing": True, "max_length": None}, "max_length")]:
+        with pytest.raises(OptimizerConfigError, match=field):
+            train.from_sft_config(bad, t)
+
+
+@pytest.mark.parametrize("layout", [{}, {"packing": False}, {"packing": False, "padding_free": True}])
+def test_batches_have_one_shape_and_hold_every_target(layout):
+    config = {**CONFIG, **layout, "max_steps": 6}
+    pipeline = train.from_sft_config(config, tokenizer())
+    examples, _ = pipeline.examples(chats(), tokenizer(), progress=False)
+    shapes, targets = set(), 0
+    for _, batch in pipeline.batches(examples):
+        shapes.add(batch["tokens"].shape)
+        targets += int(batch["loss_mask"].sum())
+    assert len(shapes) == 1
+    # 6 steps of 2 x 2 units visit each unit of an epoch once, the last epoch partly.
+    assert targets > sum(int(e.loss_mask.sum()) for e in examples)
+
+
+def test_packed_run_matches_trl(hf_checkpoint, tmp_path):
+    """TRL SFTTrainer + PEFT (assistant-only loss, BFD packing, padding-free) and the port from one SFTConfig."""
+    _, base = hf_checkpoint("gemma4_mesh")
+    args = SFTConfig(output_dir=str(tmp_path / "trl"), **CONFIG)
+    data = datasets.Dataset.from_list(chats())
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager")
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj", "up_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    model.save_pretrained(tmp_path / "adapter0")
+    trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer())
+    trainer.train()
+    logs = [e for e in trainer.state.log_history if "loss" in e]
+
+    pipeline = train.from_sft_config(args, tokenizer())
+    examples, report = pipeline.examples(data, tokenizer(), progress=False)
+    rows = pipeline.units(examples)
+    expected_rows = [r for r in trainer.train_dataset["input_ids"]]
+    assert [r[s > 0].tolist() for r, s in zip(rows["tokens"], rows["segment_ids"])] == expected_rows
+
+    spec = GemmaSpec.from_hf(base)
+    lora_spec, state = import_peft(tmp_path / "adapter0", spec)
+    port = apply_lora(load_tunix_model(base), spec, lora_spec, state)
+    hf = train.hf_optimizer(args, num_training_steps=args.max_steps)
+    optimizer = nnx.Optimizer(port, hf.tx, wrt=nnx.LoRAParam)
+    step = train.train_step()
+    metrics = [jax.device_get(step(port, optimizer, batch)) for _, batch in pipeline.batches(examples)]
+    assert len(metrics) == len(logs) == args.max_steps
+    for i, (log, m) in enumerate(zip(logs, metrics)):
+        assert float(m.loss) == pytest.approx(log["loss"], rel=1e-4), f"step {i}"
+        assert float(m.grad_norm) == pytest.approx(log["grad_norm"], rel=1e-4), f"step {i}"
