@@ -31,7 +31,8 @@ DATA = Path(__file__).parent / "data" / "verilog_chat.jsonl"
 PEFT_CONFIG = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "lora_dropout": 0.0,
                "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
 TRAINING_ARGS = {"learning_rate": 3e-3, "lr_scheduler_type": "cosine", "warmup_ratio": 0.1, "weight_decay": 0.01,
-                 "max_grad_norm": 1.0, "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_epsilon": 1e-8}
+                 "max_grad_norm": 1.0, "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_epsilon": 1e-8,
+                 "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "seed": 42}
 
 # Tiny, but shaped like 31B: 8 query heads, 8 sliding KV heads, 4 global K-only heads (so tp=8 fails, as on 31B).
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=8,
@@ -70,14 +71,6 @@ def tiny_checkpoint(out: Path, conversations: list) -> None:
     tokenizer.save_pretrained(out)
 
 
-def batches(rows: dict, batch_size: int, steps: int):
-    """``steps`` batches of packed rows, cycling through them."""
-    n = len(rows["tokens"])
-    for i in range(steps):
-        index = [(i * batch_size + j) % n for j in range(batch_size)]
-        yield {k: v[index] for k, v in rows.items()}
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="working directory (default: a new temporary one)")
@@ -85,7 +78,7 @@ def main(argv=None) -> int:
     parser.add_argument("--fsdp", type=int)
     parser.add_argument("--tp", type=int)
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=2, help="rows per micro-batch (2 micro-batches a step)")
     parser.add_argument("--seq-len", type=int, default=256)
     args = parser.parse_args(argv)
 
@@ -96,7 +89,7 @@ def main(argv=None) -> int:
     from tqdm.auto import tqdm
     from tunix.sft import checkpoint_manager
 
-    from gemport import MeshError, masks, optim
+    from gemport import MeshError, masks, train
     from gemport.checkpoint import export_merged, export_peft, load_tunix_model, save_lora_spec
     from gemport.lora import LoraSpec, apply_lora
     from gemport.lora import targets as lora_targets
@@ -163,32 +156,31 @@ def main(argv=None) -> int:
                                    rows["segment_ids"][:args.batch_size])
         return float(scopes["masked"]), float(scopes["full_sequence"])
 
-    step(5, "Optimizer from HF TrainingArguments")
-    hf_optimizer = optim.from_hf(TRAINING_ARGS, num_training_steps=args.steps)
-    print(f"{TRAINING_ARGS}\n-> optax: clip (torch rule) + adamw, lr at steps 0/{args.steps // 2}/{args.steps - 1}: "
+    step(5, "Optimizer and sample order from HF TrainingArguments")
+    training_args = {**TRAINING_ARGS, "per_device_train_batch_size": args.batch_size, "max_steps": args.steps}
+    hf_optimizer = train.hf_optimizer(training_args, num_training_steps=args.steps)
+    print(f"{training_args}\n-> optax: clip (torch rule) + adamw, lr at steps 0/{args.steps // 2}/{args.steps - 1}: "
           + ", ".join(f"{float(hf_optimizer.schedule(s)):.2e}" for s in (0, args.steps // 2, args.steps - 1)))
+    plan = list(train.optimizer_steps(training_args, len(rows["tokens"])))
+    print(f"rows in the HF Trainer's order (torch's RandomSampler, seed {training_args['seed']}): step 0 takes "
+          f"{[m.tolist() for m in plan[0].micro_batches]}; {plan[-1].epoch + 1} epochs")
 
-    step(6, "Train (an nnx loop; checkpoints written by Tunix's CheckpointManager, as PeftTrainer does)")
+    step(6, "Train (gemport.train's HF Trainer step in an nnx loop; checkpoints by Tunix's CheckpointManager)")
     root = work / "checkpoints"
     shutil.rmtree(root, ignore_errors=True)
-
-    @nnx.jit
-    def train_step(model, optimizer, batch):
-        def loss_fn(model):
-            inputs = masks.tunix_inputs(**batch)
-            logits, _ = model(inputs["input_tokens"], inputs["positions"], None, inputs["attention_mask"])
-            return masks.masked_cross_entropy(logits, batch["tokens"], batch["loss_mask"])
-
-        loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
-        optimizer.update(model, grads)
-        return loss
+    train_step = train.train_step(wrt=nnx.LoRAParam)
+    accumulation = training_args["gradient_accumulation_steps"]
 
     with jax.set_mesh(mesh):
         before = scoped_losses(model)
         optimizer = nnx.Optimizer(model, hf_optimizer.tx, wrt=nnx.LoRAParam)
         checkpoints = checkpoint_manager.CheckpointManager(str(root))
-        for batch in tqdm(batches(rows, args.batch_size, args.steps), total=args.steps, desc="train"):
-            train_step(model, optimizer, batch)
+        progress = tqdm(plan, desc="train")
+        for s in progress:
+            batch = train.stack([{k: v[m] for k, v in rows.items()} for m in s.micro_batches],
+                                accumulation=accumulation, rows=args.batch_size)
+            metrics = train_step(model, optimizer, batch)
+            progress.set_postfix(loss=f"{float(metrics.loss):.3f}", grad_norm=f"{float(metrics.grad_norm):.3f}")
         checkpoints.save(args.steps, model, optimizer, save_only_lora_params=True, force=True)
         checkpoints.close()
         after = scoped_losses(model)
