@@ -248,7 +248,8 @@ def _after(segments, trained, boundary):
     for segment, flag in zip(segments, trained):
         end = start + len(segment.text)
         if start < boundary < end:
-            out += [segment._replace(text=segment.text[: boundary - start]), segment._replace(text=segment.text[boundary - start:])]
+            cut = boundary - start
+            out += [segment._replace(text=segment.text[:cut]), segment._replace(text=segment.text[cut:])]
             flags += [False, bool(flag)]
         else:
             out.append(segment)

@@ -52,7 +52,8 @@ class Gemma3:
             for key in _UNSUPPORTED_KEYS:
                 if message.get(key):
                     raise MaskError(f"{where}: Gemma 3 has no format for {key!r}; use Gemma4 or drop it")
-            content = "".join(t.strip() for t in text_parts(message.get("content"), f"{where}.content", self.control_tokens))
+            texts = text_parts(message.get("content"), f"{where}.content", self.control_tokens)
+            content = "".join(t.strip() for t in texts)
             role = message["role"]
             header = "<start_of_turn>" + ("model" if role == "assistant" else "user") + "\n"
             segments.append(Segment(header, role, "header", turn))

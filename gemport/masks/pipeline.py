@@ -48,7 +48,8 @@ def build(conversations, tokenizer, chat_format, policy, truncation, *, batch_si
             segments = chat_format.render(messages)
             yield Rendered(index, segments, policy.select(segments))
 
-    return fit(rendered(), tokenizer, truncation, batch_size=batch_size, progress=progress, total=_length(conversations))
+    total = _length(conversations)
+    return fit(rendered(), tokenizer, truncation, batch_size=batch_size, progress=progress, total=total)
 
 
 def fit(rendered, tokenizer, truncation, *, batch_size=512, progress=True, total=None):

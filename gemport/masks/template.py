@@ -29,7 +29,8 @@ _PROBES = (
     [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a", "reasoning": "r"},
      {"role": "assistant", "content": "b"}],
     [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-     {"role": "assistant", "content": " ", "tool_calls": [_CALL]}, {"role": "tool", "tool_call_id": "c", "content": "t"}],
+     {"role": "assistant", "content": " ", "tool_calls": [_CALL]},
+     {"role": "tool", "tool_call_id": "c", "content": "t"}],
     [{"role": "user", "content": "u"}, {"role": "assistant", "tool_calls": [_CALL]},
      {"role": "tool", "tool_call_id": "c", "content": "t"}, {"role": "assistant", "content": "done"}],
 )
