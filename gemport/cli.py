@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from gemport.errors import CheckpointError, GemportError, LoraError
+from gemport.errors import CheckpointError, GemportError, LoraError, MeshError
 
 
 def _spec(model: str):
@@ -50,7 +50,10 @@ def plan(args) -> int:
                         "fine-tuning)")
     spec = _spec(args.model)
     hbm = int(args.hbm) if args.hbm and args.hbm.isdigit() else args.hbm
-    plans = valid_meshes(spec, args.devices, hbm_bytes=hbm, lora_rank=args.lora_rank, param_dtype=args.dtype)
+    if (args.batch is None) != (args.seq_len is None):
+        raise MeshError("plan the train step with both --batch and --seq-len, or neither")
+    plans = valid_meshes(spec, args.devices, hbm_bytes=hbm, lora_rank=args.lora_rank, param_dtype=args.dtype,
+                         batch=args.batch, seq_len=args.seq_len, remat=args.remat)
     print(f"{args.model}: {len(plans)} valid (fsdp, tp) meshes on {args.devices} devices")
     for p in plans:
         print(f"  {p}")
@@ -140,6 +143,11 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--hbm", help="HBM per chip: a chip name (v4, v5e, v5p, v6e) or bytes")
     c.add_argument("--lora-rank", type=int, help="LoRA rank (omit for full fine-tuning)")
     c.add_argument("--dtype", default="bfloat16", help="parameter dtype (default bfloat16)")
+    c.add_argument("--batch", type=int, help="rows per train step, all devices together (with --seq-len: add the "
+                                             "step's gradients, activations, logits)")
+    c.add_argument("--seq-len", type=int, help="tokens per row")
+    c.add_argument("--remat", choices=("none", "block", "decoder"), default="none",
+                   help="Tunix remat_config of the step (default none)")
     c.set_defaults(run=plan)
 
     c = sub.add_parser("convert", help="HF safetensors <-> Orbax Tunix parameters",

@@ -66,6 +66,15 @@ def test_plan_lists_the_valid_meshes_and_what_fits():
     assert "fsdp=2 tp=4" in out and "tp=8" not in out and "fits" in out
 
 
+def test_plan_counts_the_train_step_with_batch_and_seq_len():
+    out = gemport("plan", "gemma4-31b", "--devices", "4", "--hbm", "v5p", "--lora-rank", "16", "--batch", "4",
+                  "--seq-len", "1024", "--remat", "decoder").stdout
+    assert "activations" in out and "batch 4 x 1024 tokens, remat decoder" in out and out.count(": fits") == 3
+    out = gemport("plan", "gemma4-31b", "--devices", "4", "--hbm", "v5p", "--lora-rank", "16").stdout
+    assert "no batch/seq_len given" in out and ": fits" not in out
+    one_line_error(gemport("plan", "gemma4-31b", "--devices", "4", "--batch", "4", ok=False), "--seq-len")
+
+
 def test_plan_failures():
     one_line_error(gemport("plan", "gemma9-1t", "--devices", "8", ok=False), "unknown preset", "gemma4-31b")
     assert gemport("plan", "gemma4-31b", ok=False).returncode == 2

@@ -117,8 +117,10 @@ def test_31b_plan_on_one_device_counts_every_param_and_lora_factor():
 
 
 def test_31b_lora_fits_a_v5p_8_at_every_valid_tp():
-    plans = valid_meshes(G31, 4, hbm_bytes="v5p", lora_rank=16)
+    plans = valid_meshes(G31, 4, hbm_bytes="v5p", lora_rank=16, batch=4, seq_len=1024, remat="decoder")
     assert [(p.tp, p.fits) for p in plans] == [(1, True), (2, True), (4, True)]
+    # Without a batch the plan does not claim the step fits.
+    assert [p.fits for p in valid_meshes(G31, 4, hbm_bytes="v5p", lora_rank=16)] == [None, None, None]
     tp4 = plans[-1]
     assert tp4.hbm_bytes == HBM["v5p"] == 95 * 2**30
     # tp=4 splits every weight 4 ways except the few vectors tp cannot reach (layer scalars).

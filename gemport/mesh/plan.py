@@ -8,6 +8,7 @@ import re
 import numpy as np
 
 from gemport.errors import MeshError
+from gemport.mesh.activations import StepMemory, step_memory
 from gemport.mesh.dims import FSDP, TP, annotated
 from gemport.mesh.factory import check, valid_tp
 from gemport.sharding import lora_shapes, lora_specs
@@ -34,6 +35,10 @@ class MemoryPlan:
       lora_bytes: lora_a and lora_b of every target module (0 for full fine-tuning).
       optimizer_bytes: Adam's mu and nu for the trainable params (LoRA, or all params without LoRA).
       hbm_bytes: HBM per device, if given.
+      step: gradients, activations, logits and the batch of one train step (``gemport.mesh.activations``),
+        when the plan was given ``batch`` and ``seq_len``; None otherwise, and then the plan says so.
+      weight_copy_bytes: on ``backend="cpu"``, the transposed copy XLA:CPU makes of the largest attention
+        or embedding weight for its dots (0 otherwise).
     """
 
     fsdp: int
@@ -42,24 +47,44 @@ class MemoryPlan:
     lora_bytes: int
     optimizer_bytes: int
     hbm_bytes: int | None = None
+    step: StepMemory | None = None
+    weight_copy_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
-        return self.base_bytes + self.lora_bytes + self.optimizer_bytes
+        step = self.step.total_bytes + self.weight_copy_bytes if self.step else 0
+        return self.base_bytes + self.lora_bytes + self.optimizer_bytes + step
 
     @property
     def fits(self) -> bool | None:
-        """Whether ``total_bytes`` fits ``hbm_bytes`` (None without it). Activations and gradients need room too."""
-        return None if self.hbm_bytes is None else self.total_bytes <= self.hbm_bytes
+        """Whether ``total_bytes`` fits ``hbm_bytes``. None without ``hbm_bytes``, and None when the state fits
+        but the train step (gradients, activations) was not planned: that needs ``batch`` and ``seq_len``."""
+        if self.hbm_bytes is None:
+            return None
+        if self.total_bytes > self.hbm_bytes:
+            return False
+        return True if self.step else None
 
     def __str__(self):
+        step = self.step
         text = (
             f"fsdp={self.fsdp} tp={self.tp}: base {_human(self.base_bytes)} + LoRA {_human(self.lora_bytes)} + "
-            f"Adam mu,nu {_human(self.optimizer_bytes)} = {_human(self.total_bytes)} per device"
+            f"Adam mu,nu {_human(self.optimizer_bytes)}"
         )
+        if step:
+            text += (
+                f" + gradients {_human(step.gradient_bytes)} + activations {_human(step.activation_bytes)} + "
+                f"logits and loss {_human(step.logits_bytes)} + batch {_human(step.batch_bytes)}"
+                + (f" + XLA:CPU weight copy {_human(self.weight_copy_bytes)}" if self.weight_copy_bytes else "")
+                + f" = {_human(self.total_bytes)} per device (batch {step.batch} x {step.seq_len} tokens, "
+                f"remat {step.remat})"
+            )
+        else:
+            text += f" = {_human(self.total_bytes)} per device before the train step (no batch/seq_len given)"
         if self.hbm_bytes is None:
             return text
-        return text + f" of {_human(self.hbm_bytes)}: " + ("fits" if self.fits else "does not fit")
+        verdict = {True: "fits", False: "does not fit", None: "state fits; plan a batch to know if the step does"}
+        return text + f" of {_human(self.hbm_bytes)}: " + verdict[self.fits]
 
 
 def _human(nbytes: int) -> str:
@@ -89,6 +114,11 @@ def memory_plan(
     lora_dtype=None,
     moments_dtype=None,
     targets: str = LORA_TARGETS,
+    batch: int | None = None,
+    seq_len: int | None = None,
+    remat: str = "none",
+    dtype=None,
+    backend: str = "tpu",
 ) -> MemoryPlan:
     """Per-device bytes of params, LoRA params and Adam moments on an (fsdp, tp) mesh.
 
@@ -102,6 +132,11 @@ def memory_plan(
     Args:
       lora_rank: LoRA rank r; None plans full fine-tuning (moments for every param, no LoRA).
       hbm_bytes: HBM per device in bytes, or a chip name from ``HBM`` (e.g. ``"v5p"``).
+      batch, seq_len: rows per step (all devices) and tokens per row; with both, the plan adds the train
+        step's gradients, activations (per ``remat``: ``"none"``, ``"block"``, ``"decoder"``, Tunix's
+        ``remat_config``), logits and loss temporaries (``gemport.mesh.activations.step_memory``).
+      dtype: the compute dtype of activations (default ``param_dtype``).
+      backend: ``"cpu"`` adds the weight copy XLA:CPU makes for its dots, to compare with a CPU compile.
     """
     check(spec, fsdp, tp)
     sizes = {FSDP: fsdp, TP: tp}
@@ -120,6 +155,11 @@ def memory_plan(
             lora_elements += sum(bytes_per_device(s, p, sizes, 1) for s, p in parts)
     trainable = lora_elements if lora_rank is not None else base_elements
     moments_item = np.dtype(moments_dtype or trainable_dtype).itemsize
+    step = weight_copy = None
+    if batch is not None and seq_len is not None:
+        step = step_memory(spec, fsdp, tp, batch=batch, seq_len=seq_len, remat=remat,
+                           trainable_bytes=trainable * trainable_dtype.itemsize, dtype=dtype or param_dtype)
+        weight_copy = _weight_copy(params, sizes, param_dtype) if backend == "cpu" else 0
     return MemoryPlan(
         fsdp,
         tp,
@@ -127,6 +167,19 @@ def memory_plan(
         lora_elements * trainable_dtype.itemsize,
         2 * trainable * moments_item,
         _hbm(hbm_bytes),
+        step,
+        weight_copy or 0,
+    )
+
+
+def _weight_copy(params, sizes, param_dtype) -> int:
+    # XLA:CPU transposes q/kv/k einsum weights (D is not their leading axis) and the embedding (used as
+    # x @ E.T) into a temporary before each dot, one at a time: the largest one is live at the peak.
+    copied = ("q_einsum.w", "kv_einsum.w", "k_einsum.w", "qkv_einsum.w", "input_embedding")
+    return max(
+        (bytes_per_device(shape, ann, sizes, np.dtype(param_dtype).itemsize)
+         for path, shape, ann, _ in params if path.endswith(copied)),
+        default=0,
     )
 
 
@@ -140,6 +193,9 @@ def valid_meshes(
     lora_dtype=None,
     moments_dtype=None,
     targets: str = LORA_TARGETS,
+    batch: int | None = None,
+    seq_len: int | None = None,
+    remat: str = "none",
 ) -> tuple[MemoryPlan, ...]:
     """A ``MemoryPlan`` for every (fsdp, tp) with fsdp * tp = ``num_devices`` that fits ``spec``, by tp.
 
@@ -149,7 +205,8 @@ def valid_meshes(
     return tuple(
         memory_plan(
             spec, num_devices // tp, tp, lora_rank=lora_rank, hbm_bytes=hbm_bytes, param_dtype=param_dtype,
-            lora_dtype=lora_dtype, moments_dtype=moments_dtype, targets=targets,
+            lora_dtype=lora_dtype, moments_dtype=moments_dtype, targets=targets, batch=batch, seq_len=seq_len,
+            remat=remat,
         )
         for tp in valid_tp(spec, num_devices)
     )  # fmt: skip

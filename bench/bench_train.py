@@ -1,0 +1,165 @@
+"""LoRA train step: step time, tokens/s and peak device memory, beside the memory plan's prediction.
+
+The step is bench/lora_step.py's (forward, masked cross-entropy, LoRA gradients, adamw; state donated) on a
+Gemma 4 with Gemma 4 31B's layout. On CPU (default: tiny widths, under a minute) the peak is what XLA's
+compiled memory analysis reserves (arguments + outputs + temporaries, donated buffers once), since the CPU
+reports no allocator statistics; on an accelerator it is the device's ``peak_bytes_in_use``. Where torch sees
+a CUDA device, PEFT's step on the same model (HF Gemma 4, the same LoRA targets, torch AdamW) runs as the
+baseline and the ratio is printed. Usage:
+
+    python bench/bench_train.py                      # CPU, tiny widths
+    python bench/bench_train.py --widths 31b --layers 2 --vocab 262144 --batch 8 --seq-len 2048 \\
+        --fsdp 1 --tp 4 --remat decoder --dtype bfloat16  # a TPU v5p-8: Gemma 4 31B's widths, 2 layers
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from lora_step import CPU_MEMORY_SCHEDULER  # noqa: E402
+
+if os.environ.get("JAX_PLATFORMS", "") in ("", "cpu") and CPU_MEMORY_SCHEDULER not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_MEMORY_SCHEDULER}".strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+from lora_step import compile_step, lora_model, make_step  # noqa: E402
+
+from gemport.lora import LoraSpec  # noqa: E402
+from gemport.mesh import make_mesh, memory_plan  # noqa: E402
+from gemport.specs import GemmaSpec  # noqa: E402
+
+GiB = 2**30
+
+
+def bench_spec(widths: str, layers: int, vocab: int) -> GemmaSpec:
+    """Gemma 4 31B's layout (5 sliding : 1 global, k_eq_v global layers) at its real widths or tiny ones."""
+    g31 = GemmaSpec.preset("gemma4-31b")
+    types = tuple("global" if (i + 1) % 6 == 0 or i == layers - 1 else "sliding" for i in range(layers))
+    spec = dataclasses.replace(g31, num_layers=layers, layer_types=types, vocab=vocab)
+    if widths == "tiny":
+        spec = dataclasses.replace(spec, hidden=128, mlp=512, num_heads=4, head_dim=32, num_kv_heads=2,
+                                   global_head_dim=64, global_kv_heads=1, sliding_window=64)
+    return spec
+
+
+def placed(tree, abstract):
+    """``tree``'s arrays (or nnx Variables' values) moved to the shardings ``compile_step`` lowered them with."""
+    return jax.tree.map(lambda x, a: jax.device_put(x.get_value() if isinstance(x, nnx.Variable) else x, a.sharding),
+                        tree, abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def batch_arrays(batch, seq_len, vocab, abstract):
+    rng = np.random.default_rng(0)
+    values = {
+        "tokens": rng.integers(0, vocab, (batch, seq_len), dtype=np.int32),
+        "positions": np.broadcast_to(np.arange(seq_len, dtype=np.int32), (batch, seq_len)).copy(),
+        "attention_mask": np.broadcast_to(np.tril(np.ones((seq_len, seq_len), bool)), (batch, seq_len, seq_len)).copy(),
+        "loss_mask": np.ones((batch, seq_len), bool),
+    }
+    return {k: jax.device_put(v, abstract[k].sharding) for k, v in values.items()}
+
+
+def jax_step(args, spec, lora_spec, dtype):
+    mesh = make_mesh(spec, fsdp=args.fsdp, tp=args.tp, devices=jax.devices()[: args.fsdp * args.tp])
+    model = lora_model(spec, lora_spec, param_dtype=dtype, remat=args.remat, abstract=False)
+    tx = optax.adamw(1e-4)
+    compiled, abstract = compile_step(model, mesh, args.batch, args.seq_len, tx)
+    graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
+    lora, rest = placed(lora, abstract[0]), placed(rest, abstract[2])
+    opt_state = placed(tx.init(nnx.as_pure(lora)), abstract[1])
+    batch = batch_arrays(args.batch, args.seq_len, spec.vocab, abstract[3])
+    step = make_step(graphdef, tx)
+    times = []
+    with jax.set_mesh(mesh):
+        for i in range(args.steps + 1):
+            start = time.perf_counter()
+            lora, opt_state, loss = step(lora, opt_state, rest, batch)
+            loss.block_until_ready()
+            if i:  # the first call compiles
+                times.append(time.perf_counter() - start)
+    stats = jax.devices()[0].memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    return min(times), peak, compiled, float(loss)
+
+
+def torch_step(args, spec, lora_spec):
+    """PEFT's step on CUDA: HF Gemma 4 with LoRA on the same projections, torch AdamW. None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    import transformers as tf
+    from peft import LoraConfig, get_peft_model
+
+    cfg = tf.Gemma4TextConfig(**spec.to_hf_config())
+    model = tf.Gemma4ForCausalLM(cfg).to("cuda", dtype=getattr(torch, args.dtype))
+    model = get_peft_model(model, LoraConfig(r=lora_spec.rank, lora_alpha=lora_spec.alpha,
+                                             target_modules=list(lora_spec.targets)))
+    if args.remat != "none":
+        model.gradient_checkpointing_enable()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    tokens = torch.randint(0, spec.vocab, (args.batch, args.seq_len), device="cuda")
+    times = []
+    for i in range(args.steps + 1):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        if i:
+            times.append(time.perf_counter() - start)
+    return min(times), torch.cuda.max_memory_allocated()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--widths", choices=("tiny", "31b"), default="tiny")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--fsdp", type=int, default=1)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--remat", choices=("none", "block", "decoder"), default="none")
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--dtype", default="float32", help="param and compute dtype (XLA:CPU computes bf16 in f32)")
+    p.add_argument("--steps", type=int, default=5)
+    args = p.parse_args()
+
+    spec = bench_spec(args.widths, args.layers, args.vocab)
+    lora_spec = LoraSpec(rank=args.rank, alpha=2 * args.rank)
+    dtype = jnp.dtype(args.dtype)
+    backend = jax.default_backend()
+    plan = memory_plan(spec, args.fsdp, args.tp, lora_rank=args.rank, param_dtype=dtype, batch=args.batch,
+                       seq_len=args.seq_len, remat=args.remat, backend="cpu" if backend == "cpu" else "tpu")
+    seconds, peak, compiled, loss = jax_step(args, spec, lora_spec, dtype)
+    tokens = args.batch * args.seq_len
+    measured, how = (peak, "peak_bytes_in_use") if peak else (compiled.peak_bytes, "compiled memory analysis")
+    print(f"{backend}: {args.widths} widths, {args.layers} layers, vocab {args.vocab}, mesh fsdp={args.fsdp} "
+          f"tp={args.tp}, batch {args.batch} x {args.seq_len}, remat {args.remat}, LoRA r={args.rank}, {args.dtype}")
+    print(f"  gemport/Tunix step: {seconds * 1e3:.1f} ms, {tokens / seconds:,.0f} tokens/s (loss {loss:.3f})")
+    print(f"  peak per device ({how}): {measured / GiB:.3f} GiB; memory plan: {plan.total_bytes / GiB:.3f} GiB "
+          f"({plan.total_bytes / measured:.2f}x)")
+    print(f"  plan: {plan}")
+    baseline = torch_step(args, spec, lora_spec)
+    if baseline is None:
+        print("  PEFT baseline: skipped (torch sees no CUDA device)")
+    else:
+        t_seconds, t_peak = baseline
+        print(f"  PEFT step (CUDA): {t_seconds * 1e3:.1f} ms, {tokens / t_seconds:,.0f} tokens/s, peak {t_peak / GiB:.3f} "
+              f"GiB; gemport/PEFT tokens/s: {t_seconds / seconds:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""A minimal LoRA train step on a Tunix Gemma model, and the peak memory XLA compiles it to.
+
+The step is what a trainer does per batch: forward, ``masked_cross_entropy``, gradients of the LoRA params
+only (``nnx.LoRAParam``), an ``optax.adamw`` update; the LoRA params and Adam state are donated, as a trainer
+that keeps one copy of its state does. ``compiled_peak`` lowers and compiles it for abstract inputs
+(shapes and shardings only), so a model of any size is measured without materialising it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from gemport.lora import LoraSpec, apply_lora
+from gemport.masks.loss import masked_cross_entropy
+from gemport.sharding import optimizer_shardings
+from gemport.sharding._specs import padded, spec_of
+from gemport.specs import GemmaSpec
+
+
+# XLA:CPU orders a program for concurrency by default: it runs every layer's rematerialisation as early
+# as its inputs allow, so remat saves nothing. Accelerators schedule for memory; with this flag in XLA_FLAGS
+# (set before JAX starts; a per-compile option does not reach the CPU scheduler) so does the CPU.
+CPU_MEMORY_SCHEDULER = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+
+
+def set_remat(model, family: str, remat: str):
+    """Set Tunix's ``remat_config`` of ``model`` to ``remat`` ("none", "block", "decoder"), in place.
+
+    Qwix creates the LoRA params on a first call, which fails inside ``nnx.remat``; so a model gets its
+    LoRA without remat and the remat policy afterwards. Gemma 3's attention keeps its own copy of the field.
+    """
+    value = __import__(f"tunix.models.{family}.model", fromlist=["RematConfig"]).RematConfig[remat.upper()]
+    for _, module in nnx.iter_modules(model):
+        for holder in (module, getattr(module, "config", None)):
+            if hasattr(holder, "remat_config"):
+                holder.remat_config = value
+
+
+def lora_model(spec: GemmaSpec, lora_spec: LoraSpec, *, param_dtype=jnp.bfloat16, remat: str = "none",
+               abstract: bool = True):
+    """A Tunix model of ``spec`` with Qwix LoRA per ``lora_spec``: shapes only (``abstract``) or random."""
+    cfg = spec.to_tunix(param_dtype=param_dtype)
+
+    def build():
+        with nnx.var_defaults(ref=True):
+            rngs = nnx.Rngs(0)
+        return apply_lora(spec.tunix_model_class()(cfg, rngs=rngs), spec, lora_spec)
+
+    model = nnx.eval_shape(build) if abstract else build()
+    set_remat(model, spec.family, remat)
+    return model
+
+
+def batch_shapes(batch: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
+    """One batch of packed rows: tokens, positions [B, T] int32; attention_mask [B, T, T], loss_mask [B, T] bool."""
+    return {
+        "tokens": jax.ShapeDtypeStruct((batch, seq_len), jnp.int32),
+        "positions": jax.ShapeDtypeStruct((batch, seq_len), jnp.int32),
+        "attention_mask": jax.ShapeDtypeStruct((batch, seq_len, seq_len), jnp.bool_),
+        "loss_mask": jax.ShapeDtypeStruct((batch, seq_len), jnp.bool_),
+    }
+
+
+def make_step(graphdef, tx: optax.GradientTransformation):
+    """``step(lora, opt_state, rest, batch) -> (lora, opt_state, loss)``, jitted, LoRA and Adam state donated."""
+
+    def step(lora, opt_state, rest, batch):
+        def loss_fn(lora):
+            model = nnx.merge(graphdef, lora, rest)
+            logits, _ = model(batch["tokens"], batch["positions"], None, batch["attention_mask"])
+            return masked_cross_entropy(logits, batch["tokens"], batch["loss_mask"])
+
+        loss, grads = jax.value_and_grad(loss_fn)(lora)
+        updates, opt_state = tx.update(grads, opt_state, lora)
+        return optax.apply_updates(lora, updates), opt_state, loss
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def _placed(state, mesh):
+    """Abstract arrays of ``state`` (pure), each with the NamedSharding of its annotation on ``mesh``."""
+
+    def one(var):
+        value = var.get_value()
+        spec = padded(spec_of(var), value.ndim)[: value.ndim]
+        spec = tuple(None if a is not None and value.shape[i] % mesh.shape[a] else a for i, a in enumerate(spec))
+        return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=NamedSharding(mesh, PartitionSpec(*spec)))
+
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """Per-device bytes of a compiled step (XLA's ``memory_analysis``) and the step itself."""
+
+    argument_bytes: int
+    output_bytes: int
+    temp_bytes: int
+    alias_bytes: int
+    executable: object
+
+    @property
+    def peak_bytes(self) -> int:
+        """Arguments + outputs + temporaries, donated buffers counted once."""
+        return self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
+
+
+def compile_step(model, mesh, batch: int, seq_len: int, tx: optax.GradientTransformation | None = None):
+    """Lower and compile the LoRA step of ``model`` (abstract or concrete) for one batch shape on ``mesh``.
+
+    The batch is sharded over fsdp (rows), params by their Tunix/Qwix annotations, Adam state like the
+    LoRA params. Returns ``(Compiled, args)``: ``args`` are the abstract arguments, in call order.
+    """
+    tx = tx or optax.adamw(1e-4)
+    graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
+    lora_in, rest_in = _placed(lora, mesh), _placed(rest, mesh)
+    opt_shardings = optimizer_shardings(tx, nnx.as_pure(lora_in), mesh)
+    opt_in = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                          jax.eval_shape(tx.init, nnx.as_pure(lora_in)), opt_shardings)
+    rows = NamedSharding(mesh, PartitionSpec("fsdp"))
+    batch_in = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rows) for k, v in batch_shapes(batch, seq_len).items()}
+    args = (lora_in, opt_in, rest_in, batch_in)
+    with jax.set_mesh(mesh):
+        executable = make_step(graphdef, tx).lower(*args).compile()
+    m = executable.memory_analysis()
+    return Compiled(m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes,
+                    m.alias_size_in_bytes, executable), args
+
+
+def state_bytes(tree) -> int:
+    """Bytes of every array leaf of ``tree`` on one device (its largest shard)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
+        total += int(np.prod(shape)) * np.dtype(leaf.dtype).itemsize
+    return total

@@ -1,0 +1,125 @@
+"""The memory plan of a train step against the peak XLA compiles the LoRA step to (compiled memory analysis).
+
+The step (bench/lora_step.py: forward, masked cross-entropy, LoRA gradients, adamw, state donated) is lowered
+for abstract arguments and compiled, never run, in a subprocess: XLA:CPU needs its memory-ordered scheduler
+(a flag read at start-up) for remat to save anything, as it does on accelerators. Params are float32, since
+XLA:CPU computes bfloat16 in float32 and would not match a bf16 plan. The real-width cases are Gemma 4 31B's
+widths (hidden 5376, MLP 21504, 32 heads, 16 x 256 sliding and 4 x 512 global KV heads) with 2 layers (one
+sliding, one global) and an 8192-token vocabulary (the full 262144 adds nothing new but compile time).
+"""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gemport.mesh import MeshError, memory_plan
+from gemport.specs import GemmaSpec
+
+BENCH = Path(__file__).parent.parent / "bench"
+G31 = GemmaSpec.preset("gemma4-31b")
+WIDE = dataclasses.replace(G31, num_layers=2, layer_types=("sliding", "global"), vocab=8192)
+
+# (spec name, remat, fsdp, batch, seq_len)
+CASES = [
+    ("gemma4_dense", "none", 1, 8, 128),
+    ("gemma4_dense", "decoder", 1, 8, 128),
+    ("gemma4_dense", "none", 4, 8, 128),
+    ("gemma3_1b", "none", 1, 2, 16),
+    ("wide", "none", 1, 1, 1024),
+    ("wide", "block", 1, 1, 1024),
+]
+
+_CHILD = r"""
+import dataclasses, json, sys
+import jax, jax.numpy as jnp
+sys.path[:0] = [{bench!r}, {tests!r}]
+import tiny
+from lora_step import compile_step, lora_model
+from gemport.lora import LoraSpec
+from gemport.mesh import make_mesh
+from gemport.specs import GemmaSpec
+wide = dataclasses.replace(GemmaSpec.preset("gemma4-31b"), num_layers=2, layer_types=("sliding", "global"), vocab=8192)
+for name, remat, fsdp, batch, seq_len in {cases!r}:
+    spec = wide if name == "wide" else GemmaSpec.from_hf(tiny.text_config(name).to_dict())
+    model = lora_model(spec, LoraSpec(rank=4, alpha=8), remat=remat, param_dtype=jnp.float32)
+    compiled, _ = compile_step(model, make_mesh(spec, fsdp=fsdp, tp=1, devices=jax.devices()[:fsdp]), batch, seq_len)
+    print(json.dumps(compiled.peak_bytes), flush=True)
+"""
+
+
+def _spec(name):
+    if name == "wide":
+        return WIDE
+    import tiny
+
+    return GemmaSpec.from_hf(tiny.text_config(name).to_dict())
+
+
+def _measure(cases):
+    sys.path.insert(0, str(BENCH))
+    from lora_step import CPU_MEMORY_SCHEDULER
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {CPU_MEMORY_SCHEDULER}")
+    code = _CHILD.format(bench=str(BENCH), tests=str(Path(__file__).parent), cases=cases)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=1200)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [json.loads(line) for line in out.stdout.splitlines()]
+
+
+@pytest.fixture(scope="module")
+def peaks():
+    return dict(zip(CASES, _measure(CASES)))
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_plan_is_within_15_percent_of_the_compiled_peak(peaks, case):
+    name, remat, fsdp, batch, seq_len = case
+    plan = memory_plan(_spec(name), fsdp, 1, lora_rank=4, param_dtype="float32", batch=batch, seq_len=seq_len,
+                       remat=remat, backend="cpu")
+    assert abs(plan.total_bytes / peaks[case] - 1) <= 0.15, (plan.total_bytes, peaks[case], str(plan))
+
+
+def test_remat_shrinks_the_plan_as_it_shrinks_the_compiled_step(peaks):
+    for name, remat, batch, seq_len in (("gemma4_dense", "decoder", 8, 128), ("wide", "block", 1, 1024)):
+        plans = {r: memory_plan(_spec(name), 1, 1, lora_rank=4, param_dtype="float32", batch=batch, seq_len=seq_len,
+                                remat=r).step.activation_bytes for r in ("none", remat)}
+        assert plans[remat] < plans["none"]
+        assert peaks[(name, remat, 1, batch, seq_len)] < peaks[(name, "none", 1, batch, seq_len)]
+
+
+def test_a_plan_without_a_batch_claims_no_fit():
+    plan = memory_plan(G31, 2, 4, lora_rank=16, hbm_bytes="v6e")
+    assert plan.step is None and plan.fits is None
+    assert "before the train step (no batch/seq_len given)" in str(plan)
+    assert str(plan).endswith("state fits; plan a batch to know if the step does")
+    full = memory_plan(G31, 1, 1, hbm_bytes="v6e")
+    assert full.fits is False and str(full).endswith("does not fit")  # the weights alone do not fit
+
+
+def test_the_step_is_counted_and_named():
+    plan = memory_plan(G31, 2, 4, lora_rank=16, hbm_bytes="v6e", batch=8, seq_len=2048)
+    step = plan.step
+    assert step.gradient_bytes == plan.lora_bytes  # one gradient per LoRA param, sharded alike
+    assert plan.total_bytes == plan.base_bytes + plan.lora_bytes + plan.optimizer_bytes + step.total_bytes
+    text = str(plan)
+    for part in ("gradients", "activations", "logits and loss", "batch 8 x 2048 tokens, remat none"):
+        assert part in text
+    remat = memory_plan(G31, 2, 4, lora_rank=16, hbm_bytes="v6e", batch=8, seq_len=2048, remat="decoder")
+    assert remat.step.activation_bytes < step.activation_bytes / 10
+    # Rows split over fsdp, widths over tp: four times the devices along either axis, a quarter the activations.
+    one = memory_plan(G31, 1, 1, lora_rank=16, batch=8, seq_len=2048).step.activation_bytes
+    assert memory_plan(G31, 4, 1, lora_rank=16, batch=8, seq_len=2048).step.activation_bytes == one // 4
+    assert abs(memory_plan(G31, 1, 4, lora_rank=16, batch=8, seq_len=2048).step.activation_bytes * 4 / one - 1) < 1e-6
+
+
+def test_bad_step_arguments_are_typed_errors():
+    with pytest.raises(MeshError, match="remat='full': expected one of none, block, decoder"):
+        memory_plan(G31, 1, 1, batch=1, seq_len=8, remat="full")
+    with pytest.raises(MeshError, match="batch=6 does not divide over fsdp=4"):
+        memory_plan(G31, 4, 1, batch=6, seq_len=8)
