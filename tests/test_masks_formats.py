@@ -128,6 +128,14 @@ def test_gemma4_conversations_equal_trl(sft, records):
         assert "<|tool>declaration:weather{" in "".join(tok.convert_ids_to_tokens(examples[0].tokens.tolist()))
 
 
+def test_gemma4_assistant_only_loss_with_the_training_template_equals_trl(sft):
+    from gemport.masks.training_template import gemma4_training_template
+
+    tok = tokenizer(GEMMA4_CONTROL, gemma4_training_template())
+    examples = ours(GEMMA4_CHATS, tok, template.chat_format(tok), policy=masks.MaskPolicy("assistant"))
+    assert_same(examples, sft(tok, GEMMA4_CHATS, assistant_only_loss=True))
+
+
 @pytest.mark.parametrize("chat_template", [gemma4_v5_chat_template, gemma4_v3_chat_template], ids=["v5", "v3"])
 def test_gemma4_prompt_completion_with_tools_equals_trl(sft, chat_template):
     tok = tokenizer(GEMMA4_CONTROL, chat_template)
