@@ -60,8 +60,8 @@ class HFCheckpoint:
     def file(self, name: str, referrer: str | Path | None = None) -> Path:
         """The path of file ``name`` of the checkpoint, refused (``UnsafePathError``) if it lies outside it."""
         where = f"{referrer} {name!r}" if referrer else str(self.dir / name)
-        path = Path(os.path.normpath(self.dir / name))
-        if Path(name).is_absolute() or not path.is_relative_to(os.path.normpath(self.dir)):
+        path = Path(os.path.abspath(self.dir / name))  # normalised, links not followed
+        if Path(name).is_absolute() or not path.is_relative_to(os.path.abspath(self.dir)):
             raise UnsafePathError(f"{where} is outside {self.dir}; refusing to read it")
         real = path.resolve()
         if not any(real.is_relative_to(root) for root in self._roots):
