@@ -52,7 +52,12 @@ def plan(args) -> int:
     hbm = int(args.hbm) if args.hbm and args.hbm.isdigit() else args.hbm
     if (args.batch is None) != (args.seq_len is None):
         raise MeshError("plan the train step with both --batch and --seq-len, or neither")
-    plans = valid_meshes(spec, args.devices, hbm_bytes=hbm, lora_rank=args.lora_rank, param_dtype=args.dtype,
+    lora = _lora_spec(args.lora_config)
+    if lora is None and args.lora_rank is not None:
+        from gemport.lora import LoraSpec
+
+        lora = LoraSpec(args.lora_rank, 2.0 * args.lora_rank)
+    plans = valid_meshes(spec, args.devices, hbm_bytes=hbm, lora=lora, param_dtype=args.dtype,
                          batch=args.batch, seq_len=args.seq_len, remat=args.remat)
     print(f"{args.model}: {len(plans)} valid (fsdp, tp) meshes on {args.devices} devices")
     for p in plans:
@@ -141,7 +146,9 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("model", help=model_help)
     c.add_argument("--devices", type=int, required=True, help="number of chips (v5p-8: 4, v6e-8: 8)")
     c.add_argument("--hbm", help="HBM per chip: a chip name (v4, v5e, v5p, v6e) or bytes")
-    c.add_argument("--lora-rank", type=int, help="LoRA rank (omit for full fine-tuning)")
+    c.add_argument("--lora-rank", type=int, help="LoRA rank on all seven projections (omit both LoRA options for "
+                                                 "full fine-tuning)")
+    c.add_argument("--lora-config", help="a PEFT adapter_config.json or its directory: targets and per-module ranks")
     c.add_argument("--dtype", default="bfloat16", help="parameter dtype (default bfloat16)")
     c.add_argument("--batch", type=int, help="rows per train step, all devices together (with --seq-len: add the "
                                              "step's gradients, activations, logits)")
@@ -210,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gemport {args.command}: error: {e.filename or e}: no such file or directory", file=sys.stderr)
         return 2
     except OSError as e:
-        print(f"gemport {args.command}: error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"gemport {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)
         return 2
 
 
