@@ -171,8 +171,15 @@ def test_every_source_gives_the_same_examples(tmp_path):
     jsonl = tmp_path / "chats.jsonl"
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in records))
     Dataset.from_list(records).to_parquet(tmp_path / "chats.parquet")
+    class DataSource:  # Grain's RandomAccessDataSource protocol: only __len__ and __getitem__
+        def __len__(self):
+            return len(records)
+
+        def __getitem__(self, i):
+            return records[i]
+
     sources = [records, jsonl, str(tmp_path / "chats.parquet"), Dataset.from_list(records),
-               grain.MapDataset.source(records)]
+               grain.MapDataset.source(records), DataSource()]
     results = [formats.examples(s, tok, masks.Gemma4(), masks.Truncation(500), progress=False) for s in sources]
     for examples, report in results:
         assert report.which == {"dropped_too_long": ["long"]} and report.kept == 2

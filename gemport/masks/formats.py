@@ -40,12 +40,14 @@ def read(source, batch_size=1024):
     """
     if isinstance(source, (str, os.PathLike)):
         yield from _read_file(os.fspath(source), batch_size)
-    elif hasattr(source, "__len__") and hasattr(source, "__getitem__") and not isinstance(source, Mapping):
-        # Indexing, not iterating: a Grain MapDataset or data source iterates only through a sampler.
+    elif isinstance(source, Mapping):
+        raise MaskError("source: a dict; pass a list of records (or a file, dataset or Grain source)")
+    elif hasattr(source, "__iter__"):
+        yield from source
+    else:
+        # A Grain data source (RandomAccessDataSource) is read by index.
         for i in range(len(source)):
             yield source[i]
-    else:
-        yield from source
 
 
 def _read_file(path, batch_size):
