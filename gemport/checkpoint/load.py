@@ -30,13 +30,6 @@ def flat_params(state_or_model, kind=nnx.Param) -> dict[str, jax.Array]:
     return {path_str(p): v.get_value() if hasattr(v, "get_value") else v for p, v in nnx.to_flat_state(state)}
 
 
-def warn_if_not_finite(array: np.ndarray, what: str) -> None:
-    """Warn, naming ``what``, when a float array holds NaN or Inf: loads and exports carry them unchanged, and a
-    model with them computes NaN."""
-    if array.dtype.kind in "fV" and array.size and not np.isfinite(array).all():
-        warnings.warn(f"{what} holds NaN or Inf; the model computes NaN from it", RuntimeWarning, stacklevel=3)
-
-
 def abstract_model(spec: GemmaSpec, *, param_dtype=None, dtype=None):
     """The Tunix model of ``spec`` as shapes only (``nnx.eval_shape``): no memory, sharding annotations kept."""
     cfg = spec.to_tunix(param_dtype=param_dtype, dtype=dtype)
@@ -151,10 +144,7 @@ def _place(ckpt: HFCheckpoint, prefix: str, entry: names.Entry, shape, dtype, sh
         # once and only one is in memory at a time.
         nonlocal tensor
         if tensor is None:
-            arrays = [ckpt.array(prefix + h) for h in entry.hf]
-            for h, array in zip(entry.hf, arrays):
-                warn_if_not_finite(array, f"{ckpt.info(prefix + h).file}: tensor {prefix + h!r}")
-            tensor = entry.to_tunix(arrays).astype(dtype, copy=False)
+            tensor = entry.to_tunix([ckpt.array(prefix + h) for h in entry.hf]).astype(dtype, copy=False)
         return tensor[index]
 
     return jax.make_array_from_callback(shape, sharding, read)

@@ -11,7 +11,7 @@ import numpy as np
 
 from gemport import names
 from gemport.checkpoint.hf_dir import HFCheckpoint
-from gemport.checkpoint.load import flat_params, matched_entries, warn_if_not_finite
+from gemport.checkpoint.load import flat_params, matched_entries
 from gemport.checkpoint.output import atomic_dir, check_output, copy_side_files, write_sharded
 from gemport.checkpoint.safetensors import TensorSource
 from gemport.errors import MissingTensorError, SpecError, UnexpectedTensorError
@@ -87,8 +87,6 @@ def save_hf(state_or_model, out_dir: str | Path, *, spec: GemmaSpec, base_dir: s
 
 def _hf_tensor(entry: names.Entry, array: jax.Array, i: int):
     def make() -> np.ndarray:
-        tensor = entry.to_hf(np.asarray(jax.device_get(array)))[i]
-        warn_if_not_finite(tensor, f"parameter {entry.tunix!r} (HF {entry.hf[i]!r})")
-        return tensor
+        return entry.to_hf(np.asarray(jax.device_get(array)))[i]
 
     return make
