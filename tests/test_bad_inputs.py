@@ -403,8 +403,9 @@ def test_nan_in_base_weights_is_named(copy, lora_params, tmp_path):
     tensors = load_file(shard)
     tensors["model.layers.0.self_attn.q_proj.weight"][0, 0] = np.nan
     save_file(tensors, shard, metadata={"format": "pt"})
+    state = load_hf(copy)
     with pytest.warns(RuntimeWarning, match=r"model\.layers\.0\.self_attn\.q_proj\.weight.*NaN"):
-        load_hf(copy)
+        save_hf(state, tmp_path / "converted", spec=GemmaSpec.from_hf(copy))
     with pytest.warns(RuntimeWarning, match=r"model\.layers\.0\.self_attn\.q_proj\.weight.*NaN"):
         export_merged(copy, lora_params, tmp_path / "merged", lora_spec=LORA)
 
