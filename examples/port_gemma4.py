@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     mesh = make_mesh(spec, fsdp=args.fsdp, tp=args.tp)
     print(f"mesh: {dict(mesh.shape)} on {len(devices)} {devices[0].platform} devices")
     lora_spec = LoraSpec.from_peft(PEFT_CONFIG)
-    for plan in valid_meshes(spec, len(devices), lora_rank=lora_spec.rank, param_dtype="float32"):
+    for plan in valid_meshes(spec, len(devices), lora=lora_spec, param_dtype="float32"):
         print(f"  {plan}")
 
     step(3, "Load the base into Tunix, add LoRA from the PEFT config")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gemport.errors import CheckpointError, LoraError
+from gemport.errors import CheckpointError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,23 +94,15 @@ def compare_logits(hf_dir: str | Path, tunix_model, *, adapter_dir: str | Path |
 
 
 def with_lora(model, spec, lora_spec, params: dict[str, np.ndarray]):
-    """``model`` with Qwix LoRA per ``lora_spec`` and its LoRA params set from ``params`` (flat dotted paths,
-    as from ``gemport.checkpoint.lora_params``); every LoRA param must be given, with its shape."""
+    """``model`` with LoRA per ``lora_spec`` and its factors set from ``params`` (flat dotted paths, as from
+    ``gemport.checkpoint.lora_params``); every factor must be given, with its shape (else ``LoraError``)."""
     import jax.numpy as jnp
     from flax import nnx
 
-    from gemport.checkpoint.load import path_str
     from gemport.lora import apply_lora
 
-    lora_model = apply_lora(model, spec, lora_spec)
-    flat = []
-    for path, var in nnx.to_flat_state(nnx.state(lora_model, nnx.LoRAParam)):
-        name = path_str(path)
-        if name not in params:
-            raise LoraError(f"the adapter has no {name!r}; was it trained with this LoraSpec ({lora_spec})?")
-        if params[name].shape != var.get_value().shape:
-            raise LoraError(f"{name!r} has shape {list(params[name].shape)}, the model expects "
-                            f"{list(var.get_value().shape)}; check the rank and targets")
-        flat.append((path, var.replace(jnp.asarray(params[name], var.get_value().dtype))))
-    nnx.update(lora_model, nnx.from_flat_state(flat))
-    return lora_model
+    state = nnx.from_flat_state([
+        (tuple(int(p) if p.isdigit() else p for p in name.split(".")), nnx.LoRAParam(jnp.asarray(value)))
+        for name, value in params.items()
+    ])
+    return apply_lora(model, spec, lora_spec, state)

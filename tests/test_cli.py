@@ -99,7 +99,7 @@ def test_convert_failures(base, tmp_path):
 def checkpoint(base, adapter, tmp_path_factory):
     """The GPU adapter imported as a PeftTrainer-style checkpoint."""
     out = tmp_path_factory.mktemp("imported") / "checkpoint"
-    assert "rank 4, alpha 8.0, fused stacked" in gemport("import-peft", adapter, base, out).stdout
+    assert "rank 4, alpha 8.0, fused separate" in gemport("import-peft", adapter, base, out).stdout
     return out
 
 

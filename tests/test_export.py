@@ -20,8 +20,6 @@ from gemport.lora import PROJECTIONS, LoraSpec, apply_lora
 from gemport.specs import GemmaSpec
 from gemport.verify import tunix_logits
 
-LORA = LoraSpec(rank=4, alpha=8.0)
-
 
 def randomize_lora(model, seed=1):
     """Qwix starts B at zero; give A and B random values so that every delta is non-zero."""
@@ -43,18 +41,24 @@ def hf_model(directory):
     return model.eval()
 
 
-@pytest.fixture(scope="module", params=["gemma4_dense", "gemma3_1b", "gemma3_qkv"])
+@pytest.fixture(scope="module", params=["gemma4_dense", "gemma3_1b", "gemma3_qkv", "gemma3_qkv-shared"])
 def run(request, tmp_path_factory):
-    """A base checkpoint, a Tunix model with random Qwix LoRA on every projection, and both exports."""
+    """A base checkpoint, a Tunix model with random LoRA on every projection, and both exports.
+
+    ``-shared``: Qwix's own fused-module form (one A for q, k and v), as plain-Qwix checkpoints hold it.
+    """
+    name, _, fused = request.param.partition("-")
+    lora_spec = LoraSpec(rank=4, alpha=8.0, fused=fused or "separate")
     root = tmp_path_factory.mktemp(request.param)
-    tiny.causal_lm(request.param).save_pretrained(root / "base")
+    tiny.causal_lm(name).save_pretrained(root / "base")
     spec = GemmaSpec.from_hf(root / "base")
-    model = apply_lora(load_tunix_model(root / "base"), spec, LORA)
+    model = apply_lora(load_tunix_model(root / "base"), spec, lora_spec)
     randomize_lora(model)
     ids = tiny.token_ids(spec.vocab)
-    export_merged(root / "base", model, root / "merged", lora_spec=LORA)
-    export_peft(model, root / "peft", spec=spec, lora_spec=LORA, base_model_name_or_path=str(root / "base"))
-    return SimpleNamespace(root=root, spec=spec, model=model, ids=ids, logits=tunix_logits(model, ids))
+    export_merged(root / "base", model, root / "merged", lora_spec=lora_spec)
+    export_peft(model, root / "peft", spec=spec, lora_spec=lora_spec, base_model_name_or_path=str(root / "base"))
+    return SimpleNamespace(root=root, spec=spec, model=model, ids=ids, logits=tunix_logits(model, ids),
+                           lora_spec=lora_spec)
 
 
 def test_family_has_what_the_acceptance_needs(run):
@@ -88,8 +92,8 @@ def test_gemma4_k_eq_v_layers_get_k_proj_only(run):
 
 def test_import_of_export_reproduces_the_deltas(run):
     lora_spec, state = import_peft(run.root / "peft", run.spec)
-    assert lora_spec.fused == "stacked" and lora_spec.scale == LORA.scale
-    ours = hf_deltas(lora_params(run.model), run.spec, LORA)
+    assert lora_spec.fused == "separate" and lora_spec.scale == run.lora_spec.scale
+    ours = hf_deltas(lora_params(run.model), run.spec, run.lora_spec)
     back = hf_deltas(lora_params(state), run.spec, lora_spec)
     assert ours.keys() == back.keys()
     for m in ours:
@@ -120,12 +124,34 @@ def test_gpu_adapter_imports_exactly(run, rslora, tmp_path):
     np.testing.assert_allclose(tunix_logits(tunix, run.ids), expected, atol=1e-4, rtol=0)
 
 
-def test_stacked_adapter_exports_with_rank_pattern(run, tmp_path):
-    """Re-exporting an imported adapter keeps the 2r (3r) fused modules exact via rank_pattern/alpha_pattern."""
+def test_reexport_of_an_imported_adapter_is_tensor_for_tensor_identical(run, tmp_path):
+    """PEFT -> Qwix -> PEFT keeps every lora_A / lora_B bit for bit (separate factors hold them as they are)."""
     lora_spec, state = import_peft(run.root / "peft", run.spec)
     export_peft(state, tmp_path / "again", spec=run.spec, lora_spec=lora_spec)
-    config = json.loads((tmp_path / "again/adapter_config.json").read_text())
-    fused = [m for m, r in config["rank_pattern"].items() if r != config["r"]]
-    assert fused and all(m.endswith(("q_proj", "k_proj", "v_proj")) for m in fused)
+    first, again = (SafetensorsFile(d / "adapter_model.safetensors") for d in (run.root / "peft", tmp_path / "again"))
+    assert set(first.tensors) == set(again.tensors)
+    for key in first.tensors:
+        np.testing.assert_array_equal(again.array(key), first.array(key), err_msg=key)
     model = peft.PeftModel.from_pretrained(hf_model(run.root / "base"), tmp_path / "again").eval()
     np.testing.assert_allclose(tiny.hf_logits(model, run.ids), run.logits, atol=1e-4, rtol=0)
+
+
+def test_unequal_k_and_v_ranks_import_padded_and_export_exactly(run, tmp_path):
+    """rank_pattern giving v_proj a smaller rank than k_proj: zero-padded in kv_einsum, trimmed on export."""
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(PROJECTIONS), rank_pattern={"v_proj": 2},
+                             alpha_pattern={"v_proj": 6})
+    model = peft.get_peft_model(hf_model(run.root / "base"), config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
+    model.save_pretrained(tmp_path / "gpu")
+    expected = tiny.hf_logits(model.eval(), run.ids)
+    lora_spec, state = import_peft(tmp_path / "gpu", run.spec)
+    tunix = apply_lora(load_tunix_model(run.root / "base"), run.spec, lora_spec, state)
+    np.testing.assert_allclose(tunix_logits(tunix, run.ids), expected, atol=1e-4, rtol=0)
+    export_peft(state, tmp_path / "again", spec=run.spec, lora_spec=lora_spec)
+    first, again = (SafetensorsFile(tmp_path / d / "adapter_model.safetensors") for d in ("gpu", "again"))
+    for key in first.tensors:
+        np.testing.assert_array_equal(again.array(key), first.array(key), err_msg=key)
+    assert json.loads((tmp_path / "again/adapter_config.json").read_text())["rank_pattern"] == {"v_proj": 2}

@@ -10,7 +10,7 @@ import pytest
 import tiny
 
 from gemport.errors import LoraError
-from gemport.lora import PROJECTIONS, LoraSpec, targets
+from gemport.lora import PROJECTIONS, LoraLayout, LoraSpec
 from gemport.specs import GemmaSpec
 
 
@@ -23,7 +23,7 @@ def modules(spec, lora_spec):
     """Tunix module paths that the Qwix provider's rules match, among all Tunix weights of the model."""
     from gemport import names
 
-    rules = lora_spec.to_qwix(spec)._rules
+    rules = LoraLayout(spec, lora_spec).provider()._rules
     every = {e.module.replace(".", "/") for e in names.entries(spec)}
     return {m for m in every if any(re.fullmatch(r.module_path, m) for r in rules)}
 
@@ -50,7 +50,7 @@ def test_from_peft_all_linear_and_directory(tmp_path):
     (dict(modules_to_save=["lm_head"]), "modules_to_save"),
     (dict(bias="all"), "bias"),
     (dict(target_modules=r".*q_proj"), "regex"),
-    (dict(rank_pattern={"q_proj": 4}), "import_peft"),
+    (dict(init_lora_weights="pissa"), "import_peft"),
     (dict(target_modules=["q_proj", "fc1"]), "fc1"),
 ])
 def test_from_peft_refuses_what_qwix_cannot_do(bad, why):
@@ -61,8 +61,11 @@ def test_from_peft_refuses_what_qwix_cannot_do(bad, why):
 
 def test_rslora_maps_to_the_same_scale_in_qwix():
     spec = LoraSpec(16, 8.0, rslora=True)
-    (rule,) = spec.to_qwix(spec_of("gemma3_1b"))._rules
-    assert rule.alpha / rule.rank == pytest.approx(8.0 / math.sqrt(16)) == spec.scale
+    rules = LoraLayout(spec_of("gemma3_1b"), spec).provider()._rules
+    assert {r.stack for r in rules} == {None, 0}  # kv_einsum's separate factors have a rule of their own
+    for rule in rules:
+        assert rule.alpha / rule.rank == pytest.approx(8.0 / math.sqrt(16)) == spec.scale
+        assert all(s == pytest.approx(spec.scale) for s in rule.scales)
 
 
 def test_gemma4_k_and_v_reach_kv_einsum_on_sliding_and_k_einsum_on_global_layers():
@@ -80,7 +83,7 @@ def test_all_projections_hit_exactly_the_projection_modules():
     assert kinds == {"attn/q_einsum", "attn/kv_einsum", "attn/k_einsum", "attn/attn_vec_einsum",
                      "mlp/gate_proj", "mlp/up_proj", "mlp/down_proj"}
     assert len(hit) == 6 * spec.num_layers  # q, kv or k, o, gate, up, down
-    rules = LoraSpec(4, 8.0).to_qwix(spec)._rules
+    rules = LoraLayout(spec, LoraSpec(4, 8.0)).provider()._rules
     assert not any(re.fullmatch(r.module_path, "vision_encoder/layers/0/attn/q_einsum") for r in rules)
 
 
@@ -96,33 +99,56 @@ def test_kv_shared_layers_get_no_kv_lora():
 ])
 def test_partial_fused_targets_are_refused(name, partial, module):
     with pytest.raises(LoraError, match=f"{module}.*add .*v_proj"):
-        targets(spec_of(name), partial)
+        LoraLayout(spec_of(name), LoraSpec(4, 8.0, partial)).adapters
 
 
+@pytest.mark.parametrize("fused", ["separate", "shared"])
 @pytest.mark.parametrize("name", ["gemma4_dense", "gemma3_qkv"])
-def test_peft_layout_round_trips_through_qwix_layout(name):
-    """to_peft and from_peft invert each other, and the stacked form keeps every projection's delta."""
+def test_peft_layout_round_trips_through_qwix_layout(name, fused):
+    """to_peft and from_peft invert each other exactly; separate factors keep each projection's own A."""
     rng = np.random.default_rng(0)
-    for t in targets(spec_of(name), PROJECTIONS):
-        a_shape, b_shape = t.shapes(3)
+    for adapter in LoraLayout(spec_of(name), LoraSpec(3, 6.0, fused=fused)):
+        a_shape, b_shape = adapter.shapes
         a, b = rng.normal(size=a_shape), rng.normal(size=b_shape)
-        pairs = t.to_peft(a, b)
-        assert len(pairs) == len(t.hf_modules)
-        for (A, B), hf in zip(pairs, [t.entry.hf_shape] * len(pairs)):
-            assert (B @ A).shape == hf
-        stacked = t.from_peft(pairs)
-        assert stacked[0].shape[-1] == 3 * len(pairs)
-        for (A, B), (A2, B2) in zip(pairs, t.to_peft(*stacked)):
-            np.testing.assert_allclose(B2 @ A2, B @ A, atol=1e-12)
-        if len(pairs) == 1:
-            np.testing.assert_array_equal(stacked[0], a)
-            np.testing.assert_array_equal(stacked[1], b)
+        pairs = adapter.to_peft(a, b)
+        assert len(pairs) == len(adapter.hf_modules)
+        for A, B in pairs:
+            assert (B @ A).shape == adapter.entry.hf_shape and A.shape[0] == 3
+        if fused == "shared" and len(pairs) > 1:
+            assert all(np.array_equal(A, pairs[0][0]) for A, _ in pairs)
+            with pytest.raises(LoraError, match="separate"):
+                adapter.from_peft(pairs)
+            continue
+        a2, b2 = adapter.from_peft(pairs)
+        np.testing.assert_array_equal(a2, a)
+        np.testing.assert_array_equal(b2, b)
 
 
-def test_stacked_spec_gives_fused_modules_their_own_rank():
-    spec = spec_of("gemma3_qkv")
-    stacked = dataclasses.replace(LoraSpec(4, 8.0), fused="stacked")
-    rules = {r.rank: r for r in stacked.to_qwix(spec)._rules}
-    assert set(rules) == {4, 12}
-    assert "qkv_einsum" in rules[12].module_path and "qkv_einsum" not in rules[4].module_path
-    assert all(r.alpha / r.rank == stacked.scale for r in rules.values())
+def test_separate_factors_lead_with_the_stacking_axis():
+    spec = spec_of("gemma4_dense")
+    layout = {a.module: a for a in LoraLayout(spec, LoraSpec(4, 8.0))}
+    kv = layout["layers.0.attn.kv_einsum"]
+    assert (kv.a, kv.b) == ("s d r", "s r k h")
+    assert kv.shapes == ((2, spec.hidden, 4), (2, 4, spec.num_kv_heads, spec.head_dim))
+    assert kv.specs((None, "tp", "fsdp", None)) == ((None, "fsdp", None), (None, None, "tp", None))
+    shared = {a.module: a for a in LoraLayout(spec, LoraSpec(4, 8.0, fused="shared"))}["layers.0.attn.kv_einsum"]
+    assert (shared.a, shared.b) == ("d r", "r s k h")
+    q = layout["layers.0.attn.q_einsum"]
+    assert (q.a, q.b, q.specs(("tp", "fsdp", None))) == ("d r", "r n h", (("fsdp", None), (None, "tp", None)))
+
+
+def test_per_module_ranks_and_scales_follow_peft_patterns():
+    spec = spec_of("gemma4_dense")
+    lora_spec = LoraSpec.from_peft(peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["k_proj", "v_proj", "o_proj"],
+        rank_pattern={"v_proj": 2, "layers.1.self_attn.o_proj": 6}, alpha_pattern={"o_proj": 3}))
+    layout = {a.module: a for a in LoraLayout(spec, lora_spec)}
+    kv = layout["layers.0.attn.kv_einsum"]
+    assert kv.ranks == (4, 2) and kv.rank == 4 and kv.scales == (2.0, 4.0)
+    assert layout["layers.1.attn.attn_vec_einsum"].ranks == (6,)
+    assert layout["layers.1.attn.attn_vec_einsum"].scales == (0.5,)
+    assert layout["layers.0.attn.attn_vec_einsum"].scales == (0.75,)
+    rules = LoraLayout(spec, lora_spec).provider()._rules
+    assert len({(r.rank, r.scales) for r in rules}) == len(rules)
+    with pytest.raises(LoraError, match="fused='separate'"):
+        LoraLayout(spec, dataclasses.replace(lora_spec, fused="shared")).adapters

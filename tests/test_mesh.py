@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from gemport import names
+from gemport.lora import LoraSpec
 from gemport.mesh import HBM, MeshError, make_mesh, memory_plan, sharded_dims, valid_meshes, valid_tp
 from gemport.specs import GemmaSpec
 
@@ -94,33 +95,33 @@ def test_sharded_dims_come_from_tunix_annotations():
 
 
 def _lora_elements(spec: GemmaSpec, rank: int) -> int:
-    """r * (in + out) per attention and MLP projection, straight from the architecture."""
+    """r * (in + out) per HF projection (PEFT's count), straight from the architecture."""
     total = 0
     for i in range(spec.num_layers):
         d, n, h, k, f = spec.hidden, spec.num_heads, spec.layer_head_dim(i), spec.layer_kv_heads(i), spec.layer_mlp(i)
-        kv_out = k * h if spec.layer_k_eq_v(i) else 2 * k * h
-        total += rank * ((d + n * h) + (d + kv_out) + (n * h + d) + 3 * (d + f))
+        kv = (d + k * h) * (1 if spec.layer_k_eq_v(i) else 2)
+        total += rank * ((d + n * h) + kv + (n * h + d) + 3 * (d + f))
     return total
 
 
 def test_31b_plan_on_one_device_counts_every_param_and_lora_factor():
-    plan = memory_plan(G31, 1, 1, lora_rank=16, hbm_bytes="v6e")
+    plan = memory_plan(G31, 1, 1, lora=LoraSpec(16, 32.0), hbm_bytes="v6e")
     params = sum(math.prod(e.tunix_shape) for e in names.entries(G31))
     assert params == 30_697_345_340
     assert plan.base_bytes == 2 * params
     assert plan.lora_bytes == 2 * _lora_elements(G31, 16)
     assert plan.optimizer_bytes == 2 * plan.lora_bytes
     assert plan.fits is False  # 57.2 GiB of bf16 weights on a 32 GiB v6e chip
-    assert memory_plan(G31, 1, 1, lora_rank=16, moments_dtype="float32").optimizer_bytes == 4 * plan.lora_bytes
+    assert memory_plan(G31, 1, 1, lora=LoraSpec(16, 32.0), moments_dtype="float32").optimizer_bytes == 4 * plan.lora_bytes
     full = memory_plan(G31, 1, 1)
     assert full.lora_bytes == 0 and full.optimizer_bytes == 2 * full.base_bytes
 
 
 def test_31b_lora_fits_a_v5p_8_at_every_valid_tp():
-    plans = valid_meshes(G31, 4, hbm_bytes="v5p", lora_rank=16, batch=4, seq_len=1024, remat="decoder")
+    plans = valid_meshes(G31, 4, hbm_bytes="v5p", lora=LoraSpec(16, 32.0), batch=4, seq_len=1024, remat="decoder")
     assert [(p.tp, p.fits) for p in plans] == [(1, True), (2, True), (4, True)]
     # Without a batch the plan does not claim the step fits.
-    assert [p.fits for p in valid_meshes(G31, 4, hbm_bytes="v5p", lora_rank=16)] == [None, None, None]
+    assert [p.fits for p in valid_meshes(G31, 4, hbm_bytes="v5p", lora=LoraSpec(16, 32.0))] == [None, None, None]
     tp4 = plans[-1]
     assert tp4.hbm_bytes == HBM["v5p"] == 95 * 2**30
     # tp=4 splits every weight 4 ways except the few vectors tp cannot reach (layer scalars).

@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import tiny
 from gemport.checkpoint.load import load_tunix_model
 from gemport.errors import MeshError
+from gemport.lora import LoraLayout, LoraSpec, apply_lora
 from gemport.mesh import make_mesh, memory_plan
 from gemport.sharding import audit, fix_lora, optimizer_shardings
 from gemport.specs import GemmaSpec
@@ -32,7 +33,7 @@ TARGETS = ".*/(q_einsum|kv_einsum|k_einsum|attn_vec_einsum|gate_proj|up_proj|dow
 RANK = 4
 EXPECTED_LORA = {
     "attn.q_einsum.w": (("fsdp", None), (None, "tp", None)),
-    "attn.kv_einsum.w": (("fsdp", None), (None, None, "tp", None)),
+    "attn.kv_einsum.w": (("fsdp", None), (None, None, "tp", None)),  # Qwix's shared A; gemport: SEPARATE_KV
     "attn.k_einsum.w": (("fsdp", None), (None, "tp", None)),
     "attn.attn_vec_einsum.w": (("tp", None, None), (None, "fsdp")),
     "mlp.gate_proj.kernel": (("fsdp", None), (None, "tp")),
@@ -66,13 +67,28 @@ def mesh(spec):
     return make_mesh(spec, fsdp=2, tp=4)
 
 
-def lora_model(ckpt, mesh):
+SEPARATE_KV = ((None, "fsdp", None), (None, None, "tp", None))
+
+
+def lora_spec_of(builder):
+    """The LoraSpec describing what ``builder`` puts on the model: plain Qwix shares A across K and V."""
+    return LoraSpec(RANK, 8.0, fused="shared" if builder == "qwix" else "separate")
+
+
+def lora_model(ckpt, mesh, builder):
+    """Plain Qwix (a model built elsewhere) or gemport's apply_lora (separate K and V factors)."""
     model = load_tunix_model(ckpt, mesh=mesh)
-    provider = qwix.LoraProvider(module_path=TARGETS, rank=RANK, alpha=8.0)
+
+    def build():
+        if builder == "gemport":
+            return apply_lora(model, GemmaSpec.from_hf(ckpt), lora_spec_of(builder), seed=1)
+        provider = qwix.LoraProvider(module_path=TARGETS, rank=RANK, alpha=8.0)
+        return qwix.apply_lora_to_model(model, provider, rngs=nnx.Rngs(1), **model.get_model_input())
+
     if mesh is None:
-        return qwix.apply_lora_to_model(model, provider, rngs=nnx.Rngs(1), **model.get_model_input())
+        return build()
     with jax.set_mesh(mesh):
-        return qwix.apply_lora_to_model(model, provider, rngs=nnx.Rngs(1), **model.get_model_input())
+        return build()
 
 
 def place_by_annotations(state, mesh):
@@ -80,14 +96,19 @@ def place_by_annotations(state, mesh):
     return jax.device_put(state, nnx.get_named_sharding(state, mesh))
 
 
-@pytest.fixture(scope="module")
-def single(ckpt):
-    return lora_model(ckpt, None)
+@pytest.fixture(scope="module", params=["qwix", "gemport"])
+def builder(request):
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def sharded(ckpt, mesh, single):
-    return lora_model(ckpt, mesh)
+def single(ckpt, builder):
+    return lora_model(ckpt, None, builder)
+
+
+@pytest.fixture(scope="module")
+def sharded(ckpt, mesh, single, builder):
+    return lora_model(ckpt, mesh, builder)
 
 
 def lora_paths(model):
@@ -120,13 +141,19 @@ def train(model, mesh, steps=2):
         return [float(train_step(model, optimizer, ids)) for _ in range(steps)], optimizer
 
 
-def test_qwix_lora_annotations_agree_with_fix_lora(sharded, mesh):
+def test_qwix_lora_annotations_agree_with_fix_lora(sharded, mesh, builder, spec):
     assert fix_lora(nnx.clone(sharded), mesh) == ()
     found = lora_paths(sharded)
     assert len(found) == 2 * (len(EXPECTED_LORA) - 1) * 2  # kv_einsum on the sliding layer, k_einsum on the global
+    base = {".".join(map(str, p)): tuple(v.get_metadata().get("out_sharding", ()))
+            for p, v in nnx.to_flat_state(nnx.state(sharded, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))))}
+    assert {k: tuple(v.get_metadata()["out_sharding"]) for k, v in found.items()} == \
+        LoraLayout(spec, lora_spec_of(builder)).specs(base)
     for path, var in found.items():
         weight, factor = path.split(".", 2)[2].rsplit("_lora_", 1)
         expected = EXPECTED_LORA[weight][factor == "b"]
+        if weight == "attn.kv_einsum.w" and builder == "gemport":
+            expected = SEPARATE_KV[factor == "b"]
         assert tuple(var.get_metadata()["out_sharding"]) == expected, path
         assert var.get_value().sharding.is_equivalent_to(NamedSharding(mesh, PartitionSpec(*expected)), var.ndim)
 
@@ -218,9 +245,9 @@ def test_fix_lora_replicates_only_what_does_not_divide(mesh):
         fix_lora(nnx.state(model), mesh)
 
 
-def test_memory_plan_equals_bytes_of_sharded_arrays(trained, spec, mesh):
+def test_memory_plan_equals_bytes_of_sharded_arrays(trained, spec, mesh, builder):
     model, optimizer, _ = trained
-    plan = memory_plan(spec, 2, 4, lora_rank=RANK, param_dtype="float32", targets=TARGETS)
+    plan = memory_plan(spec, 2, 4, lora=lora_spec_of(builder), param_dtype="float32")
 
     def on_device0(state):
         device = mesh.devices.flat[0]
@@ -237,7 +264,8 @@ def test_memory_plan_equals_bytes_of_sharded_arrays(trained, spec, mesh):
     adam = optimizer.opt_state[0]
     assert plan.optimizer_bytes == on_device0(adam.mu) + on_device0(adam.nu)
     assert plan.lora_bytes > 0 and plan.optimizer_bytes == 2 * plan.lora_bytes
-    bf16_moments = memory_plan(spec, 2, 4, lora_rank=RANK, param_dtype="float32", moments_dtype="bfloat16")
+    bf16_moments = memory_plan(spec, 2, 4, lora=lora_spec_of(builder), param_dtype="float32",
+                               moments_dtype="bfloat16")
     assert bf16_moments.optimizer_bytes == plan.lora_bytes
 
 
@@ -291,7 +319,7 @@ def test_memory_plan_skips_kv_shared_layers_as_qwix_does(tmp_path):
     model = nnx.eval_shape(build)
     lora = nnx.state(model, nnx.LoRAParam)
     assert not any("layers.6.attn.kv_einsum" in ".".join(map(str, p)) for p, _ in nnx.to_flat_state(lora))
-    plan = memory_plan(spec, 1, 1, lora_rank=RANK, param_dtype="float32", targets=TARGETS)
+    plan = memory_plan(spec, 1, 1, lora=lora_spec_of("qwix"), param_dtype="float32")
     nbytes = lambda state: sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state))  # noqa: E731
     assert plan.lora_bytes == nbytes(lora)
     assert plan.base_bytes == nbytes(nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))))

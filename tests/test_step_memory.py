@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from gemport.lora import LoraSpec
 from gemport.mesh import MeshError, memory_plan
 from gemport.specs import GemmaSpec
 
@@ -80,21 +81,21 @@ def peaks():
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_plan_is_within_15_percent_of_the_compiled_peak(peaks, case):
     name, remat, fsdp, batch, seq_len = case
-    plan = memory_plan(_spec(name), fsdp, 1, lora_rank=4, param_dtype="float32", batch=batch, seq_len=seq_len,
+    plan = memory_plan(_spec(name), fsdp, 1, lora=LoraSpec(4, 8.0), param_dtype="float32", batch=batch, seq_len=seq_len,
                        remat=remat, backend="cpu")
     assert abs(plan.total_bytes / peaks[case] - 1) <= 0.15, (plan.total_bytes, peaks[case], str(plan))
 
 
 def test_remat_shrinks_the_plan_as_it_shrinks_the_compiled_step(peaks):
     for name, remat, batch, seq_len in (("gemma4_dense", "decoder", 8, 128), ("wide", "block", 1, 1024)):
-        plans = {r: memory_plan(_spec(name), 1, 1, lora_rank=4, param_dtype="float32", batch=batch, seq_len=seq_len,
+        plans = {r: memory_plan(_spec(name), 1, 1, lora=LoraSpec(4, 8.0), param_dtype="float32", batch=batch, seq_len=seq_len,
                                 remat=r).step.activation_bytes for r in ("none", remat)}
         assert plans[remat] < plans["none"]
         assert peaks[(name, remat, 1, batch, seq_len)] < peaks[(name, "none", 1, batch, seq_len)]
 
 
 def test_a_plan_without_a_batch_claims_no_fit():
-    plan = memory_plan(G31, 2, 4, lora_rank=16, hbm_bytes="v6e")
+    plan = memory_plan(G31, 2, 4, lora=LoraSpec(16, 32.0), hbm_bytes="v6e")
     assert plan.step is None and plan.fits is None
     assert "before the train step (no batch/seq_len given)" in str(plan)
     assert str(plan).endswith("state fits; plan a batch to know if the step does")
@@ -103,19 +104,19 @@ def test_a_plan_without_a_batch_claims_no_fit():
 
 
 def test_the_step_is_counted_and_named():
-    plan = memory_plan(G31, 2, 4, lora_rank=16, hbm_bytes="v6e", batch=8, seq_len=2048)
+    plan = memory_plan(G31, 2, 4, lora=LoraSpec(16, 32.0), hbm_bytes="v6e", batch=8, seq_len=2048)
     step = plan.step
     assert step.gradient_bytes == plan.lora_bytes  # one gradient per LoRA param, sharded alike
     assert plan.total_bytes == plan.base_bytes + plan.lora_bytes + plan.optimizer_bytes + step.total_bytes
     text = str(plan)
     for part in ("gradients", "activations", "logits and loss", "batch 8 x 2048 tokens, remat none"):
         assert part in text
-    remat = memory_plan(G31, 2, 4, lora_rank=16, hbm_bytes="v6e", batch=8, seq_len=2048, remat="decoder")
+    remat = memory_plan(G31, 2, 4, lora=LoraSpec(16, 32.0), hbm_bytes="v6e", batch=8, seq_len=2048, remat="decoder")
     assert remat.step.activation_bytes < step.activation_bytes / 10
     # Rows split over fsdp, widths over tp: four times the devices along either axis, a quarter the activations.
-    one = memory_plan(G31, 1, 1, lora_rank=16, batch=8, seq_len=2048).step.activation_bytes
-    assert memory_plan(G31, 4, 1, lora_rank=16, batch=8, seq_len=2048).step.activation_bytes == one // 4
-    assert abs(memory_plan(G31, 1, 4, lora_rank=16, batch=8, seq_len=2048).step.activation_bytes * 4 / one - 1) < 1e-6
+    one = memory_plan(G31, 1, 1, lora=LoraSpec(16, 32.0), batch=8, seq_len=2048).step.activation_bytes
+    assert memory_plan(G31, 4, 1, lora=LoraSpec(16, 32.0), batch=8, seq_len=2048).step.activation_bytes == one // 4
+    assert abs(memory_plan(G31, 1, 4, lora=LoraSpec(16, 32.0), batch=8, seq_len=2048).step.activation_bytes * 4 / one - 1) < 1e-6
 
 
 def test_bad_step_arguments_are_typed_errors():

@@ -24,7 +24,7 @@ from gemport.errors import (
     ShapeMismatchError,
     UnexpectedTensorError,
 )
-from gemport.lora import LoraSpec, Target, targets
+from gemport.lora import Adapter, LoraLayout, LoraSpec
 from gemport.specs import GemmaSpec
 
 LORA_SPEC_FILE = "gemport_lora.json"
@@ -130,7 +130,7 @@ def resolve(lora, lora_spec: LoraSpec | None, *, step: int | None = None) -> tup
 
 
 def match(params: dict[str, np.ndarray], spec: GemmaSpec, lora_spec: LoraSpec,
-          source: str = "adapter") -> list[tuple[Target, np.ndarray, np.ndarray]]:
+          source: str = "adapter") -> list[tuple[Adapter, np.ndarray, np.ndarray]]:
     """Pair each Tunix module that ``lora_spec`` targets on ``spec`` with its ``lora_a``, ``lora_b``.
 
     Raises, naming the tensor: ``MissingTensorError`` for a targeted module without LoRA params,
@@ -138,7 +138,7 @@ def match(params: dict[str, np.ndarray], spec: GemmaSpec, lora_spec: LoraSpec,
     ``ShapeMismatchError`` for shapes that do not fit the model or the spec's rank, and ``LoraError`` for
     NaN or Inf.
     """
-    found = targets(spec, lora_spec.targets)
+    found = LoraLayout(spec, lora_spec).adapters
     known = {name for t in found for name in (t.lora_a, t.lora_b)}
     extra = sorted(set(params) - known)
     if extra:
@@ -156,13 +156,14 @@ def match(params: dict[str, np.ndarray], spec: GemmaSpec, lora_spec: LoraSpec,
                     "the LoraSpec does not match the training run"
                 )
         a, b = params[t.lora_a], params[t.lora_b]
-        want_a, want_b = t.shapes(lora_spec.module_rank(t))
+        want_a, want_b = t.shapes
         for name, array, want, axes in ((t.lora_a, a, want_a, t.a), (t.lora_b, b, want_b, t.b)):
             if array.shape != want:
                 raise ShapeMismatchError(
                     f"{source}: {name!r} has shape {list(array.shape)}, but the model and LoraSpec need "
                     f"{list(want)} ({axes}; {', '.join(f'{x}={n}' for x, n in t.entry.sizes if x in axes)}, "
-                    f"r={lora_spec.module_rank(t)}); the adapter is for a different model or rank"
+                    f"r={t.rank}, fused={lora_spec.fused!r}); the adapter is for a different model, rank or "
+                    "fused form"
                 )
             if not np.isfinite(array).all():
                 raise LoraError(f"{source}: {name!r} holds NaN or Inf; the training diverged, export an earlier step")

@@ -29,7 +29,7 @@ def export_merged(base_hf_dir: str | Path, lora, out_dir: str | Path, *, lora_sp
                   step: int | None = None, max_shard_size: int | str = "5GB") -> Path:
     """Write the base checkpoint with the LoRA deltas merged in, as an HF checkpoint directory.
 
-    Each adapted HF weight W [out, in] becomes ``W + lora_B @ lora_A * scale``, computed in float32 a block
+    Each adapted HF weight W [out, in] becomes ``W + lora_B @ lora_A * scale`` (the module's PEFT scale), computed in float32 a block
     of rows at a time and cast to W's dtype; fused Tunix modules are split per ``gemport.names``. Every other
     tensor (embeddings, norms, vision and audio towers) is copied byte for byte without being decoded.
     Config, tokenizer and other files are copied. Peak memory is the adapter plus a few 16 MiB blocks,
@@ -54,11 +54,10 @@ def export_merged(base_hf_dir: str | Path, lora, out_dir: str | Path, *, lora_sp
     spec = GemmaSpec.from_hf(base)
     ckpt = HFCheckpoint(base)
     prefix, _ = matched_entries(ckpt, spec)
-    scale = np.float32(lora_spec.scale)
     deltas = {}
-    for target, a, b in match(params, spec, lora_spec):
-        for module, (A, B) in zip(target.hf_modules, target.to_peft(a, b)):
-            deltas[f"{prefix}{module}.weight"] = (A.astype(np.float32), B.astype(np.float32) * scale)
+    for adapter, a, b in match(params, spec, lora_spec):
+        for module, scale, (A, B) in zip(adapter.hf_modules, adapter.scales, adapter.to_peft(a, b)):
+            deltas[f"{prefix}{module}.weight"] = (A.astype(np.float32), B.astype(np.float32) * np.float32(scale))
     ordered = sorted(ckpt.tensors.items(), key=lambda kv: (str(kv[1].file), kv[1].start))
     sources = [
         _merged(name, info, *deltas[name]) if name in deltas else TensorSource.copy_of(name, info)

@@ -6,11 +6,8 @@ PEFT keys are ``base_model.model.<text prefix><module>.lora_A.weight`` [r, in] a
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
 import os
-import re
 import warnings
 from pathlib import Path
 
@@ -22,7 +19,7 @@ from gemport.checkpoint.adapters import match, resolve
 from gemport.checkpoint.output import atomic_dir, check_output
 from gemport.checkpoint.safetensors import SafetensorsFile, TensorSource, write_file
 from gemport.errors import CheckpointError, LoraError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError
-from gemport.lora import VLLM_RANKS, LoraSpec, targets
+from gemport.lora import VLLM_RANKS, LoraLayout, LoraSpec
 from gemport.specs import GemmaSpec
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -35,10 +32,10 @@ def export_peft(lora, out_dir: str | Path, *, spec: GemmaSpec, lora_spec: LoraSp
                 step: int | None = None) -> Path:
     """Write Qwix LoRA params as a PEFT adapter that ``peft.PeftModel.from_pretrained`` loads onto the HF base.
 
-    Exact: a fused module's shared ``lora_a`` is written as the ``lora_A`` of each projection it fuses
-    (kv_einsum -> k_proj and v_proj; k_eq_v layers' k_einsum -> k_proj only, no v_proj invented). HF modules
-    whose rank differs from ``lora_spec.rank`` (stacked fused modules) get ``rank_pattern`` entries and an
-    ``alpha_pattern`` that keeps their scale equal to every other module's. Warns when vLLM would refuse the
+    Exact: separate factors of a fused module are split into each projection's ``lora_A`` / ``lora_B``
+    (trimmed to its rank); a shared ``lora_a`` is written as the ``lora_A`` of each projection it fuses
+    (kv_einsum -> k_proj and v_proj; k_eq_v layers' k_einsum -> k_proj only, no v_proj invented). The spec's
+    ``rank_pattern`` / ``alpha_pattern`` go into ``adapter_config.json``. Warns when vLLM would refuse the
     adapter (rank outside ``VLLM_RANKS``: it needs a larger ``--max-lora-rank``, or above 512 cannot be
     served). Tensors keep the adapter's dtype.
 
@@ -54,18 +51,14 @@ def export_peft(lora, out_dir: str | Path, *, spec: GemmaSpec, lora_spec: LoraSp
     """
     out = check_output(out_dir, lora if isinstance(lora, (str, os.PathLike)) else None)
     params, lora_spec = resolve(lora, lora_spec, step=step)
-    sources, ranks = [], {}
-    for target, a, b in match(params, spec, lora_spec):
-        for module, (A, B) in zip(target.hf_modules, target.to_peft(a, b)):
+    sources, ranks = [], []
+    for adapter, a, b in match(params, spec, lora_spec):
+        for module, (A, B) in zip(adapter.hf_modules, adapter.to_peft(a, b)):
             key = PEFT_PREFIX + text_prefix + module
             sources.append(_source(key + ".lora_A.weight", A))
             sources.append(_source(key + ".lora_B.weight", B))
-            ranks[text_prefix + module] = A.shape[0]
-    config = lora_spec.to_peft(base_model_name_or_path)
-    odd = {module: r for module, r in ranks.items() if r != lora_spec.rank}
-    config["rank_pattern"] = odd
-    config["alpha_pattern"] = {module: lora_spec.alpha_at(r) for module, r in odd.items()}
-    top = max(ranks.values())
+            ranks.append(A.shape[0])
+    top = max(ranks)
     if top not in VLLM_RANKS:
         fits = [r for r in VLLM_RANKS if r > top]
         warnings.warn(
@@ -75,7 +68,7 @@ def export_peft(lora, out_dir: str | Path, *, spec: GemmaSpec, lora_spec: LoraSp
         )
     with atomic_dir(out) as tmp:
         write_file(tmp / ADAPTER_WEIGHTS, sources)
-        (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(lora_spec.to_peft(base_model_name_or_path), indent=2) + "\n")
     return out
 
 
@@ -84,17 +77,18 @@ def _source(name: str, array: np.ndarray) -> TensorSource:
 
 
 def import_peft(adapter_dir: str | Path, spec: GemmaSpec):
-    """Read a PEFT LoRA adapter as Qwix LoRA params for the Tunix model of ``spec``, exactly.
+    """Read a PEFT LoRA adapter as Qwix LoRA params for the Tunix model of ``spec``, exactly, for training too.
 
-    Adapters on projections that Tunix fuses are stacked (see `gemport.lora.Target.from_peft`): k_proj and
-    v_proj of rank r become one kv_einsum adapter of rank 2r (q/k/v into qkv_einsum: 3r) with the same scale.
-    Per-module ``rank_pattern`` / ``alpha_pattern`` are honoured: smaller ranks are zero-padded to the largest
-    and each module's scale is folded into its ``lora_b``.
+    Each projection keeps its own factors: k_proj and v_proj become the two slices of kv_einsum's separate
+    ``lora_a`` (2, D, r) and ``lora_b`` (2, r, K, H), so the model computes PEFT's function with PEFT's
+    parameters, and each factor gets PEFT's gradient. Per-module ``rank_pattern`` / ``alpha_pattern`` are
+    kept in the spec (each module keeps its own scale); projections of one fused module with different
+    ranks are zero-padded to the larger, which stays exact through training.
 
     Returns:
-      ``(lora_spec, state)``: the spec, with ``fused="stacked"``, whose ``to_qwix(spec)`` creates params of
-      exactly these shapes; and an ``nnx.State`` of ``nnx.LoRAParam`` (``layers.0.attn.kv_einsum.w_lora_a``
-      ...) to ``nnx.update`` into the model after ``qwix.apply_lora_to_model``.
+      ``(lora_spec, state)``: the adapter's spec, whose `gemport.lora.apply_lora` creates params of exactly
+      these shapes; and an ``nnx.State`` of ``nnx.LoRAParam`` (``layers.0.attn.kv_einsum.w_lora_a`` ...)
+      to pass as ``apply_lora(model, spec, lora_spec, state)``.
 
     Raises:
       LoraError: a config Qwix cannot reproduce, or NaN/Inf weights.
@@ -106,31 +100,33 @@ def import_peft(adapter_dir: str | Path, spec: GemmaSpec):
     for file in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
         if not (directory / file).is_file():
             raise CheckpointError(f"{directory}: no {file}; pass a PEFT adapter directory saved by save_pretrained")
-    config = json.loads((directory / ADAPTER_CONFIG).read_text())
-    rank_pattern, alpha_pattern = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
-    lora_spec = LoraSpec.from_peft(dict(config, rank_pattern={}, alpha_pattern={}))
+    lora_spec = LoraSpec.from_peft(directory / ADAPTER_CONFIG)
     weights = SafetensorsFile(directory / ADAPTER_WEIGHTS)
     prefix = _text_prefix(weights)
+    layout = LoraLayout(spec, lora_spec)
 
-    pairs, scales = {}, {}
-    for target in targets(spec, lora_spec.targets):
-        out_size, in_size = target.entry.hf_shape
-        for module in target.hf_modules:
-            A, B = (_tensor(weights, f"{prefix}{module}.lora_{x}.weight") for x in "AB")
+    flat, used = [], set()
+    for adapter in layout:
+        out_size, in_size = adapter.entry.hf_shape
+        pairs = []
+        for module, rank in zip(adapter.hf_modules, adapter.ranks):
+            keys = [f"{prefix}{module}.lora_{x}.weight" for x in "AB"]
+            A, B = (_tensor(weights, key) for key in keys)
+            used.update(keys)
             r = A.shape[0]
             if A.shape != (r, in_size) or B.shape != (out_size, r):
                 raise ShapeMismatchError(
                     f"{weights.path}: {prefix}{module} has lora_A {list(A.shape)} and lora_B {list(B.shape)}, but "
                     f"the model needs [r, {in_size}] and [{out_size}, r]; the adapter is for a different model"
                 )
-            name = prefix.removeprefix(PEFT_PREFIX) + module
-            rank = int(rank_pattern.get(_pattern_key(rank_pattern, name), lora_spec.rank))
-            alpha = float(alpha_pattern.get(_pattern_key(alpha_pattern, name), lora_spec.alpha))
-            if rank != r:
-                raise ShapeMismatchError(f"{weights.path}: {name} has rank {r}, but adapter_config.json says {rank}")
-            scales[module] = alpha / (math.sqrt(r) if lora_spec.rslora else r)
-            pairs[module] = (A, B)
-    used = {f"{prefix}{m}.lora_{x}.weight" for m in pairs for x in "AB"}
+            if r != rank:
+                raise ShapeMismatchError(
+                    f"{weights.path}: {prefix}{module} has rank {r}, but adapter_config.json says {rank}"
+                )
+            pairs.append((A, B))
+        for name, value in zip((adapter.lora_a, adapter.lora_b), adapter.from_peft(pairs)):
+            path = tuple(int(p) if p.isdigit() else p for p in name.split("."))
+            flat.append((path, nnx.LoRAParam(value)))
     extra = sorted(set(weights.tensors) - used)
     if extra:
         raise UnexpectedTensorError(
@@ -138,19 +134,7 @@ def import_peft(adapter_dir: str | Path, spec: GemmaSpec):
             f"model with targets {list(lora_spec.targets)}; Tunix cannot carry adapters on other modules "
             "(vision/audio towers) or another model's layers"
         )
-
-    rank = max(A.shape[0] for A, _ in pairs.values())
-    stacked = dataclasses.replace(lora_spec, rank=rank, alpha=lora_spec.alpha_at(rank), fused="stacked")
-    flat = []
-    for target in targets(spec, lora_spec.targets):
-        a, b = target.from_peft([
-            _padded(*pairs[m], rank, scales[m] / stacked.scale) for m in target.hf_modules
-        ])
-        dtype = pairs[target.hf_modules[0]][0].dtype
-        for name, value in ((target.lora_a, a), (target.lora_b, b)):
-            path = tuple(int(p) if p.isdigit() else p for p in name.split("."))
-            flat.append((path, nnx.LoRAParam(value.astype(dtype))))
-    return stacked, nnx.from_flat_state(flat)
+    return lora_spec, nnx.from_flat_state(flat)
 
 
 def _text_prefix(weights: SafetensorsFile) -> str:
@@ -170,17 +154,3 @@ def _tensor(weights: SafetensorsFile, key: str) -> np.ndarray:
     if not np.isfinite(array.astype(np.float32)).all():
         raise LoraError(f"{weights.path}: {key!r} holds NaN or Inf; the adapter is broken")
     return np.asarray(array)
-
-
-def _pattern_key(patterns: dict, name: str) -> str | None:
-    """The ``rank_pattern`` / ``alpha_pattern`` key that applies to module ``name``, as PEFT matches them."""
-    return next((key for key in patterns if re.match(rf"(.*\.)?({key})$", name)), None)
-
-
-def _padded(A: np.ndarray, B: np.ndarray, rank: int, factor: float) -> tuple[np.ndarray, np.ndarray]:
-    """Zero-pad an adapter to ``rank`` and fold ``factor`` (its scale over the common one) into B: exact."""
-    A32 = np.zeros((rank, A.shape[1]), np.float32)
-    A32[: A.shape[0]] = A
-    B32 = np.zeros((B.shape[0], rank), np.float32)
-    B32[:, : B.shape[1]] = B.astype(np.float32) * np.float32(factor)
-    return A32, B32

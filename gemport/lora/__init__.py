@@ -1,5 +1,24 @@
-"""LoRA between PEFT and Qwix: one config (`LoraSpec`) and where each PEFT target lands in a Tunix model."""
+"""LoRA between PEFT and Qwix, trained as PEFT trains it.
 
-from gemport.lora.config import PROJECTIONS, VLLM_RANKS, LoraSpec, Target, apply_lora, targets
+- `LoraSpec` (``config``): a PEFT LoRA configuration (rank, alpha, targets, patterns, initialisation).
+- `LoraLayout` / `Adapter` (``layout``): where it lands on a Tunix Gemma model and how each factor is shaped
+  and sharded; the one source for loading, exporting, sharding and memory plans.
+- `apply_lora` / `Provider` (``qwix``): Qwix LoRA with PEFT's factors on fused modules and PEFT's
+  initialisation.
+"""
 
-__all__ = ["PROJECTIONS", "VLLM_RANKS", "LoraSpec", "Target", "apply_lora", "targets"]
+from gemport.lora.config import PROJECTIONS, VLLM_RANKS, LoraSpec
+from gemport.lora.layout import Adapter, LoraLayout, factor_specs
+from gemport.lora.qwix import Provider, apply_lora, provider
+
+__all__ = [
+    "PROJECTIONS",
+    "VLLM_RANKS",
+    "Adapter",
+    "LoraLayout",
+    "LoraSpec",
+    "Provider",
+    "apply_lora",
+    "factor_specs",
+    "provider",
+]

@@ -1,21 +1,8 @@
-"""LoRA between PEFT and Qwix: one config (`LoraSpec`) and where each PEFT target lands in a Tunix model.
+"""`LoraSpec`: a LoRA configuration as PEFT states it, which gemport carries onto Qwix and Tunix.
 
-PEFT adapts HF linear modules (``q_proj``, ``k_proj``...), each with ``lora_A`` [r, in] and ``lora_B``
-[out, r]. Qwix adapts Tunix modules, whose weights fuse and reshape those linears (``gemport.names``): one
-``kv_einsum`` (2, K, D, H) holds ``k_proj`` and ``v_proj``. Qwix gives a Tunix weight ``lora_a`` made of the
-weight's input axes then r, and ``lora_b`` made of r then the remaining axes, in the weight's order. Both
-layouts follow from a names-table entry, so `Target` derives them from it instead of listing modules by hand:
-
-| Tunix weight | HF -> Tunix | lora_a | lora_b |
-|---|---|---|---|
-| q_einsum | ``(n h) d -> n d h`` | ``d r`` | ``r n h`` |
-| kv_einsum | ``s (k h) d -> s k d h`` | ``d r`` (shared by K and V) | ``r s k h`` |
-| attn_vec_einsum | ``d (n h) -> n h d`` | ``n h r`` | ``r d`` |
-| mlp.down_proj | ``d f -> f d`` | ``f r`` | ``r d`` |
-
-A fused module's adapter is exact in PEFT as one adapter per projection sharing ``lora_A``. The other way,
-rank-r PEFT adapters on k_proj and v_proj are exact in a kv_einsum only as one rank-2r adapter: A = [A_k | A_v]
-and B block-diagonal. `LoraSpec.fused` says which of the two a Tunix model carries.
+A spec is what a PEFT ``LoraConfig`` says (rank, alpha, targets, rsLoRA, dropout, per-module ``rank_pattern`` /
+``alpha_pattern``, initialisation) plus how Tunix's fused modules carry it (``fused``). Where each target lands
+on a model, and the shapes, shardings and Qwix rules that follow, is `gemport.lora.LoraLayout`'s business.
 """
 
 from __future__ import annotations
@@ -24,152 +11,20 @@ import dataclasses
 import json
 import math
 import re
-from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from os import PathLike
 from pathlib import Path
 from typing import Any, Literal
 
-import einops
-import numpy as np
-
 from gemport import names
 from gemport.errors import LoraError
 from gemport.jsonfile import Fields, read_json
-from gemport.specs import GemmaSpec
 
 # HF linear modules of a Gemma text layer that gemport maps to Qwix, in PEFT's spelling.
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 # Ranks vLLM accepts for max_lora_rank.
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-@dataclasses.dataclass(frozen=True)
-class Target:
-    """A Tunix module that carries LoRA, and the HF linear modules (PEFT targets) it stands for.
-
-    Attributes:
-      entry: the names-table entry of the module's weight.
-      a, b: einops axes of Qwix's ``lora_a`` and ``lora_b``, e.g. ``"d r"`` and ``"r s k h"``.
-      hf_in, hf_out: axes of an HF weight's input and output dimension, e.g. ``"d"`` and ``"k h"``.
-    """
-
-    entry: names.Entry
-    a: str
-    b: str
-    hf_in: str
-    hf_out: str
-
-    @property
-    def module(self) -> str:
-        """Dotted Tunix module path, e.g. ``layers.0.attn.kv_einsum``."""
-        return self.entry.module
-
-    @property
-    def qwix_path(self) -> str:
-        """The module path as Qwix matches it: ``layers/0/attn/kv_einsum``."""
-        return self.module.replace(".", "/")
-
-    @property
-    def lora_a(self) -> str:
-        return self.entry.tunix + "_lora_a"
-
-    @property
-    def lora_b(self) -> str:
-        return self.entry.tunix + "_lora_b"
-
-    @property
-    def hf_modules(self) -> tuple[str, ...]:
-        """HF module paths relative to the text prefix, e.g. ``("layers.0.self_attn.k_proj", ...)``."""
-        return tuple(h.removesuffix(".weight") for h in self.entry.hf)
-
-    @property
-    def fused(self) -> bool:
-        return len(self.entry.hf) > 1
-
-    def shapes(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Shapes of ``lora_a`` and ``lora_b`` at ``rank``."""
-        sizes = dict(self.entry.sizes, r=rank)
-        return tuple(sizes[x] for x in self.a.split()), tuple(sizes[x] for x in self.b.split())
-
-    def to_peft(self, a: np.ndarray, b: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Qwix ``lora_a``, ``lora_b`` -> PEFT (``lora_A`` [r, in], ``lora_B`` [out, r]) per HF module, exactly.
-
-        A fused module's ``lora_a`` becomes every projection's ``lora_A``; ``lora_b`` is split along ``s``.
-        """
-        lora_A = self._rearrange(a, f"{self.a} -> r ({self.hf_in})")
-        stack = "s " if self.fused else ""
-        lora_B = self._rearrange(b, f"{self.b} -> {stack}({self.hf_out}) r")
-        return [(lora_A, B) for B in lora_B] if self.fused else [(lora_A, lora_B)]
-
-    def from_peft(self, pairs: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
-        """PEFT (``lora_A`` [r_i, in], ``lora_B`` [out, r_i]) per HF module -> Qwix ``lora_a``, ``lora_b``.
-
-        Several projections are stacked: A = [A_1 | A_2 ...] of rank sum(r_i), B block-diagonal, so that
-        ``lora_b``'s slice ``s = i`` sees only ``A_i``. Exact, with the scale unchanged.
-        """
-        lora_A = np.concatenate([A for A, _ in pairs])
-        lora_B = np.zeros((len(pairs), pairs[0][1].shape[0], lora_A.shape[0]), lora_A.dtype)
-        start = 0
-        for i, (A, B) in enumerate(pairs):
-            lora_B[i, :, start : start + A.shape[0]] = B
-            start += A.shape[0]
-        stack = "s " if self.fused else ""
-        a = self._rearrange(lora_A, f"r ({self.hf_in}) -> {self.a}")
-        b = self._rearrange(lora_B if self.fused else lora_B[0], f"{stack}({self.hf_out}) r -> {self.b}")
-        return a, b
-
-    def _rearrange(self, x: np.ndarray, pattern: str) -> np.ndarray:
-        used = set(re.findall(r"\w", pattern))
-        return einops.rearrange(x, pattern, **{k: n for k, n in self.entry.sizes if k in used})
-
-
-def _target(entry: names.Entry) -> Target:
-    hf_side, tunix_side = entry.layout.split("->")
-    groups = [tuple((group or name).split()) for group, name in re.findall(r"\(([^)]*)\)|(\w+)", hf_side)]
-    out_axes, in_axes = groups[-2], groups[-1]  # an HF linear weight is [out, in], after the stacking axis s
-    axes = tunix_side.split()
-    return Target(
-        entry=entry,
-        a=" ".join([x for x in axes if x in in_axes] + ["r"]),
-        b=" ".join(["r"] + [x for x in axes if x not in in_axes]),
-        hf_in=" ".join(in_axes),
-        hf_out=" ".join(out_axes),
-    )
-
-
-def _projection(hf_name: str) -> str | None:
-    parts = hf_name.split(".")
-    return parts[-2] if parts[-1] == "weight" and parts[-2] in PROJECTIONS else None
-
-
-def targets(spec: GemmaSpec, peft_targets: Iterable[str]) -> tuple[Target, ...]:
-    """The Tunix modules that PEFT ``target_modules`` (names from ``PROJECTIONS``) mean on ``spec``'s model.
-
-    Derived from the names table: ``k_proj`` + ``v_proj`` are the ``kv_einsum`` of sliding layers and the
-    ``k_einsum`` of k_eq_v global layers; KV-shared layers (no K/V weights) get nothing; vision and audio
-    towers are never included. Raises ``LoraError`` when the targets name only some projections of a fused
-    Tunix module (``k_proj`` without ``v_proj`` on a ``kv_einsum``), which Tunix cannot express.
-    """
-    wanted = set(peft_targets)
-    out = []
-    for entry in names.entries(spec):
-        projections = [_projection(h) for h in entry.hf]
-        if not entry.hf or None in projections:
-            continue
-        hit = [p for p in projections if p in wanted]
-        if not hit:
-            continue
-        if len(hit) < len(projections):
-            missing = [p for p in projections if p not in wanted]
-            raise LoraError(
-                f"target_modules has {hit} but not {missing}: Tunix fuses {' + '.join(projections)} into one "
-                f"{entry.module}, which carries a single LoRA for all of them; add {missing} to target_modules "
-                f"or remove {hit}"
-            )
-        out.append(_target(entry))
-    return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,12 +36,13 @@ class LoraSpec:
       alpha: PEFT's ``lora_alpha``. The delta is ``B @ A * scale`` with ``scale = alpha / rank``, or
         ``alpha / sqrt(rank)`` with rsLoRA.
       targets: PEFT target module names, a subset of ``PROJECTIONS``.
-      rslora: PEFT's ``use_rslora``. Qwix always scales by ``alpha / rank``; `to_qwix` passes it the alpha
-        that gives the same scale.
+      rslora: PEFT's ``use_rslora``.
       dropout: PEFT's ``lora_dropout``. Qwix applies it on every call, evaluation included.
       fused: how a Tunix module fusing several targets (``kv_einsum``, ``qkv_einsum``) holds them:
-        ``"shared"``, one rank-r adapter with a single A (what Qwix trains); ``"stacked"``, one rank-r
-        adapter per projection stacked to rank m*r with block-diagonal B (what `import_peft` makes).
+        ``"separate"``, one A and one B per projection, as PEFT trains them; ``"shared"``, one A for all of
+        them (what plain Qwix LoRA trains).
+      init: how fresh factors start: ``"peft"`` (PEFT's default) or ``"gaussian"``.
+      rank_pattern, alpha_pattern: PEFT's per-module ranks and alphas, as ``(pattern, value)`` pairs.
     """
 
     rank: int
@@ -194,7 +50,10 @@ class LoraSpec:
     targets: tuple[str, ...] = PROJECTIONS
     rslora: bool = False
     dropout: float = 0.0
-    fused: Literal["shared", "stacked"] = "shared"
+    fused: Literal["separate", "shared"] = "separate"
+    init: Literal["peft", "gaussian"] = "peft"
+    rank_pattern: tuple[tuple[str, int], ...] = ()
+    alpha_pattern: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self):
         if not isinstance(self.rank, int) or self.rank < 1:
@@ -205,22 +64,39 @@ class LoraSpec:
                 f"targets {list(self.targets)}: gemport maps the projections {list(PROJECTIONS)} of Gemma text "
                 f"layers{f'; not {unknown}' if unknown else ''}"
             )
-        if self.fused not in ("shared", "stacked"):
-            raise LoraError(f"fused={self.fused!r}: expected 'shared' or 'stacked'")
+        if self.fused not in ("separate", "shared"):
+            raise LoraError(f"fused={self.fused!r}: expected 'separate' or 'shared'")
+        if self.init not in ("peft", "gaussian"):
+            raise LoraError(f"init={self.init!r}: expected 'peft' or 'gaussian'")
         object.__setattr__(self, "targets", tuple(p for p in PROJECTIONS if p in self.targets))
+        object.__setattr__(self, "rank_pattern", tuple((str(k), int(v)) for k, v in dict(self.rank_pattern).items()))
+        object.__setattr__(self, "alpha_pattern",
+                           tuple((str(k), float(v)) for k, v in dict(self.alpha_pattern).items()))
 
     @property
     def scale(self) -> float:
         """The factor on ``B @ A``: ``alpha / rank``, or ``alpha / sqrt(rank)`` with rsLoRA."""
-        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+        return self.scale_at(self.rank, self.alpha)
+
+    def scale_at(self, rank: int, alpha: float) -> float:
+        """PEFT's scale of a rank-``rank`` adapter with ``lora_alpha`` ``alpha``."""
+        return alpha / (math.sqrt(rank) if self.rslora else rank)
 
     def alpha_at(self, rank: int) -> float:
         """The ``lora_alpha`` that gives a rank-``rank`` adapter this spec's scale."""
         return self.scale * (math.sqrt(rank) if self.rslora else rank)
 
-    def module_rank(self, target: Target) -> int:
-        """The Qwix rank of ``target``'s module: r, or m*r for a module stacking m projections."""
-        return self.rank * (len(target.entry.hf) if self.fused == "stacked" else 1)
+    def rank_of(self, module: str) -> int:
+        """PEFT's rank for HF module ``module`` (e.g. ``layers.0.self_attn.k_proj``): ``rank_pattern`` or r."""
+        return _lookup(self.rank_pattern, module, self.rank)
+
+    def alpha_of(self, module: str) -> float:
+        """PEFT's ``lora_alpha`` for HF module ``module``: ``alpha_pattern`` or alpha."""
+        return _lookup(self.alpha_pattern, module, self.alpha)
+
+    def scale_of(self, module: str) -> float:
+        """PEFT's scale for HF module ``module``."""
+        return self.scale_at(self.rank_of(module), self.alpha_of(module))
 
     # PEFT -------------------------------------------------------------------------------------------------
 
@@ -228,9 +104,11 @@ class LoraSpec:
     def from_peft(cls, config: Any) -> LoraSpec:
         """Read a PEFT LoRA config: a ``peft.LoraConfig``, its dict, or an adapter directory / its json.
 
-        Raises ``LoraError`` for what Qwix LoRA cannot reproduce: DoRA, bias training, ``modules_to_save``,
-        ``target_parameters``, layer subsets, per-module ``rank_pattern`` / ``alpha_pattern`` (use
-        `gemport.checkpoint.import_peft`, which reads them from the adapter), or a regex ``target_modules``.
+        ``init_lora_weights`` ``True`` / ``"gaussian"`` become ``init="peft"`` / ``"gaussian"``;
+        ``rank_pattern`` / ``alpha_pattern`` are kept. Raises ``LoraError`` for what Qwix LoRA cannot
+        reproduce: DoRA, bias training, ``modules_to_save``, ``target_parameters``, layer subsets, other
+        initialisations (PiSSA, OLoRA, LoftQ...: import the initialised adapter with
+        `gemport.checkpoint.import_peft` instead), or a regex ``target_modules``.
         """
         cfg = _peft_dict(config)
         if str(getattr(cfg.get("peft_type"), "value", cfg.get("peft_type"))) != "LORA":
@@ -240,8 +118,6 @@ class LoraSpec:
             "modules_to_save": "Qwix LoRA trains adapters only (and vLLM refuses such adapters); drop them",
             "target_parameters": "adapters on raw parameters (MoE experts) have no Qwix equivalent",
             "layers_to_transform": "Qwix targets are per module kind; adapt every layer",
-            "rank_pattern": "use gemport.checkpoint.import_peft, which applies per-module ranks exactly",
-            "alpha_pattern": "use gemport.checkpoint.import_peft, which applies per-module alphas exactly",
         }
         for key, why in refused.items():
             if cfg.get(key):
@@ -256,12 +132,22 @@ class LoraSpec:
                 f"target_modules {targets!r}: give a list of module names from {list(PROJECTIONS)} "
                 "(a regex cannot be mapped to Tunix modules reliably)"
             )
+        init = cfg.get("init_lora_weights", True)
+        if init not in (True, "gaussian"):
+            raise LoraError(
+                f"PEFT config sets init_lora_weights={init!r}: gemport starts fresh adapters as PEFT's default "
+                "(True) or 'gaussian'; for other initialisations save the initialised PEFT adapter and import it "
+                "with gemport.checkpoint.import_peft"
+            )
         return cls(
             rank=int(cfg["r"]),
             alpha=float(cfg["lora_alpha"]),
             targets=tuple(targets),
             rslora=bool(cfg.get("use_rslora", False)),
             dropout=float(cfg.get("lora_dropout") or 0.0),
+            init="peft" if init is True else "gaussian",
+            rank_pattern=cfg.get("rank_pattern") or (),
+            alpha_pattern=cfg.get("alpha_pattern") or (),
         )
 
     def to_peft(self, base_model_name_or_path: str | None = None) -> dict[str, Any]:
@@ -279,30 +165,11 @@ class LoraSpec:
             "use_dora": False,
             "fan_in_fan_out": False,
             "modules_to_save": None,
-            "rank_pattern": {},
-            "alpha_pattern": {},
-            "init_lora_weights": True,
+            "rank_pattern": dict(self.rank_pattern),
+            "alpha_pattern": dict(self.alpha_pattern),
+            "init_lora_weights": "gaussian" if self.init == "gaussian" else True,
             "inference_mode": True,
         }
-
-    # Qwix -------------------------------------------------------------------------------------------------
-
-    def to_qwix(self, spec: GemmaSpec):
-        """A ``qwix.LoraProvider`` whose rules match exactly the Tunix modules of `targets` on ``spec``.
-
-        Module paths are anchored (``layers/(?:0|1)/attn/q_einsum``), so they never reach a vision encoder.
-        Modules of different Qwix rank (``fused="stacked"``) get one rule per rank; every rule's alpha is
-        ``scale * rank``, Qwix's scaling being ``alpha / rank``.
-        """
-        import qwix
-
-        by_rank: dict[int, list[str]] = defaultdict(list)
-        for t in targets(spec, self.targets):
-            by_rank[self.module_rank(t)].append(t.qwix_path)
-        return qwix.LoraProvider([
-            qwix.LoraRule(module_path=_alternation(paths), rank=rank, alpha=self.scale * rank, dropout=self.dropout)
-            for rank, paths in sorted(by_rank.items())
-        ])
 
     # Storage ----------------------------------------------------------------------------------------------
 
@@ -312,16 +179,9 @@ class LoraSpec:
     @classmethod
     def from_json(cls, text: str) -> LoraSpec:
         fields = json.loads(text)
-        return cls(**dict(fields, targets=tuple(fields["targets"])))
-
-
-def _alternation(paths: list[str]) -> str:
-    """A regex matching exactly ``paths``, with layer indices grouped: ``layers/(?:0|5)/attn/q_einsum``."""
-    layers: dict[str, list[str]] = defaultdict(list)
-    for path in paths:
-        _, layer, rest = path.split("/", 2)
-        layers[rest].append(layer)
-    return "|".join(f"layers/(?:{'|'.join(idx)})/{re.escape(rest)}" for rest, idx in layers.items())
+        return cls(**dict(fields, targets=tuple(fields["targets"]),
+                          rank_pattern=tuple(map(tuple, fields.get("rank_pattern", ()))),
+                          alpha_pattern=tuple(map(tuple, fields.get("alpha_pattern", ())))))
 
 
 # PEFT options that change what an adapter computes or how it trains; Qwix LoRA has none of them.
@@ -370,21 +230,9 @@ def _peft_dict(config: Any) -> dict[str, Any]:
     return cfg
 
 
-def apply_lora(model, spec: GemmaSpec, lora_spec: LoraSpec, state=None, *, seed: int = 0):
-    """Qwix LoRA on a Tunix Gemma model per ``lora_spec``; returns the new model (the input is not modified).
-
-    Runs ``qwix.apply_lora_to_model`` on a dummy batch. With ``state`` (e.g. from
-    `gemport.checkpoint.import_peft`), the LoRA params are then set to it.
-    """
-    import jax.numpy as jnp
-    import qwix
-    from flax import nnx
-
-    tokens = jnp.zeros((1, 2), jnp.int32)
-    positions = jnp.arange(2)[None]
-    mask = jnp.tril(jnp.ones((1, 2, 2), bool))
-    lora_model = qwix.apply_lora_to_model(model, lora_spec.to_qwix(spec), tokens, positions, None, mask,
-                                          rngs=nnx.Rngs(seed))
-    if state is not None:
-        nnx.update(lora_model, state)
-    return lora_model
+def _lookup(pattern: tuple[tuple[str, Any], ...], module: str, default):
+    """PEFT's pattern lookup; ``module`` is relative to the text model, keys may name it with a text prefix."""
+    for key, value in pattern:
+        if any(re.match(rf"(.*\.)?({key})$", prefix + module) for prefix in ("", *names.TEXT_PREFIXES)):
+            return value
+    return default

@@ -10,11 +10,10 @@ it, and ``memory_plan`` sums the per-device bytes of the same annotated shapes.
 from gemport.errors import MeshError
 from gemport.mesh.dims import ShardedDim, sharded_dims
 from gemport.mesh.factory import make_mesh, valid_tp
-from gemport.mesh.plan import HBM, LORA_TARGETS, MemoryPlan, memory_plan, valid_meshes
+from gemport.mesh.plan import HBM, MemoryPlan, memory_plan, valid_meshes
 
 __all__ = [
     "HBM",
-    "LORA_TARGETS",
     "MemoryPlan",
     "MeshError",
     "ShardedDim",

@@ -16,7 +16,6 @@ from flax import nnx
 from gemport import names
 from gemport.checkpoint.load import abstract_model, path_str
 from gemport.sharding._specs import axes_of, spec_of
-from gemport.sharding.lora import LINEAR_EQUATION
 from gemport.specs import GemmaSpec
 
 FSDP, TP = "fsdp", "tp"
@@ -81,26 +80,13 @@ def _where(spec: GemmaSpec, layers: tuple[int, ...], params: tuple[str, ...]) ->
 
 @functools.lru_cache(maxsize=16)
 def annotated(spec: GemmaSpec):
-    """(path, shape, spec, entry) of every Tunix parameter, and (match path, weight path, shape, spec,
-    equation) of every module LoRA can target: all from Tunix's own model, built as shapes only."""
+    """(path, shape, spec, entry) of every Tunix parameter, from Tunix's own model built as shapes only."""
     model = abstract_model(spec)
     by_path = {e.tunix: e for e in names.entries(spec)}
-    params = tuple(
+    return tuple(
         (path_str(p), tuple(v.get_value().shape), spec_of(v), by_path[path_str(p)])
         for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
     )
-    modules = []
-    for path, module in nnx.iter_modules(model):
-        if isinstance(module, nnx.Linear):
-            weight, equation = "kernel", LINEAR_EQUATION
-        elif isinstance(getattr(module, "einsum_str", None), str):
-            weight, equation = "w", module.einsum_str
-        else:
-            continue
-        var = getattr(module, weight)
-        shape = tuple(var.get_value().shape)
-        modules.append(("/".join(map(str, path)), f"{path_str(path)}.{weight}", shape, spec_of(var), equation))
-    return params, tuple(modules)
 
 
 @functools.lru_cache(maxsize=16)
@@ -112,7 +98,7 @@ def sharded_dims(spec: GemmaSpec) -> tuple[ShardedDim, ...]:
     5376 (norms), MLP width 21504 and vocabulary 262144; fsdp shards model width 5376.
     """
     groups: dict[tuple[str, str, int], tuple[set, list]] = {}
-    for path, shape, ann, entry in annotated(spec)[0]:
+    for path, shape, ann, entry in annotated(spec):
         for size, letter, entry_axes in zip(shape, _layout_letters(entry.layout), ann):
             for axis in axes_of(entry_axes):
                 layers, params = groups.setdefault((axis, _DIM_NAMES.get(letter, letter), size), (set(), []))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import numpy as np
 
@@ -11,7 +10,7 @@ from gemport.errors import MeshError
 from gemport.mesh.activations import StepMemory, step_memory
 from gemport.mesh.dims import FSDP, TP, annotated
 from gemport.mesh.factory import check, valid_tp
-from gemport.sharding import lora_shapes, lora_specs
+from gemport.lora import LoraLayout, LoraSpec
 from gemport.sharding._specs import bytes_per_device
 from gemport.specs import GemmaSpec
 
@@ -19,10 +18,6 @@ GiB = 2**30
 
 # HBM per chip (one JAX device), from Google Cloud's TPU system architecture pages.
 HBM = {"v4": 32 * GiB, "v5e": 16 * GiB, "v5p": 95 * GiB, "v6e": 32 * GiB}
-
-# Qwix module_path regex (matched against "/"-joined module paths): every attention and MLP projection.
-LORA_TARGETS = r".*/(q_einsum|kv_einsum|k_einsum|qkv_einsum|attn_vec_einsum|gate_proj|up_proj|down_proj)"
-
 
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
@@ -108,12 +103,11 @@ def memory_plan(
     fsdp: int,
     tp: int,
     *,
-    lora_rank: int | None = None,
+    lora: LoraSpec | None = None,
     hbm_bytes: int | str | None = None,
     param_dtype="bfloat16",
     lora_dtype=None,
     moments_dtype=None,
-    targets: str = LORA_TARGETS,
     batch: int | None = None,
     seq_len: int | None = None,
     remat: str = "none",
@@ -123,14 +117,15 @@ def memory_plan(
     """Per-device bytes of params, LoRA params and Adam moments on an (fsdp, tp) mesh.
 
     Every array counts ``prod(shape) / prod(sizes of the axes its spec shards)`` elements: base params
-    with their Tunix annotations, LoRA factors with the specs ``gemport.sharding.lora_specs`` derives
-    (Qwix creates them in the base weight's dtype) for each module whose "/"-joined path fully matches
-    ``targets`` (K/V of KV-shared layers excluded: they never run, so Qwix adds nothing there). Adam keeps
+    with their Tunix annotations, LoRA factors with the shapes and specs of ``LoraLayout(spec, lora)``
+    (Qwix creates them in the base weight's dtype; K/V of KV-shared layers never run, so they get none;
+    separate factors on fused modules cost what PEFT's adapters cost, no more). Adam keeps
     mu and nu, each shaped and sharded like the trainable params, in ``moments_dtype`` (default: the
     trainable params' dtype, as ``optax.adamw`` does).
 
     Args:
-      lora_rank: LoRA rank r; None plans full fine-tuning (moments for every param, no LoRA).
+      lora: the LoRA config (targets, rank, per-module ranks, fused form); None plans full fine-tuning
+        (moments for every param, no LoRA).
       hbm_bytes: HBM per device in bytes, or a chip name from ``HBM`` (e.g. ``"v5p"``).
       batch, seq_len: rows per step (all devices) and tokens per row; with both, the plan adds the train
         step's gradients, activations (per ``remat``: ``"none"``, ``"block"``, ``"decoder"``, Tunix's
@@ -140,20 +135,17 @@ def memory_plan(
     """
     check(spec, fsdp, tp)
     sizes = {FSDP: fsdp, TP: tp}
-    params, modules = annotated(spec)
+    params = annotated(spec)
     # Tunix creates every parameter in param_dtype, so elements per device times one itemsize is exact.
     base_elements = sum(bytes_per_device(shape, ann, sizes, 1) for _, shape, ann, _ in params)
     trainable_dtype = np.dtype(param_dtype)
     lora_elements = 0
-    if lora_rank is not None:
+    if lora is not None:
         trainable_dtype = np.dtype(lora_dtype or param_dtype)
-        unused = {e.tunix for *_, e in params if e.fill is not None}
-        for match_path, weight, shape, ann, equation in modules:
-            if weight in unused or not re.fullmatch(targets, match_path):
-                continue
-            parts = zip(lora_shapes(shape, equation, lora_rank), lora_specs(ann, len(shape), equation))
-            lora_elements += sum(bytes_per_device(s, p, sizes, 1) for s, p in parts)
-    trainable = lora_elements if lora_rank is not None else base_elements
+        layout = LoraLayout(spec, lora)
+        lora_specs = layout.specs({path: ann for path, _, ann, _ in params})
+        lora_elements = sum(bytes_per_device(shape, lora_specs[name], sizes, 1) for name, shape in layout.shapes().items())
+    trainable = lora_elements if lora is not None else base_elements
     moments_item = np.dtype(moments_dtype or trainable_dtype).itemsize
     step = weight_copy = None
     if batch is not None and seq_len is not None:
@@ -188,24 +180,23 @@ def valid_meshes(
     num_devices: int,
     *,
     hbm_bytes: int | str | None = None,
-    lora_rank: int | None = None,
+    lora: LoraSpec | None = None,
     param_dtype="bfloat16",
     lora_dtype=None,
     moments_dtype=None,
-    targets: str = LORA_TARGETS,
     batch: int | None = None,
     seq_len: int | None = None,
     remat: str = "none",
 ) -> tuple[MemoryPlan, ...]:
     """A ``MemoryPlan`` for every (fsdp, tp) with fsdp * tp = ``num_devices`` that fits ``spec``, by tp.
 
-    E.g. ``valid_meshes(GemmaSpec.preset("gemma4-31b"), 4, hbm_bytes="v5p", lora_rank=16)`` lists tp = 1, 2, 4
+    E.g. ``valid_meshes(GemmaSpec.preset("gemma4-31b"), 4, hbm_bytes="v5p", lora=LoraSpec(16, 32.0))`` lists tp = 1, 2, 4
     with what each v5p chip holds. See ``memory_plan`` for what is counted.
     """
     return tuple(
         memory_plan(
-            spec, num_devices // tp, tp, lora_rank=lora_rank, hbm_bytes=hbm_bytes, param_dtype=param_dtype,
-            lora_dtype=lora_dtype, moments_dtype=moments_dtype, targets=targets, batch=batch, seq_len=seq_len,
+            spec, num_devices // tp, tp, lora=lora, hbm_bytes=hbm_bytes, param_dtype=param_dtype,
+            lora_dtype=lora_dtype, moments_dtype=moments_dtype, batch=batch, seq_len=seq_len,
             remat=remat,
         )
         for tp in valid_tp(spec, num_devices)

@@ -1,9 +1,9 @@
 """Sharding of Qwix LoRA params, derived from the base weight and the contraction that uses it.
 
-Qwix splits a base weight's axes between the two LoRA factors by the einsum (or dot) that consumes it:
-weight axes that also appear in the activation (contracted or batch axes) go to ``lora_a``, followed by the
-rank axis ``r``; ``lora_b`` is ``r`` followed by the remaining (output) axes. Each factor takes the base
-weight's spec entry for the axes it inherits; the rank axis is never sharded.
+Each LoRA factor's axis is one of its base weight's axes (it keeps that axis' spec entry) or the rank axis
+(never sharded): `gemport.lora.factor_specs`. Which axes a factor has is read from the module: the LoRA
+einsum Qwix (and `gemport.lora.Provider`) records as ``<w>_lora_einsum_str``, e.g. ``"BSD,CDr,CrKH->CBSKH"``
+for kv_einsum's separate factors; for ``nnx.Linear`` (in, out): ``lora_a`` (in, r), ``lora_b`` (r, out).
 """
 
 from __future__ import annotations
@@ -15,38 +15,27 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from gemport.errors import MeshError
+from gemport.lora import factor_specs
 from gemport.sharding._specs import Spec, axes_of, padded, shards, spec_of
 
-# nnx.Linear computes x @ kernel with kernel (in, out): the same split as this einsum.
-LINEAR_EQUATION = "bi,io->bo"
 
-
-def lora_layout(equation: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The weight axes that ``lora_a`` and ``lora_b`` inherit, for the weight operand of ``equation``.
-
-    ``equation`` is ``"activation,weight->out"``. E.g. Tunix's ``q_einsum`` ``"BTD,NDH->BTNH"`` gives
-    ``((1,), (0, 2))``: lora_a is (D, r), lora_b is (r, N, H).
-    """
-    inputs = equation.replace(" ", "").split("->")[0]
-    lhs, rhs = inputs.split(",")
-    return tuple(i for i, c in enumerate(rhs) if c in lhs), tuple(i for i, c in enumerate(rhs) if c not in lhs)
-
-
-def lora_shapes(shape, equation: str, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Shapes of (lora_a, lora_b) for a base weight of ``shape``: (inherited..., r) and (r, rest...)."""
-    a_axes, b_axes = lora_layout(equation)
-    return tuple(shape[i] for i in a_axes) + (rank,), (rank,) + tuple(shape[i] for i in b_axes)
-
-
-def lora_specs(base_spec: Spec, ndim: int, equation: str) -> tuple[Spec, Spec]:
-    """Specs of (lora_a, lora_b) for a base weight of rank ``ndim`` annotated ``base_spec``.
-
-    E.g. ``kv_einsum`` (2, K, D, H) annotated (None, "tp", "fsdp", None) with ``"BSD,CKDH->CBSKH"`` gives
-    ("fsdp", None) for lora_a (D, r) and (None, None, "tp", None) for lora_b (r, 2, K, H).
-    """
-    base_spec = padded(base_spec, ndim)
-    a_axes, b_axes = lora_layout(equation)
-    return tuple(base_spec[i] for i in a_axes) + (None,), (None,) + tuple(base_spec[i] for i in b_axes)
+def factor_axes(module, base_name: str, path: str) -> tuple[str, str, str]:
+    """Axis letters of (base weight, ``lora_a``, ``lora_b``) on ``module``, e.g. ``("NDH", "Dr", "rNH")``."""
+    if isinstance(module, nnx.Linear) and base_name == "kernel":
+        return "io", "ir", "ro"
+    equation = getattr(module, "einsum_str", None)
+    if not isinstance(equation, str) or base_name != "w":
+        raise MeshError(
+            f"{path}: cannot tell which axes of {base_name!r} feed lora_a on a {type(module).__name__}; fix_lora "
+            "knows Tunix Einsum modules (weight 'w', equation 'einsum_str') and nnx.Linear (weight 'kernel')"
+        )
+    x, weight = equation.replace(" ", "").split("->")[0].split(",")
+    recorded = getattr(module, base_name + "_lora_einsum_str", None)
+    if isinstance(recorded, str):
+        _, a, b = recorded.split("->")[0].split(",")
+        return weight, a, b
+    # Qwix's rule: weight axes also in the activation go to lora_a, then r; lora_b is r then the rest.
+    return weight, "".join(c for c in weight if c in x) + "r", "r" + "".join(c for c in weight if c not in x)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,17 +50,6 @@ class LoraChange:
 
     def __str__(self):
         return f"{self.path} {list(self.shape)}: {self.old} -> {self.new} ({self.reason})"
-
-
-def _equation(module, base_name: str, path: str) -> str:
-    if isinstance(module, nnx.Linear) and base_name == "kernel":
-        return LINEAR_EQUATION
-    if isinstance(getattr(module, "einsum_str", None), str) and base_name == "w":
-        return module.einsum_str
-    raise MeshError(
-        f"{path}: cannot tell which axes of {base_name!r} feed lora_a on a {type(module).__name__}; fix_lora "
-        "knows Tunix Einsum modules (weight 'w', equation 'einsum_str') and nnx.Linear (weight 'kernel')"
-    )
 
 
 def _divisible(spec: Spec, shape, mesh) -> tuple[Spec, list[str]]:
@@ -100,7 +78,7 @@ def fix_lora(model: nnx.Module, mesh: jax.sharding.Mesh) -> tuple[LoraChange, ..
     """Repair the sharding annotations (and placement) of every Qwix LoRA param of ``model`` in place.
 
     For each ``<w>_lora_a`` / ``<w>_lora_b`` pair the wanted spec is derived from the base weight's
-    ``out_sharding`` and the module's contraction (``lora_specs``); any entry whose axes do not divide its
+    ``out_sharding`` and the factor's axes (`factor_axes`); any entry whose axes do not divide its
     dimension on ``mesh``, or that names an axis ``mesh`` lacks, is replicated (that dimension only). A
     param whose annotation differs is re-annotated and, when it holds a concrete array, moved to
     ``NamedSharding(mesh, new_spec)``.
@@ -127,7 +105,8 @@ def fix_lora(model: nnx.Module, mesh: jax.sharding.Mesh) -> tuple[LoraChange, ..
                     f"{prefix}.{base_name}: base weight of shape {list(shape)} is annotated {base_spec}, longer "
                     "than its rank; fix the base weight's annotation first (see gemport.sharding.audit)"
                 )
-            wanted = lora_specs(base_spec, len(shape), _equation(module, base_name, prefix))
+            weight_axes, a_axes, b_axes = factor_axes(module, base_name, prefix)
+            wanted = factor_specs(weight_axes, base_spec, a_axes, b_axes)
             for suffix, var, spec in (("_lora_a", lora_a, wanted[0]), ("_lora_b", lora_b, wanted[1])):
                 change = _apply(f"{prefix}.{base_name}{suffix}", var, spec, mesh)
                 if change is not None:

@@ -1,0 +1,275 @@
+"""Where LoRA sits on a Tunix Gemma model, and how its factors are shaped: one answer per (GemmaSpec, LoraSpec).
+
+PEFT adapts HF linear modules (``q_proj``, ``k_proj``...), each with ``lora_A`` [r, in] and ``lora_B``
+[out, r]. Tunix's weights fuse and reshape those linears (``gemport.names``): one ``kv_einsum`` (s=2, K, D, H)
+holds ``k_proj`` and ``v_proj``. An `Adapter` is the LoRA of one Tunix module, derived from its names-table
+entry: ``lora_a`` has the weight's input axes then r, ``lora_b`` r then the remaining axes, in the weight's
+order (Qwix's convention); on a fused module with separate factors the stacking axis ``s`` leads both, so each
+projection keeps its own A and B, as in PEFT:
+
+| Tunix weight | HF -> Tunix | lora_a | lora_b |
+|---|---|---|---|
+| q_einsum | ``(n h) d -> n d h`` | ``d r`` | ``r n h`` |
+| kv_einsum, ``fused="separate"`` | ``s (k h) d -> s k d h`` | ``s d r`` | ``s r k h`` |
+| kv_einsum, ``fused="shared"`` | ``s (k h) d -> s k d h`` | ``d r`` (one A for K and V) | ``r s k h`` |
+| attn_vec_einsum | ``d (n h) -> n h d`` | ``n h r`` | ``r d`` |
+| mlp.down_proj | ``d f -> f d`` | ``f r`` | ``r d`` |
+
+`LoraLayout` holds every adapter of a model and answers from them: targets, factor shapes and shardings,
+parameter counts, the Qwix provider (`gemport.lora.qwix`) and PEFT module names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+from collections.abc import Iterable
+
+import einops
+import numpy as np
+
+from gemport import names
+from gemport.errors import LoraError
+from gemport.lora.config import PROJECTIONS, LoraSpec
+from gemport.specs import GemmaSpec
+
+Spec = tuple  # a PartitionSpec as a tuple of entries (None, "tp", ("fsdp", "tp"), ...)
+
+
+def factor_specs(weight_axes: Iterable[str], base_spec: Spec, *factors: Iterable[str]) -> tuple[Spec, ...]:
+    """The sharding of each LoRA factor from its base weight's: every axis keeps the base entry, r is unsharded.
+
+    E.g. kv_einsum's weight ``s k d h`` annotated (None, "tp", "fsdp", None) gives ``s d r`` (None, "fsdp",
+    None) and ``s r k h`` (None, None, "tp", None). Axes are names (``"d"``) or einsum letters (``"D"``).
+    """
+    weight_axes = list(weight_axes)
+    base = dict(zip(weight_axes, tuple(base_spec) + (None,) * (len(weight_axes) - len(base_spec))))
+    return tuple(tuple(base.get(x) for x in axes) for axes in factors)
+
+
+@dataclasses.dataclass(frozen=True)
+class Adapter:
+    """The LoRA of one Tunix module, and the PEFT adapters (one per HF projection) it stands for.
+
+    Attributes:
+      entry: the names-table entry of the module's weight, e.g. ``layers.0.attn.kv_einsum.w``.
+      ranks: each HF projection's PEFT rank, in ``entry.hf`` order.
+      scales: each HF projection's PEFT scale (alpha / r, or alpha / sqrt(r) with rsLoRA).
+      a, b: einops axes of ``lora_a`` and ``lora_b``, e.g. ``"s d r"`` and ``"s r k h"``.
+      hf_in, hf_out: axes of an HF weight's input and output dimension, e.g. ``"d"`` and ``"k h"``.
+    """
+
+    entry: names.Entry
+    ranks: tuple[int, ...]
+    scales: tuple[float, ...]
+    a: str
+    b: str
+    hf_in: str
+    hf_out: str
+
+    @property
+    def module(self) -> str:
+        """Dotted Tunix module path, e.g. ``layers.0.attn.kv_einsum``."""
+        return self.entry.module
+
+    @property
+    def qwix_path(self) -> str:
+        """The module path as Qwix matches it: ``layers/0/attn/kv_einsum``."""
+        return self.module.replace(".", "/")
+
+    @property
+    def weight(self) -> str:
+        """The adapted parameter's name on its module: ``w`` (Einsum) or ``kernel`` (Linear)."""
+        return self.entry.tunix.rsplit(".", 1)[1]
+
+    @property
+    def lora_a(self) -> str:
+        return self.entry.tunix + "_lora_a"
+
+    @property
+    def lora_b(self) -> str:
+        return self.entry.tunix + "_lora_b"
+
+    @property
+    def hf_modules(self) -> tuple[str, ...]:
+        """HF module paths relative to the text prefix, e.g. ``("layers.0.self_attn.k_proj", ...)``."""
+        return tuple(h.removesuffix(".weight") for h in self.entry.hf)
+
+    @property
+    def weight_axes(self) -> tuple[str, ...]:
+        """The Tunix weight's axes, e.g. ``("s", "k", "d", "h")``."""
+        return tuple(self.entry.layout.split("->")[1].split())
+
+    @property
+    def separate(self) -> bool:
+        """Whether each fused projection has its own factors (``s`` leads ``lora_a``)."""
+        return self.a.split()[0] == "s"
+
+    @property
+    def rank(self) -> int:
+        """The factors' r: the largest projection rank (smaller ones are zero-padded, which stays exact)."""
+        return max(self.ranks)
+
+    @property
+    def shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Shapes of ``lora_a`` and ``lora_b``."""
+        sizes = dict(self.entry.sizes, r=self.rank)
+        return tuple(sizes[x] for x in self.a.split()), tuple(sizes[x] for x in self.b.split())
+
+    @property
+    def num_params(self) -> int:
+        """Elements of ``lora_a`` and ``lora_b``; with equal ranks, what PEFT counts for these projections."""
+        return sum(math.prod(s) for s in self.shapes)
+
+    def specs(self, base_spec: Spec) -> tuple[Spec, Spec]:
+        """Shardings of (``lora_a``, ``lora_b``) for the base weight annotated ``base_spec``."""
+        return factor_specs(self.weight_axes, base_spec, self.a.split(), self.b.split())
+
+    def to_peft(self, a: np.ndarray, b: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Qwix ``lora_a``, ``lora_b`` -> PEFT (``lora_A`` [r_i, in], ``lora_B`` [out, r_i]) per HF module, exactly.
+
+        Separate factors are split along ``s`` and trimmed to each projection's rank; a shared ``lora_a``
+        becomes every projection's ``lora_A``.
+        """
+        fused = len(self.entry.hf) > 1
+        lead = "s " if self.separate else ""
+        lora_A = self._rearrange(a, f"{self.a} -> {lead}r ({self.hf_in})")
+        lora_B = self._rearrange(b, f"{self.b} -> {'s ' if fused else ''}({self.hf_out}) r")
+        if not fused:
+            return [(lora_A, lora_B)]
+        As = list(lora_A) if self.separate else [lora_A] * len(self.ranks)
+        return [(A[:r], B[:, :r]) for A, B, r in zip(As, lora_B, self.ranks)]
+
+    def from_peft(self, pairs: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+        """PEFT (``lora_A`` [r_i, in], ``lora_B`` [out, r_i]) per HF module -> Qwix ``lora_a``, ``lora_b``.
+
+        Exact: each projection's factors land in its own slice of ``s``, zero-padded to ``rank`` (zero rows
+        of A meet zero columns of B, so the padding adds nothing and its gradient stays zero).
+        """
+        if not self.separate and len(pairs) > 1:
+            raise LoraError(
+                f"{self.module}: separate PEFT adapters for {list(self.hf_modules)} cannot be held by one shared "
+                "lora_a; use LoraSpec(fused='separate')"
+            )
+        r = self.rank
+        A = np.zeros((len(pairs), r, pairs[0][0].shape[1]), pairs[0][0].dtype)
+        B = np.zeros((len(pairs), pairs[0][1].shape[0], r), pairs[0][1].dtype)
+        for i, (A_i, B_i) in enumerate(pairs):
+            A[i, : A_i.shape[0]] = A_i
+            B[i, :, : B_i.shape[1]] = B_i
+        fused = len(self.entry.hf) > 1
+        lead = "s " if fused else ""
+        a = self._rearrange(A if fused else A[0], f"{lead}r ({self.hf_in}) -> {self.a}")
+        b = self._rearrange(B if fused else B[0], f"{lead}({self.hf_out}) r -> {self.b}")
+        return a, b
+
+    def _rearrange(self, x: np.ndarray, pattern: str) -> np.ndarray:
+        used = set(re.findall(r"\w+", pattern))
+        return einops.rearrange(x, pattern, **{k: n for k, n in self.entry.sizes if k in used})
+
+
+def _projection(hf_name: str) -> str | None:
+    parts = hf_name.split(".")
+    return parts[-2] if parts[-1] == "weight" and parts[-2] in PROJECTIONS else None
+
+
+def _adapter(entry: names.Entry, lora_spec: LoraSpec) -> Adapter:
+    hf_side, tunix_side = entry.layout.split("->")
+    groups = [tuple((group or name).split()) for group, name in re.findall(r"\(([^)]*)\)|(\w+)", hf_side)]
+    out_axes, in_axes = groups[-2], groups[-1]  # an HF linear weight is [out, in], after the stacking axis s
+    axes = tunix_side.split()
+    rest = [x for x in axes if x not in in_axes]
+    separate = len(entry.hf) > 1 and lora_spec.fused == "separate"
+    a = [x for x in axes if x in in_axes] + ["r"]
+    b = ["r"] + rest
+    if separate:
+        a, b = ["s", *a], ["s", "r", *(x for x in rest if x != "s")]
+    modules = [h.removesuffix(".weight") for h in entry.hf]
+    return Adapter(
+        entry=entry,
+        ranks=tuple(lora_spec.rank_of(m) for m in modules),
+        scales=tuple(lora_spec.scale_of(m) for m in modules),
+        a=" ".join(a),
+        b=" ".join(b),
+        hf_in=" ".join(in_axes),
+        hf_out=" ".join(out_axes),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraLayout:
+    """Every LoRA adapter that ``lora_spec`` puts on the Tunix model of ``spec``.
+
+    Derived from the names table: ``k_proj`` + ``v_proj`` are the ``kv_einsum`` of sliding layers and the
+    ``k_einsum`` of k_eq_v global layers; KV-shared layers (no K/V weights) get nothing; vision and audio
+    towers are never included. Raises ``LoraError`` when the targets name only some projections of a fused
+    Tunix module (``k_proj`` without ``v_proj`` on a ``kv_einsum``), which Tunix cannot express, or when a
+    shared fused module would need different ranks or scales per projection.
+    """
+
+    spec: GemmaSpec
+    lora_spec: LoraSpec
+
+    @functools.cached_property
+    def adapters(self) -> tuple[Adapter, ...]:
+        wanted = set(self.lora_spec.targets)
+        out = []
+        for entry in names.entries(self.spec):
+            projections = [_projection(h) for h in entry.hf]
+            if not entry.hf or None in projections:
+                continue
+            hit = [p for p in projections if p in wanted]
+            if not hit:
+                continue
+            if len(hit) < len(projections):
+                missing = [p for p in projections if p not in wanted]
+                raise LoraError(
+                    f"target_modules has {hit} but not {missing}: Tunix fuses {' + '.join(projections)} into one "
+                    f"{entry.module}, which carries LoRA for all of them or none; add {missing} to "
+                    f"target_modules or remove {hit}"
+                )
+            adapter = _adapter(entry, self.lora_spec)
+            if not adapter.separate and len(set(zip(adapter.ranks, adapter.scales))) > 1:
+                raise LoraError(
+                    f"{entry.module}: rank_pattern/alpha_pattern give {list(adapter.hf_modules)} ranks "
+                    f"{list(adapter.ranks)} and scales {list(adapter.scales)}, which one shared adapter cannot "
+                    "hold; use LoraSpec(fused='separate')"
+                )
+            out.append(adapter)
+        return tuple(out)
+
+    def __iter__(self):
+        return iter(self.adapters)
+
+    def __len__(self):
+        return len(self.adapters)
+
+    @property
+    def num_params(self) -> int:
+        """Trainable LoRA elements; equals ``PeftModel.get_nb_trainable_parameters()`` for separate factors
+        of equal rank per fused module."""
+        return sum(a.num_params for a in self.adapters)
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """``{"layers.0.attn.q_einsum.w_lora_a": (D, r), ...}`` for every factor."""
+        return {name: shape for a in self.adapters for name, shape in zip((a.lora_a, a.lora_b), a.shapes)}
+
+    def specs(self, base_specs: dict[str, Spec]) -> dict[str, Spec]:
+        """The sharding of every factor, from ``{Tunix weight path: its annotation}`` of the base model."""
+        return {
+            name: spec
+            for a in self.adapters
+            for name, spec in zip((a.lora_a, a.lora_b), a.specs(base_specs[a.entry.tunix]))
+        }
+
+    def provider(self):
+        """The ``qwix.LoraProvider`` that creates exactly these factors (see `gemport.lora.qwix`)."""
+        from gemport.lora.qwix import provider
+
+        return provider(self)
+
+    def peft_modules(self, text_prefix: str = "model.") -> dict[str, int]:
+        """``{HF module name: PEFT rank}`` of every adapted projection, e.g. ``model.layers.0.self_attn.q_proj``."""
+        return {text_prefix + m: r for a in self.adapters for m, r in zip(a.hf_modules, a.ranks)}

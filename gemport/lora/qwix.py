@@ -1,0 +1,195 @@
+"""Qwix LoRA for a `LoraLayout`: PEFT's initialisation, and per-projection factors on Tunix's fused modules.
+
+Qwix gives a module one adapter, ``x @ lora_a @ lora_b * alpha / rank``. On ``kv_einsum`` that is one A shared
+by K and V: a smaller model family than PEFT's separate k_proj and v_proj adapters, and a stacked rank-2r
+adapter that equals PEFT in the forward pass trains its cross blocks, which PEFT does not have. `Provider`
+therefore computes the delta of a fused module per projection: ``lora_a`` (s, D, r) and ``lora_b``
+(s, r, K, H), slice ``i`` being projection ``i``'s A and B with its own scale. The parameters, the function
+and each factor's gradient are PEFT's; every other module goes through Qwix unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import string
+from collections import defaultdict
+
+import jax
+import jax.numpy as jnp
+import qwix
+from flax import nnx
+
+# Qwix 0.1.x keeps its einsum interception and parameter creation private; gemport pins qwix<0.2.
+from qwix._src.providers import lora as qwix_lora
+from qwix._src.providers import ptq
+from qwix._src.utils import flax_util
+
+from gemport.errors import LoraError
+from gemport.lora.config import LoraSpec
+from gemport.lora.layout import Adapter, LoraLayout
+from gemport.specs import GemmaSpec
+
+
+def lora_a_init(init: str, ranks: tuple[int, ...], separate: bool):
+    """A JAX initializer for ``lora_a`` of shape (s?, *in_axes, r), per ``LoraSpec.init``.
+
+    fan_in is the product of the input axes (the HF projection's input width). With separate factors of
+    different ranks, the columns past a projection's own rank start (and, having no gradient, stay) zero.
+    """
+
+    def initializer(key, shape, dtype=jnp.float32):
+        lead = 1 if separate else 0
+        fan_in = math.prod(shape[lead:-1])
+        if init == "gaussian":
+            std = jnp.asarray([1.0 / r for r in ranks], dtype).reshape((-1,) + (1,) * (len(shape) - lead))
+            value = jax.random.normal(key, shape, dtype) * (std if separate else std[0])
+        else:
+            bound = 1.0 / math.sqrt(fan_in) if init == "peft" else math.sqrt(6.0 / fan_in)
+            value = jax.random.uniform(key, shape, dtype, -bound, bound)
+        if separate and len(set(ranks)) > 1:
+            used = jnp.arange(shape[-1]) < jnp.asarray(ranks)[:, None]
+            value = value * used.reshape((len(ranks),) + (1,) * (len(shape) - 2) + (shape[-1],)).astype(dtype)
+        return value
+
+    return initializer
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Rule(qwix.LoraRule):
+    """A Qwix LoRA rule; with ``stack`` set, the matched einsum's weight axis ``stack`` gets separate factors.
+
+    Attributes:
+      stack: index of the stacking axis ``s`` in the weight (0 for kv_einsum), or None for Qwix's own LoRA.
+      scales: each projection's scale, for separate factors.
+    """
+
+    stack: int | None = None
+    scales: tuple[float, ...] = ()
+
+
+class Provider(qwix.LoraProvider):
+    """``qwix.LoraProvider`` that gives fused modules one A and one B per projection (see the module doc)."""
+
+    def einsum(self, einsum_str, *operands, **kwargs):
+        rule, _ = self._get_current_rule_and_op_id("einsum", only_rule=True)
+        if not (isinstance(rule, Rule) and rule.stack is not None):
+            return super().einsum(einsum_str, *operands, **kwargs)
+        result = ptq.PtqProvider.einsum(self, einsum_str, *operands, **kwargs)
+        lhs, rhs = operands
+        name = flax_util.find_param(rhs, ptq.WithAux)
+        if name is None:
+            return result
+        if "..." in einsum_str:
+            raise LoraError(f"{einsum_str!r}: separate LoRA factors need an einsum without ellipsis")
+        x_axes, rest = einsum_str.replace(" ", "").split(",")
+        w_axes, out_axes = rest.split("->")
+        s = w_axes[rule.stack]
+        r = sorted(set(string.ascii_letters) - set(einsum_str))[0]
+        a_idx = [i for i, c in enumerate(w_axes) if c in x_axes]
+        b_idx = [i for i, c in enumerate(w_axes) if c not in x_axes and i != rule.stack]
+        a_axes = s + "".join(w_axes[i] for i in a_idx) + r
+        b_axes = s + r + "".join(w_axes[i] for i in b_idx)
+        stack = rhs.shape[rule.stack]
+        flax_util.get_current_module().__setattr__(name + "_lora_einsum_str", f"{x_axes},{a_axes},{b_axes}->{out_axes}")
+        lora_a, lora_b = qwix_lora._get_or_create_lora_params(
+            name=name,
+            rule=rule,
+            a_shape=(stack, *(rhs.shape[i] for i in a_idx), rule.rank),
+            b_shape=(stack, rule.rank, *(rhs.shape[i] for i in b_idx)),
+            a_sharding_transpose=(rule.stack, *a_idx, None),
+            b_sharding_transpose=(rule.stack, None, *b_idx),
+        )
+        if rule.dropout > 0:
+            # PEFT drops out each projection's input independently.
+            lhs = nnx.Dropout(rule.dropout, deterministic=False)(
+                jnp.broadcast_to(lhs, (stack, *lhs.shape)), rngs=flax_util.make_rng("dropout")
+            )
+            x_axes = s + x_axes
+        delta = jnp.einsum(f"{x_axes},{a_axes},{b_axes}->{out_axes}", lhs, lora_a, lora_b, **kwargs)
+        scales = jnp.asarray(rule.scales, delta.dtype).reshape(
+            tuple(stack if c == s else 1 for c in out_axes)
+        )
+        return result + delta * scales
+
+
+def _alternation(paths: list[str]) -> str:
+    """A regex matching exactly ``paths``, with layer indices grouped: ``layers/(?:0|5)/attn/q_einsum``."""
+    layers: dict[str, list[str]] = defaultdict(list)
+    for path in paths:
+        _, layer, rest = path.split("/", 2)
+        layers[rest].append(layer)
+    return "|".join(f"layers/(?:{'|'.join(idx)})/{re.escape(rest)}" for rest, idx in layers.items())
+
+
+def _rule_key(adapter: Adapter):
+    stack = adapter.weight_axes.index("s") if adapter.separate else None
+    return adapter.rank, adapter.ranks, adapter.scales, stack
+
+
+def provider(layout: LoraLayout) -> Provider:
+    """The Qwix provider whose rules create exactly ``layout``'s factors, each module with its own scale.
+
+    Module paths are anchored (``layers/(?:0|1)/attn/q_einsum``), so they never reach a vision encoder.
+    Modules that differ in rank, per-projection ranks, scales or factor form get separate rules.
+    """
+    lora_spec = layout.lora_spec
+    groups: dict[tuple, list[str]] = defaultdict(list)
+    for adapter in layout:
+        groups[_rule_key(adapter)].append(adapter.qwix_path)
+    rules = []
+    for (rank, ranks, scales, stack), paths in groups.items():
+        rules.append(Rule(
+            module_path=_alternation(paths),
+            rank=rank,
+            alpha=scales[0] * rank,
+            dropout=lora_spec.dropout,
+            lora_a_initializer=lora_a_init(lora_spec.init, ranks, stack is not None),
+            stack=stack,
+            scales=scales,
+        ))
+    return Provider(rules)
+
+
+def apply_lora(model, spec: GemmaSpec, lora_spec: LoraSpec, state=None, *, seed: int = 0):
+    """LoRA on a Tunix Gemma model per ``lora_spec``; returns the new model (the input is not modified).
+
+    Runs ``qwix.apply_lora_to_model`` with `provider` on a dummy batch; fresh factors start per
+    ``lora_spec.init`` from ``seed``. Each factor carries its base weight's sharding annotation with the rank
+    axis unsharded (`LoraLayout.specs`), and on a mesh is placed accordingly. With ``state`` (e.g. from
+    `gemport.checkpoint.import_peft`), the LoRA params are then set to it.
+
+    Raises:
+      LoraError: ``state`` lacks a factor of the layout or has one of another shape.
+    """
+    layout = LoraLayout(spec, lora_spec)
+    tokens = jnp.zeros((1, 2), jnp.int32)
+    positions = jnp.arange(2)[None]
+    mask = jnp.tril(jnp.ones((1, 2, 2), bool))
+    lora_model = qwix.apply_lora_to_model(model, provider(layout), tokens, positions, None, mask,
+                                          rngs=nnx.Rngs(seed))
+    if state is not None:
+        _check_state(state, layout)
+        nnx.update(lora_model, state)
+    return lora_model
+
+
+def _check_state(state, layout: LoraLayout) -> None:
+    want = layout.shapes()
+    got = {".".join(map(str, path)): tuple(var.get_value().shape if isinstance(var, nnx.Variable) else var.shape)
+           for path, var in nnx.to_flat_state(state)}
+    for name, shape in got.items():
+        if name not in want:
+            raise LoraError(f"state has {name!r}, which {layout.lora_spec} puts nowhere on this {layout.spec.family} model")
+        if shape != want[name]:
+            raise LoraError(
+                f"state's {name!r} has shape {list(shape)}, but the layout needs {list(want[name])}; the state was "
+                "made for another LoraSpec (rank, rank_pattern or fused) or model"
+            )
+    missing = sorted(set(want) - set(got))
+    if missing:
+        raise LoraError(
+            f"state has no {missing[0]!r} (and {len(missing) - 1} more) that {layout.lora_spec} puts on this "
+            "model; was it trained with this LoraSpec?"
+        )
