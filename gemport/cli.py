@@ -135,6 +135,21 @@ def verify(args) -> int:
     return 0 if report.ok else 1
 
 
+def parity(args) -> int:
+    from gemport.parity import Tolerances, read_recipe, trajectory
+
+    sft, lora = read_recipe(args.config)
+    if args.lora_config:
+        lora = args.lora_config
+    if not lora:
+        raise GemportError(f"{args.config}: no lora_r/lora_target_modules; pass --lora-config adapter_config.json")
+    port = read_recipe(args.port_config)[0] if args.port_config else None
+    report = trajectory(args.base, args.data, sft_config=sft, lora_config=lora, steps=args.steps,
+                        port_sft_config=port, tolerances=Tolerances(loss=args.rtol, grad_norm=args.rtol))
+    print(report.table())
+    return 0 if report.ok else 1
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gemport", description="Port Gemma LoRA fine-tuning between HF and Tunix.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -203,6 +218,20 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--seq-len", type=int, default=16, help="tokens per row (default 16)")
     c.add_argument("--atol", type=float, default=1e-4, help="max-abs tolerance (default 1e-4)")
     c.set_defaults(run=verify)
+
+    c = sub.add_parser("parity", help="the GPU recipe (TRL + PEFT) and the port, step by step, on CPU",
+                       description="Train N steps of the recipe with TRL's SFTTrainer + PEFT on torch and with "
+                                   "Tunix + gemport.train from the same step-0 adapter, float32 on CPU, and print "
+                                   "lr, loss and grad_norm of both per step. Exit status 1 on a disagreement "
+                                   "beyond --rtol, naming the first step and quantity.")
+    c.add_argument("base", help="an HF Gemma checkpoint (or a miniature of it) with its tokenizer")
+    c.add_argument("data", help="a sample of the training data (.jsonl/.json/.parquet, TRL's formats)")
+    c.add_argument("--config", required=True, help="the recipe: YAML/JSON of SFTConfig fields, as `trl sft --config`")
+    c.add_argument("--lora-config", help="PEFT adapter_config.json (default: lora_* fields of --config)")
+    c.add_argument("--port-config", help="the port's SFTConfig, if it differs from --config")
+    c.add_argument("--steps", type=int, help="optimizer steps (default: max_steps of --config)")
+    c.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance on loss and grad_norm (default 1e-4)")
+    c.set_defaults(run=parity)
     return p
 
 

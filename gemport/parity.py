@@ -1,0 +1,233 @@
+"""Prove the port before the TPU hours: the GPU recipe and the port, step by step, on CPU.
+
+``trajectory`` runs N steps of the recipe as the GPU side runs it (TRL's ``SFTTrainer`` + PEFT on torch)
+and of the port (Tunix + ``gemport.train``) from the same step-0 adapter, on the user's own ``SFTConfig`` /
+``LoraConfig`` and a sample of their data, and compares the learning rate, loss and grad_norm of every
+step. Both sides run in float32 on CPU: a disagreement is a difference in what is computed, not in
+precision.
+"""
+
+import dataclasses
+import json
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import NamedTuple
+
+from gemport.errors import GemportError, OptimizerConfigError
+
+# What the comparison fixes on the GPU side whatever the recipe says: one process on CPU, float32, a log
+# line per step, nothing written.
+_GPU_OVERRIDES = dict(logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False, fp16=False,
+                      dataloader_num_workers=0, push_to_hub=False)
+# TRL's ModelConfig names for the LoRA fields of a `trl sft --config` file.
+_TRL_LORA = {"lora_r": "r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
+             "lora_target_modules": "target_modules", "use_rslora": "use_rslora"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerances:
+    """Relative tolerances per step: loss, grad_norm, learning rate."""
+
+    loss: float = 1e-4
+    grad_norm: float = 1e-4
+    learning_rate: float = 1e-6
+
+
+class StepRow(NamedTuple):
+    """One step on both sides: HF's logged learning rate, loss and grad_norm, and the port's."""
+
+    step: int
+    learning_rate_gpu: float
+    learning_rate_port: float
+    loss_gpu: float
+    loss_port: float
+    grad_norm_gpu: float
+    grad_norm_port: float
+
+
+def _relative(a, b):
+    return abs(a - b) / max(abs(a), 1e-12) if a != b else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Trajectory:
+    """The compared steps and the tolerances; ``ok`` and ``first_disagreement`` judge them."""
+
+    rows: tuple
+    tolerances: Tolerances
+
+    def disagreements(self):
+        """Every (step, quantity, gpu, port, relative difference) beyond its tolerance, in step order."""
+        found = []
+        for row in self.rows:
+            for name, tolerance in (("learning_rate", self.tolerances.learning_rate),
+                                    ("loss", self.tolerances.loss), ("grad_norm", self.tolerances.grad_norm)):
+                gpu, port = getattr(row, f"{name}_gpu"), getattr(row, f"{name}_port")
+                rel = _relative(gpu, port)
+                if not rel <= tolerance:
+                    found.append((row.step, name, gpu, port, rel))
+        return found
+
+    @property
+    def ok(self):
+        return not self.disagreements()
+
+    def first_disagreement(self):
+        """A sentence naming the first step and quantity that disagree, or None."""
+        found = self.disagreements()
+        if not found:
+            return None
+        step, name, gpu, port, rel = found[0]
+        tolerance = getattr(self.tolerances, name)
+        return f"step {step}: {name} {port:.6g} (port) vs {gpu:.6g} (GPU recipe), relative {rel:.2e} > {tolerance:g}"
+
+    def table(self):
+        """The per-step table: learning rate, loss and grad_norm on both sides, relative differences."""
+        lines = [f"{'step':>4} {'lr':>10} {'loss GPU':>11} {'loss port':>11} {'rel':>8} "
+                 f"{'grad_norm GPU':>13} {'grad_norm port':>14} {'rel':>8}"]
+        for r in self.rows:
+            lines.append(f"{r.step:>4} {r.learning_rate_gpu:>10.3e} {r.loss_gpu:>11.6f} {r.loss_port:>11.6f} "
+                         f"{_relative(r.loss_gpu, r.loss_port):>8.1e} {r.grad_norm_gpu:>13.6f} "
+                         f"{r.grad_norm_port:>14.6f} {_relative(r.grad_norm_gpu, r.grad_norm_port):>8.1e}")
+        verdict = self.first_disagreement()
+        lines.append("agree within " + ", ".join(f"{k} {v:g}" for k, v in dataclasses.asdict(self.tolerances).items())
+                     if verdict is None else f"DISAGREE at {verdict}")
+        return "\n".join(lines)
+
+    def __str__(self):
+        return self.table()
+
+
+def read_recipe(path):
+    """(SFTConfig fields, LoRA fields) from a YAML or JSON file as ``trl sft --config`` takes it.
+
+    SFTConfig fields are kept as they are; TRL's ModelConfig LoRA fields (``lora_r``, ``lora_alpha``,
+    ``lora_dropout``, ``lora_target_modules``, ``use_rslora``) become ``peft.LoraConfig`` fields; model,
+    dataset and PEFT switches (``model_name_or_path``, ``dataset_name``, ``use_peft``, ...) are dropped.
+    """
+    path = Path(path)
+    text = path.read_text()
+    if path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        fields = yaml.safe_load(text)
+    else:
+        fields = json.loads(text)
+    if not isinstance(fields, Mapping):
+        raise OptimizerConfigError(f"{path}: expected a mapping of SFTConfig fields")
+    from trl import SFTConfig
+
+    names = {f.name for f in dataclasses.fields(SFTConfig)}
+    sft = {k: v for k, v in fields.items() if k in names}
+    lora = {_TRL_LORA[k]: v for k, v in fields.items() if k in _TRL_LORA}
+    return sft, lora
+
+
+def _sft_config(config, overrides):
+    from trl import SFTConfig
+
+    if isinstance(config, (str, Path)):
+        config = read_recipe(config)[0]
+    if isinstance(config, Mapping):
+        return SFTConfig(**{**config, **overrides})
+    return dataclasses.replace(config, **overrides)
+
+
+def _lora_config(config):
+    import peft
+
+    if isinstance(config, (str, Path)):
+        path = Path(config)
+        config = json.loads((path / "adapter_config.json" if path.is_dir() else path).read_text())
+    if isinstance(config, Mapping):
+        names = {f.name for f in dataclasses.fields(peft.LoraConfig)}
+        config = peft.LoraConfig(**{k: v for k, v in config.items() if k in names and k != "peft_type"})
+    if config.lora_dropout:
+        raise OptimizerConfigError(
+            f"LoraConfig.lora_dropout={config.lora_dropout}: dropout draws random masks that differ between "
+            "torch and JAX; compare with lora_dropout=0 (the rest of the recipe unchanged)"
+        )
+    return config
+
+
+def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer=None, chat_format=None,
+               port_sft_config=None, tolerances=Tolerances(), progress=True):
+    """Run the GPU recipe and the port for the same steps from the same step-0 adapter; a ``Trajectory``.
+
+    base_dir: an HF Gemma checkpoint (the real one, or a miniature of it) with its tokenizer, unless
+        ``tokenizer`` is given. data: TRL SFT records (messages, prompt/completion or text) or a file
+        of them (``masks.formats.read``). sft_config: ``SFTConfig``, a dict of its fields, or a
+        YAML/JSON path (``read_recipe``); ``max_steps`` is set to ``steps`` when given; float32 on CPU,
+        one log line per step and no checkpoints are imposed on the GPU side. lora_config:
+        ``peft.LoraConfig``, a dict, or an ``adapter_config.json`` (or its directory); dropout must be 0.
+    port_sft_config: the port's SFTConfig if it differs (default: the same), e.g. to see a broken port.
+    chat_format: the port's rendering (default: from the tokenizer's template). With
+        ``assistant_only_loss`` and a Gemma 4 template without generation markers (TRL refuses those),
+        both sides use ``masks.training_template.gemma4_training_template()``.
+
+    The GPU side is TRL's ``SFTTrainer`` on a ``get_peft_model`` of ``base_dir`` (PEFT's initialisation
+    under ``torch.manual_seed(seed)``); that adapter is imported into Tunix (``import_peft``) and trained
+    with ``train.from_sft_config`` batches, ``train.hf_optimizer`` and ``train.train_step``.
+    """
+    import jax
+    import peft
+    import torch
+    import transformers
+    from flax import nnx
+    from tqdm.auto import tqdm
+    from trl import SFTTrainer
+    from trl.chat_template_utils import has_generation_markers
+
+    from gemport import train
+    from gemport.checkpoint import import_peft, load_tunix_model
+    from gemport.lora import apply_lora
+    from gemport.masks import formats
+    from gemport.masks.training_template import gemma4_training_template
+    from gemport.specs import GemmaSpec
+
+    records = list(formats.read(data)) if isinstance(data, (str, Path)) else list(data)
+    lora = _lora_config(lora_config)
+    with tempfile.TemporaryDirectory(prefix="gemport-parity-") as work:
+        work = Path(work)
+        overrides = dict(_GPU_OVERRIDES, output_dir=str(work / "trl"))
+        if steps is not None:
+            overrides["max_steps"] = steps
+        gpu_config = _sft_config(sft_config, overrides)
+        port_config = gpu_config if port_sft_config is None else _sft_config(port_sft_config, overrides)
+        if gpu_config.max_steps is None or gpu_config.max_steps <= 0:
+            raise OptimizerConfigError("trajectory: set max_steps in the SFTConfig or pass steps=")
+        tokenizer = tokenizer or transformers.AutoTokenizer.from_pretrained(base_dir)
+        template = getattr(tokenizer, "chat_template", None) or ""
+        if gpu_config.assistant_only_loss and "<|turn>" in template and not has_generation_markers(template):
+            tokenizer.chat_template = gemma4_training_template()
+
+        torch.manual_seed(gpu_config.seed)
+        model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32,
+                                                                  attn_implementation="eager")
+        model = peft.get_peft_model(model, lora)
+        model.save_pretrained(work / "adapter0")
+        import datasets
+
+        trainer = SFTTrainer(model=model, args=gpu_config, train_dataset=datasets.Dataset.from_list(records),
+                             processing_class=tokenizer)
+        trainer.train()
+        logs = [e for e in trainer.state.log_history if "loss" in e and "grad_norm" in e]
+
+        spec = GemmaSpec.from_hf(base_dir)
+        lora_spec, state = import_peft(work / "adapter0", spec)
+        port = apply_lora(load_tunix_model(base_dir), spec, lora_spec, state)
+        pipeline = train.from_sft_config(port_config, tokenizer, chat_format=chat_format)
+        examples, _ = pipeline.examples(records, tokenizer, progress=False)
+        hf = train.hf_optimizer(port_config, num_training_steps=port_config.max_steps)
+        optimizer = nnx.Optimizer(port, hf.tx, wrt=nnx.LoRAParam)
+        step = train.train_step(wrt=nnx.LoRAParam)
+        rows = []
+        for (s, batch), log in tqdm(zip(pipeline.batches(examples), logs), total=len(logs), desc="port",
+                                    disable=not progress):
+            metrics = jax.device_get(step(port, optimizer, batch))
+            rows.append(StepRow(s.step, float(log["learning_rate"]), float(hf.schedule(s.step)), float(log["loss"]),
+                                float(metrics.loss), float(log["grad_norm"]), float(metrics.grad_norm)))
+    if not rows:
+        raise GemportError("trajectory: the GPU recipe logged no step; is the data empty?")
+    return Trajectory(tuple(rows), tolerances)

@@ -1,0 +1,63 @@
+"""gemport.parity.trajectory and `gemport parity`: TRL SFTTrainer + PEFT against the port, step by step."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from gemport.errors import OptimizerConfigError
+from gemport.parity import Tolerances, Trajectory, StepRow, trajectory
+from test_train_sft import chats, tokenizer
+
+RECIPE = dict(assistant_only_loss=True, max_length=128, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+              max_steps=4, learning_rate=5e-3, weight_decay=0.1, max_grad_norm=0.5, lr_scheduler_type="cosine",
+              warmup_steps=1, seed=3, lora_r=4, lora_alpha=8, lora_dropout=0.0,
+              lora_target_modules=["q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
+@pytest.fixture(scope="module")
+def recipe(hf_checkpoint, tmp_path_factory):
+    """A tiny Gemma 4 with a tokenizer, a data sample and the recipe as `trl sft --config` files."""
+    _, base = hf_checkpoint("gemma4_mesh")
+    root = tmp_path_factory.mktemp("parity")
+    shutil.copytree(base, root / "base")
+    tokenizer().save_pretrained(root / "base")
+    (root / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chats()))
+    (root / "recipe.yaml").write_text(yaml.safe_dump({**RECIPE, "model_name_or_path": "unused", "use_peft": True}))
+    (root / "broken.yaml").write_text(yaml.safe_dump({**RECIPE, "assistant_only_loss": False}))
+    return root
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "gemport", "parity", *map(str, args)], capture_output=True,
+                          text=True, timeout=900)
+
+
+def test_cli_recipe_agrees_and_prints_the_table(recipe):
+    done = run_cli(recipe / "base", recipe / "data.jsonl", "--config", recipe / "recipe.yaml")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[-1].startswith("agree within loss 0.0001")
+    assert [line.split()[0] for line in lines[-5:-1]] == ["0", "1", "2", "3"]
+
+
+def test_cli_broken_port_exits_1_naming_step_0_and_the_loss(recipe):
+    done = run_cli(recipe / "base", recipe / "data.jsonl", "--config", recipe / "recipe.yaml",
+                   "--port-config", recipe / "broken.yaml")
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "DISAGREE at step 0: loss" in done.stdout.splitlines()[-1]
+
+
+def test_lora_dropout_and_missing_steps_are_refused(recipe):
+    with pytest.raises(OptimizerConfigError, match="lora_dropout"):
+        trajectory(recipe / "base", chats(), sft_config={}, lora_config={"r": 4, "lora_dropout": 0.1})
+
+
+def test_the_verdict_names_the_first_quantity_beyond_tolerance():
+    rows = (StepRow(0, 0.0, 0.0, 2.0, 2.0, 1.0, 1.0), StepRow(1, 1e-3, 1e-3, 1.9, 1.9, 1.0, 1.01))
+    report = Trajectory(rows, Tolerances())
+    assert not report.ok and report.first_disagreement().startswith("step 1: grad_norm 1.01 (port) vs 1 (GPU")
+    assert Trajectory(rows[:1], Tolerances()).ok
