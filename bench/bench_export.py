@@ -28,7 +28,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from synthetic import spec_31b, write_checkpoint  # noqa: E402
 
-from gemport.lora import LoraSpec, targets  # noqa: E402
+from gemport.lora import LoraLayout, LoraSpec  # noqa: E402
 
 GIB = 2**30
 
@@ -83,10 +83,8 @@ def run(who: str, base: Path, adapter: Path, out: Path, rank: int, repeats: int)
 def write_adapter(path: Path, layers: int, rank: int) -> None:
     rng = np.random.default_rng(0)
     params = {}
-    for t in targets(spec_31b(layers), LoraSpec(rank, 2.0 * rank).targets):
-        a_shape, b_shape = t.shapes(rank)
-        params[t.lora_a] = rng.normal(0, 0.01, a_shape).astype(np.float32)
-        params[t.lora_b] = rng.normal(0, 0.01, b_shape).astype(np.float32)
+    for name, shape in LoraLayout(spec_31b(layers), LoraSpec(rank, 2.0 * rank)).shapes().items():
+        params[name] = rng.normal(0, 0.01, shape).astype(np.float32)
     np.savez(path, **params)
 
 

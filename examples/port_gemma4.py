@@ -91,8 +91,7 @@ def main(argv=None) -> int:
 
     from gemport import MeshError, masks, train
     from gemport.checkpoint import export_merged, export_peft, load_tunix_model, save_lora_spec
-    from gemport.lora import LoraSpec, apply_lora
-    from gemport.lora import targets as lora_targets
+    from gemport.lora import LoraLayout, LoraSpec, apply_lora
     from gemport.mesh import make_mesh, valid_meshes
     from gemport.sharding import audit, fix_lora
     from gemport.specs import GemmaSpec
@@ -128,7 +127,7 @@ def main(argv=None) -> int:
     step(3, "Load the base into Tunix, add LoRA from the PEFT config")
     with jax.set_mesh(mesh):
         model = load_tunix_model(base, mesh=mesh, dtype=jnp.float32)
-        hit = sorted({t.module.rsplit(".", 1)[-1] for t in lora_targets(spec, lora_spec.targets)})
+        hit = sorted({a.module.rsplit(".", 1)[-1] for a in LoraLayout(spec, lora_spec)})
         print(f"PEFT {PEFT_CONFIG['target_modules']} r={lora_spec.rank} alpha={lora_spec.alpha} -> Qwix on {hit}")
         model = apply_lora(model, spec, lora_spec)
         for change in fix_lora(model, mesh):

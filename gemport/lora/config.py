@@ -38,11 +38,18 @@ class LoraSpec:
       targets: PEFT target module names, a subset of ``PROJECTIONS``.
       rslora: PEFT's ``use_rslora``.
       dropout: PEFT's ``lora_dropout``. Qwix applies it on every call, evaluation included.
-      fused: how a Tunix module fusing several targets (``kv_einsum``, ``qkv_einsum``) holds them:
-        ``"separate"``, one A and one B per projection, as PEFT trains them; ``"shared"``, one A for all of
-        them (what plain Qwix LoRA trains).
-      init: how fresh factors start: ``"peft"`` (PEFT's default) or ``"gaussian"``.
-      rank_pattern, alpha_pattern: PEFT's per-module ranks and alphas, as ``(pattern, value)`` pairs.
+      fused: how a Tunix module fusing several targets (``kv_einsum`` = k_proj + v_proj, ``qkv_einsum``)
+        holds them. ``"separate"`` (default): one A and one B per projection, as PEFT trains them
+        (``lora_a`` (s, D, r), ``lora_b`` (s, r, K, H)): the same function, parameters and gradients as
+        PEFT. ``"shared"``: Qwix's own form, one adapter whose A is shared by the projections (fewer
+        parameters, a different family of adapters than PEFT's); for checkpoints trained with plain Qwix.
+      init: how a fresh adapter starts; B is always zero. ``"peft"`` (PEFT's default
+        ``init_lora_weights=True``): A uniform in +-1/sqrt(fan_in), nn.Linear's kaiming-uniform with
+        a=sqrt(5); ``"gaussian"`` (PEFT's ``"gaussian"``): A normal with std 1/r. fan_in is the HF
+        projection's input width.
+      rank_pattern, alpha_pattern: PEFT's per-module ranks and alphas, ``((key, value), ...)`` (a dict is
+        accepted), matched against HF module names as PEFT matches them: the first key ``k`` for which
+        ``(.*\\.)?(k)$`` matches the name.
     """
 
     rank: int
@@ -69,9 +76,19 @@ class LoraSpec:
         if self.init not in ("peft", "gaussian"):
             raise LoraError(f"init={self.init!r}: expected 'peft' or 'gaussian'")
         object.__setattr__(self, "targets", tuple(p for p in PROJECTIONS if p in self.targets))
-        object.__setattr__(self, "rank_pattern", tuple((str(k), int(v)) for k, v in dict(self.rank_pattern).items()))
-        object.__setattr__(self, "alpha_pattern",
-                           tuple((str(k), float(v)) for k, v in dict(self.alpha_pattern).items()))
+        for field, kind in (("rank_pattern", int), ("alpha_pattern", float)):
+            pairs = tuple(dict(getattr(self, field)).items())
+            for key, value in pairs:
+                if kind is int and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                    raise LoraError(f"{field}[{key!r}] = {value!r}: a LoRA rank is a positive integer")
+                if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value)):
+                    raise LoraError(f"{field}[{key!r}] = {value!r}: lora_alpha is a finite number")
+                try:
+                    re.compile(key)
+                except (re.error, TypeError):
+                    raise LoraError(f"{field} key {key!r} is not a regex PEFT can match") from None
+            object.__setattr__(self, field, tuple((k, kind(v)) for k, v in pairs))
 
     @property
     def scale(self) -> float:

@@ -46,7 +46,7 @@ def lora_a_init(init: str, ranks: tuple[int, ...], separate: bool):
             std = jnp.asarray([1.0 / r for r in ranks], dtype).reshape((-1,) + (1,) * (len(shape) - lead))
             value = jax.random.normal(key, shape, dtype) * (std if separate else std[0])
         else:
-            bound = 1.0 / math.sqrt(fan_in) if init == "peft" else math.sqrt(6.0 / fan_in)
+            bound = 1.0 / math.sqrt(fan_in)
             value = jax.random.uniform(key, shape, dtype, -bound, bound)
         if separate and len(set(ranks)) > 1:
             used = jnp.arange(shape[-1]) < jnp.asarray(ranks)[:, None]
