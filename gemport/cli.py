@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 from gemport.errors import CheckpointError, GemportError, LoraError, MeshError
@@ -136,7 +137,7 @@ def verify(args) -> int:
 
 
 def parity(args) -> int:
-    from gemport.parity import Tolerances, read_recipe, trajectory
+    from gemport.parity import Tolerances, miniature, read_recipe, trajectory
 
     sft, lora = read_recipe(args.config)
     if args.lora_config:
@@ -144,8 +145,16 @@ def parity(args) -> int:
     if not lora:
         raise GemportError(f"{args.config}: no lora_r/lora_target_modules; pass --lora-config adapter_config.json")
     port = read_recipe(args.port_config)[0] if args.port_config else None
-    report = trajectory(args.base, args.data, sft_config=sft, lora_config=lora, steps=args.steps,
-                        port_sft_config=port, tolerances=Tolerances(loss=args.rtol, grad_norm=args.rtol))
+    with tempfile.TemporaryDirectory(prefix="gemport-miniature-") as work:
+        base, tokenizer = args.base, None
+        if args.miniature:
+            import transformers
+
+            tokenizer = transformers.AutoTokenizer.from_pretrained(args.base)
+            base = miniature(args.base, Path(work) / "miniature", vocab_size=args.vocab_size)
+            print(f"miniature of {args.base}: {base}")
+        report = trajectory(base, args.data, sft_config=sft, lora_config=lora, steps=args.steps, tokenizer=tokenizer,
+                            port_sft_config=port, tolerances=Tolerances(loss=args.rtol, grad_norm=args.rtol))
     print(report.table())
     return 0 if report.ok else 1
 
@@ -231,6 +240,10 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--port-config", help="the port's SFTConfig, if it differs from --config")
     c.add_argument("--steps", type=int, help="optimizer steps (default: max_steps of --config)")
     c.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance on loss and grad_norm (default 1e-4)")
+    c.add_argument("--miniature", action="store_true",
+                   help="run on a random miniature of BASE's architecture (6 layers, narrow, same heads and "
+                        "pattern) instead of its weights; BASE needs only config.json and the tokenizer")
+    c.add_argument("--vocab-size", type=int, help="the miniature's vocabulary (default: BASE's, so its tokenizer fits)")
     c.set_defaults(run=parity)
     return p
 

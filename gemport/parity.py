@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
 
-from gemport.errors import GemportError, OptimizerConfigError
+from gemport.errors import GemportError, OptimizerConfigError, SpecError
 
 # What the comparison fixes on the GPU side whatever the recipe says: one process on CPU, float32, a log
 # line per step, nothing written.
@@ -149,6 +149,62 @@ def _lora_config(config):
             "torch and JAX; compare with lora_dropout=0 (the rest of the recipe unchanged)"
         )
     return config
+
+
+def miniature(config, out_dir, *, num_layers=6, hidden_size=64, head_dim=16, sliding_window=64, vocab_size=None,
+              seed=0):
+    """Write a random HF checkpoint with the architecture of ``config``, in miniature, to ``out_dir``.
+
+    config: an HF checkpoint directory, a ``config.json`` path or its dict (a multimodal config's
+    ``text_config`` is used). Kept: the head counts (query, KV, global KV), k_eq_v, the activation, the
+    softcap, RoPE, and the sliding/global pattern of the first ``num_layers`` layers with the last one
+    global, as in every Gemma. Narrowed: ``hidden_size``, MLP width (2x hidden), ``head_dim`` (global heads
+    2x), ``sliding_window``, per-layer inputs and experts. ``vocab_size`` None keeps the vocabulary, so the
+    real tokenizer fits (the embedding is then vocab x hidden floats). Float32 weights from
+    ``torch.manual_seed(seed)``; written atomically. Returns ``out_dir`` as a Path.
+    """
+    import torch
+    import transformers
+
+    from gemport.checkpoint.output import atomic_dir
+    from gemport.jsonfile import read_json
+
+    if not isinstance(config, Mapping):
+        config = read_json(config, "config.json", SpecError, "an HF checkpoint directory or its config.json")
+    fields = dict(config.get("text_config") or config)
+    model_type = {"gemma4": "gemma4_text", "gemma3": "gemma3_text"}.get(fields.get("model_type"), fields.get("model_type"))
+    if model_type not in ("gemma4_text", "gemma3_text"):
+        raise SpecError(f"miniature: model_type {fields.get('model_type')!r} is not a Gemma 3 or Gemma 4 text model")
+    layer_types = list(fields.get("layer_types") or [])[:num_layers]
+    if layer_types:
+        layer_types[-1] = "full_attention"
+    fields.update(model_type=model_type, num_hidden_layers=num_layers, hidden_size=hidden_size,
+                  intermediate_size=2 * hidden_size, head_dim=head_dim, architectures=None,
+                  sliding_window=min(fields.get("sliding_window") or sliding_window, sliding_window))
+    if layer_types:
+        fields["layer_types"] = layer_types
+    if model_type == "gemma4_text":
+        fields["global_head_dim"] = 2 * head_dim
+        if fields.get("hidden_size_per_layer_input"):
+            fields["hidden_size_per_layer_input"] = 8
+        if fields.get("num_kv_shared_layers"):
+            fields["num_kv_shared_layers"] = min(fields["num_kv_shared_layers"], num_layers // 3)
+        if fields.get("enable_moe_block"):
+            fields.update(num_experts=min(fields["num_experts"], 4), top_k_experts=min(fields["top_k_experts"], 2),
+                          moe_intermediate_size=hidden_size // 2)
+    else:
+        fields["query_pre_attn_scalar"] = head_dim
+    if vocab_size is not None:
+        fields["vocab_size"] = vocab_size
+        if "vocab_size_per_layer_input" in fields:
+            fields["vocab_size_per_layer_input"] = vocab_size
+    fields = {k: v for k, v in fields.items() if v is not None}
+    cfg = transformers.CONFIG_MAPPING[model_type](**{k: v for k, v in fields.items() if k != "model_type"})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with atomic_dir(Path(out_dir)) as tmp:
+        model.save_pretrained(tmp)
+    return Path(out_dir)
 
 
 def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer=None, chat_format=None,

@@ -61,3 +61,28 @@ def test_the_verdict_names_the_first_quantity_beyond_tolerance():
     report = Trajectory(rows, Tolerances())
     assert not report.ok and report.first_disagreement().startswith("step 1: grad_norm 1.01 (port) vs 1 (GPU")
     assert Trajectory(rows[:1], Tolerances()).ok
+
+
+def test_cli_on_a_miniature_of_the_31b_config(recipe, tmp_path):
+    """Only config.json (the gemma4-31b preset's, real sizes) and a tokenizer: the run uses a miniature."""
+    from gemport.specs import GemmaSpec
+
+    real = tmp_path / "gemma-4-31b"
+    real.mkdir()
+    (real / "config.json").write_text(json.dumps(GemmaSpec.preset("gemma4-31b").to_hf_config()))
+    tokenizer().save_pretrained(real)
+    done = run_cli(real, recipe / "data.jsonl", "--config", recipe / "recipe.yaml", "--miniature", "--vocab-size", 256,
+                   "--steps", 3)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1].startswith("agree within")
+
+
+def test_miniature_keeps_the_head_structure_and_pattern(tmp_path):
+    from gemport.parity import miniature
+    from gemport.specs import GemmaSpec
+
+    full = GemmaSpec.preset("gemma4-31b")
+    mini = GemmaSpec.from_hf(miniature(full.to_hf_config(), tmp_path / "mini", vocab_size=128))
+    assert (mini.num_heads, mini.num_kv_heads, mini.global_kv_heads, mini.k_eq_v) == (
+        full.num_heads, full.num_kv_heads, full.global_kv_heads, full.k_eq_v)
+    assert mini.num_layers == 6 and mini.layers_of("global") == (5,) and mini.vocab == 128
