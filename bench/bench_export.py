@@ -37,8 +37,7 @@ import glob, json, os, resource, shutil, sys, time
 import numpy as np
 from safetensors.numpy import load_file, save_file
 from gemport.checkpoint import export_merged
-from gemport.checkpoint.adapters import match
-from gemport.lora import LoraSpec
+from gemport.lora import LoraLayout, LoraSpec
 from gemport.specs import GemmaSpec
 who, base, adapter, out, rank = sys.argv[1:6]
 params = dict(np.load(adapter))
@@ -51,7 +50,7 @@ else:
     state = {}
     for shard in sorted(glob.glob(base + "/*.safetensors")):
         state.update(load_file(shard))
-    for t, a, b in match(params, GemmaSpec.from_hf(base), lora_spec):
+    for t, a, b in LoraLayout(GemmaSpec.from_hf(base), lora_spec).match(params):
         for module, (A, B) in zip(t.hf_modules, t.to_peft(a, b)):
             key = "model." + module + ".weight"
             state[key] = (state[key].astype(np.float32) + B @ A * lora_spec.scale).astype(state[key].dtype)

@@ -14,9 +14,8 @@ import transformers
 from flax import nnx
 
 from gemport.checkpoint import HFCheckpoint, export_merged, export_peft, import_peft, load_tunix_model, lora_params
-from gemport.checkpoint.adapters import match
 from gemport.checkpoint.safetensors import SafetensorsFile
-from gemport.lora import PROJECTIONS, LoraSpec, apply_lora
+from gemport.lora import PROJECTIONS, LoraLayout, LoraSpec, apply_lora
 from gemport.specs import GemmaSpec
 from gemport.verify import tunix_logits
 
@@ -31,7 +30,7 @@ def randomize_lora(model, seed=1):
 
 def hf_deltas(params, spec, lora_spec):
     """``{hf module: B @ A * scale}`` of Qwix LoRA params."""
-    return {m: B @ A * lora_spec.scale for t, a, b in match(params, spec, lora_spec)
+    return {m: B @ A * lora_spec.scale for t, a, b in LoraLayout(spec, lora_spec).match(params)
             for m, (A, B) in zip(t.hf_modules, t.to_peft(np.asarray(a, np.float64), np.asarray(b, np.float64)))}
 
 

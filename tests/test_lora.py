@@ -152,3 +152,22 @@ def test_per_module_ranks_and_scales_follow_peft_patterns():
     assert len({(r.rank, r.scales) for r in rules}) == len(rules)
     with pytest.raises(LoraError, match="fused='separate'"):
         LoraLayout(spec, dataclasses.replace(lora_spec, fused="shared")).adapters
+
+
+@pytest.mark.parametrize("fused", ["separate", "shared"])
+@pytest.mark.parametrize("name", ["gemma4_dense", "gemma4_ple", "gemma3_1b", "gemma3_qkv"])
+def test_layout_is_what_qwix_builds(name, fused):
+    """LoraLayout's factor names and shapes are exactly the LoRA params apply_lora creates (shapes only)."""
+    from flax import nnx
+
+    from gemport.lora import apply_lora
+
+    spec = spec_of(name)
+    lora_spec = LoraSpec(3, 6.0, fused=fused, rank_pattern={"o_proj": 2})
+
+    def build():
+        return apply_lora(spec.tunix_model_class()(spec.to_tunix(), rngs=nnx.Rngs(0)), spec, lora_spec)
+
+    built = {".".join(map(str, p)): tuple(v.get_value().shape)
+             for p, v in nnx.to_flat_state(nnx.state(nnx.eval_shape(build), nnx.LoRAParam))}
+    assert built == LoraLayout(spec, lora_spec).shapes()

@@ -22,8 +22,8 @@ from gemport.errors import OptimizerConfigError
 from gemport.lora import apply_lora
 from gemport.specs import GemmaSpec
 
-# q_proj, o_proj and the MLP: no projection that Tunix fuses (k_proj/v_proj -> kv_einsum).
-TARGETS = ["q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# All seven projections: k_proj and v_proj land on Tunix's fused kv_einsum (k_einsum on k_eq_v layers).
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SEQ = 12
 N = 11  # 6 micro-batches of 2 per epoch, the last of one row; 3 optimizer steps per epoch
 STEPS = 8  # three epochs, each reseeding the sampler
@@ -137,11 +137,11 @@ def test_logged_loss_and_grad_norm_match_every_step(runs):
 
 
 def test_trained_adapters_agree(runs):
-    from gemport.checkpoint.adapters import match
+    from gemport.lora import LoraLayout
 
     params = {k: np.asarray(v, np.float64) for k, v in flat_params(runs.port.model, nnx.LoRAParam).items()}
     scale = runs.port.lora_spec.scale
-    for target, a, b in match(params, runs.port.spec, runs.port.lora_spec):
+    for target, a, b in LoraLayout(runs.port.spec, runs.port.lora_spec).match(params):
         for module, (A, B) in zip(target.hf_modules, target.to_peft(a, b)):
             (key,) = [k.removesuffix("A.default.weight") for k in runs.hf.state if k.endswith(f".{module}.lora_A.default.weight")]
             expected = runs.hf.state[key + "B.default.weight"] @ runs.hf.state[key + "A.default.weight"]

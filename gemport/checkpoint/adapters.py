@@ -16,16 +16,8 @@ from flax import nnx
 
 from gemport.checkpoint.load import flat_params
 from gemport.checkpoint.orbax import stored_tree
-from gemport.errors import (
-    CheckpointError,
-    CorruptFileError,
-    LoraError,
-    MissingTensorError,
-    ShapeMismatchError,
-    UnexpectedTensorError,
-)
-from gemport.lora import Adapter, LoraLayout, LoraSpec
-from gemport.specs import GemmaSpec
+from gemport.errors import CheckpointError, CorruptFileError, LoraError
+from gemport.lora import LoraSpec
 
 LORA_SPEC_FILE = "gemport_lora.json"
 PARAMS_DIR = "model_params"
@@ -127,45 +119,3 @@ def resolve(lora, lora_spec: LoraSpec | None, *, step: int | None = None) -> tup
             "record it when training with gemport.checkpoint.save_lora_spec(checkpoint_root, lora_spec)"
         )
     return lora_params(lora, step=step), lora_spec
-
-
-def match(params: dict[str, np.ndarray], spec: GemmaSpec, lora_spec: LoraSpec,
-          source: str = "adapter") -> list[tuple[Adapter, np.ndarray, np.ndarray]]:
-    """Pair each Tunix module that ``lora_spec`` targets on ``spec`` with its ``lora_a``, ``lora_b``.
-
-    Raises, naming the tensor: ``MissingTensorError`` for a targeted module without LoRA params,
-    ``UnexpectedTensorError`` for params no target explains (another model, or wrong targets),
-    ``ShapeMismatchError`` for shapes that do not fit the model or the spec's rank, and ``LoraError`` for
-    NaN or Inf.
-    """
-    found = LoraLayout(spec, lora_spec).adapters
-    known = {name for t in found for name in (t.lora_a, t.lora_b)}
-    extra = sorted(set(params) - known)
-    if extra:
-        raise UnexpectedTensorError(
-            f"{source}: {extra[0]!r} (and {len(extra) - 1} more) is not a LoRA param of this {spec.family} model "
-            f"with targets {list(lora_spec.targets)}; the adapter is for a different model or the LoraSpec's "
-            "targets are wrong"
-        )
-    out = []
-    for t in found:
-        for name in (t.lora_a, t.lora_b):
-            if name not in params:
-                raise MissingTensorError(
-                    f"{source}: no {name!r}, but targets {list(lora_spec.targets)} put LoRA on {t.module}; "
-                    "the LoraSpec does not match the training run"
-                )
-        a, b = params[t.lora_a], params[t.lora_b]
-        want_a, want_b = t.shapes
-        for name, array, want, axes in ((t.lora_a, a, want_a, t.a), (t.lora_b, b, want_b, t.b)):
-            if array.shape != want:
-                raise ShapeMismatchError(
-                    f"{source}: {name!r} has shape {list(array.shape)}, but the model and LoraSpec need "
-                    f"{list(want)} ({axes}; {', '.join(f'{x}={n}' for x, n in t.entry.sizes if x in axes)}, "
-                    f"r={t.rank}, fused={lora_spec.fused!r}); the adapter is for a different model, rank or "
-                    "fused form"
-                )
-            if not np.isfinite(array).all():
-                raise LoraError(f"{source}: {name!r} holds NaN or Inf; the training diverged, export an earlier step")
-        out.append((t, a, b))
-    return out

@@ -11,13 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemport.checkpoint.adapters import match, resolve
+from gemport.checkpoint.adapters import resolve
 from gemport.checkpoint.hf_dir import HFCheckpoint
 from gemport.checkpoint.load import matched_entries
 from gemport.checkpoint.output import atomic_dir, check_output, copy_side_files, write_sharded
 from gemport.checkpoint.safetensors import DTYPES, TensorInfo, TensorSource
 from gemport.errors import CorruptFileError
-from gemport.lora import LoraSpec
+from gemport.lora import LoraLayout, LoraSpec
 from gemport.specs import GemmaSpec
 
 # Float32 bytes of the rows merged at a time. Bounds memory whatever the tensor's size, and stays below glibc's
@@ -55,7 +55,7 @@ def export_merged(base_hf_dir: str | Path, lora, out_dir: str | Path, *, lora_sp
     ckpt = HFCheckpoint(base)
     prefix, _ = matched_entries(ckpt, spec)
     deltas = {}
-    for adapter, a, b in match(params, spec, lora_spec):
+    for adapter, a, b in LoraLayout(spec, lora_spec).match(params):
         for module, scale, (A, B) in zip(adapter.hf_modules, adapter.scales, adapter.to_peft(a, b)):
             deltas[f"{prefix}{module}.weight"] = (A.astype(np.float32), B.astype(np.float32) * np.float32(scale))
     ordered = sorted(ckpt.tensors.items(), key=lambda kv: (str(kv[1].file), kv[1].start))

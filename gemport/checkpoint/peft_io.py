@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from gemport import names
-from gemport.checkpoint.adapters import match, resolve
+from gemport.checkpoint.adapters import resolve
 from gemport.checkpoint.output import atomic_dir, check_output
 from gemport.checkpoint.safetensors import SafetensorsFile, TensorSource, write_file
 from gemport.errors import CheckpointError, LoraError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError
@@ -52,7 +52,7 @@ def export_peft(lora, out_dir: str | Path, *, spec: GemmaSpec, lora_spec: LoraSp
     out = check_output(out_dir, lora if isinstance(lora, (str, os.PathLike)) else None)
     params, lora_spec = resolve(lora, lora_spec, step=step)
     sources, ranks = [], []
-    for adapter, a, b in match(params, spec, lora_spec):
+    for adapter, a, b in LoraLayout(spec, lora_spec).match(params):
         for module, (A, B) in zip(adapter.hf_modules, adapter.to_peft(a, b)):
             key = PEFT_PREFIX + text_prefix + module
             sources.append(_source(key + ".lora_A.weight", A))

@@ -31,7 +31,7 @@ import einops
 import numpy as np
 
 from gemport import names
-from gemport.errors import LoraError
+from gemport.errors import LoraError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError
 from gemport.lora.config import PROJECTIONS, LoraSpec
 from gemport.specs import GemmaSpec
 
@@ -273,3 +273,42 @@ class LoraLayout:
     def peft_modules(self, text_prefix: str = "model.") -> dict[str, int]:
         """``{HF module name: PEFT rank}`` of every adapted projection, e.g. ``model.layers.0.self_attn.q_proj``."""
         return {text_prefix + m: r for a in self.adapters for m, r in zip(a.hf_modules, a.ranks)}
+
+    def match(self, params: dict, source: str = "adapter") -> list[tuple[Adapter, np.ndarray, np.ndarray]]:
+        """Pair each adapter with its ``lora_a``, ``lora_b`` in ``params`` (``{"layers.0...w_lora_a": array}``).
+
+        Raises, naming the tensor: ``MissingTensorError`` for a targeted module without LoRA params,
+        ``UnexpectedTensorError`` for params no target explains (another model, or wrong targets),
+        ``ShapeMismatchError`` for shapes that do not fit the model or the spec's rank, and ``LoraError`` for
+        NaN or Inf.
+        """
+        lora_spec = self.lora_spec
+        known = {name for a in self.adapters for name in (a.lora_a, a.lora_b)}
+        extra = sorted(set(params) - known)
+        if extra:
+            raise UnexpectedTensorError(
+                f"{source}: {extra[0]!r} (and {len(extra) - 1} more) is not a LoRA param of this {self.spec.family} "
+                f"model with targets {list(lora_spec.targets)}; the adapter is for a different model or the "
+                "LoraSpec's targets are wrong"
+            )
+        out = []
+        for t in self.adapters:
+            for name in (t.lora_a, t.lora_b):
+                if name not in params:
+                    raise MissingTensorError(
+                        f"{source}: no {name!r}, but targets {list(lora_spec.targets)} put LoRA on {t.module}; "
+                        "the LoraSpec does not match the training run"
+                    )
+            a, b = params[t.lora_a], params[t.lora_b]
+            for name, array, want, axes in ((t.lora_a, a, t.shapes[0], t.a), (t.lora_b, b, t.shapes[1], t.b)):
+                if tuple(array.shape) != want:
+                    raise ShapeMismatchError(
+                        f"{source}: {name!r} has shape {list(array.shape)}, but the model and LoraSpec need "
+                        f"{list(want)} ({axes}; {', '.join(f'{x}={n}' for x, n in t.entry.sizes if x in axes)}, "
+                        f"r={t.rank}, fused={lora_spec.fused!r}); the adapter is for a different model, rank or "
+                        "fused form"
+                    )
+                if not np.isfinite(np.asarray(array, np.float32)).all():
+                    raise LoraError(f"{source}: {name!r} holds NaN or Inf; the training diverged, export an earlier step")
+            out.append((t, a, b))
+        return out

@@ -161,7 +161,8 @@ def apply_lora(model, spec: GemmaSpec, lora_spec: LoraSpec, state=None, *, seed:
     `gemport.checkpoint.import_peft`), the LoRA params are then set to it.
 
     Raises:
-      LoraError: ``state`` lacks a factor of the layout or has one of another shape.
+      MissingTensorError, UnexpectedTensorError, ShapeMismatchError, LoraError: ``state`` does not hold
+        exactly the layout's factors, with their shapes and finite values (`LoraLayout.match`).
     """
     layout = LoraLayout(spec, lora_spec)
     tokens = jnp.zeros((1, 2), jnp.int32)
@@ -170,26 +171,7 @@ def apply_lora(model, spec: GemmaSpec, lora_spec: LoraSpec, state=None, *, seed:
     lora_model = qwix.apply_lora_to_model(model, provider(layout), tokens, positions, None, mask,
                                           rngs=nnx.Rngs(seed))
     if state is not None:
-        _check_state(state, layout)
+        layout.match({".".join(map(str, path)): getattr(var, "get_value", lambda v=var: v)()
+                      for path, var in nnx.to_flat_state(state)}, source="state")
         nnx.update(lora_model, state)
     return lora_model
-
-
-def _check_state(state, layout: LoraLayout) -> None:
-    want = layout.shapes()
-    got = {".".join(map(str, path)): tuple(var.get_value().shape if isinstance(var, nnx.Variable) else var.shape)
-           for path, var in nnx.to_flat_state(state)}
-    for name, shape in got.items():
-        if name not in want:
-            raise LoraError(f"state has {name!r}, which {layout.lora_spec} puts nowhere on this {layout.spec.family} model")
-        if shape != want[name]:
-            raise LoraError(
-                f"state's {name!r} has shape {list(shape)}, but the layout needs {list(want[name])}; the state was "
-                "made for another LoraSpec (rank, rank_pattern or fused) or model"
-            )
-    missing = sorted(set(want) - set(got))
-    if missing:
-        raise LoraError(
-            f"state has no {missing[0]!r} (and {len(missing) - 1} more) that {layout.lora_spec} puts on this "
-            "model; was it trained with this LoraSpec?"
-        )
