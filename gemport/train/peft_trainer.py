@@ -1,0 +1,158 @@
+"""Tunix's ``PeftTrainer`` taking HF Trainer steps: token-weighted accumulation, both loss scopes, exact resume.
+
+``PeftTrainer`` accumulates ``gradient_accumulation_steps`` micro-batches with ``optax.MultiSteps``, which
+averages each micro-batch's gradient with equal weight, and it never tells the loss how many targets the
+whole accumulated batch has. HF's Trainer divides every micro-batch's *summed* token loss by the targets
+of all of them (``num_items_in_batch``). The two agree when each micro-batch carries that count and its
+loss is ``A * summed / num_items_in_batch`` (A micro-batches a step): the mean MultiSteps takes is then
+``sum of summed losses / num_items_in_batch``, HF's gradient, and the mean of the A logged losses is HF's
+logged loss. ``micro_batches`` lays the data out that way; ``HFPeftTrainer`` sets the matching loss.
+
+On restart ``PeftTrainer`` restores the latest Orbax checkpoint (LoRA params, optimizer state with the
+schedule's count) and skips as many micro-batches as it had consumed; over a Grain ``MapDataset``, which
+yields the same elements in the same order on every pass, it continues exactly where it stopped.
+"""
+
+import grain
+import jax.numpy as jnp
+import numpy as np
+from tunix.sft import peft_trainer
+
+from gemport.checkpoint.adapters import save_lora_spec
+from gemport.errors import OptimizerConfigError
+from gemport.masks.loss import loss_scopes
+from gemport.masks.packing import tunix_inputs
+from gemport.optim.accumulation import AccumulateTokensState
+from gemport.train.step import BATCH_FIELDS
+
+NUM_ITEMS = "num_items_in_batch"
+"""The field every micro-batch carries: its optimizer step's target count, int32 [B] (one per row, so it
+shards with the rows)."""
+
+SCOPES = ("masked_loss", "full_sequence_loss")
+"""The loss scopes ``HFPeftTrainer`` logs beside ``loss``, train and eval (``masks.loss_scopes``): the
+targets of ``loss_mask`` (assistant-only under the default policy) and every token of its own segment."""
+
+
+def micro_batches(steps):
+    """A Grain ``MapDataset`` of PeftTrainer's micro-batches from optimizer steps' batches.
+
+    steps: the batches of successive optimizer steps, each mapping ``BATCH_FIELDS`` to arrays [A, B, T]
+        (``train.stack``, or ``SFTPipeline.batches``' second items), all of one shape; it is read once.
+
+    Element ``s * A + a`` is micro-batch ``a`` of step ``s``: ``BATCH_FIELDS`` [B, T] and ``NUM_ITEMS`` [B]
+    (the targets of the whole step). Give ``PeftTrainer`` ``gradient_accumulation_steps=A``. A held-out split
+    laid out as steps of A = 1 is an eval dataset.
+    """
+    steps = [{k: np.asarray(batch[k]) for k in BATCH_FIELDS} for batch in steps]
+    if not steps:
+        raise OptimizerConfigError("micro_batches: no optimizer step")
+    shapes = {batch["tokens"].shape for batch in steps}
+    if len(shapes) != 1 or len(next(iter(shapes))) != 3:
+        raise OptimizerConfigError(
+            f"micro_batches: step batches must all be [A, B, T]; got shapes {sorted(shapes)} (train.stack them "
+            "with one accumulation and rows)"
+        )
+    ((accumulation, rows, _),) = shapes
+    counts = [int(np.asarray(batch["loss_mask"])[:, :, 1:].sum()) for batch in steps]
+
+    def element(index):
+        s, a = divmod(index, accumulation)
+        out = {k: steps[s][k][a] for k in BATCH_FIELDS}
+        out[NUM_ITEMS] = np.full(rows, counts[s], np.int32)
+        return out
+
+    return grain.MapDataset.range(len(steps) * accumulation).map(element)
+
+
+def _scoped(logits, tokens, loss_mask, segment_ids):
+    # Each scope as [summed loss, targets], so micro-batches and eval batches combine weighted by targets.
+    scopes = loss_scopes(logits, tokens, loss_mask, segment_ids)
+    return {
+        "masked_loss": jnp.stack([scopes["masked"] * scopes["masked_targets"], scopes["masked_targets"]]),
+        "full_sequence_loss": jnp.stack(
+            [scopes["full_sequence"] * scopes["full_sequence_targets"], scopes["full_sequence_targets"]]),
+    }
+
+
+def _logits(model, tokens, loss_mask, segment_ids, positions):
+    inputs = tunix_inputs(tokens=tokens, loss_mask=loss_mask, segment_ids=segment_ids, positions=positions)
+    logits, _ = model(inputs["input_tokens"], inputs["positions"], None, inputs["attention_mask"])
+    return logits
+
+
+def hf_loss(accumulation):
+    """PeftTrainer's ``loss_fn`` (with ``has_aux=True``) for steps of ``accumulation`` (A) micro-batches.
+
+    Returns ``loss(model, tokens, loss_mask, segment_ids, positions, num_items_in_batch)``: tokens,
+    loss_mask, segment_ids, positions [B, T], as ``masks.pack`` / ``pad`` lay them out; num_items_in_batch
+    int32 [B], the step's targets (``micro_batches``). It returns (``A * summed target loss /
+    num_items_in_batch`` float32 [], this micro-batch's share of HF's loss; the scopes of ``SCOPES``, each
+    float32 [2] = [summed loss, targets]).
+    """
+
+    # Named parameters, not a partial: nnx.value_and_grad binds the batch's keywords to positions.
+    def loss(model, tokens, loss_mask, segment_ids, positions, num_items_in_batch):
+        logits = _logits(model, tokens, loss_mask, segment_ids, positions)
+        scopes = _scoped(logits, tokens, loss_mask, segment_ids)
+        total = jnp.maximum(jnp.max(num_items_in_batch), 1).astype(jnp.float32)
+        return scopes["masked_loss"][0] * accumulation / total, scopes
+
+    return loss
+
+
+def eval_loss(model, tokens, loss_mask, segment_ids, positions, **_):
+    """An eval batch's mean target loss (HF's ``eval_loss`` per batch) and the scopes of ``SCOPES``."""
+    logits = _logits(model, tokens, loss_mask, segment_ids, positions)
+    scopes = _scoped(logits, tokens, loss_mask, segment_ids)
+    masked = scopes["masked_loss"]
+    return masked[0] / jnp.maximum(masked[1], 1), scopes
+
+
+def _ratio(values):
+    summed = np.asarray(values, np.float64).reshape(-1, 2).sum(axis=0)
+    return np.float32(summed[0] / max(summed[1], 1))
+
+
+class HFPeftTrainer(peft_trainer.PeftTrainer):
+    """``tunix.sft.PeftTrainer`` whose gradient accumulation is HF's and whose metrics have both loss scopes.
+
+    model: a Tunix Gemma with LoRA (``lora.apply_lora``) or without (full fine-tune).
+    optimizer: ``train.hf_optimizer(args, num_training_steps=...).tx`` (accumulation is the trainer's:
+        ``training_config.gradient_accumulation_steps``).
+    training_config: ``tunix.sft.peft_trainer.TrainingConfig``.
+    lora_spec: recorded beside the checkpoints (``checkpoint.save_lora_spec``) when
+        ``checkpoint_root_directory`` is set, so exports find it.
+
+    Train on ``micro_batches(...)``; the loss is ``hf_loss``, the eval loss ``eval_loss``, and
+    ``masked_loss`` / ``full_sequence_loss`` are logged beside ``loss`` (``metrics_logger``, modes
+    ``"train"`` and ``"eval"``). The logged ``loss`` per step is HF's; the logged ``grad_norm`` is Tunix's
+    mean over micro-batches, not HF's norm of the accumulated gradient (clipping, inside ``optimizer``,
+    does see HF's gradient).
+    """
+
+    def __init__(self, model, optimizer, training_config, *, lora_spec=None, **kwargs):
+        super().__init__(model, optimizer, training_config, **kwargs)
+        state = self.optimizer.opt_state
+        if isinstance(getattr(state, "inner_opt_state", state), AccumulateTokensState):
+            raise OptimizerConfigError(
+                "HFPeftTrainer accumulates through PeftTrainer's gradient_accumulation_steps; build the optimizer "
+                "with gemport.train.hf_optimizer, not optim.from_hf with gradient_accumulation_steps > 1"
+            )
+        accumulation = training_config.get_with_default("gradient_accumulation_steps", 1)
+        self.with_loss_fn(hf_loss(accumulation), has_aux=True)
+        self.eval_loss_fn = eval_loss
+        if lora_spec is not None and training_config.checkpoint_root_directory is not None:
+            save_lora_spec(training_config.checkpoint_root_directory, lora_spec)
+
+    def _post_process_train_step(self, aux):
+        self._buffer_scopes(self._buffered_train_metrics, aux)
+
+    def _post_process_eval_step(self, aux):
+        self._buffer_scopes(self._buffered_eval_metrics, aux)
+
+    @staticmethod
+    def _buffer_scopes(buffer, aux):
+        for name in SCOPES:
+            values, _ = buffer.additional_metrics.setdefault(name, ([], _ratio))
+            values.append(aux[name])
