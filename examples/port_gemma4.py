@@ -10,11 +10,13 @@ checkpoint (with its tokenizer) and ``--fsdp/--tp`` a real TPU slice's mesh. Eve
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 if "jax" not in sys.modules and not os.environ.get("JAX_PLATFORMS"):
@@ -39,6 +41,7 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
             num_key_value_heads=8, head_dim=16, global_head_dim=32, num_global_key_value_heads=4,
             attention_k_eq_v=True, sliding_window=64, hidden_size_per_layer_input=0, final_logit_softcapping=30.0)
 
+EVAL_CONVERSATIONS = 8  # held out of training, for PeftTrainer's eval
 
 
 def step(n: int, text: str) -> None:
@@ -71,6 +74,17 @@ def tiny_checkpoint(out: Path, conversations: list) -> None:
     tokenizer.save_pretrained(out)
 
 
+@contextlib.contextmanager
+def on_mesh(mesh):
+    """``mesh`` as the current mesh and as the physical mesh PeftTrainer shards its batches on (`with mesh:`)."""
+    import jax
+
+    with jax.set_mesh(mesh), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # JAX 0.10 deprecates `with mesh:`; Tunix reads it
+        with mesh:
+            yield
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="working directory (default: a new temporary one)")
@@ -82,19 +96,21 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-len", type=int, default=256)
     args = parser.parse_args(argv)
 
+    import grain
     import jax
     import jax.numpy as jnp
+    import orbax.checkpoint as ocp
     import transformers
-    from flax import nnx
-    from tqdm.auto import tqdm
-    from tunix.sft import checkpoint_manager
+    from tunix.sft.peft_trainer import TrainingConfig
 
     from gemport import MeshError, masks, train
-    from gemport.checkpoint import export_merged, export_peft, load_tunix_model, save_lora_spec
+    from gemport.checkpoint import export_merged, export_peft, load_tunix_model
     from gemport.lora import LoraLayout, LoraSpec, apply_lora
+    from gemport.masks.grain import MaskTransform, has_target
     from gemport.mesh import make_mesh, valid_meshes
     from gemport.sharding import audit, fix_lora
     from gemport.specs import GemmaSpec
+    from gemport.train.peft_trainer import HFPeftTrainer, micro_batches
     from gemport.verify import compare_logits
 
     work = args.out or Path(tempfile.mkdtemp(prefix="gemport-demo-"))
@@ -136,17 +152,22 @@ def main(argv=None) -> int:
         print(f"audit: {len(report)} params, {len(report.problems)} findings, "
               f"{report.bytes_per_device / 2**20:.2f} MiB per device")
 
-    step(4, "Chat data -> masked, packed rows")
+    step(4, "Chat data -> masked, packed rows (a Grain pipeline with gemport's mask transform)")
     tokenizer = transformers.AutoTokenizer.from_pretrained(base)
     chat = masks.Gemma4(thinking=True, keep_reasoning=True)
-    examples, truncation = masks.build(conversations, tokenizer, chat, masks.MaskPolicy(),
-                                       masks.Truncation(max_len=args.seq_len))
-    rows = masks.pack([e.tokens for e in examples], [e.loss_mask for e in examples], args.seq_len)
+    transform = MaskTransform(tokenizer, chat, masks.MaskPolicy(), masks.Truncation(max_len=args.seq_len))
+    held_out = conversations[-EVAL_CONVERSATIONS:]
+    records = list(grain.MapDataset.source([{"messages": c} for c in conversations[:-EVAL_CONVERSATIONS]])
+                   .map_with_index(transform).filter(has_target))
+    rows = masks.pack([r["tokens"] for r in records], [r["loss_mask"] for r in records], args.seq_len)
     trained = int(rows["loss_mask"].sum())
-    print(f"{len(examples)} conversations -> {len(rows['tokens'])} rows of {args.seq_len} tokens; "
+    print(f"{len(records)} conversations -> {len(rows['tokens'])} rows of {args.seq_len} tokens; "
           f"{trained} trained targets (assistant answers and <turn|>; system, user, headers and reasoning "
-          f"masked); padding {1 - (rows['segment_ids'] > 0).mean():.1%}")
-    print(f"truncation: {truncation}")
+          f"masked); padding {1 - (rows['segment_ids'] > 0).mean():.1%}; {len(held_out)} held out for eval")
+    print(f"truncation: {transform.report}")
+    eval_examples, _ = masks.build(held_out, tokenizer, chat, masks.MaskPolicy(), masks.Truncation(max_len=args.seq_len))
+    eval_rows = masks.pad([e.tokens for e in eval_examples], [e.loss_mask for e in eval_examples], args.seq_len)
+    eval_batches = [{k: v[None, i:i + 2] for k, v in eval_rows.items()} for i in range(0, len(eval_examples) - 1, 2)]
 
     def scoped_losses(model):
         inputs = masks.tunix_inputs(**{k: v[:args.batch_size] for k, v in rows.items()})
@@ -164,26 +185,29 @@ def main(argv=None) -> int:
     print(f"rows in the HF Trainer's order (torch's RandomSampler, seed {training_args['seed']}): step 0 takes "
           f"{[m.tolist() for m in plan[0].micro_batches]}; {plan[-1].epoch + 1} epochs")
 
-    step(6, "Train (gemport.train's HF Trainer step in an nnx loop; checkpoints by Tunix's CheckpointManager)")
+    step(6, "Train with Tunix's PeftTrainer (gemport.train.peft_trainer: HF's token-weighted accumulation)")
     root = work / "checkpoints"
     shutil.rmtree(root, ignore_errors=True)
-    train_step = train.train_step(wrt=nnx.LoRAParam)
     accumulation = training_args["gradient_accumulation_steps"]
-
-    with jax.set_mesh(mesh):
+    steps = [train.stack([{k: v[m] for k, v in rows.items()} for m in s.micro_batches],
+                         accumulation=accumulation, rows=args.batch_size) for s in plan]
+    config = TrainingConfig(
+        eval_every_n_steps=args.steps, max_steps=args.steps, gradient_accumulation_steps=accumulation,
+        checkpoint_root_directory=str(root), max_inflight_computations=1,
+        checkpointing_options=ocp.CheckpointManagerOptions(save_interval_steps=10, max_to_keep=2),
+    )
+    with on_mesh(mesh):
         before = scoped_losses(model)
-        optimizer = nnx.Optimizer(model, hf_optimizer.tx, wrt=nnx.LoRAParam)
-        checkpoints = checkpoint_manager.CheckpointManager(str(root))
-        progress = tqdm(plan, desc="train")
-        for s in progress:
-            batch = train.stack([{k: v[m] for k, v in rows.items()} for m in s.micro_batches],
-                                accumulation=accumulation, rows=args.batch_size)
-            metrics = train_step(model, optimizer, batch)
-            progress.set_postfix(loss=f"{float(metrics.loss):.3f}", grad_norm=f"{float(metrics.grad_norm):.3f}")
-        checkpoints.save(args.steps, model, optimizer, save_only_lora_params=True, force=True)
-        checkpoints.close()
+        # It records the LoraSpec beside the checkpoints; pointed at a root with checkpoints, it resumes.
+        trainer = HFPeftTrainer(model, hf_optimizer.tx, config, lora_spec=lora_spec)
+        trainer.train(micro_batches(steps), micro_batches(eval_batches))
         after = scoped_losses(model)
-    save_lora_spec(root, lora_spec)
+    history = {(mode, name): trainer.metrics_logger.get_metric_history("", name, mode)
+               for mode in ("train", "eval") for name in ("loss", "masked_loss", "full_sequence_loss")}
+    print(f"train loss (HF's, per step) {history['train', 'loss'][0]:.3f} -> {history['train', 'loss'][-1]:.3f}; "
+          f"held-out assistant-only loss {history['eval', 'masked_loss'][0]:.3f} -> "
+          f"{history['eval', 'masked_loss'][-1]:.3f}, full-sequence {history['eval', 'full_sequence_loss'][0]:.3f} -> "
+          f"{history['eval', 'full_sequence_loss'][-1]:.3f}")
     print(f"assistant-only loss {before[0]:.3f} -> {after[0]:.3f}; full-sequence loss {before[1]:.3f} -> "
           f"{after[1]:.3f} (report both: they are different numbers for the same model)")
     print(f"Orbax checkpoint: {sorted(p.name for p in root.iterdir())}")
