@@ -81,7 +81,7 @@ def test_packed_run_matches_trl(hf_checkpoint, tmp_path):
     data = datasets.Dataset.from_list(chats())
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager")
-    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj", "up_proj"]))
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"]))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:

@@ -65,19 +65,19 @@ class RecordingTrainer(SFTTrainer):
         return super().compute_loss(model, inputs, *args, **kwargs)
 
 
-def hf_run(base, tokens, loss_mask, out, **overrides):
+def hf_run(base, tokens, loss_mask, out, attention="eager", **overrides):
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager")
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation=attention)
     model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS))
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:  # PEFT starts B at zero: give the first step a non-zero delta
                 p.copy_(0.05 * torch.randn(p.shape, generator=g))
-    model.save_pretrained(out / "adapter0")
+    model.save_pretrained(out / f"adapter0-{attention}")
     rows = {"input_ids": [t.tolist() for t in tokens],
             "labels": [np.where(m, t, -100).tolist() for t, m in zip(tokens, loss_mask)]}
-    args = SFTConfig(output_dir=str(out / "trl"), report_to="none", save_strategy="no", use_cpu=True,
+    args = SFTConfig(output_dir=str(out / f"trl-{attention}"), report_to="none", save_strategy="no", use_cpu=True,
                      max_length=None, **{**ARGS, **overrides})
     trainer = RecordingTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_dict(rows),
                                processing_class=word_tokenizer(model.config.vocab_size))
@@ -117,8 +117,21 @@ def runs(request, hf_checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"train-{request.param}")
     tokens, loss_mask = dataset(tiny.text_config(request.param).vocab_size)
     hf = hf_run(base, tokens, loss_mask, out)
-    port = port_run(base, out / "adapter0", tokens, loss_mask, hf.args)
-    return SimpleNamespace(hf=hf, port=port, base=base, out=out, tokens=tokens, loss_mask=loss_mask)
+    # The same recipe on torch again with another attention kernel: fp32's noise floor between two correct runs.
+    sdpa = hf_run(base, tokens, loss_mask, out, attention="sdpa")
+    port = port_run(base, out / "adapter0-eager", tokens, loss_mask, hf.args)
+    return SimpleNamespace(hf=hf, sdpa=sdpa, port=port, base=base, out=out, tokens=tokens, loss_mask=loss_mask)
+
+
+def grad_norm_tolerance(runs):
+    """1e-4, or 4x the largest grad_norm difference between the two torch runs if that is larger.
+
+    Adam's first updates are lr * sign(g): elements with near-zero gradients move on fp32 noise, so after a few
+    steps two correct implementations differ in grad_norm by ~1e-4 on a model this small (1.6e-4 measured
+    between torch eager and sdpa with LoRA on all seven projections). The loss stays within 1e-4 regardless.
+    """
+    floor = max(abs(a["grad_norm"] - b["grad_norm"]) / a["grad_norm"] for a, b in zip(runs.hf.logs, runs.sdpa.logs))
+    return max(1e-4, 4 * floor)
 
 
 def test_rows_are_fed_in_the_trainers_order(runs):
@@ -127,10 +140,15 @@ def test_rows_are_fed_in_the_trainers_order(runs):
 
 def test_logged_loss_and_grad_norm_match_every_step(runs):
     assert len(runs.hf.logs) == len(runs.port.metrics) == STEPS
+    tolerance = grad_norm_tolerance(runs)
+    assert tolerance < 1e-3
     for i, (log, m) in enumerate(zip(runs.hf.logs, runs.port.metrics)):
         assert float(m.loss) == pytest.approx(log["loss"], rel=1e-4), f"step {i}"
-        assert float(m.grad_norm) == pytest.approx(log["grad_norm"], rel=1e-4), f"step {i}"
+        assert float(m.grad_norm) == pytest.approx(log["grad_norm"], rel=tolerance), f"step {i}"
         assert float(runs.port.schedule(i)) == pytest.approx(log["learning_rate"], rel=1e-6), f"step {i}"
+    # Steps 0 and 1 run on the step-0 adapter (warmup starts at lr 0), before Adam can amplify any noise.
+    for i in range(2):
+        assert float(runs.port.metrics[i].grad_norm) == pytest.approx(runs.hf.logs[i]["grad_norm"], rel=2e-5)
     # Clipping was active on some steps, and the loss moved.
     assert max(log["grad_norm"] for log in runs.hf.logs) > ARGS["max_grad_norm"]
     assert runs.hf.logs[-1]["loss"] != pytest.approx(runs.hf.logs[0]["loss"], rel=1e-3)
@@ -149,10 +167,11 @@ def test_trained_adapters_agree(runs):
 
 
 def test_padding_free_rows_give_the_same_steps(runs):
-    port = port_run(runs.base, runs.out / "adapter0", runs.tokens, runs.loss_mask, runs.hf.args, "padding_free")
+    port = port_run(runs.base, runs.out / "adapter0-eager", runs.tokens, runs.loss_mask, runs.hf.args, "padding_free")
+    tolerance = grad_norm_tolerance(runs)
     for i, (log, m) in enumerate(zip(runs.hf.logs, port.metrics)):
         assert float(m.loss) == pytest.approx(log["loss"], rel=1e-4), f"step {i}"
-        assert float(m.grad_norm) == pytest.approx(log["grad_norm"], rel=1e-4), f"step {i}"
+        assert float(m.grad_norm) == pytest.approx(log["grad_norm"], rel=tolerance), f"step {i}"
 
 
 def test_an_accumulating_optimizer_is_refused(hf_checkpoint):
