@@ -20,6 +20,7 @@ import transformers
 from flax import nnx
 
 from gemport.checkpoint import import_peft, load_tunix_model
+from gemport.errors import LoraError
 from gemport.lora import PROJECTIONS, LoraLayout, LoraSpec, apply_lora
 from gemport.optim import from_hf
 from gemport.specs import GemmaSpec
@@ -130,7 +131,8 @@ def test_ten_optimizer_steps_follow_torch(case):
 def test_trainable_count_equals_peft_for_fresh_adapters(hf_checkpoint):
     """Same LoraConfig, same tiny model: apply_lora(LoraSpec.from_peft(cfg)) trains PEFT's number of parameters."""
     cases = {
-        "gemma4_ple": peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"),
+        "gemma4_dense": peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"),
+        "gemma4_ple": peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(PROJECTIONS)),
         "gemma3_1b": peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj", "k_proj"]),
         "gemma3_qkv": peft.LoraConfig(r=3, lora_alpha=3, target_modules=["q_proj", "k_proj", "v_proj", "down_proj"],
                                       rank_pattern={"down_proj": 5}),
@@ -138,10 +140,22 @@ def test_trainable_count_equals_peft_for_fresh_adapters(hf_checkpoint):
     for name, config in cases.items():
         torch_model, path = hf_checkpoint(name)
         spec = GemmaSpec.from_hf(path)
+        lora_spec = LoraSpec.from_peft(config)  # before get_peft_model, which resolves "all-linear" in place
         expected = peft.get_peft_model(copy.deepcopy(torch_model), config).get_nb_trainable_parameters()[0]
-        lora_model = apply_lora(load_tunix_model(path), spec, LoraSpec.from_peft(config))
+        lora_model = apply_lora(load_tunix_model(path), spec, lora_spec)
         count = sum(v.get_value().size for _, v in nnx.to_flat_state(nnx.state(lora_model, nnx.LoRAParam)))
-        assert count == expected == LoraLayout(spec, LoraSpec.from_peft(config)).num_params, name
+        assert count == expected == LoraLayout(spec, lora_spec).num_params, name
+
+
+def test_all_linear_on_models_with_more_linears_is_refused(hf_checkpoint):
+    """PEFT's all-linear adapts per-layer-input projections (E2B/E4B) and the MoE router too: refused, named."""
+    for name, module in (("gemma4_ple", "per_layer_input_gate"), ("gemma4_moe", "router")):
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+        lora_spec = LoraSpec.from_peft(config)
+        peft.get_peft_model(copy.deepcopy(hf_checkpoint(name)[0]), config)
+        assert set(config.target_modules) - set(PROJECTIONS)  # what PEFT really adapts there
+        with pytest.raises(LoraError, match=module):
+            LoraLayout(GemmaSpec.from_hf(hf_checkpoint(name)[1]), lora_spec).adapters
 
 
 @pytest.mark.parametrize("init", ["peft", "gaussian"])

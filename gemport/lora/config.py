@@ -47,6 +47,9 @@ class LoraSpec:
         ``init_lora_weights=True``): A uniform in +-1/sqrt(fan_in), nn.Linear's kaiming-uniform with
         a=sqrt(5); ``"gaussian"`` (PEFT's ``"gaussian"``): A normal with std 1/r. fan_in is the HF
         projection's input width.
+      all_linear: the targets came from PEFT's ``"all-linear"``, which means every linear layer of the model:
+        on Gemma 4 with per-layer inputs or MoE that includes modules Tunix LoRA cannot carry, and
+        `LoraLayout` refuses such a model rather than train fewer modules than PEFT would.
       rank_pattern, alpha_pattern: PEFT's per-module ranks and alphas, ``((key, value), ...)`` (a dict is
         accepted), matched against HF module names as PEFT matches them: the first key ``k`` for which
         ``(.*\\.)?(k)$`` matches the name.
@@ -61,6 +64,7 @@ class LoraSpec:
     init: Literal["peft", "gaussian"] = "peft"
     rank_pattern: tuple[tuple[str, int], ...] = ()
     alpha_pattern: tuple[tuple[str, float], ...] = ()
+    all_linear: bool = False
 
     def __post_init__(self):
         if not isinstance(self.rank, int) or self.rank < 1:
@@ -142,7 +146,8 @@ class LoraSpec:
         if cfg.get("bias", "none") != "none":
             raise LoraError(f"PEFT config sets bias={cfg['bias']!r}: Gemma projections have no bias; use 'none'")
         targets = cfg.get("target_modules")
-        if targets == "all-linear":
+        all_linear = targets == "all-linear"
+        if all_linear:
             targets = PROJECTIONS
         elif isinstance(targets, str) or not targets:
             raise LoraError(
@@ -165,6 +170,7 @@ class LoraSpec:
             init="peft" if init is True else "gaussian",
             rank_pattern=cfg.get("rank_pattern") or (),
             alpha_pattern=cfg.get("alpha_pattern") or (),
+            all_linear=all_linear,
         )
 
     def to_peft(self, base_model_name_or_path: str | None = None) -> dict[str, Any]:
@@ -175,7 +181,7 @@ class LoraSpec:
             "base_model_name_or_path": base_model_name_or_path,
             "r": self.rank,
             "lora_alpha": self.alpha,
-            "target_modules": list(self.targets),
+            "target_modules": "all-linear" if self.all_linear else list(self.targets),
             "lora_dropout": self.dropout,
             "bias": "none",
             "use_rslora": self.rslora,

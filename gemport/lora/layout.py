@@ -198,6 +198,16 @@ def _adapter(entry: names.Entry, lora_spec: LoraSpec) -> Adapter:
     )
 
 
+def _all_linear_extra(spec: GemmaSpec) -> list[str]:
+    """Linear modules beyond ``PROJECTIONS`` that PEFT's ``all-linear`` adapts on ``spec``'s HF model."""
+    extra = []
+    if spec.per_layer_input_dim:
+        extra += ["per_layer_input_gate", "per_layer_projection", "per_layer_model_projection"]
+    if spec.num_experts:
+        extra += ["the MoE router's proj"]
+    return extra
+
+
 @dataclasses.dataclass(frozen=True)
 class LoraLayout:
     """Every LoRA adapter that ``lora_spec`` puts on the Tunix model of ``spec``.
@@ -214,6 +224,13 @@ class LoraLayout:
 
     @functools.cached_property
     def adapters(self) -> tuple[Adapter, ...]:
+        extra = _all_linear_extra(self.spec) if self.lora_spec.all_linear else []
+        if extra:
+            raise LoraError(
+                f"target_modules='all-linear' on this {self.spec.family} model also adapts {', '.join(extra)} in "
+                "PEFT, which Tunix LoRA cannot carry; list the projections to train (e.g. "
+                f"{list(PROJECTIONS)}) in the GPU recipe and here, so both sides train the same modules"
+            )
         wanted = set(self.lora_spec.targets)
         out = []
         for entry in names.entries(self.spec):
