@@ -100,10 +100,9 @@ def test_gradients_equal_peft_for_every_factor(case):
     assert not expected and compared == 2 * sum(len(a.hf_modules) for a in layout)
 
 
+@pytest.mark.parametrize("case", ["gemma4_dense", "gemma3_qkv"], indirect=True)  # kv_einsum and qkv_einsum
 def test_ten_optimizer_steps_follow_torch(case):
     model, path, spec, lora_spec, state = case
-    if spec.family == "gemma3" and not spec.fused_qkv:
-        pytest.skip("gemma3_1b's kv_einsum is covered by gemma4_dense's; its gradients are checked above")
     model = copy.deepcopy(model)
     tunix_model = apply_lora(load_tunix_model(path), spec, lora_spec, state)
     params = [p for p in model.parameters() if p.requires_grad]
