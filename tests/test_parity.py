@@ -80,3 +80,18 @@ def test_miniature_keeps_the_head_structure_and_pattern(tmp_path):
     assert (mini.num_heads, mini.num_kv_heads, mini.global_kv_heads, mini.k_eq_v) == (
         full.num_heads, full.num_kv_heads, full.global_kv_heads, full.k_eq_v)
     assert mini.num_layers == 6 and mini.layers_of("global") == (5,) and mini.vocab == 128
+
+
+@pytest.mark.parametrize("thinking, packing", [(True, True), (False, False)], ids=["thinking-packed", "plain-padded"])
+def test_twenty_steps_agree_on_gemma4(recipe, thinking, packing):
+    """The acceptance recipe: 20 steps, accumulation 2, weight decay, clipping, warmup; all seven projections."""
+    from gemport import masks
+
+    sft = {k: v for k, v in RECIPE.items() if not k.startswith("lora_")} | {"max_steps": 20, "packing": packing}
+    records = [dict(r, chat_template_kwargs={"enable_thinking": thinking}) for r in chats(24)]
+    for r in records[::2]:
+        r["messages"][-1]["reasoning"] = "think it over"
+    report = trajectory(recipe / "base", records, sft_config=sft, tokenizer=tokenizer(), progress=False,
+                        lora_config={"r": 4, "lora_alpha": 8, "target_modules": RECIPE["lora_target_modules"]},
+                        chat_format=masks.Gemma4(thinking=thinking))
+    assert len(report.rows) == 20 and report.ok, report.table()
