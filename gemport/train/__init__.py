@@ -4,7 +4,8 @@
 HF's logged ``loss`` and pre-clip ``grad_norm``) with the optimizer of ``hf_optimizer``;
 ``optimizer_steps`` gives the rows of each step in the order HF's Trainer feeds them (torch's seeded
 ``RandomSampler``, reproduced without torch), ``stack`` turns their micro-batches into a step's batch,
-and ``from_sft_config`` maps an ``SFTConfig`` onto the masks pipeline.
+and ``from_sft_config`` maps an ``SFTConfig`` onto the masks pipeline. ``gemport.train.peft_trainer``
+(imported on its own: it needs Tunix) runs Tunix's ``PeftTrainer`` with HF's accumulation.
 """
 
 from gemport.train.order import OptimizerStep, optimizer_steps, randperm, sample_order
