@@ -165,7 +165,7 @@ def main(argv=None) -> int:
           f"{trained} trained targets (assistant answers and <turn|>; system, user, headers and reasoning "
           f"masked); padding {1 - (rows['segment_ids'] > 0).mean():.1%}; {len(held_out)} held out for eval")
     print(f"truncation: {transform.report}")
-    eval_examples, _ = masks.build(held_out, tokenizer, chat, masks.MaskPolicy(), masks.Truncation(max_len=args.seq_len))
+    eval_examples, _ = masks.build(held_out, tokenizer, chat, masks.MaskPolicy(), transform.truncation)
     eval_rows = masks.pad([e.tokens for e in eval_examples], [e.loss_mask for e in eval_examples], args.seq_len)
     eval_batches = [{k: v[None, i:i + 2] for k, v in eval_rows.items()} for i in range(0, len(eval_examples) - 1, 2)]
 

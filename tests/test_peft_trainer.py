@@ -102,6 +102,7 @@ def test_peft_trainer_takes_hf_steps(hf_checkpoint, tmp_path, name, mesh_shape):
         trainer.train(micro_batches(steps), micro_batches(evals))
         logger = trainer.metrics_logger
         losses = logger.get_metric_history("", "loss", "train")
+        grad_norms = logger.get_metric_history("", "grad_norm", "train")
         masked = logger.get_metric_history("", "masked_loss", "train")
         full = logger.get_metric_history("", "full_sequence_loss", "train")
         eval_losses = logger.get_metric_history("", "loss", "eval")
@@ -109,14 +110,15 @@ def test_peft_trainer_takes_hf_steps(hf_checkpoint, tmp_path, name, mesh_shape):
 
         optimizer = nnx.Optimizer(reference, hf.tx, wrt=nnx.LoRAParam)
         step = train.train_step(wrt=nnx.LoRAParam)
-        expected = [float(step(reference, optimizer, batch).loss) for batch in steps[:STEPS]]
+        expected = [step(reference, optimizer, batch) for batch in steps[:STEPS]]
         expected_eval = []
         for batch in evals:
             summed, count = train.tunix_loss(reference, {k: v[0] for k, v in batch.items()})
             expected_eval.append(float(summed / count))
 
     assert len(losses) == STEPS
-    np.testing.assert_allclose(losses, expected, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(losses, [float(m.loss) for m in expected], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(grad_norms, [float(m.grad_norm) for m in expected], rtol=1e-5, atol=0)
     np.testing.assert_allclose(masked, losses, rtol=0, atol=1e-5)  # the trained scope is the loss
     assert np.all(full != masked) and np.all(np.isfinite(full))
     assert len(eval_losses) == 2 and len(eval_full) == 2  # before training and after the last step

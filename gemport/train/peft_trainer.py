@@ -14,8 +14,11 @@ yields the same elements in the same order on every pass, it continues exactly w
 """
 
 import grain
+import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+from flax import nnx
 from tunix.sft import peft_trainer
 
 from gemport.checkpoint.adapters import save_lora_spec
@@ -109,6 +112,10 @@ def eval_loss(model, tokens, loss_mask, segment_ids, positions, **_):
     return masked[0] / jnp.maximum(masked[1], 1), scopes
 
 
+def _last(values):
+    return np.float32(values[-1])
+
+
 def _ratio(values):
     summed = np.asarray(values, np.float64).reshape(-1, 2).sum(axis=0)
     return np.float32(summed[0] / max(summed[1], 1))
@@ -126,9 +133,7 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
 
     Train on ``micro_batches(...)``; the loss is ``hf_loss``, the eval loss ``eval_loss``, and
     ``masked_loss`` / ``full_sequence_loss`` are logged beside ``loss`` (``metrics_logger``, modes
-    ``"train"`` and ``"eval"``). The logged ``loss`` per step is HF's; the logged ``grad_norm`` is Tunix's
-    mean over micro-batches, not HF's norm of the accumulated gradient (clipping, inside ``optimizer``,
-    does see HF's gradient).
+    ``"train"`` and ``"eval"``). The logged ``loss`` and ``grad_norm`` (before clipping) per step are HF's.
     """
 
     def __init__(self, model, optimizer, training_config, *, lora_spec=None, **kwargs):
@@ -145,7 +150,30 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
         if lora_spec is not None and training_config.checkpoint_root_directory is not None:
             save_lora_spec(training_config.checkpoint_root_directory, lora_spec)
 
+    def create_train_step_fn(self):
+        """PeftTrainer's step, with ``grad_norm`` the norm of the gradient accumulated up to this micro-batch.
+
+        MultiSteps keeps the running mean of the micro-batches' gradients; with the step's last micro-batch it
+        is HF's gradient, whose norm (before clipping) is what HF logs as ``grad_norm``.
+        """
+
+        def train_step(model, optimizer, inputs):
+            grad_fn = nnx.value_and_grad(self.loss_fn, argnums=nnx.DiffState(0, optimizer.wrt), has_aux=True)
+            (loss, aux), grads = grad_fn(model, **self.gen_model_input_fn(inputs))
+            accumulated = nnx.as_pure(nnx.state(grads, optimizer.wrt))
+            state = nnx.as_pure(optimizer.opt_state)
+            if isinstance(state, optax.MultiStepsState):
+                accumulated = jax.tree.map(lambda g, mean: mean + (g - mean) / (state.mini_step + 1),
+                                           accumulated, state.acc_grads)
+            grad_norm = optax.tree.norm(accumulated)
+            optimizer.update(model, grads)
+            return loss, aux, grad_norm
+
+        return train_step
+
     def _post_process_train_step(self, aux):
+        values, _ = self._buffered_train_metrics.additional_metrics["grad_norm"]
+        self._buffered_train_metrics.additional_metrics["grad_norm"] = (values, _last)
         self._buffer_scopes(self._buffered_train_metrics, aux)
 
     def _post_process_eval_step(self, aux):
