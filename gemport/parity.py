@@ -27,11 +27,13 @@ _TRL_LORA = {"lora_r": "r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dr
 
 @dataclasses.dataclass(frozen=True)
 class Tolerances:
-    """Relative tolerances per step: loss, grad_norm, learning rate."""
+    """Relative tolerances: loss, grad_norm and learning rate per step; each module's final s*B@A (max-abs
+    difference over the GPU delta's max-abs)."""
 
     loss: float = 1e-4
     grad_norm: float = 1e-4
     learning_rate: float = 1e-6
+    adapter: float = 5e-4
 
 
 class StepRow(NamedTuple):
@@ -52,10 +54,12 @@ def _relative(a, b):
 
 @dataclasses.dataclass(frozen=True)
 class Trajectory:
-    """The compared steps and the tolerances; ``ok`` and ``first_disagreement`` judge them."""
+    """The compared steps, each HF module's final adapter difference, and the tolerances; ``ok`` and
+    ``first_disagreement`` judge them (steps first, then the final adapters)."""
 
     rows: tuple
     tolerances: Tolerances
+    adapters: Mapping = dataclasses.field(default_factory=dict)
 
     def disagreements(self):
         """Every (step, quantity, gpu, port, relative difference) beyond its tolerance, in step order."""
@@ -67,6 +71,9 @@ class Trajectory:
                 rel = _relative(gpu, port)
                 if not rel <= tolerance:
                     found.append((row.step, name, gpu, port, rel))
+        for module, rel in self.adapters.items():
+            if not rel <= self.tolerances.adapter:
+                found.append(("final", f"adapter {module} s*B@A", None, None, rel))
         return found
 
     @property
@@ -79,6 +86,8 @@ class Trajectory:
         if not found:
             return None
         step, name, gpu, port, rel = found[0]
+        if step == "final":
+            return f"after the last step: {name} differs by {rel:.2e} (relative) > {self.tolerances.adapter:g}"
         tolerance = getattr(self.tolerances, name)
         return f"step {step}: {name} {port:.6g} (port) vs {gpu:.6g} (GPU recipe), relative {rel:.2e} > {tolerance:g}"
 
@@ -90,6 +99,10 @@ class Trajectory:
             lines.append(f"{r.step:>4} {r.learning_rate_gpu:>10.3e} {r.loss_gpu:>11.6f} {r.loss_port:>11.6f} "
                          f"{_relative(r.loss_gpu, r.loss_port):>8.1e} {r.grad_norm_gpu:>13.6f} "
                          f"{r.grad_norm_port:>14.6f} {_relative(r.grad_norm_gpu, r.grad_norm_port):>8.1e}")
+        if self.adapters:
+            worst = max(self.adapters, key=self.adapters.get)
+            lines.append(f"final adapters: {len(self.adapters)} modules, largest s*B@A difference "
+                         f"{self.adapters[worst]:.1e} ({worst})")
         verdict = self.first_disagreement()
         lines.append("agree within " + ", ".join(f"{k} {v:g}" for k, v in dataclasses.asdict(self.tolerances).items())
                      if verdict is None else f"DISAGREE at {verdict}")
@@ -284,6 +297,26 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
             metrics = jax.device_get(step(port, optimizer, batch))
             rows.append(StepRow(s.step, float(log["learning_rate"]), float(hf.schedule(s.step)), float(log["loss"]),
                                 float(metrics.loss), float(log["grad_norm"]), float(metrics.grad_norm)))
+        adapters = _final_adapters(model, port, spec, lora_spec)
     if not rows:
         raise GemportError("trajectory: the GPU recipe logged no step; is the data empty?")
-    return Trajectory(tuple(rows), tolerances)
+    return Trajectory(tuple(rows), tolerances, adapters)
+
+
+def _final_adapters(peft_model, port, spec, lora_spec):
+    """{HF module: max |s*B@A (port) - s*B@A (GPU)| / max |s*B@A (GPU)|} after training, in float64."""
+    import numpy as np
+    from flax import nnx
+
+    from gemport.checkpoint.load import flat_params
+    from gemport.lora import LoraLayout
+
+    gpu = {k: v.detach().double().numpy() for k, v in peft_model.named_parameters() if "lora_" in k}
+    params = {k: np.asarray(v, np.float64) for k, v in flat_params(port, nnx.LoRAParam).items()}
+    out = {}
+    for adapter, a, b in LoraLayout(spec, lora_spec).match(params, source="port"):
+        for module, (A, B), scale in zip(adapter.hf_modules, adapter.to_peft(a, b), adapter.scales):
+            (key,) = [k[: -len("A.default.weight")] for k in gpu if k.endswith(f".{module}.lora_A.default.weight")]
+            expected = gpu[key + "B.default.weight"] @ gpu[key + "A.default.weight"] * scale
+            out[module] = float(np.abs(B @ A * scale - expected).max() / max(np.abs(expected).max(), 1e-30))
+    return out

@@ -53,6 +53,8 @@ def test_the_verdict_names_the_first_quantity_beyond_tolerance():
     report = Trajectory(rows, Tolerances())
     assert not report.ok and report.first_disagreement().startswith("step 1: grad_norm 1.01 (port) vs 1 (GPU")
     assert Trajectory(rows[:1], Tolerances()).ok
+    drifted = Trajectory(rows[:1], Tolerances(), {"layers.0.mlp.up_proj": 1e-3})
+    assert drifted.first_disagreement().startswith("after the last step: adapter layers.0.mlp.up_proj")
 
 
 def test_cli_on_a_miniature_of_the_31b_config(recipe, tmp_path):
@@ -82,9 +84,9 @@ def test_miniature_keeps_the_head_structure_and_pattern(tmp_path):
     assert mini.num_layers == 6 and mini.layers_of("global") == (5,) and mini.vocab == 128
 
 
-@pytest.mark.parametrize("thinking, packing", [(True, True), (False, False)], ids=["thinking-packed", "plain-padded"])
-def test_twenty_steps_agree_on_gemma4(recipe, thinking, packing):
-    """The acceptance recipe: 20 steps, accumulation 2, weight decay, clipping, warmup; all seven projections."""
+def test_twenty_steps_agree_on_gemma4(recipe, thinking=True, packing=True):
+    """The acceptance recipe: 20 steps, accumulation 2, weight decay, clipping, warmup; all seven projections;
+    thinking on and packed rows (padded rows and thinking off: test_train_step, the CLI run)."""
     from gemport import masks
 
     sft = {k: v for k, v in RECIPE.items() if not k.startswith("lora_")} | {"max_steps": 20, "packing": packing}
@@ -95,3 +97,23 @@ def test_twenty_steps_agree_on_gemma4(recipe, thinking, packing):
                         lora_config={"r": 4, "lora_alpha": 8, "target_modules": RECIPE["lora_target_modules"]},
                         chat_format=masks.Gemma4(thinking=thinking))
     assert len(report.rows) == 20 and report.ok, report.table()
+    assert len(report.adapters) == 6 * 7 - 1  # k_eq_v global layer 5 has no v_proj
+
+
+def test_twenty_steps_agree_on_a_gemma3_1b_miniature(tmp_path):
+    from trl.chat_template_utils import gemma3_training_chat_template
+
+    from gemport import masks
+    from gemport.parity import miniature
+    from gemport.specs import GemmaSpec
+    from test_masks_tokenizers import GEMMA3_CONTROL, char_tokenizer
+
+    base = miniature(GemmaSpec.preset("gemma3-1b").to_hf_config(), tmp_path / "gemma3", vocab_size=256)
+    gemma3_tokenizer = char_tokenizer(GEMMA3_CONTROL)
+    gemma3_tokenizer.chat_template = gemma3_training_chat_template
+    sft = {k: v for k, v in RECIPE.items() if not k.startswith("lora_")} | {"max_steps": 20, "packing": True}
+    report = trajectory(base, chats(24), sft_config=sft, tokenizer=gemma3_tokenizer, chat_format=masks.Gemma3(),
+                        lora_config={"r": 4, "lora_alpha": 8, "target_modules": RECIPE["lora_target_modules"]},
+                        progress=False)
+    assert len(report.rows) == 20 and report.ok, report.table()
+    assert len(report.adapters) == 6 * 7
