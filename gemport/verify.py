@@ -1,7 +1,8 @@
 """Logit agreement between a Tunix model and transformers on an HF checkpoint (needs the ``hf`` extra).
 
 The one check that says a port changed nothing underneath: the same tokens through both stacks, the
-largest logit difference reported beside the largest logit.
+largest logit difference reported beside the largest logit. ``trajectory`` (from `gemport.parity`) checks
+training: the GPU recipe and the port, step by step.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from gemport.errors import CheckpointError
+from gemport.parity import Tolerances, Trajectory, trajectory  # noqa: F401  (re-exported: gemport.verify.trajectory)
 
 
 @dataclasses.dataclass(frozen=True)
