@@ -95,8 +95,8 @@ class SFTPipeline:
         Units (``units``) are visited in HF's order (``optimizer_steps`` of ``config``); each
         micro-batch is laid out per ``layout`` and the step's batch is ``stack``ed to
         [gradient_accumulation_steps, rows, T], ready for ``train_step``. T is fixed for the whole run,
-        so the step compiles once: ``max_length`` (packed, or padded when set), else the longest
-        example (padded) or the longest micro-batch (padding-free), rounded up to ``pad_to_multiple_of``.
+        so the step compiles once: ``max_length`` (packed), the longest example (padded) or the longest
+        micro-batch (padding-free), rounded up to ``pad_to_multiple_of``.
         """
         units = self.units(examples)
         size = len(units["tokens"])
@@ -109,8 +109,7 @@ class SFTPipeline:
             width = self.max_length
         elif self.layout == "pad":
             rows = batch_size
-            longest = max(len(t) for t in units["tokens"])
-            width = math.ceil((self.max_length or longest) / multiple) * multiple
+            width = math.ceil(max(len(t) for t in units["tokens"]) / multiple) * multiple
         else:
             rows = 1
             lengths = np.array([len(t) for t in units["tokens"]])
