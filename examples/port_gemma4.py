@@ -204,7 +204,9 @@ def main(argv=None) -> int:
         after = scoped_losses(model)
     history = {(mode, name): trainer.metrics_logger.get_metric_history("", name, mode)
                for mode in ("train", "eval") for name in ("loss", "masked_loss", "full_sequence_loss")}
-    print(f"train loss (HF's, per step) {history['train', 'loss'][0]:.3f} -> {history['train', 'loss'][-1]:.3f}; "
+    grad_norm = trainer.metrics_logger.get_metric_history("", "grad_norm", "train")
+    print(f"train loss (HF's, per step) {history['train', 'loss'][0]:.3f} -> {history['train', 'loss'][-1]:.3f}, "
+          f"grad_norm {grad_norm[0]:.3f} -> {grad_norm[-1]:.3f}; "
           f"held-out assistant-only loss {history['eval', 'masked_loss'][0]:.3f} -> "
           f"{history['eval', 'masked_loss'][-1]:.3f}, full-sequence {history['eval', 'full_sequence_loss'][0]:.3f} -> "
           f"{history['eval', 'full_sequence_loss'][-1]:.3f}")
