@@ -65,12 +65,14 @@ def test_cli_on_a_miniature_of_the_31b_config(recipe, tmp_path):
     real.mkdir()
     (real / "config.json").write_text(json.dumps(GemmaSpec.preset("gemma4-31b").to_hf_config()))
     tokenizer().save_pretrained(real)
+    # Three steps from PEFT's zero B leave B made of a few lr-sized Adam steps, whose signs flip on fp32 noise
+    # where gradients are near zero: the adapters are held loosely here, to 5e-4 in the 20-step tests below.
     done = run_cli(real, recipe / "data.jsonl", "--config", recipe / "recipe.yaml", "--miniature", "--vocab-size", 256,
-                   "--steps", 3)
+                   "--steps", 3, "--adapter-rtol", 1e-2)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert lines[-1].startswith("agree within loss 0.0001")
-    assert [line.split()[0] for line in lines[-4:-1]] == ["0", "1", "2"]
+    assert [line.split()[0] for line in lines[-5:-2]] == ["0", "1", "2"] and lines[-2].startswith("final adapters")
 
 
 def test_miniature_keeps_the_head_structure_and_pattern(tmp_path):
