@@ -86,9 +86,10 @@ def test_miniature_keeps_the_head_structure_and_pattern(tmp_path):
     assert mini.num_layers == 6 and mini.layers_of("global") == (5,) and mini.vocab == 128
 
 
-def test_twenty_steps_agree_on_gemma4(recipe, thinking=True, packing=True):
+@pytest.mark.parametrize("thinking, packing", [(True, True), (False, False)], ids=["thinking-packed", "plain-padded"])
+def test_twenty_steps_agree_on_gemma4(recipe, thinking, packing):
     """The acceptance recipe: 20 steps, accumulation 2, weight decay, clipping, warmup; all seven projections;
-    thinking on and packed rows (padded rows and thinking off: test_train_step, the CLI run)."""
+    thinking on with packed rows, and thinking off with padded rows."""
     from gemport import masks
 
     sft = {k: v for k, v in RECIPE.items() if not k.startswith("lora_")} | {"max_steps": 20, "packing": packing}
@@ -102,7 +103,8 @@ def test_twenty_steps_agree_on_gemma4(recipe, thinking=True, packing=True):
     assert len(report.adapters) == 6 * 7 - 1  # k_eq_v global layer 5 has no v_proj
 
 
-def test_twenty_steps_agree_on_a_gemma3_1b_miniature(tmp_path):
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+def test_twenty_steps_agree_on_a_gemma3_1b_miniature(tmp_path, packing):
     from trl.chat_template_utils import gemma3_training_chat_template
 
     from gemport import masks
@@ -113,7 +115,7 @@ def test_twenty_steps_agree_on_a_gemma3_1b_miniature(tmp_path):
     base = miniature(GemmaSpec.preset("gemma3-1b").to_hf_config(), tmp_path / "gemma3", vocab_size=256)
     gemma3_tokenizer = char_tokenizer(GEMMA3_CONTROL)
     gemma3_tokenizer.chat_template = gemma3_training_chat_template
-    sft = {k: v for k, v in RECIPE.items() if not k.startswith("lora_")} | {"max_steps": 20, "packing": True}
+    sft = {k: v for k, v in RECIPE.items() if not k.startswith("lora_")} | {"max_steps": 20, "packing": packing}
     report = trajectory(base, chats(24), sft_config=sft, tokenizer=gemma3_tokenizer, chat_format=masks.Gemma3(),
                         lora_config={"r": 4, "lora_alpha": 8, "target_modules": RECIPE["lora_target_modules"]},
                         progress=False)
