@@ -2,7 +2,7 @@
 
 import math
 from collections.abc import Mapping
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import optax
 
@@ -78,20 +78,27 @@ def _plain(value):
     return getattr(value, "value", value)
 
 
+def fields_of(config, defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """``{name: value}`` for every name of ``defaults``, read from ``config``: ``TrainingArguments`` (or a
+    subclass such as ``SFTConfig``) or a dict of its fields. Absent names take their default; HF's str enums
+    (``lr_scheduler_type``, ``optim``...) become their values."""
+    if isinstance(config, Mapping):
+        get = config.get
+    else:
+
+        def get(name, default):
+            return getattr(config, name, default)
+
+    return {name: _plain(get(name, default)) for name, default in defaults.items()}
+
+
 def _fields(training_args_or_dict):
     if not isinstance(training_args_or_dict, Mapping) and not hasattr(training_args_or_dict, "learning_rate"):
         raise OptimizerConfigError(
             f"{training_args_or_dict!r:.80} is neither TrainingArguments nor a dict of its fields; pass one of those"
         )
-    if isinstance(training_args_or_dict, Mapping):
-        get = training_args_or_dict.get
-    else:
-
-        def get(name, default):
-            return getattr(training_args_or_dict, name, default)
-
-    defaults = {**_READ, **{name: default for name, (default, _) in _MUST_BE_DEFAULT.items()}}
-    return {name: _plain(get(name, default)) for name, default in defaults.items()}
+    return fields_of(training_args_or_dict,
+                     {**_READ, **{name: default for name, (default, _) in _MUST_BE_DEFAULT.items()}})
 
 
 def _warmup_steps(fields, num_training_steps):

@@ -8,12 +8,12 @@ an MT19937 seeded with ``seed mod 2**32``; numpy's legacy MT19937 seeding is the
 order is reproduced here without torch.
 """
 
-from collections.abc import Mapping
 from typing import NamedTuple
 
 import numpy as np
 
 from gemport.errors import OptimizerConfigError
+from gemport.optim.hf import fields_of
 
 # Above this size torch's randperm draws 64-bit numbers, which is not reproduced here.
 _RANDPERM_32BIT_LIMIT = (2**32 - 1) // 20
@@ -68,12 +68,6 @@ _FIELDS = {
 }
 
 
-def _fields(training_args_or_dict):
-    if isinstance(training_args_or_dict, Mapping):
-        return {k: training_args_or_dict.get(k, d) for k, d in _FIELDS.items()}
-    return {k: getattr(training_args_or_dict, k, d) for k, d in _FIELDS.items()}
-
-
 def optimizer_steps(training_args_or_dict, num_samples):
     """Every optimizer step of HF's Trainer on a map-style dataset of ``num_samples`` rows, in order.
 
@@ -86,7 +80,7 @@ def optimizer_steps(training_args_or_dict, num_samples):
     Training stops after ``max_steps`` steps if it is positive, else after
     ``ceil(num_train_epochs * steps_per_epoch)``. Yields ``OptimizerStep``s.
     """
-    f = _fields(training_args_or_dict)
+    f = fields_of(training_args_or_dict, _FIELDS)
     batch_size, accumulation = f["per_device_train_batch_size"], f["gradient_accumulation_steps"]
     for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
         if not (isinstance(f[name], int) and f[name] >= 1):

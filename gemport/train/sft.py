@@ -2,7 +2,6 @@
 
 import dataclasses
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -13,6 +12,7 @@ from gemport.masks.batching import pad, padding_free
 from gemport.masks.packing import pack
 from gemport.masks.policies import MaskPolicy
 from gemport.masks.truncation import Truncation
+from gemport.optim.hf import fields_of
 from gemport.train.order import optimizer_steps
 from gemport.train.step import stack
 
@@ -37,12 +37,6 @@ _READ = {
 
 LAYOUTS = ("pack", "pad", "padding_free")
 """Batch layouts: best-fit-decreasing packed rows, one example per padded row, one padding-free row."""
-
-
-def _fields(config):
-    if isinstance(config, Mapping):
-        return {k: config.get(k, d) for k, d in _READ.items()}
-    return {k: getattr(config, k, d) for k, d in _READ.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +95,7 @@ class SFTPipeline:
         units = self.units(examples)
         size = len(units["tokens"])
         plan = list(optimizer_steps(self.config, size))
-        f = _fields(self.config)
+        f = fields_of(self.config, _READ)
         accumulation, batch_size = f["gradient_accumulation_steps"], f["per_device_train_batch_size"]
         multiple = self.pad_to_multiple_of or 1
         if self.layout == "pack":
@@ -156,7 +150,7 @@ def from_sft_config(config, tokenizer, *, chat_format=None):
     ``shuffle_dataset=True`` (TRL shuffles the prepared dataset with ``datasets``' generator).
     Returns an ``SFTPipeline``.
     """
-    f = _fields(config)
+    f = fields_of(config, _READ)
     refused = {
         "truncation_mode": (f["truncation_mode"] != "keep_start", "keep 'keep_start'"),
         "packing_strategy": (f["packing"] and f["packing_strategy"] != "bfd",
