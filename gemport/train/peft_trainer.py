@@ -24,9 +24,8 @@ from tunix.sft import peft_trainer
 from gemport.checkpoint.adapters import save_lora_spec
 from gemport.errors import OptimizerConfigError
 from gemport.masks.loss import loss_scopes
-from gemport.masks.packing import tunix_inputs
 from gemport.optim.accumulation import AccumulateTokensState
-from gemport.train.step import BATCH_FIELDS
+from gemport.train.step import BATCH_FIELDS, micro_batch_logits
 
 NUM_ITEMS = "num_items_in_batch"
 """The field every micro-batch carries: its optimizer step's target count, int32 [B] (one per row, so it
@@ -79,9 +78,8 @@ def _scoped(logits, tokens, loss_mask, segment_ids):
 
 
 def _logits(model, tokens, loss_mask, segment_ids, positions):
-    inputs = tunix_inputs(tokens=tokens, loss_mask=loss_mask, segment_ids=segment_ids, positions=positions)
-    logits, _ = model(inputs["input_tokens"], inputs["positions"], None, inputs["attention_mask"])
-    return logits
+    batch = dict(tokens=tokens, loss_mask=loss_mask, segment_ids=segment_ids, positions=positions)
+    return micro_batch_logits(model, batch)
 
 
 def hf_loss(accumulation):

@@ -60,14 +60,21 @@ def hf_optimizer(training_args_or_dict, *, num_training_steps, params=None):
     return from_hf(fields, num_training_steps=num_training_steps, params=params)
 
 
-def tunix_loss(model, micro_batch):
-    """Summed target loss and target count of a Tunix Gemma on one micro-batch of ``BATCH_FIELDS`` [B, T].
+def micro_batch_logits(model, micro_batch):
+    """Logits [B, T, V] of a Tunix Gemma on one micro-batch of ``BATCH_FIELDS`` [B, T].
 
     Positions and the block-diagonal causal attention come from ``positions`` and ``segment_ids``
-    (``masks.tunix_inputs``), so packed, padded and padding-free rows all work. Returns (float32 [], int32 []).
+    (``masks.tunix_inputs``), so packed, padded and padding-free rows all work.
     """
     inputs = tunix_inputs(**{k: micro_batch[k] for k in BATCH_FIELDS})
     logits, _ = model(inputs["input_tokens"], inputs["positions"], None, inputs["attention_mask"])
+    return logits
+
+
+def tunix_loss(model, micro_batch):
+    """Summed target loss and target count of a Tunix Gemma on one micro-batch of ``BATCH_FIELDS`` [B, T]
+    (`micro_batch_logits`). Returns (float32 [], int32 [])."""
+    logits = micro_batch_logits(model, micro_batch)
     return summed_cross_entropy(logits, micro_batch["tokens"], micro_batch["loss_mask"])
 
 
