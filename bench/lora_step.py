@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from gemport.lora import LoraSpec, apply_lora
 from gemport.masks.loss import masked_cross_entropy
 from gemport.sharding import optimizer_shardings
-from gemport.sharding._specs import padded, spec_of
+from gemport.partition import padded, spec_of
 from gemport.specs import GemmaSpec
 
 

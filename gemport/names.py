@@ -14,14 +14,14 @@ wild. Axis letters: ``d`` model width, ``f`` MLP width, ``n`` query heads, ``k``
 from __future__ import annotations
 
 import dataclasses
-import math
-import re
 from collections.abc import Callable, Iterable
 
 import einops
 import numpy as np
 
+from gemport import pattern
 from gemport.errors import CheckpointError
+from gemport.pattern import Pattern
 from gemport.specs import GemmaSpec
 
 # Longest first, so that "model.language_model." is preferred over "model." when both could match.
@@ -62,13 +62,18 @@ class Entry:
         return self.tunix.rsplit(".", 1)[0]
 
     @property
+    def pattern(self) -> Pattern:
+        """``layout`` parsed."""
+        return Pattern.parse(self.layout)
+
+    @property
     def tunix_shape(self) -> tuple[int, ...]:
-        return _side_shape(self.layout.split("->")[1], dict(self.sizes))
+        return pattern.shape(self.pattern.right, dict(self.sizes))
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
         """Shape of each HF tensor (all of a rule's HF tensors share it)."""
-        shape = _side_shape(self.layout.split("->")[0], dict(self.sizes))
+        shape = pattern.shape(self.pattern.left, dict(self.sizes))
         return shape[1:] if len(self.hf) > 1 else shape
 
     def to_tunix(self, arrays: list[np.ndarray]) -> np.ndarray:
@@ -81,11 +86,6 @@ class Entry:
         left, right = self.layout.split("->")
         x = einops.rearrange(array, f"{right} -> {left}", **dict(self.sizes))
         return list(x) if len(self.hf) > 1 else [x]
-
-
-def _side_shape(side: str, sizes: dict[str, int]) -> tuple[int, ...]:
-    groups = re.findall(r"\(([^)]*)\)|(\w+)", side)
-    return tuple(math.prod(sizes[a] for a in group.split()) if group else sizes[name] for group, name in groups)
 
 
 # When a rule applies, per layer ---------------------------------------------------------------------------
@@ -190,7 +190,7 @@ def _sizes(spec: GemmaSpec, layer: int | None) -> dict[str, int]:
 def _entry(rule: Rule, spec: GemmaSpec, layer: int | None) -> Entry:
     sizes = _sizes(spec, layer)
     sizes["s"] = len(rule.hf) or (3 if "qkv" in rule.tunix else 2)
-    used = set(re.findall(r"\w", rule.layout))
+    used = Pattern.parse(rule.layout).letters
     fmt = {} if layer is None else {"i": layer}
     return Entry(
         tunix=rule.tunix.format(**fmt),

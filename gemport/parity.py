@@ -308,8 +308,8 @@ def _final_adapters(peft_model, port, spec, lora_spec):
     import numpy as np
     from flax import nnx
 
-    from gemport.checkpoint.load import flat_params
     from gemport.lora import LoraLayout
+    from gemport.params import flat_params
 
     gpu = {k: v.detach().double().numpy() for k, v in peft_model.named_parameters() if "lora_" in k}
     params = {k: np.asarray(v, np.float64) for k, v in flat_params(port, nnx.LoRAParam).items()}

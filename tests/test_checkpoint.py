@@ -13,7 +13,7 @@ from tiny import TEXT_CONFIGS, hf_logits, token_ids
 
 from gemport import names
 from gemport.checkpoint import HFCheckpoint, load_hf, load_tunix_model, save_hf
-from gemport.checkpoint.load import abstract_model, path_str
+from gemport.params import abstract_model, path_str
 from gemport.specs import GemmaSpec
 from gemport.verify import tunix_logits
 

@@ -17,7 +17,7 @@ from trl import SFTConfig, SFTTrainer
 
 from gemport import masks, train
 from gemport.checkpoint import import_peft, load_tunix_model
-from gemport.checkpoint.load import flat_params
+from gemport.params import flat_params
 from gemport.errors import OptimizerConfigError
 from gemport.lora import apply_lora
 from gemport.specs import GemmaSpec

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
-from gemport.checkpoint.load import flat_params
+from gemport.params import flat_params
 from gemport.checkpoint.orbax import stored_tree
 from gemport.errors import CheckpointError, CorruptFileError, LoraError
 from gemport.lora import LoraSpec

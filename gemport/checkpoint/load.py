@@ -15,34 +15,8 @@ from gemport import names
 from gemport.checkpoint.hf_dir import HFCheckpoint
 from gemport.checkpoint.safetensors import DTYPES, FLOAT_DTYPES
 from gemport.errors import CheckpointError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError
+from gemport.params import abstract_model, path_str
 from gemport.specs import GemmaSpec
-
-
-def path_str(path) -> str:
-    """A dotted string of an nnx state path: ``("layers", 0, "attn")`` -> ``"layers.0.attn"``."""
-    return ".".join(str(p) for p in path)
-
-
-def flat_params(state_or_model, kind=nnx.Param) -> dict[str, jax.Array]:
-    """``{dotted path: array}`` of a model's ``kind`` variables (``nnx.Param`` includes LoRA params), or of every
-    variable of an ``nnx.State``."""
-    state = nnx.state(state_or_model, kind) if isinstance(state_or_model, nnx.Module) else state_or_model
-    return {path_str(p): v.get_value() if hasattr(v, "get_value") else v for p, v in nnx.to_flat_state(state)}
-
-
-def abstract_model(spec: GemmaSpec, *, param_dtype=None, dtype=None):
-    """The Tunix model of ``spec`` as shapes only (``nnx.eval_shape``): no memory, sharding annotations kept."""
-    cfg = spec.to_tunix(param_dtype=param_dtype, dtype=dtype)
-    model_cls = spec.tunix_model_class()
-
-    def build():
-        # RNG counters held as refs: updating a plain traced counter makes flax query the tracer's sharding,
-        # and JAX's error text for that walks the whole trace; gemma4-31b then takes 10 s instead of 1.5 s.
-        with nnx.var_defaults(ref=True):
-            rngs = nnx.Rngs(0)
-        return model_cls(cfg, rngs=rngs)
-
-    return nnx.eval_shape(build)
 
 
 def matched_entries(ckpt: HFCheckpoint, spec: GemmaSpec) -> tuple[str, tuple[names.Entry, ...]]:
@@ -87,7 +61,7 @@ def matched_entries(ckpt: HFCheckpoint, spec: GemmaSpec) -> tuple[str, tuple[nam
 def load_hf(hf_dir: str | Path, spec: GemmaSpec | None = None, *, mesh=None, dtype=None) -> nnx.State:
     """Load an HF Gemma checkpoint as the Tunix parameter state, tensor by tensor.
 
-    Each Tunix parameter is built from memory-mapped HF tensors (renamed, transposed, fused per
+    Each Tunix parameter is built from HF tensors read one at a time (renamed, transposed, fused per
     ``gemport.names``) and placed straight into its sharding: with ``mesh``, Tunix's default annotation on
     that mesh (axes ``fsdp`` and ``tp``), each device reading only its slice; without, the default device.
     Peak memory is the loaded state plus one tensor.

@@ -9,7 +9,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from gemport.checkpoint.load import abstract_model, path_str
+from gemport.params import abstract_model, path_str
 from gemport.checkpoint.output import atomic_dir, check_output
 from gemport.errors import (
     CheckpointError,

@@ -11,7 +11,8 @@ import numpy as np
 
 from gemport import names
 from gemport.checkpoint.hf_dir import HFCheckpoint
-from gemport.checkpoint.load import flat_params, matched_entries
+from gemport.checkpoint.load import matched_entries
+from gemport.params import flat_params
 from gemport.checkpoint.output import atomic_dir, check_output, copy_side_files, write_sharded
 from gemport.checkpoint.safetensors import TensorSource
 from gemport.errors import MissingTensorError, SpecError, UnexpectedTensorError

@@ -24,15 +24,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
 from collections.abc import Iterable
 
 import einops
 import numpy as np
 
-from gemport import names
+from gemport import names, pattern
 from gemport.errors import LoraError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError
 from gemport.lora.config import PROJECTIONS, LoraSpec
+from gemport.pattern import Pattern
 from gemport.specs import GemmaSpec
 
 Spec = tuple  # a PartitionSpec as a tuple of entries (None, "tp", ("fsdp", "tp"), ...)
@@ -100,7 +100,7 @@ class Adapter:
     @property
     def weight_axes(self) -> tuple[str, ...]:
         """The Tunix weight's axes, e.g. ``("s", "k", "d", "h")``."""
-        return tuple(self.entry.layout.split("->")[1].split())
+        return pattern.words(self.entry.pattern.right)
 
     @property
     def separate(self) -> bool:
@@ -165,9 +165,8 @@ class Adapter:
         b = self._rearrange(B if fused else B[0], f"{lead}({self.hf_out}) r -> {self.b}")
         return a, b
 
-    def _rearrange(self, x: np.ndarray, pattern: str) -> np.ndarray:
-        used = set(re.findall(r"\w+", pattern))
-        return einops.rearrange(x, pattern, **{k: n for k, n in self.entry.sizes if k in used})
+    def _rearrange(self, x: np.ndarray, layout: str) -> np.ndarray:
+        return einops.rearrange(x, layout, **Pattern.parse(layout).sizes_for(dict(self.entry.sizes)))
 
 
 def _projection(hf_name: str) -> str | None:
@@ -176,10 +175,8 @@ def _projection(hf_name: str) -> str | None:
 
 
 def _adapter(entry: names.Entry, lora_spec: LoraSpec) -> Adapter:
-    hf_side, tunix_side = entry.layout.split("->")
-    groups = [tuple((group or name).split()) for group, name in re.findall(r"\(([^)]*)\)|(\w+)", hf_side)]
-    out_axes, in_axes = groups[-2], groups[-1]  # an HF linear weight is [out, in], after the stacking axis s
-    axes = tunix_side.split()
+    out_axes, in_axes = entry.pattern.left[-2:]  # an HF linear weight is [out, in], after the stacking axis s
+    axes = pattern.words(entry.pattern.right)
     rest = [x for x in axes if x not in in_axes]
     separate = len(entry.hf) > 1 and lora_spec.fused == "separate"
     a = [x for x in axes if x in in_axes] + ["r"]

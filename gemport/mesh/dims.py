@@ -13,9 +13,9 @@ import re
 
 from flax import nnx
 
-from gemport import names
-from gemport.checkpoint.load import abstract_model, path_str
-from gemport.sharding._specs import axes_of, spec_of
+from gemport import names, pattern
+from gemport.params import abstract_model, path_str
+from gemport.partition import axes_of, spec_of
 from gemport.specs import GemmaSpec
 
 FSDP, TP = "fsdp", "tp"
@@ -50,11 +50,6 @@ class ShardedDim:
     def __str__(self):
         shown = ", ".join(self.params[:2]) + (", ..." if len(self.params) > 2 else "")
         return f"{self.dim} = {self.size} in {self.where} ({shown})"
-
-
-def _layout_letters(layout: str) -> list[str]:
-    side = layout.split("->")[1]
-    return ["".join(group.split()) or name for group, name in re.findall(r"\(([^)]*)\)|(\w+)", side)]
 
 
 def _layer_of(path: str) -> int | None:
@@ -99,7 +94,7 @@ def sharded_dims(spec: GemmaSpec) -> tuple[ShardedDim, ...]:
     """
     groups: dict[tuple[str, str, int], tuple[set, list]] = {}
     for path, shape, ann, entry in annotated(spec):
-        for size, letter, entry_axes in zip(shape, _layout_letters(entry.layout), ann):
+        for size, letter, entry_axes in zip(shape, pattern.words(entry.pattern.right), ann):
             for axis in axes_of(entry_axes):
                 layers, params = groups.setdefault((axis, _DIM_NAMES.get(letter, letter), size), (set(), []))
                 layer = _layer_of(path)

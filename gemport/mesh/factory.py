@@ -10,6 +10,7 @@ from gemport.errors import MeshError
 from gemport.mesh.dims import FSDP, TP, misfits
 from gemport.specs import GemmaSpec
 
+
 def valid_tp(spec: GemmaSpec, num_devices: int) -> list[int]:
     """The tp sizes for which (fsdp = num_devices // tp, tp) fits ``spec``, ascending."""
     if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
@@ -68,9 +69,9 @@ def make_mesh(
     fsdp: int | None = None,
     tp: int | None = None,
     devices=None,
-    axis_names: tuple[str, str] = (FSDP, TP),
 ) -> Mesh:
-    """A 2-D ``(fsdp, tp)`` mesh with Auto axes over ``devices``, checked against ``spec`` first.
+    """A 2-D mesh over ``devices`` with Auto axes ``"fsdp"`` and ``"tp"`` (the names Tunix's annotations use),
+    checked against ``spec`` first.
 
     Unset sizes are chosen: without both, the largest tp that fits and fsdp = devices // tp. Devices that
     span several slices (multi-slice, DCN) get a hybrid mesh with the slices along fsdp, so tp (and its
@@ -81,7 +82,6 @@ def make_mesh(
       fsdp: size of the fsdp axis; with ``tp``, their product must be the device count.
       tp: size of the tp axis.
       devices: default ``jax.devices()`` (all processes' devices).
-      axis_names: names of the two axes; Tunix's annotations use ``("fsdp", "tp")``.
 
     Raises:
       MeshError: an axis does not divide a dimension it shards (each named with its size, layers and
@@ -93,11 +93,11 @@ def make_mesh(
     axis_types = (AxisType.Auto, AxisType.Auto)
     slices = len({getattr(d, "slice_index", 0) for d in devices})
     if slices == 1:
-        return jax.make_mesh((fsdp, tp), axis_names, axis_types, devices=devices)
+        return jax.make_mesh((fsdp, tp), (FSDP, TP), axis_types, devices=devices)
     if fsdp % slices:
         raise MeshError(
             f"fsdp={fsdp} does not divide by the {slices} slices the devices span; fsdp runs across slices, "
             f"so pick an fsdp that is a multiple of {slices}"
         )
     grid = mesh_utils.create_hybrid_device_mesh((fsdp // slices, tp), (slices, 1), devices)
-    return Mesh(grid, axis_names, axis_types=axis_types)
+    return Mesh(grid, (FSDP, TP), axis_types=axis_types)

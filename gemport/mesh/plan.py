@@ -11,7 +11,7 @@ from gemport.mesh.activations import StepMemory, step_memory
 from gemport.mesh.dims import FSDP, TP, annotated
 from gemport.mesh.factory import check, valid_tp
 from gemport.lora import LoraLayout, LoraSpec
-from gemport.sharding._specs import bytes_per_device
+from gemport.partition import bytes_per_device
 from gemport.specs import GemmaSpec
 
 GiB = 2**30

@@ -8,7 +8,7 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from gemport.sharding._specs import Spec, axes_of, bytes_per_device, padded, shards, spec_of
+from gemport.partition import Spec, axes_of, bytes_per_device, padded, shards, spec_of
 
 LARGE_BYTES = 2**20
 

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from gemport.errors import MeshError
 from gemport.lora import factor_specs
-from gemport.sharding._specs import Spec, axes_of, padded, shards, spec_of
+from gemport.partition import Spec, axes_of, padded, shards, spec_of
 
 
 def factor_axes(module, base_name: str, path: str) -> tuple[str, str, str]:

@@ -1,4 +1,4 @@
-"""Partition-spec arithmetic shared by the audit, the LoRA fixer and the memory plan.
+"""Partition-spec arithmetic shared by the sharding audit, the LoRA fixer and the memory plan.
 
 A spec is a tuple with one entry per array dimension: ``None`` (replicated), an axis name, or a tuple of
 axis names. Tunix writes them as plain tuples in each ``nnx.Param``'s ``out_sharding`` metadata.
