@@ -7,7 +7,7 @@ from typing import NamedTuple
 import numpy as np
 from tqdm.auto import tqdm
 
-from gemport.masks.tokenize import check_tokenizer, encode, encode_batch, text_of, tokenize_batch
+from gemport.masks.tokenize import check_tokenizer, encode, encode_batch, piece_lengths, text_of, tokenize_batch
 from gemport.masks.truncation import TruncationReport, truncate
 
 
@@ -56,8 +56,11 @@ def fit(rendered, tokenizer, truncation, *, batch_size=512, progress=True, total
     """Tokenizes, labels and truncates ``Rendered`` records, ``batch_size`` per tokenizer call.
 
     Returns (examples, report) as ``build`` does, the report naming records by their keys.
+    Token spans come from each token's length when the tokenizer allows (see ``piece_lengths``),
+    which spares the tokenizer reporting offsets.
     """
     report = TruncationReport()
+    lengths = piece_lengths(tokenizer)
     examples = []
     rendered = iter(rendered)
 
@@ -73,7 +76,7 @@ def fit(rendered, tokenizer, truncation, *, batch_size=512, progress=True, total
             queued = None
             while batch := list(itertools.islice(rendered, batch_size)):
                 # The tokenizer works on this batch (native code, no GIL) while Python labels the one before.
-                job = (batch, pool.submit(_tokenize, batch, tokenizer))
+                job = (batch, pool.submit(_tokenize, batch, tokenizer, lengths))
                 if queued:
                     label(*queued)
                 queued = job
@@ -82,11 +85,9 @@ def fit(rendered, tokenizer, truncation, *, batch_size=512, progress=True, total
     return examples, report
 
 
-def _tokenize(batch, tokenizer):
-    return {
-        plain: tokenize_batch(tokenizer, [text_of(r.segments) for r in batch if r.plain == plain], plain)
-        for plain in (False, True)
-    }
+def _tokenize(batch, tokenizer, lengths):
+    texts = {plain: [text_of(r.segments) for r in batch if r.plain == plain] for plain in (False, True)}
+    return {plain: tokenize_batch(tokenizer, texts[plain], plain, lengths) for plain in (False, True)}
 
 
 def fit_batch(batch, tokenizer, truncation, tokenized=None):

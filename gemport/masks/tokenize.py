@@ -5,6 +5,7 @@ Works with ``tokenizers.Tokenizer``, transformers fast tokenizers (through their
 """
 
 import itertools
+import json
 from typing import NamedTuple
 
 import numpy as np
@@ -55,9 +56,12 @@ def token_offsets(tokenizer, text):
 
 
 def _char_of_byte(text):
-    # sentencepiece reports UTF-8 byte offsets; map each byte offset to its character index.
-    widths = [len(c.encode("utf-8")) for c in text] if not text.isascii() else [1] * len(text)
-    return np.repeat(np.arange(len(text) + 1, dtype=np.int32), widths + [1])
+    # UTF-8 byte offset -> index of the character that byte belongs to; [len(bytes) + 1], the last
+    # entry len(text). Continuation bytes are 0b10xxxxxx.
+    if text.isascii():
+        return np.arange(len(text) + 1, dtype=np.int32)
+    utf8 = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+    return np.append(np.cumsum((utf8 & 0xC0) != 0x80, dtype=np.int32) - 1, np.int32(len(text)))
 
 
 def check_tokenizer(tokenizer, chat_format):
@@ -157,9 +161,12 @@ def text_of(segments):
     return "".join(s.text for s in segments)
 
 
-def tokenize_batch(tokenizer, texts, add_special_tokens=False):
+def tokenize_batch(tokenizer, texts, add_special_tokens=False, lengths=None):
     """Tokenizes ``texts`` (b strings) in one call.
 
+    lengths: ``piece_lengths(tokenizer)``, to take token ids from the tokenizer's offset-free batch
+    call and compute the spans from them (exact; a text where they cannot be is tokenized again with
+    offsets); None asks the tokenizer for offsets. Not used with ``add_special_tokens``.
     Returns (counts int64 [b], ids int32 [n], starts int64 [n], ends int64 [n]): the number of
     tokens of each text, then every token of the batch, text after text, with its character span
     in its own text. A fast tokenizer's batch call runs on all cores without holding the GIL.
@@ -167,12 +174,13 @@ def tokenize_batch(tokenizer, texts, add_special_tokens=False):
     if not texts:
         return np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int64), np.zeros(0, np.int64)
     backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+    if lengths is not None and not add_special_tokens:
+        return _spans_from_lengths(tokenizer, backend, texts, lengths)
     if hasattr(backend, "encode_batch"):
         encodings = backend.encode_batch(texts, add_special_tokens=add_special_tokens)
-        counts = np.fromiter(map(len, encodings), dtype=np.int64, count=len(encodings))
+        counts, ids = _ids(encodings)
         chain = itertools.chain.from_iterable
-        ids = np.fromiter(chain(e.ids for e in encodings), dtype=np.int32, count=int(counts.sum()))
-        spans = np.fromiter(chain(chain(e.offsets for e in encodings)), dtype=np.int64, count=2 * int(counts.sum()))
+        spans = np.fromiter(chain(chain(e.offsets for e in encodings)), dtype=np.int64, count=2 * len(ids))
         spans = spans.reshape(-1, 2)
         return counts, ids, spans[:, 0], spans[:, 1]
     if add_special_tokens:
@@ -183,3 +191,123 @@ def tokenize_batch(tokenizer, texts, add_special_tokens=False):
     parts = [token_offsets(tokenizer, text) for text in texts]
     counts = np.array([len(p[0]) for p in parts], dtype=np.int64)
     return counts, *(np.concatenate([p[k] for p in parts]).astype(np.int64 if k else np.int32) for k in range(3))
+
+
+def _ids(encodings):
+    counts = np.fromiter(map(len, encodings), dtype=np.int64, count=len(encodings))
+    ids = itertools.chain.from_iterable(e.ids for e in encodings)
+    return counts, np.fromiter(ids, dtype=np.int32, count=int(counts.sum()))
+
+
+_SPLITTERS = ("Split", "Punctuation", "Digits")  # they keep every character, unless "Removed"
+_OFFSET_KEEPING = ("TemplateProcessing", "BertProcessing", "RobertaProcessing", "ByteLevel")  # unless trim_offsets
+_BYTE_PIECES = [f"<0x{b:02X}>" for b in range(256)]  # byte-fallback pieces: one byte each
+
+
+def piece_lengths(tokenizer):
+    """Per token id, a lower bound on the UTF-8 bytes of text that a token stands for; int64 [vocab].
+
+    Returns None unless ``tokenizer`` is a fast tokenizer whose pipeline never adds text and whose
+    pieces spell their text: no normalizer, or Replace(" " -> one character), Gemma's ``▁``, which
+    counts one byte; pre-tokenizers that only split, or a byte-level one (a piece character is one
+    byte) without a prefix space; a BPE (no subword prefix or suffix; a byte-fallback piece
+    ``<0xNN>`` is one byte) or word-level model; no post-processor that trims offsets.
+    The bound is exact but for text the table cannot know (an unknown token counts 0 bytes, a
+    literal ``▁`` 1, an added token that strips spaces only its content), so a text's token spans
+    follow from its ids exactly when their lengths add up to the text's byte length.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+    if not hasattr(backend, "encode_batch_fast") or backend.truncation or backend.padding:
+        return None
+    marker, byte_level = None, False
+    for step in _steps(backend.normalizer, "normalizers"):
+        if step["type"] != "Replace" or step["pattern"] != {"String": " "} or len(step["content"]) != 1:
+            return None
+        marker = step["content"]
+    for step in _steps(backend.pre_tokenizer, "pretokenizers"):
+        if step["type"] == "ByteLevel" and not step["add_prefix_space"]:
+            byte_level = True
+        elif step["type"] not in _SPLITTERS or step.get("behavior") == "Removed":
+            return None
+    for step in _steps(backend.post_processor, "processors"):
+        if step["type"] not in _OFFSET_KEEPING or step.get("trim_offsets"):
+            return None
+    model = backend.model
+    kind = type(model).__name__
+    if (byte_level and marker) or kind not in ("BPE", "WordLevel"):
+        return None
+    if kind == "BPE" and (model.continuing_subword_prefix or model.end_of_word_suffix):
+        return None
+    shrink = len(marker.encode("utf-8")) - 1 if marker else 0
+
+    def text_length(text):
+        # A marker in the tokenizer's text stands for a space (1 byte), or for itself if the input had it.
+        return len(text.encode("utf-8")) - (shrink * text.count(marker) if shrink else 0)
+
+    vocab = backend.get_vocab(with_added_tokens=False)
+    added = backend.get_added_tokens_decoder()
+    table = np.zeros(max([*vocab.values(), *added, -1]) + 1, dtype=np.int64)
+    ids = np.fromiter(vocab.values(), dtype=np.int64, count=len(vocab))
+    table[ids] = np.fromiter(map(len if byte_level else text_length, vocab), dtype=np.int64, count=len(vocab))
+    if kind == "BPE" and model.byte_fallback:
+        table[[i for i in map(vocab.get, _BYTE_PIECES) if i is not None]] = 1
+    in_vocab = np.zeros(len(table), dtype=bool)
+    in_vocab[ids] = True
+    for i, token in added.items():
+        # Matched before normalization (unless ``normalized``) and pre-tokenization: its content is text.
+        size = text_length(token.content) if token.normalized else len(token.content.encode("utf-8"))
+        table[i] = min(table[i], size) if in_vocab[i] else size
+    if model.unk_token in vocab:
+        table[vocab[model.unk_token]] = 0
+    return table
+
+
+def _steps(component, key):
+    # A normalizer, pre-tokenizer or post-processor as a flat list of its steps' settings.
+    if component is None:
+        return []
+    state = json.loads(component.__getstate__())
+    pending, steps = [state], []
+    while pending:
+        step = pending.pop(0)
+        if step["type"] == "Sequence":
+            pending[:0] = step[key]
+        else:
+            steps.append(step)
+    return steps
+
+
+def _spans_from_lengths(tokenizer, backend, texts, lengths):
+    counts, ids = _ids(backend.encode_batch_fast(texts, add_special_tokens=False))
+    sizes = lengths[ids]
+    joined = "".join(texts)
+    ascii_ = joined.isascii()
+    text_bytes = np.array([len(t) if ascii_ else len(t.encode("utf-8")) for t in texts], dtype=np.int64)
+    ends = np.cumsum(sizes)
+    # Byte offsets within each text: the running sum restarts at every text's first token.
+    before = np.append(0, ends)[np.cumsum(counts) - counts]
+    ends -= np.repeat(before, counts)
+    exact = np.append(ends, 0)[np.cumsum(counts) - 1] == text_bytes
+    starts = ends - sizes
+    if not ascii_:
+        # Byte spans -> character spans in the joined text: a token that ends inside a character
+        # (a byte piece) spans that whole character, as the tokenizer's own offsets do.
+        char_of = _char_of_byte(joined)
+        base = np.repeat(np.cumsum(text_bytes) - text_bytes, counts)
+        chars = np.array([len(t) for t in texts], dtype=np.int64)
+        char_base = np.repeat(np.cumsum(chars) - chars, counts)
+        top = len(char_of) - 1
+        starts = char_of[np.clip(starts + base, 0, top)] - char_base
+        ends = char_of[np.clip(ends + base - 1, 0, top)] + 1 - char_base
+    if exact.all():
+        return counts, ids, starts, ends
+    redo = np.flatnonzero(~exact)
+    again = tokenize_batch(tokenizer, [texts[i] for i in redo])
+    # The texts tokenized again take their tokens' places: order every token by its text.
+    keep = np.repeat(exact, counts)
+    text_of_token = np.concatenate([np.repeat(np.arange(len(texts)), counts)[keep], np.repeat(redo, again[0])])
+    order = np.argsort(text_of_token, kind="stable")
+    counts = counts.copy()
+    counts[redo] = again[0]
+    merged = (np.concatenate([a[keep], b])[order] for a, b in zip((ids, starts, ends), again[1:]))
+    return counts, *merged
