@@ -45,7 +45,7 @@ lora_spec = LoraSpec(int(rank), 2.0 * int(rank))
 before = resource.getrusage(resource.RUSAGE_SELF)
 start = time.perf_counter()
 if who == "export_merged":
-    export_merged(base, params, out, lora_spec=lora_spec, max_shard_size="2GB")
+    export_merged(params, out, base_dir=base, lora_spec=lora_spec, max_shard_size="2GB")
 else:
     state = {}
     for shard in sorted(glob.glob(base + "/*.safetensors")):

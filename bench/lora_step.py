@@ -19,8 +19,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from gemport.lora import LoraSpec, apply_lora
 from gemport.masks.loss import masked_cross_entropy
-from gemport.sharding import optimizer_shardings
 from gemport.partition import padded, spec_of
+from gemport.sharding import optimizer_shardings
 from gemport.specs import GemmaSpec
 
 

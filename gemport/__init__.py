@@ -1,11 +1,24 @@
 """gemport: move a Gemma LoRA fine-tuning recipe from PyTorch/HF to JAX/Tunix on TPU.
 
-``import gemport`` is cheap: the submodules (``gemport.specs``, ``names``, ``checkpoint``, ``mesh``,
-``sharding``, ``lora``, ``masks``, ``optim``, ``train``, ``verify``) load JAX and friends on first use.
+The common flow reads from here, one call per step::
+
+    spec = gemport.GemmaSpec.from_hf("gemma-4-31b-it")                 # architecture
+    mesh = gemport.make_mesh(spec, fsdp=1, tp=4)                        # a mesh that fits it
+    model = gemport.load_model("gemma-4-31b-it", spec=spec, mesh=mesh)  # HF weights, streamed, sharded
+    model = gemport.apply_lora(model, spec, gemport.LoraSpec.from_peft(peft_config))
+    pipeline = gemport.from_sft_config(sft_config, tokenizer)           # TRL's data handling: masks, packing
+    optimizer = gemport.hf_optimizer(sft_config, num_training_steps=n)  # HF's AdamW step in Optax
+    trainer = gemport.HFPeftTrainer(model, optimizer.tx, config, lora_spec=...)   # or gemport.train_step
+    gemport.export_merged("checkpoints", "merged", base_dir="gemma-4-31b-it")      # for vLLM
+
+``import gemport`` is cheap: every name, and the submodules (``specs``, ``names``, ``checkpoint``, ``mesh``,
+``sharding``, ``lora``, ``masks``, ``optim``, ``train``, ``parity``, ``verify``), load JAX and friends on first
+use. The submodules hold the rest of the API.
 """
 
 import importlib
 
+from gemport import errors
 from gemport.errors import (
     CheckpointError,
     CorruptFileError,
@@ -13,6 +26,7 @@ from gemport.errors import (
     LoraError,
     MaskError,
     MeshError,
+    MissingDependencyError,
     MissingTensorError,
     OptimizerConfigError,
     ShapeMismatchError,
@@ -23,25 +37,55 @@ from gemport.errors import (
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("specs", "names", "checkpoint", "mesh", "sharding", "lora", "masks", "optim", "train", "verify")
+_SUBMODULES = ("specs", "names", "checkpoint", "mesh", "sharding", "lora", "masks", "optim", "train", "parity",
+               "verify")
+
+# Top-level name -> the module that defines it, imported on first access.
+_LAZY = {
+    "GemmaSpec": "gemport.specs",
+    "make_mesh": "gemport.mesh",
+    "memory_plan": "gemport.mesh",
+    "valid_meshes": "gemport.mesh",
+    "load_hf": "gemport.checkpoint",
+    "load_model": "gemport.checkpoint",
+    "save_hf": "gemport.checkpoint",
+    "load_orbax": "gemport.checkpoint",
+    "save_orbax": "gemport.checkpoint",
+    "import_peft": "gemport.checkpoint",
+    "read_lora": "gemport.checkpoint",
+    "save_lora": "gemport.checkpoint",
+    "export_merged": "gemport.checkpoint",
+    "export_peft": "gemport.checkpoint",
+    "LoraSpec": "gemport.lora",
+    "LoraParams": "gemport.lora",
+    "LoraLayout": "gemport.lora",
+    "apply_lora": "gemport.lora",
+    "audit": "gemport.sharding",
+    "fix_lora": "gemport.sharding",
+    "optimizer_shardings": "gemport.sharding",
+    "from_sft_config": "gemport.train",
+    "hf_optimizer": "gemport.train",
+    "optimizer_steps": "gemport.train",
+    "train_step": "gemport.train",
+    "HFPeftTrainer": "gemport.train.peft_trainer",
+    "micro_batches": "gemport.train.peft_trainer",
+    "compare_logits": "gemport.verify",
+    "trajectory": "gemport.parity",
+}
 
 
 def __getattr__(name):
     if name in _SUBMODULES:
         return importlib.import_module(f"gemport.{name}")
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'gemport' has no attribute {name!r}")
 
-__all__ = [
-    "CheckpointError",
-    "CorruptFileError",
-    "GemportError",
-    "LoraError",
-    "MaskError",
-    "MeshError",
-    "MissingTensorError",
-    "OptimizerConfigError",
-    "ShapeMismatchError",
-    "SpecError",
-    "UnexpectedTensorError",
-    "UnsafePathError",
-]
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))
+
+
+__all__ = sorted([*errors.__all__, *_LAZY])

@@ -7,7 +7,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from gemport.errors import CheckpointError, GemportError, LoraError, MeshError
+from gemport.errors import CheckpointError, GemportError, LoraError, MeshError, SpecError
 
 
 def _spec(model: str):
@@ -18,7 +18,7 @@ def _spec(model: str):
 
 def _check_out(args) -> Path:
     """The output, refused if it is or lies inside any input of the command (see ``check_output``)."""
-    from gemport.checkpoint.output import check_output
+    from gemport.checkpoint import check_output
 
     inputs = [getattr(args, name, None) for name in ("src", "base", "lora", "adapter", "model", "spec", "base_dir",
                                                      "lora_config")]
@@ -67,8 +67,7 @@ def plan(args) -> int:
 
 
 def convert(args) -> int:
-    from gemport.checkpoint import load_hf, save_hf
-    from gemport.checkpoint.orbax import load_orbax, save_orbax
+    from gemport.checkpoint import load_hf, load_orbax, save_hf, save_orbax
 
     src = Path(args.src)
     _check_out(args)
@@ -76,10 +75,10 @@ def convert(args) -> int:
         out = save_orbax(load_hf(src, dtype=args.dtype), args.out)
     else:
         if not (args.spec or args.base_dir):
-            raise GemportError(f"{src} is an Orbax checkpoint: pass --spec (HF dir or preset) or --base-dir")
+            raise SpecError(f"{src} is an Orbax checkpoint: pass --spec (HF dir or preset) or --base-dir")
         spec = _spec(args.spec or args.base_dir)
-        out = save_hf(load_orbax(src, spec, dtype=args.dtype), args.out, spec=spec, base_dir=args.base_dir,
-                      max_shard_size=args.max_shard_size)
+        out = save_hf(load_orbax(src, spec=spec, dtype=args.dtype), args.out, base_dir=args.base_dir,
+                      spec=spec, max_shard_size=args.max_shard_size)
     print(f"wrote {out}")
     return 0
 
@@ -90,47 +89,44 @@ def export(args) -> int:
     _check_out(args)
     lora_spec = _lora_spec(args.lora_config)
     if args.format == "merged":
-        out = export_merged(args.base, args.lora, args.out, lora_spec=lora_spec, step=args.step,
+        out = export_merged(args.lora, args.out, base_dir=args.base, lora_spec=lora_spec, step=args.step,
                             max_shard_size=args.max_shard_size)
     else:
-        out = export_peft(args.lora, args.out, spec=_spec(args.base), lora_spec=lora_spec, step=args.step,
-                          base_model_name_or_path=args.base_model_name or str(Path(args.base).resolve()))
+        out = export_peft(args.lora, args.out, base_dir=args.base, lora_spec=lora_spec, step=args.step,
+                          base_model_name_or_path=args.base_model_name)
     print(f"wrote {out}")
     return 0
 
 
 def import_peft(args) -> int:
     from gemport.checkpoint import import_peft as read_adapter
-    from gemport.checkpoint import save_lora_spec
-    from gemport.checkpoint.orbax import save_orbax
-    from gemport.checkpoint.output import atomic_dir
+    from gemport.checkpoint import save_lora
 
-    out = _check_out(args)
-    lora_spec, state = read_adapter(args.adapter, _spec(args.model))
-    with atomic_dir(out) as tmp:
-        save_orbax(state, tmp / "0" / "model_params")
-        save_lora_spec(tmp, lora_spec)
-    print(f"wrote {out} (step 0, rank {lora_spec.rank}, alpha {lora_spec.alpha}, fused {lora_spec.fused})")
+    _check_out(args)
+    lora = read_adapter(args.adapter, spec=_spec(args.model))
+    out = save_lora(lora, args.out)
+    spec = lora.lora_spec
+    print(f"wrote {out} (step 0, rank {spec.rank}, alpha {spec.alpha}, fused {spec.fused})")
     return 0
 
 
 def verify(args) -> int:
-    from gemport.checkpoint import load_tunix_model
-    from gemport.checkpoint.adapters import resolve
-    from gemport.verify import compare_logits, with_lora
+    from gemport.checkpoint import load_model, read_lora
+    from gemport.lora import apply_lora
+    from gemport.verify import compare_logits
 
     hf_dir, adapter = Path(args.hf_dir), None
     if (hf_dir / "adapter_config.json").is_file():
         if not args.base:
-            raise GemportError(f"{hf_dir} is a PEFT adapter: pass --base, the checkpoint it adapts")
+            raise CheckpointError(f"{hf_dir} is a PEFT adapter: pass --base, the checkpoint it adapts")
         adapter, hf_dir = hf_dir, Path(args.base)
     if args.lora:
         base = Path(args.base or hf_dir)
         spec = _spec(str(base))
-        params, lora_spec = resolve(args.lora, _lora_spec(args.lora_config), step=args.step)
-        model = with_lora(load_tunix_model(base), spec, lora_spec, params)
+        lora = read_lora(args.lora, lora_spec=_lora_spec(args.lora_config), step=args.step)
+        model = apply_lora(load_model(base, spec=spec), spec, lora)
     else:
-        model = load_tunix_model(hf_dir)
+        model = load_model(hf_dir)
     report = compare_logits(hf_dir, model, adapter_dir=adapter, seq_len=args.seq_len, atol=args.atol)
     print(report)
     return 0 if report.ok else 1
@@ -143,7 +139,7 @@ def parity(args) -> int:
     if args.lora_config:
         lora = args.lora_config
     if not lora:
-        raise GemportError(f"{args.config}: no lora_r/lora_target_modules; pass --lora-config adapter_config.json")
+        raise LoraError(f"{args.config}: no lora_r/lora_target_modules; pass --lora-config adapter_config.json")
     port = read_recipe(args.port_config)[0] if args.port_config else None
     with tempfile.TemporaryDirectory(prefix="gemport-miniature-") as work:
         base, tokenizer = args.base, None

@@ -54,3 +54,24 @@ class MaskError(GemportError, ValueError):
 
 class OptimizerConfigError(GemportError, ValueError):
     """HF TrainingArguments ask for something gemport cannot reproduce in Optax."""
+
+
+class MissingDependencyError(GemportError, ImportError):
+    """An optional dependency a feature needs is not installed; the message names the pip extra."""
+
+
+__all__ = [
+    "CheckpointError",
+    "CorruptFileError",
+    "GemportError",
+    "LoraError",
+    "MaskError",
+    "MeshError",
+    "MissingDependencyError",
+    "MissingTensorError",
+    "OptimizerConfigError",
+    "ShapeMismatchError",
+    "SpecError",
+    "UnexpectedTensorError",
+    "UnsafePathError",
+]

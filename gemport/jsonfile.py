@@ -136,3 +136,10 @@ class Fields:
     def fields(self, key: str) -> Fields:
         """The object in field ``key`` (absent: empty), with ``source`` extended by the key."""
         return Fields(self.mapping(key, {}), f"{self.source} {key}", self.error)
+
+
+__all__ = [
+    "Fields",
+    "kind",
+    "read_json",
+]

@@ -230,3 +230,13 @@ def owns(name: str, prefix: str) -> bool:
     untouched. ``lm_head.weight`` is owned: Gemma ties it to the embedding, so it is dropped if present.
     """
     return name.startswith(prefix) or name == "lm_head.weight"
+
+
+__all__ = [
+    "TEXT_PREFIXES",
+    "Entry",
+    "Rule",
+    "detect_prefix",
+    "entries",
+    "owns",
+]

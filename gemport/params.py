@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 from flax import nnx
 
@@ -33,3 +35,19 @@ def abstract_model(spec: GemmaSpec, *, param_dtype=None, dtype=None):
         return model_cls(cfg, rngs=rngs)
 
     return nnx.eval_shape(build)
+
+
+def lora_state(flat: dict[str, Any]) -> nnx.State:
+    """An ``nnx.State`` of ``nnx.LoRAParam`` from ``{dotted path: array}`` (the inverse of `flat_params`)."""
+    return nnx.from_flat_state([
+        (tuple(int(p) if p.isdigit() else p for p in name.split(".")), nnx.LoRAParam(value))
+        for name, value in flat.items()
+    ])
+
+
+__all__ = [
+    "abstract_model",
+    "flat_params",
+    "lora_state",
+    "path_str",
+]

@@ -41,3 +41,13 @@ def bytes_per_device(shape: Sequence[int], spec: Spec, axis_sizes: Mapping[str, 
     """
     spec = padded(spec, len(shape))
     return itemsize * math.prod(-(-size // shards(entry, axis_sizes)) for size, entry in zip(shape, spec))
+
+
+__all__ = [
+    "Spec",
+    "axes_of",
+    "bytes_per_device",
+    "padded",
+    "shards",
+    "spec_of",
+]

@@ -70,3 +70,11 @@ def _side(text: str, side: str) -> tuple[Dim, ...]:
             raise SpecError(f"layout {text!r}: unexpected {other!r}; a layout is axis letters and (groups)")
         dims.append(tuple(group.split()) if group else (name,))
     return tuple(dims)
+
+
+__all__ = [
+    "Dim",
+    "Pattern",
+    "shape",
+    "words",
+]

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from gemport.errors import CheckpointError
-from gemport.parity import Tolerances, Trajectory, trajectory  # noqa: F401  (re-exported: gemport.verify.trajectory)
+from gemport.extras import require
+from gemport.parity import Tolerances, Trajectory, trajectory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,15 +47,12 @@ class LogitReport:
 def transformers_model(hf_dir: str | Path, *, adapter_dir: str | Path | None = None):
     """The transformers model of ``hf_dir`` (its ``architectures[0]``) in float32 with eager attention, plus
     the PEFT adapter at ``adapter_dir`` if given."""
-    try:
-        import transformers
-    except ImportError:
-        raise CheckpointError("verifying against transformers needs the hf extra: pip install 'gemport[hf]'") from None
+    transformers = require("transformers", "verifying against transformers")
     config = json.loads((Path(hf_dir) / "config.json").read_text())
     cls = getattr(transformers, (config.get("architectures") or ["AutoModelForCausalLM"])[0])
     model = cls.from_pretrained(hf_dir, dtype="float32", attn_implementation="eager")
     if adapter_dir is not None:
-        from peft import PeftModel
+        PeftModel = require("peft", "verifying a PEFT adapter").PeftModel
 
         model = PeftModel.from_pretrained(model, adapter_dir)
     return model.eval()
@@ -83,8 +80,7 @@ def compare_logits(hf_dir: str | Path, tunix_model, *, adapter_dir: str | Path |
       tokens: int32 [B, T]; default two random rows of ``seq_len`` tokens drawn with ``seed``.
       atol: the max-abs difference ``LogitReport.ok`` accepts.
     """
-    import torch
-
+    torch = require("torch", "verifying against transformers")
     hf = transformers_model(hf_dir, adapter_dir=adapter_dir)
     if tokens is None:
         vocab = hf.config.get_text_config().vocab_size
@@ -95,16 +91,12 @@ def compare_logits(hf_dir: str | Path, tunix_model, *, adapter_dir: str | Path |
     return LogitReport(float(np.abs(got - expected).max()), float(np.abs(expected).max()), expected.shape, atol)
 
 
-def with_lora(model, spec, lora_spec, params: dict[str, np.ndarray]):
-    """``model`` with LoRA per ``lora_spec`` and its factors set from ``params`` (flat dotted paths, as from
-    ``gemport.checkpoint.lora_params``); every factor must be given, with its shape (else ``LoraError``)."""
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from gemport.lora import apply_lora
-
-    state = nnx.from_flat_state([
-        (tuple(int(p) if p.isdigit() else p for p in name.split(".")), nnx.LoRAParam(jnp.asarray(value)))
-        for name, value in params.items()
-    ])
-    return apply_lora(model, spec, lora_spec, state)
+__all__ = [
+    "LogitReport",
+    "Tolerances",
+    "Trajectory",
+    "compare_logits",
+    "trajectory",
+    "transformers_model",
+    "tunix_logits",
+]

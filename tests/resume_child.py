@@ -25,7 +25,7 @@ from tunix.sft import checkpoint_manager, hooks
 from tunix.sft.peft_trainer import TrainingConfig
 
 from gemport import masks, train
-from gemport.checkpoint import load_tunix_model
+from gemport.checkpoint import load_model
 from gemport.lora import LoraSpec, apply_lora
 from gemport.specs import GemmaSpec
 from gemport.train.peft_trainer import HFPeftTrainer, micro_batches
@@ -44,7 +44,7 @@ def data(vocab):
     rng = np.random.default_rng(1)
     tokens = [rng.integers(1, vocab, int(n)).astype(np.int32) for n in rng.integers(4, 13, 30)]
     loss_mask = [np.arange(len(t)) >= len(t) // 2 for t in tokens]
-    rows = masks.pack(tokens, loss_mask, 12)
+    rows = masks.pack(list(zip(tokens, loss_mask)), 12)
     return [train.stack([{k: v[m] for k, v in rows.items()} for m in s.micro_batches], accumulation=2, rows=2)
             for s in train.optimizer_steps({**ARGS, "max_steps": None, "num_train_epochs": 2}, len(rows["tokens"]))]
 
@@ -118,7 +118,7 @@ def main(hf_dir, *jobs):
         loop, out, *kill = job.split(":")
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
-        model = apply_lora(load_tunix_model(hf_dir, dtype=jnp.float32), spec, LORA, seed=3)
+        model = apply_lora(load_model(hf_dir, dtype=jnp.float32), spec, LORA, seed=3)
         {"peft": peft, "nnx": nnx_loop}[loop](model, steps, out, int(kill[0]) if kill else None)
         lora = {".".join(map(str, path)): np.asarray(v.get_value())
                 for path, v in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))}

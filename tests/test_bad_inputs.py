@@ -30,10 +30,17 @@ from gemport import (
     SpecError,
     UnsafePathError,
 )
-from gemport.checkpoint import HFCheckpoint, export_merged, import_peft, load_hf, read_orbax, save_hf
+from gemport.checkpoint import (
+    HFCheckpoint,
+    export_merged,
+    import_peft,
+    load_hf,
+    load_orbax,
+    read_lora,
+    save_hf,
+    save_orbax,
+)
 from gemport.checkpoint import output as output_module
-from gemport.checkpoint.adapters import find_lora_spec
-from gemport.checkpoint.orbax import load_orbax, save_orbax
 from gemport.lora import LoraLayout, LoraSpec
 from gemport.mesh import make_mesh
 from gemport.optim import from_hf
@@ -125,8 +132,8 @@ def test_hub_cache_checkpoint_loads_converts_and_exports_as_the_plain_folder(pla
         assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(from_hub), jax.tree.leaves(from_plain)))
         save_hf(from_hub, tmp_path / "hub_hf", spec=spec, base_dir=hub, max_shard_size=SHARD)
         save_hf(from_plain, tmp_path / "plain_hf", spec=spec, base_dir=plain, max_shard_size=SHARD)
-        export_merged(hub, lora_params, tmp_path / "hub_merged", lora_spec=LORA, max_shard_size=SHARD)
-        export_merged(plain, lora_params, tmp_path / "plain_merged", lora_spec=LORA, max_shard_size=SHARD)
+        export_merged(lora_params, tmp_path / "hub_merged", base_dir=hub, lora_spec=LORA, max_shard_size=SHARD)
+        export_merged(lora_params, tmp_path / "plain_merged", base_dir=plain, lora_spec=LORA, max_shard_size=SHARD)
     same_files(tmp_path / "hub_hf", tmp_path / "plain_hf")
     same_files(tmp_path / "hub_merged", tmp_path / "plain_merged")
     assert not any(p.is_symlink() for p in (tmp_path / "hub_merged").iterdir())
@@ -159,7 +166,7 @@ def test_outputs_inside_a_hub_cache_repository_are_refused(hub, lora_params):
     with unchanged(hub.parent.parent):
         for out in (hub / "merged", hub.parent.parent / "blobs" / "merged"):
             with pytest.raises(UnsafePathError, match="inside input"):
-                export_merged(hub, lora_params, out, lora_spec=LORA)
+                export_merged(lora_params, out, base_dir=hub, lora_spec=LORA)
 
 
 # 2, 3, 9, 10. The command line --------------------------------------------------------------------------------
@@ -254,7 +261,7 @@ def test_import_peft_names_a_broken_adapter_config(dummies, plain):
                         (json.dumps(dict(LORA.to_peft(), alora_invocation_tokens=[106])), "aLoRA")]:
         config.write_text(text)
         with unchanged(dummies / "adapter"), pytest.raises(LoraError, match=rf"adapter_config\.json.*{match}"):
-            import_peft(dummies / "adapter", spec)
+            import_peft(dummies / "adapter", spec=spec)
 
 
 # 5, 6. Orbax -------------------------------------------------------------------------------------------------
@@ -280,18 +287,18 @@ def test_damaged_orbax_checkpoints_are_named(plain, orbax_checkpoint, tmp_path):
     shutil.copytree(orbax_checkpoint, no_metadata)
     (no_metadata / "_METADATA").unlink()
     with pytest.raises(CorruptFileError, match=rf"{no_metadata}.*_METADATA"):
-        load_orbax(no_metadata, spec)
+        load_orbax(no_metadata, spec=spec)
     lora_root = tmp_path / "lora"
     shutil.copytree(no_metadata, lora_root / "3" / "model_params")
     with pytest.raises(CorruptFileError, match="_METADATA"):
-        read_orbax(lora_root)
+        read_lora(lora_root, lora_spec=LORA)
     garbled = tmp_path / "garbled"
     shutil.copytree(orbax_checkpoint, garbled)
     for path in garbled.rglob("*"):
         if path.is_file() and path.parent.name == "d":
             path.write_bytes(b"\x00garbage" * 64)
     with unchanged(garbled), pytest.raises(CorruptFileError, match=str(garbled)):
-        load_orbax(garbled, spec)
+        load_orbax(garbled, spec=spec)
 
 
 def test_a_broken_lora_spec_file_is_named(tmp_path):
@@ -299,7 +306,7 @@ def test_a_broken_lora_spec_file_is_named(tmp_path):
     for text in ("{broken", "[]", json.dumps({"rank": 4}), json.dumps({"rank": -1, "alpha": 1, "targets": []})):
         (tmp_path / "gemport_lora.json").write_text(text)
         with pytest.raises(LoraError, match=r"gemport_lora\.json.*save_lora_spec"):
-            find_lora_spec(tmp_path / "0")
+            read_lora(tmp_path / "0")
 
 
 # 7. JSON, safetensors, meshes, optimizer ----------------------------------------------------------------------
@@ -407,7 +414,7 @@ def test_nan_in_base_weights_is_named(copy, lora_params, tmp_path):
     with pytest.warns(RuntimeWarning, match=r"model\.layers\.0\.self_attn\.q_proj\.weight.*NaN"):
         save_hf(state, tmp_path / "converted", spec=GemmaSpec.from_hf(copy))
     with pytest.warns(RuntimeWarning, match=r"model\.layers\.0\.self_attn\.q_proj\.weight.*NaN"):
-        export_merged(copy, lora_params, tmp_path / "merged", lora_spec=LORA)
+        export_merged(lora_params, tmp_path / "merged", base_dir=copy, lora_spec=LORA)
 
 
 def test_mesh_sizes_are_checked():
@@ -458,7 +465,7 @@ def mounted(path, options):
 def test_a_full_disk_is_named_and_leaves_nothing(plain, lora_params, tmp_path):
     with mounted(tmp_path / "disk", "size=64k") as disk, unchanged(plain):
         with pytest.raises(CheckpointError, match=rf"{disk / 'merged'}.*No space left on device"):
-            export_merged(plain, lora_params, disk / "merged", lora_spec=LORA)
+            export_merged(lora_params, disk / "merged", base_dir=plain, lora_spec=LORA)
         assert list(disk.iterdir()) == []
         with pytest.raises(CheckpointError, match=rf"{disk / 'orbax'}.*No space left on device"):
             save_orbax(load_hf(plain), disk / "orbax")
@@ -472,7 +479,7 @@ def test_a_write_error_is_named_and_leaves_nothing(plain, lora_params, tmp_path,
 
     monkeypatch.setattr(output_module, "write_file", full)
     with unchanged(plain), pytest.raises(CheckpointError, match=rf"{tmp_path / 'merged'}.*No space left on device"):
-        export_merged(plain, lora_params, tmp_path / "merged", lora_spec=LORA)
+        export_merged(lora_params, tmp_path / "merged", base_dir=plain, lora_spec=LORA)
     no_output(tmp_path / "merged")
 
 
@@ -510,7 +517,8 @@ KILLED_EXPORT = textwrap.dedent("""
 
     output.write_file = stall_after_the_first_shard
     base, params, out = sys.argv[1:]
-    export_merged(base, dict(np.load(params)), out, lora_spec=LoraSpec(rank=4, alpha=8.0), max_shard_size="40KB")
+    export_merged(dict(np.load(params)), out, base_dir=base, lora_spec=LoraSpec(rank=4, alpha=8.0),
+                  max_shard_size="40KB")
 """)
 
 
@@ -532,9 +540,9 @@ def test_a_killed_export_is_cleaned_up_by_the_next_run(plain, lora_params, tmp_p
     (partial,) = out.parent.iterdir()
     assert partial.name.startswith(".merged.partial-") and not out.exists()
 
-    export_merged(plain, lora_params, out, lora_spec=LORA, max_shard_size=SHARD)
+    export_merged(lora_params, out, base_dir=plain, lora_spec=LORA, max_shard_size=SHARD)
     assert [p.name for p in out.parent.iterdir()] == ["merged"]
-    export_merged(plain, lora_params, tmp_path / "reference", lora_spec=LORA, max_shard_size=SHARD)
+    export_merged(lora_params, tmp_path / "reference", base_dir=plain, lora_spec=LORA, max_shard_size=SHARD)
     same_files(out, tmp_path / "reference")
 
 

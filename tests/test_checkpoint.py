@@ -12,7 +12,7 @@ from safetensors import safe_open
 from tiny import TEXT_CONFIGS, hf_logits, token_ids
 
 from gemport import names
-from gemport.checkpoint import HFCheckpoint, load_hf, load_tunix_model, save_hf
+from gemport.checkpoint import HFCheckpoint, load_hf, load_model, save_hf
 from gemport.params import abstract_model, path_str
 from gemport.specs import GemmaSpec
 from gemport.verify import tunix_logits
@@ -30,7 +30,7 @@ def tensors(directory) -> dict[str, bytes]:
 def test_tunix_logits_equal_transformers(hf_checkpoint, name, kind):
     model, path = hf_checkpoint(name, kind)
     ids = token_ids(model.config.get_text_config().vocab_size)
-    tunix = load_tunix_model(path)
+    tunix = load_model(path)
     np.testing.assert_allclose(tunix_logits(tunix, ids), hf_logits(model, ids), atol=1e-5, rtol=0)
 
 
@@ -49,7 +49,7 @@ def test_older_gemma3_multimodal_layout_loads(hf_checkpoint, tmp_path):
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
     assert names.detect_prefix(HFCheckpoint(tmp_path).keys()) == "model.language_model."
     ids = token_ids(96)
-    np.testing.assert_allclose(tunix_logits(load_tunix_model(tmp_path), ids), hf_logits(model, ids), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(tunix_logits(load_model(tmp_path), ids), hf_logits(model, ids), atol=1e-5, rtol=0)
 
 
 SPECS = {name: lambda name=name: GemmaSpec.from_hf(dict(TEXT_CONFIGS[name])) for name in TEXT_CONFIGS}
@@ -104,7 +104,7 @@ def test_sharded_load_carries_tunix_default_shardings(hf_checkpoint):
         sharded += any(annotations[path_str(p)])
     assert sharded > 0
     with jax.set_mesh(mesh):
-        tunix = load_tunix_model(path, mesh=mesh)
+        tunix = load_model(path, mesh=mesh)
         ids = token_ids(128, batch=2)
         np.testing.assert_allclose(tunix_logits(tunix, ids), hf_logits(model, ids), atol=1e-5, rtol=0)
 

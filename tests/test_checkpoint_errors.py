@@ -165,4 +165,4 @@ def test_not_a_checkpoint(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3_text"}))
     with pytest.raises(CheckpointError, match="safe_serialization"):
-        load_hf(tmp_path, GemmaSpec.preset("gemma3-1b"))
+        load_hf(tmp_path, spec=GemmaSpec.preset("gemma3-1b"))

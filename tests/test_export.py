@@ -13,7 +13,7 @@ import torch
 import transformers
 from flax import nnx
 
-from gemport.checkpoint import HFCheckpoint, export_merged, export_peft, import_peft, load_tunix_model, lora_params
+from gemport.checkpoint import HFCheckpoint, export_merged, export_peft, import_peft, load_model, read_lora
 from gemport.checkpoint.safetensors import SafetensorsFile
 from gemport.lora import PROJECTIONS, LoraLayout, LoraSpec, apply_lora
 from gemport.specs import GemmaSpec
@@ -51,18 +51,18 @@ def run(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     tiny.causal_lm(name).save_pretrained(root / "base")
     spec = GemmaSpec.from_hf(root / "base")
-    model = apply_lora(load_tunix_model(root / "base"), spec, lora_spec)
+    model = apply_lora(load_model(root / "base"), spec, lora_spec)
     randomize_lora(model)
     ids = tiny.token_ids(spec.vocab)
-    export_merged(root / "base", model, root / "merged", lora_spec=lora_spec)
-    export_peft(model, root / "peft", spec=spec, lora_spec=lora_spec, base_model_name_or_path=str(root / "base"))
+    export_merged(model, root / "merged", base_dir=root / "base", lora_spec=lora_spec)
+    export_peft(model, root / "peft", base_dir=root / "base", lora_spec=lora_spec)
     return SimpleNamespace(root=root, spec=spec, model=model, ids=ids, logits=tunix_logits(model, ids),
                            lora_spec=lora_spec)
 
 
 def test_family_has_what_the_acceptance_needs(run):
     assert run.spec.family == "gemma3" or any(run.spec.layer_k_eq_v(i) for i in range(run.spec.num_layers))
-    params = lora_params(run.model)
+    params = read_lora(run.model, lora_spec=run.lora_spec).flat()
     assert all(np.abs(v).max() > 0 for v in params.values())
 
 
@@ -90,18 +90,18 @@ def test_gemma4_k_eq_v_layers_get_k_proj_only(run):
 
 
 def test_import_of_export_reproduces_the_deltas(run):
-    lora_spec, state = import_peft(run.root / "peft", run.spec)
-    assert lora_spec.fused == "separate" and lora_spec.scale == run.lora_spec.scale
-    ours = hf_deltas(lora_params(run.model), run.spec, run.lora_spec)
-    back = hf_deltas(lora_params(state), run.spec, lora_spec)
+    lora = import_peft(run.root / "peft", base_dir=run.root / "base")
+    assert lora.lora_spec.fused == "separate" and lora.lora_spec.scale == run.lora_spec.scale
+    ours = hf_deltas(read_lora(run.model, lora_spec=run.lora_spec).flat(), run.spec, run.lora_spec)
+    back = hf_deltas(lora.flat(), run.spec, lora.lora_spec)
     assert ours.keys() == back.keys()
     for m in ours:
         np.testing.assert_allclose(back[m], ours[m], atol=1e-6, rtol=0, err_msg=m)
 
 
 def test_imported_adapter_runs_in_tunix(run):
-    lora_spec, state = import_peft(run.root / "peft", run.spec)
-    model = apply_lora(load_tunix_model(run.root / "base"), run.spec, lora_spec, state)
+    lora = import_peft(run.root / "peft", base_dir=run.root / "base")
+    model = apply_lora(load_model(run.root / "base"), run.spec, lora)
     np.testing.assert_allclose(tunix_logits(model, run.ids), run.logits, atol=1e-4, rtol=0)
 
 
@@ -117,16 +117,15 @@ def test_gpu_adapter_imports_exactly(run, rslora, tmp_path):
                 p.copy_(0.2 * torch.randn(p.shape, generator=g))
     model.save_pretrained(tmp_path)
     expected = tiny.hf_logits(model.eval(), run.ids)
-    lora_spec, state = import_peft(tmp_path, run.spec)
-    assert lora_spec.rslora == rslora
-    tunix = apply_lora(load_tunix_model(run.root / "base"), run.spec, lora_spec, state)
+    lora = import_peft(tmp_path, base_dir=run.root / "base")
+    assert lora.lora_spec.rslora == rslora
+    tunix = apply_lora(load_model(run.root / "base"), run.spec, lora)
     np.testing.assert_allclose(tunix_logits(tunix, run.ids), expected, atol=1e-4, rtol=0)
 
 
 def test_reexport_of_an_imported_adapter_is_tensor_for_tensor_identical(run, tmp_path):
     """PEFT -> Qwix -> PEFT keeps every lora_A / lora_B bit for bit (separate factors hold them as they are)."""
-    lora_spec, state = import_peft(run.root / "peft", run.spec)
-    export_peft(state, tmp_path / "again", spec=run.spec, lora_spec=lora_spec)
+    export_peft(import_peft(run.root / "peft", spec=run.spec), tmp_path / "again", base_dir=run.root / "base")
     first, again = (SafetensorsFile(d / "adapter_model.safetensors") for d in (run.root / "peft", tmp_path / "again"))
     assert set(first.tensors) == set(again.tensors)
     for key in first.tensors:
@@ -146,10 +145,10 @@ def test_unequal_k_and_v_ranks_import_padded_and_export_exactly(run, tmp_path):
                 p.copy_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
     model.save_pretrained(tmp_path / "gpu")
     expected = tiny.hf_logits(model.eval(), run.ids)
-    lora_spec, state = import_peft(tmp_path / "gpu", run.spec)
-    tunix = apply_lora(load_tunix_model(run.root / "base"), run.spec, lora_spec, state)
+    lora = import_peft(tmp_path / "gpu", spec=run.spec)
+    tunix = apply_lora(load_model(run.root / "base"), run.spec, lora)
     np.testing.assert_allclose(tunix_logits(tunix, run.ids), expected, atol=1e-4, rtol=0)
-    export_peft(state, tmp_path / "again", spec=run.spec, lora_spec=lora_spec)
+    export_peft(lora, tmp_path / "again", spec=run.spec)
     first, again = (SafetensorsFile(tmp_path / d / "adapter_model.safetensors") for d in ("gpu", "again"))
     for key in first.tensors:
         np.testing.assert_array_equal(again.array(key), first.array(key), err_msg=key)

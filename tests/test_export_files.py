@@ -17,8 +17,8 @@ from gemport.checkpoint import (
     export_merged,
     export_peft,
     import_peft,
-    load_tunix_model,
-    lora_params,
+    load_model,
+    read_lora,
     save_lora_spec,
 )
 from gemport.checkpoint.output import write_sharded
@@ -53,13 +53,13 @@ def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("files")
     tiny.causal_lm("gemma4_dense").save_pretrained(root / "base")
     spec = GemmaSpec.from_hf(root / "base")
-    model = apply_lora(load_tunix_model(root / "base"), spec, LORA)
+    model = apply_lora(load_model(root / "base"), spec, LORA)
     rng = np.random.default_rng(2)
     flat = [(p, v.replace(jnp.asarray(rng.normal(0, 0.2, v.get_value().shape), jnp.float32)))
             for p, v in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))]
     nnx.update(model, nnx.from_flat_state(flat))
-    export_merged(root / "base", model, root / "merged", lora_spec=LORA)
-    return SimpleNamespace(root=root, spec=spec, model=model, params=lora_params(model))
+    export_merged(model, root / "merged", base_dir=root / "base", lora_spec=LORA)
+    return SimpleNamespace(root=root, spec=spec, model=model, params=read_lora(model, lora_spec=LORA).flat())
 
 
 @pytest.fixture(scope="module")
@@ -90,15 +90,15 @@ def test_orbax_checkpoint_exports_like_the_in_memory_model(run):
     manager.save(2, run.model, save_only_lora_params=True, force=True)
     manager.close()
     save_lora_spec(root, LORA)
-    export_merged(run.root / "base", root, run.root / "from_orbax")
+    export_merged(root, run.root / "from_orbax", base_dir=run.root / "base")
     for name in ("model.safetensors", "config.json"):
         assert (run.root / "from_orbax" / name).read_bytes() == (run.root / "merged" / name).read_bytes()
-    np.testing.assert_array_equal(lora_params(root / "1")[LORA_KEY], 0)
+    np.testing.assert_array_equal(read_lora(root, step=1).flat()[LORA_KEY], 0)
 
 
 def test_sharded_multimodal_base_keeps_untouched_tensors_byte_identical(run, multimodal):
     out = run.root / "multimodal_merged"
-    export_merged(multimodal, run.model, out, lora_spec=LORA, max_shard_size=20_000)
+    export_merged(run.model, out, base_dir=multimodal, lora_spec=LORA, max_shard_size=20_000)
     merged, base, text = HFCheckpoint(out), HFCheckpoint(multimodal), HFCheckpoint(run.root / "merged")
     assert len({i.file for i in base.tensors.values()}) > 2 and len({i.file for i in merged.tensors.values()}) > 2
     assert json.loads((out / "model.safetensors.index.json").read_text())["weight_map"].keys() == set(base.keys())
@@ -138,7 +138,7 @@ def with_change(params, key, value):
 def test_bad_adapter_is_refused_without_output(run, change, error, match):
     out = run.root / "bad"
     with pytest.raises(error, match=match):
-        export_merged(run.root / "base", change(run.params), out, lora_spec=LORA)
+        export_merged(change(run.params), out, base_dir=run.root / "base", lora_spec=LORA)
     no_output(out)
     with pytest.raises(error, match=match):
         export_peft(change(run.params), out, spec=run.spec, lora_spec=LORA)
@@ -147,15 +147,27 @@ def test_bad_adapter_is_refused_without_output(run, change, error, match):
 
 def test_wrong_rank_in_spec_is_refused(run):
     with pytest.raises(ShapeMismatchError, match="r=8"):
-        export_merged(run.root / "base", run.params, run.root / "bad", lora_spec=LoraSpec(8, 16.0))
+        export_merged(run.params, run.root / "bad", base_dir=run.root / "base", lora_spec=LoraSpec(8, 16.0))
     no_output(run.root / "bad")
 
 
 def test_adapter_for_another_model_is_refused(run, tmp_path):
     tiny.causal_lm("gemma4_moe").save_pretrained(tmp_path / "other")
     with pytest.raises((ShapeMismatchError, UnexpectedTensorError)):
-        export_merged(tmp_path / "other", run.params, run.root / "bad", lora_spec=LORA)
+        export_merged(run.params, run.root / "bad", base_dir=tmp_path / "other", lora_spec=LORA)
     no_output(run.root / "bad")
+
+
+def test_peft_export_of_a_multimodal_base_uses_its_text_prefix_and_imports_back(run, multimodal, tmp_path):
+    export_peft(run.params, tmp_path / "adapter", base_dir=multimodal, lora_spec=LORA)
+    keys = set(SafetensorsFile(tmp_path / "adapter/adapter_model.safetensors").tensors)
+    assert keys and all(k.startswith("base_model.model.model.language_model.layers.") for k in keys)
+    config = json.loads((tmp_path / "adapter/adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(multimodal.resolve())
+    back = import_peft(tmp_path / "adapter", base_dir=multimodal)
+    assert back.lora_spec == LORA
+    for key, value in back.flat().items():
+        np.testing.assert_array_equal(value, run.params[key], err_msg=key)
 
 
 def test_missing_base_shard_is_refused(run, multimodal, tmp_path):
@@ -163,19 +175,19 @@ def test_missing_base_shard_is_refused(run, multimodal, tmp_path):
     shutil.copytree(multimodal, broken)
     next(broken.glob("model-00002-*.safetensors")).unlink()
     with pytest.raises(CheckpointError, match="missing"):
-        export_merged(broken, run.params, tmp_path / "out", lora_spec=LORA)
+        export_merged(run.params, tmp_path / "out", base_dir=broken, lora_spec=LORA)
     no_output(tmp_path / "out")
 
 
 def test_output_inside_input_is_refused(run):
     with pytest.raises(UnsafePathError):
-        export_merged(run.root / "base", run.params, run.root / "base" / "merged", lora_spec=LORA)
+        export_merged(run.params, run.root / "base" / "merged", base_dir=run.root / "base", lora_spec=LORA)
     assert not (run.root / "base" / "merged").exists()
 
 
 def test_missing_lora_spec_is_refused(run):
     with pytest.raises(LoraError, match="save_lora_spec"):
-        export_merged(run.root / "base", run.model, run.root / "bad")
+        export_merged(run.model, run.root / "bad", base_dir=run.root / "base")
     no_output(run.root / "bad")
 
 
@@ -184,7 +196,7 @@ def test_import_refuses_broken_and_foreign_adapters(run, tmp_path):
     export_peft(run.params, good, spec=run.spec, lora_spec=LORA)
     other = GemmaSpec.from_hf(tiny.text_config("gemma3_1b").to_dict())
     with pytest.raises((ShapeMismatchError, UnexpectedTensorError)):
-        import_peft(good, other)
+        import_peft(good, spec=other)
     # export refuses NaN, so break a written adapter by hand
     bad = tmp_path / "bad"
     shutil.copytree(good, bad)
@@ -194,7 +206,7 @@ def test_import_refuses_broken_and_foreign_adapters(run, tmp_path):
     data[info.start:info.start + 4] = np.float32(np.nan).tobytes()
     weights.write_bytes(bytes(data))
     with pytest.raises(LoraError, match="NaN"):
-        import_peft(bad, run.spec)
+        import_peft(bad, spec=run.spec)
 
 
 def test_export_peft_warns_when_vllm_would_refuse_the_rank(run, tmp_path):
@@ -206,5 +218,5 @@ def test_export_peft_warns_when_vllm_would_refuse_the_rank(run, tmp_path):
 
 def test_missing_lora_checkpoint_is_named(run, tmp_path):
     with pytest.raises(CheckpointError, match="nothing.*PeftTrainer"):
-        export_merged(run.root / "base", tmp_path / "nothing", tmp_path / "out")
+        export_merged(tmp_path / "nothing", tmp_path / "out", base_dir=run.root / "base")
     no_output(tmp_path / "out")

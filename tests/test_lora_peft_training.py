@@ -19,9 +19,9 @@ import torch
 import transformers
 from flax import nnx
 
-from gemport.checkpoint import import_peft, load_tunix_model
+from gemport.checkpoint import import_peft, load_model
 from gemport.errors import LoraError
-from gemport.lora import PROJECTIONS, LoraLayout, LoraSpec, apply_lora
+from gemport.lora import PROJECTIONS, LoraLayout, LoraParams, LoraSpec, apply_lora
 from gemport.optim import from_hf
 from gemport.specs import GemmaSpec
 
@@ -61,13 +61,13 @@ def peft_model(path, config):
 
 @pytest.fixture(scope="module", params=CASES)
 def case(request, hf_checkpoint, tmp_path_factory):
-    """(PEFT model, HF checkpoint, spec, the adapter imported: lora_spec and state), all fp32."""
+    """(PEFT model, HF checkpoint, spec, the adapter imported: state and lora_spec), all fp32."""
     _, path = hf_checkpoint(request.param)
     model = peft_model(path, peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(PROJECTIONS)))
     adapter = tmp_path_factory.mktemp(f"{request.param}-adapter")
     model.save_pretrained(adapter)
     spec = GemmaSpec.from_hf(path)
-    return (model, path, spec, *import_peft(adapter, spec))
+    return (model, path, spec, *import_peft(adapter, spec=spec))
 
 
 def peft_grads(model):
@@ -77,7 +77,7 @@ def peft_grads(model):
 def test_gradients_equal_peft_for_every_factor(case):
     """In float64, where Tunix and transformers agree to ~1e-6 (each keeps a float32 step: RoPE tables in
     transformers, Gemma 4 logits in Tunix); in float32 their difference alone is ~3e-5 on any projection."""
-    model, path, spec, lora_spec, state = case
+    model, path, spec, state, lora_spec = case
     tokens = batch(spec.vocab, 0)
     model = copy.deepcopy(model).double()
     model.zero_grad()
@@ -85,7 +85,7 @@ def test_gradients_equal_peft_for_every_factor(case):
     expected = peft_grads(model)
     with jax.enable_x64(True):
         state = jax.tree.map(lambda x: x.astype(jnp.float64), state)
-        tunix_model = apply_lora(load_tunix_model(path, dtype=jnp.float64), spec, lora_spec, state)
+        tunix_model = apply_lora(load_model(path, dtype=jnp.float64), spec, LoraParams(state, lora_spec))
         grads = nnx.grad(jax_loss, argnums=nnx.DiffState(0, nnx.LoRAParam))(tunix_model, jnp.asarray(tokens))
         flat = {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(grads)}
     layout = LoraLayout(spec, lora_spec)
@@ -102,9 +102,9 @@ def test_gradients_equal_peft_for_every_factor(case):
 
 @pytest.mark.parametrize("case", ["gemma4_dense", "gemma3_qkv"], indirect=True)  # kv_einsum and qkv_einsum
 def test_ten_optimizer_steps_follow_torch(case):
-    model, path, spec, lora_spec, state = case
+    model, path, spec, state, lora_spec = case
     model = copy.deepcopy(model)
-    tunix_model = apply_lora(load_tunix_model(path), spec, lora_spec, state)
+    tunix_model = apply_lora(load_model(path), spec, LoraParams(state, lora_spec))
     params = [p for p in model.parameters() if p.requires_grad]
     torch_opt = torch.optim.AdamW(params, lr=RECIPE["learning_rate"], weight_decay=RECIPE["weight_decay"])
     scheduler = transformers.get_scheduler("cosine", torch_opt, num_warmup_steps=RECIPE["warmup_steps"],
@@ -143,7 +143,7 @@ def test_trainable_count_equals_peft_for_fresh_adapters(hf_checkpoint):
         spec = GemmaSpec.from_hf(path)
         lora_spec = LoraSpec.from_peft(config)  # before get_peft_model, which resolves "all-linear" in place
         expected = peft.get_peft_model(copy.deepcopy(torch_model), config).get_nb_trainable_parameters()[0]
-        lora_model = apply_lora(load_tunix_model(path), spec, lora_spec)
+        lora_model = apply_lora(load_model(path), spec, lora_spec)
         count = sum(v.get_value().size for _, v in nnx.to_flat_state(nnx.state(lora_model, nnx.LoRAParam)))
         assert count == expected == LoraLayout(spec, lora_spec).num_params, name
 
@@ -172,7 +172,7 @@ def test_fresh_adapter_starts_from_peft_distribution(hf_checkpoint, init):
     expected = {n.replace(".default", ""): p.detach().numpy() for n, p in pm.named_parameters() if p.requires_grad}
     lora_spec = LoraSpec.from_peft(config)
     assert lora_spec.init == init
-    lora_model = apply_lora(load_tunix_model(path), spec, lora_spec, seed=3)
+    lora_model = apply_lora(load_model(path), spec, lora_spec, seed=3)
     flat = {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(lora_model))
             if isinstance(v, nnx.LoRAParam)}
     for adapter in LoraLayout(spec, lora_spec):

@@ -14,7 +14,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 import tiny
-from gemport.checkpoint.load import load_tunix_model
+from gemport.checkpoint.load import load_model
 from gemport.errors import MeshError
 from gemport.lora import LoraLayout, LoraSpec, apply_lora
 from gemport.mesh import make_mesh, memory_plan
@@ -77,7 +77,7 @@ def lora_spec_of(builder):
 
 def lora_model(ckpt, mesh, builder):
     """Plain Qwix (a model built elsewhere) or gemport's apply_lora (separate K and V factors)."""
-    model = load_tunix_model(ckpt, mesh=mesh)
+    model = load_model(ckpt, mesh=mesh)
 
     def build():
         if builder == "gemport":

@@ -1,9 +1,9 @@
-"""Qwix LoRA parameters from where Tunix leaves them, checked against the model they adapt.
+"""Qwix LoRA parameters from where Tunix leaves them, as `LoraParams` (factors with their `LoraSpec`).
 
-Sources: an nnx model or state (``nnx.LoRAParam``), a flat ``{path: array}`` dict, or an Orbax checkpoint
-written by Tunix's PeftTrainer with ``save_only_lora_params`` (``<root>/<step>/model_params``). Tunix does not
-record rank, alpha or targets; `save_lora_spec` writes them beside the checkpoint root so that exports can find
-them.
+Sources: an nnx model or state (``nnx.LoRAParam``), a flat ``{path: array}`` dict, `LoraParams`, or an Orbax
+checkpoint written by Tunix's PeftTrainer with ``save_only_lora_params`` (``<root>/<step>/model_params``).
+Tunix does not record rank, alpha or targets; `save_lora_spec` writes them beside the checkpoint root so that
+`read_lora` and the exports can find them.
 """
 
 from __future__ import annotations
@@ -14,28 +14,14 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
-from gemport.params import flat_params
-from gemport.checkpoint.orbax import stored_tree
+from gemport.checkpoint.orbax import save_orbax, stored_tree
+from gemport.checkpoint.output import atomic_dir, check_output
 from gemport.errors import CheckpointError, CorruptFileError, LoraError
-from gemport.lora import LoraSpec
+from gemport.lora import LoraParams, LoraSpec
+from gemport.params import flat_params, lora_state
 
 LORA_SPEC_FILE = "gemport_lora.json"
 PARAMS_DIR = "model_params"
-
-
-def lora_params(source, *, step: int | None = None) -> dict[str, np.ndarray]:
-    """``{"layers.0.attn.q_einsum.w_lora_a": array, ...}`` from a model, state, dict or Orbax path.
-
-    Args:
-      source: an nnx model with Qwix LoRA, its ``nnx.State``, a flat dict, or a path: a PeftTrainer
-        checkpoint root, one of its step directories, or a ``model_params`` directory.
-      step: with a checkpoint root, the step to read; default the latest.
-    """
-    if isinstance(source, (str, os.PathLike)):
-        return read_orbax(source, step=step)
-    if isinstance(source, (nnx.Module, nnx.State)):
-        source = flat_params(source, nnx.LoRAParam)
-    return {k: np.asarray(v) for k, v in source.items() if k.endswith(("_lora_a", "_lora_b"))}
 
 
 def params_dir(path: str | os.PathLike, *, step: int | None = None) -> Path:
@@ -59,7 +45,7 @@ def params_dir(path: str | os.PathLike, *, step: int | None = None) -> Path:
     return path / str(step) / PARAMS_DIR
 
 
-def read_orbax(path: str | os.PathLike, *, step: int | None = None) -> dict[str, np.ndarray]:
+def _read_orbax(path: str | os.PathLike, *, step: int | None = None) -> dict[str, np.ndarray]:
     """The LoRA params of a PeftTrainer Orbax checkpoint, as host numpy arrays (no model or mesh needed)."""
     import jax
     import orbax.checkpoint as ocp
@@ -92,7 +78,7 @@ def save_lora_spec(root: str | os.PathLike, lora_spec: LoraSpec) -> Path:
     return path
 
 
-def find_lora_spec(path: str | os.PathLike) -> LoraSpec | None:
+def _find_lora_spec(path: str | os.PathLike) -> LoraSpec | None:
     """The LoraSpec recorded by `save_lora_spec` for a checkpoint root, step or ``model_params`` path."""
     path = Path(path).resolve()
     for directory in (path, path.parent, path.parent.parent):
@@ -106,16 +92,54 @@ def find_lora_spec(path: str | os.PathLike) -> LoraSpec | None:
     return None
 
 
-def resolve(lora, lora_spec: LoraSpec | None, *, step: int | None = None) -> tuple[dict[str, np.ndarray], LoraSpec]:
-    """LoRA params of ``lora`` and its spec: ``lora_spec``, or the one recorded beside an Orbax checkpoint."""
+def read_lora(source, *, lora_spec: LoraSpec | None = None, step: int | None = None) -> LoraParams:
+    """LoRA factors and their spec from wherever they are.
+
+    Args:
+      source: `LoraParams`; an nnx model with Qwix LoRA or its ``nnx.State``; a flat
+        ``{"layers.0.attn.q_einsum.w_lora_a": array}`` dict; or a path: a PeftTrainer checkpoint root, one of
+        its step directories, or a ``model_params`` directory.
+      lora_spec: rank, alpha and targets; default the spec of ``source`` (`LoraParams`) or the one
+        `save_lora_spec` recorded beside an Orbax checkpoint.
+      step: with a checkpoint root, the step to read; default the latest.
+
+    Returns:
+      `LoraParams` with host (numpy) values.
+
+    Raises:
+      CheckpointError: no such checkpoint or step. LoraError: no spec given or recorded.
+    """
     where = ""
-    if isinstance(lora, (str, os.PathLike)):
-        directory = params_dir(lora, step=step)  # a missing checkpoint is reported before a missing spec
-        lora_spec = lora_spec or find_lora_spec(directory)
-        where = f"{lora}: "
+    if isinstance(source, LoraParams):
+        lora_spec = lora_spec or source.lora_spec
+        source = source.params
+    if isinstance(source, (str, os.PathLike)):
+        directory = params_dir(source, step=step)  # a missing checkpoint is reported before a missing spec
+        lora_spec = lora_spec or _find_lora_spec(directory)
+        where = f"{source}: "
     if lora_spec is None:
         raise LoraError(
             f"{where}no LoraSpec: Tunix does not store rank, alpha or targets; pass lora_spec=LoraSpec(...), or "
             "record it when training with gemport.checkpoint.save_lora_spec(checkpoint_root, lora_spec)"
         )
-    return lora_params(lora, step=step), lora_spec
+    if isinstance(source, (str, os.PathLike)):
+        flat = _read_orbax(source, step=step)
+    else:
+        if isinstance(source, (nnx.Module, nnx.State)):
+            source = flat_params(source, nnx.LoRAParam)
+        flat = {k: np.asarray(v) for k, v in source.items() if k.endswith(("_lora_a", "_lora_b"))}
+    return LoraParams(lora_state(flat), lora_spec)
+
+
+def save_lora(lora: LoraParams, out_dir: str | os.PathLike, *, step: int = 0) -> Path:
+    """Write ``lora`` as a PeftTrainer checkpoint root: ``<out_dir>/<step>/model_params`` and its spec.
+
+    Tunix's ``PeftTrainer`` (``CheckpointManager.maybe_restore(..., restore_only_lora_params=True)``) resumes
+    from it, and `read_lora` and the exports read it back. The directory appears atomically when complete;
+    ``out_dir`` must not exist or be empty.
+    """
+    out = check_output(out_dir)
+    with atomic_dir(out) as tmp:
+        save_orbax(lora.params, tmp / str(step) / PARAMS_DIR)
+        save_lora_spec(tmp, lora.lora_spec)
+    return out

@@ -11,11 +11,33 @@ from pathlib import Path
 import numpy as np
 
 from gemport.checkpoint.safetensors import SafetensorsFile, TensorInfo, read_array
-from gemport.errors import CheckpointError, CorruptFileError, MissingTensorError, UnsafePathError
+from gemport.errors import CheckpointError, CorruptFileError, MissingTensorError, SpecError, UnsafePathError
 from gemport.jsonfile import Fields, read_json
+from gemport.specs import GemmaSpec
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+
+
+def base_spec(base_dir: str | Path | None, spec: GemmaSpec | None, name: str = "base_dir") -> GemmaSpec:
+    """The architecture a checkpoint function works on: ``base_dir``'s config.json, or ``spec``; both must agree.
+
+    Raises:
+      SpecError: neither is given, or ``spec`` differs from what ``base_dir`` says (naming the fields).
+    """
+    if base_dir is None:
+        if spec is None:
+            raise SpecError(f"no architecture: pass {name}= (the HF checkpoint) or spec= (e.g. GemmaSpec.preset)")
+        return spec
+    found = GemmaSpec.from_hf(base_dir)
+    if spec is not None and spec != found:
+        differ = [f"{f} {getattr(found, f)} != {getattr(spec, f)}"
+                  for f in found.__dataclass_fields__ if getattr(found, f) != getattr(spec, f)]
+        raise SpecError(
+            f"{name} {base_dir} is another model than spec ({'; '.join(differ[:3])}); pass the checkpoint the weights "
+            "belong to, or leave spec out"
+        )
+    return found
 
 
 def hub_repo(directory: str | Path) -> Path | None:

@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from gemport import names
-from gemport.checkpoint.hf_dir import HFCheckpoint
+from gemport.checkpoint.hf_dir import HFCheckpoint, base_spec
 from gemport.checkpoint.safetensors import DTYPES, FLOAT_DTYPES
 from gemport.errors import CheckpointError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError
 from gemport.params import abstract_model, path_str
@@ -58,7 +58,7 @@ def matched_entries(ckpt: HFCheckpoint, spec: GemmaSpec) -> tuple[str, tuple[nam
     return prefix, entries
 
 
-def load_hf(hf_dir: str | Path, spec: GemmaSpec | None = None, *, mesh=None, dtype=None) -> nnx.State:
+def load_hf(hf_dir: str | Path, *, spec: GemmaSpec | None = None, mesh=None, dtype=None) -> nnx.State:
     """Load an HF Gemma checkpoint as the Tunix parameter state, tensor by tensor.
 
     Each Tunix parameter is built from HF tensors read one at a time (renamed, transposed, fused per
@@ -68,7 +68,7 @@ def load_hf(hf_dir: str | Path, spec: GemmaSpec | None = None, *, mesh=None, dty
 
     Args:
       hf_dir: directory with ``config.json`` and ``model.safetensors`` or sharded safetensors + index.
-      spec: the architecture; read from ``hf_dir/config.json`` when omitted.
+      spec: the architecture, if already at hand; default (and checked against) ``hf_dir/config.json``.
       mesh: a ``jax.sharding.Mesh`` with axes ``fsdp`` and ``tp`` (see ``gemport.mesh.make_mesh``).
       dtype: parameter dtype (e.g. ``jnp.bfloat16``); default keeps the checkpoint's dtype.
 
@@ -77,7 +77,7 @@ def load_hf(hf_dir: str | Path, spec: GemmaSpec | None = None, *, mesh=None, dty
       of shape (N, D, H). Vision/audio tensors are ignored (see ``save_hf(base_dir=...)`` to keep them).
     """
     ckpt = HFCheckpoint(hf_dir)
-    spec = spec or GemmaSpec.from_hf(hf_dir)
+    spec = base_spec(hf_dir, spec, "hf_dir")
     prefix, entries = matched_entries(ckpt, spec)
     if spec.num_experts:
         warnings.warn(
@@ -124,14 +124,13 @@ def _place(ckpt: HFCheckpoint, prefix: str, entry: names.Entry, shape, dtype, sh
     return jax.make_array_from_callback(shape, sharding, read)
 
 
-def load_tunix_model(hf_dir: str | Path, *, mesh=None, dtype=None):
+def load_model(hf_dir: str | Path, *, spec: GemmaSpec | None = None, mesh=None, dtype=None):
     """Load an HF Gemma checkpoint as a ready Tunix model (``tunix.models.gemma3.Gemma3`` or ``gemma4.Gemma4``).
 
-    The architecture comes from ``hf_dir/config.json``; weights are loaded as in ``load_hf``. The model's
-    compute dtype equals its parameter dtype.
+    Arguments and loading as in `load_hf`; the model's compute dtype equals its parameter dtype.
     """
-    spec = GemmaSpec.from_hf(hf_dir)
-    state = load_hf(hf_dir, spec, mesh=mesh, dtype=dtype)
+    spec = base_spec(hf_dir, spec, "hf_dir")
+    state = load_hf(hf_dir, spec=spec, mesh=mesh, dtype=dtype)
     param_dtype = jax.tree.leaves(state)[0].dtype
     graphdef, _ = nnx.split(abstract_model(spec, param_dtype=param_dtype))
     return nnx.merge(graphdef, state)

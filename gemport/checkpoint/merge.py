@@ -11,13 +11,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemport.checkpoint.adapters import resolve
+from gemport.checkpoint.adapters import read_lora
 from gemport.checkpoint.hf_dir import HFCheckpoint
 from gemport.checkpoint.load import matched_entries
 from gemport.checkpoint.output import atomic_dir, check_output, copy_side_files, write_sharded
 from gemport.checkpoint.safetensors import DTYPES, TensorInfo, TensorSource
 from gemport.errors import CorruptFileError
 from gemport.lora import LoraLayout, LoraSpec
+from gemport.params import flat_params
 from gemport.specs import GemmaSpec
 
 # Float32 bytes of the rows merged at a time. Bounds memory whatever the tensor's size, and stays below glibc's
@@ -25,7 +26,7 @@ from gemport.specs import GemmaSpec
 _BLOCK_BYTES = 16 * 2**20
 
 
-def export_merged(base_hf_dir: str | Path, lora, out_dir: str | Path, *, lora_spec: LoraSpec | None = None,
+def export_merged(lora, out_dir: str | Path, *, base_dir: str | Path, lora_spec: LoraSpec | None = None,
                   step: int | None = None, max_shard_size: int | str = "5GB") -> Path:
     """Write the base checkpoint with the LoRA deltas merged in, as an HF checkpoint directory.
 
@@ -36,21 +37,23 @@ def export_merged(base_hf_dir: str | Path, lora, out_dir: str | Path, *, lora_sp
     independent of model size. The directory appears atomically when complete.
 
     Args:
-      base_hf_dir: the HF checkpoint the adapter was trained on (single file or sharded, any text prefix).
-      lora: the Qwix LoRA params: an nnx model or state, a flat dict, or a PeftTrainer Orbax checkpoint path
-        (root, step or ``model_params`` directory).
+      lora: the LoRA factors, anything `read_lora` reads: `LoraParams`, an nnx model or state, a flat dict, or
+        a PeftTrainer Orbax checkpoint path (root, step or ``model_params`` directory).
       out_dir: the output directory; must not exist or be empty, nor lie inside an input.
-      lora_spec: rank, alpha and targets of the adapter; default the one `save_lora_spec` recorded beside
-        an Orbax checkpoint.
+      base_dir: the HF checkpoint the adapter was trained on (single file or sharded, any text prefix); gives
+        the architecture.
+      lora_spec: rank, alpha and targets of the adapter; default the one ``lora`` carries or `save_lora_spec`
+        recorded beside an Orbax checkpoint.
       step: with an Orbax checkpoint root, the step to export; default the latest.
       max_shard_size: bytes per output shard, an int or a string such as ``"5GB"``.
 
     Returns:
       The output directory.
     """
-    base = Path(base_hf_dir)
+    base = Path(base_dir)
     out = check_output(out_dir, base, lora if isinstance(lora, (str, os.PathLike)) else None)
-    params, lora_spec = resolve(lora, lora_spec, step=step)
+    params, lora_spec = read_lora(lora, lora_spec=lora_spec, step=step)
+    params = flat_params(params)
     spec = GemmaSpec.from_hf(base)
     ckpt = HFCheckpoint(base)
     prefix, _ = matched_entries(ckpt, spec)

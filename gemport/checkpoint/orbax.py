@@ -66,7 +66,7 @@ def stored_tree(checkpointer, path: Path):
     return tree
 
 
-def load_orbax(path: str | Path, spec: GemmaSpec, *, mesh=None, dtype=None) -> nnx.State:
+def load_orbax(path: str | Path, *, spec: GemmaSpec, mesh=None, dtype=None) -> nnx.State:
     """Restore a Tunix parameter state saved by ``save_orbax`` (or Tunix), checked against ``spec``.
 
     Args:

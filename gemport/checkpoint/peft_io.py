@@ -12,14 +12,16 @@ import warnings
 from pathlib import Path
 
 import numpy as np
-from flax import nnx
 
 from gemport import names
-from gemport.checkpoint.adapters import resolve
+from gemport.checkpoint.adapters import read_lora
+from gemport.checkpoint.hf_dir import HFCheckpoint, base_spec
+from gemport.checkpoint.load import matched_entries
 from gemport.checkpoint.output import atomic_dir, check_output
 from gemport.checkpoint.safetensors import SafetensorsFile, TensorSource, write_file
 from gemport.errors import CheckpointError, LoraError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError
-from gemport.lora import VLLM_RANKS, LoraLayout, LoraSpec
+from gemport.lora import VLLM_RANKS, LoraLayout, LoraParams, LoraSpec
+from gemport.params import flat_params, lora_state
 from gemport.specs import GemmaSpec
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -27,9 +29,9 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 
 
-def export_peft(lora, out_dir: str | Path, *, spec: GemmaSpec, lora_spec: LoraSpec | None = None,
-                base_model_name_or_path: str | None = None, text_prefix: str = "model.",
-                step: int | None = None) -> Path:
+def export_peft(lora, out_dir: str | Path, *, base_dir: str | Path | None = None, spec: GemmaSpec | None = None,
+                lora_spec: LoraSpec | None = None, step: int | None = None,
+                base_model_name_or_path: str | None = None) -> Path:
     """Write Qwix LoRA params as a PEFT adapter that ``peft.PeftModel.from_pretrained`` loads onto the HF base.
 
     Exact: separate factors of a fused module are split into each projection's ``lora_A`` / ``lora_B``
@@ -40,17 +42,25 @@ def export_peft(lora, out_dir: str | Path, *, spec: GemmaSpec, lora_spec: LoraSp
     served). Tensors keep the adapter's dtype.
 
     Args:
-      lora: the Qwix LoRA params (nnx model or state, flat dict, or PeftTrainer Orbax checkpoint path).
+      lora: the LoRA factors, anything `read_lora` reads: `LoraParams`, an nnx model or state, a flat dict, or
+        a PeftTrainer Orbax checkpoint path.
       out_dir: the adapter directory to create; must not exist or be empty.
-      spec: the architecture the adapter was trained on.
-      lora_spec: rank, alpha, targets; default the one recorded beside an Orbax checkpoint.
-      base_model_name_or_path: written into ``adapter_config.json`` for PEFT and vLLM to find the base.
-      text_prefix: the HF text model's module path: ``"model."`` for ``Gemma*ForCausalLM``,
-        ``"model.language_model."`` for ``Gemma*ForConditionalGeneration``.
+      base_dir: the HF checkpoint the adapter was trained on. Gives the architecture, the module path of its
+        text model (``model.`` for ``Gemma*ForCausalLM``, ``model.language_model.`` for
+        ``Gemma*ForConditionalGeneration``) and the default ``base_model_name_or_path``.
+      spec: the architecture, when no ``base_dir`` is at hand (keys then use ``model.``).
+      lora_spec: rank, alpha, targets; default the one ``lora`` carries or recorded beside an Orbax checkpoint.
       step: with an Orbax checkpoint root, the step to export; default the latest.
+      base_model_name_or_path: written into ``adapter_config.json`` for PEFT and vLLM to find the base; default
+        ``base_dir``'s absolute path.
     """
-    out = check_output(out_dir, lora if isinstance(lora, (str, os.PathLike)) else None)
-    params, lora_spec = resolve(lora, lora_spec, step=step)
+    out = check_output(out_dir, base_dir, lora if isinstance(lora, (str, os.PathLike)) else None)
+    spec = base_spec(base_dir, spec)
+    text_prefix = "model." if base_dir is None else matched_entries(HFCheckpoint(base_dir), spec)[0]
+    if base_model_name_or_path is None and base_dir is not None:
+        base_model_name_or_path = str(Path(base_dir).resolve())
+    params, lora_spec = read_lora(lora, lora_spec=lora_spec, step=step)
+    params = flat_params(params)
     sources, ranks = [], []
     for adapter, a, b in LoraLayout(spec, lora_spec).match(params):
         for module, (A, B) in zip(adapter.hf_modules, adapter.to_peft(a, b)):
@@ -76,7 +86,8 @@ def _source(name: str, array: np.ndarray) -> TensorSource:
     return TensorSource.from_array(name, lambda: array, array.dtype, array.shape)
 
 
-def import_peft(adapter_dir: str | Path, spec: GemmaSpec):
+def import_peft(adapter_dir: str | Path, *, base_dir: str | Path | None = None,
+                spec: GemmaSpec | None = None) -> LoraParams:
     """Read a PEFT LoRA adapter as Qwix LoRA params for the Tunix model of ``spec``, exactly, for training too.
 
     Each projection keeps its own factors: k_proj and v_proj become the two slices of kv_einsum's separate
@@ -85,10 +96,14 @@ def import_peft(adapter_dir: str | Path, spec: GemmaSpec):
     kept in the spec (each module keeps its own scale); projections of one fused module with different
     ranks are zero-padded to the larger, which stays exact through training.
 
+    Args:
+      adapter_dir: the directory PEFT's ``save_pretrained`` wrote.
+      base_dir: the HF checkpoint the adapter was trained on; gives the architecture.
+      spec: the architecture, when no ``base_dir`` is at hand.
+
     Returns:
-      ``(lora_spec, state)``: the adapter's spec, whose `gemport.lora.apply_lora` creates params of exactly
-      these shapes; and an ``nnx.State`` of ``nnx.LoRAParam`` (``layers.0.attn.kv_einsum.w_lora_a`` ...)
-      to pass as ``apply_lora(model, spec, lora_spec, state)``.
+      `LoraParams`: an ``nnx.State`` of ``nnx.LoRAParam`` (``layers.0.attn.kv_einsum.w_lora_a`` ...) and the
+      adapter's spec, for ``apply_lora(model, spec, lora)``, `save_lora` or the exports.
 
     Raises:
       LoraError: a config Qwix cannot reproduce, or NaN/Inf weights.
@@ -97,6 +112,7 @@ def import_peft(adapter_dir: str | Path, spec: GemmaSpec):
       ShapeMismatchError: an adapter tensor's shape does not fit the base; names the tensor.
     """
     directory = Path(adapter_dir)
+    spec = base_spec(base_dir, spec)
     for file in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
         if not (directory / file).is_file():
             raise CheckpointError(f"{directory}: no {file}; pass a PEFT adapter directory saved by save_pretrained")
@@ -105,7 +121,7 @@ def import_peft(adapter_dir: str | Path, spec: GemmaSpec):
     prefix = _text_prefix(weights)
     layout = LoraLayout(spec, lora_spec)
 
-    flat, used = [], set()
+    flat, used = {}, set()
     for adapter in layout:
         out_size, in_size = adapter.entry.hf_shape
         pairs = []
@@ -125,8 +141,7 @@ def import_peft(adapter_dir: str | Path, spec: GemmaSpec):
                 )
             pairs.append((A, B))
         for name, value in zip((adapter.lora_a, adapter.lora_b), adapter.from_peft(pairs)):
-            path = tuple(int(p) if p.isdigit() else p for p in name.split("."))
-            flat.append((path, nnx.LoRAParam(value)))
+            flat[name] = value
     extra = sorted(set(weights.tensors) - used)
     if extra:
         raise UnexpectedTensorError(
@@ -134,7 +149,7 @@ def import_peft(adapter_dir: str | Path, spec: GemmaSpec):
             f"model with targets {list(lora_spec.targets)}; Tunix cannot carry adapters on other modules "
             "(vision/audio towers) or another model's layers"
         )
-    return lora_spec, nnx.from_flat_state(flat)
+    return LoraParams(lora_state(flat), lora_spec)
 
 
 def _text_prefix(weights: SafetensorsFile) -> str:

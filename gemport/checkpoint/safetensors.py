@@ -72,7 +72,7 @@ def dtype_code(dtype) -> str:
     try:
         return CODES[np.dtype(dtype)]
     except KeyError:
-        raise CorruptFileError(f"dtype {dtype} has no safetensors code; supported: {', '.join(DTYPES)}") from None
+        raise CheckpointError(f"dtype {dtype} cannot be written to safetensors; cast to one of {', '.join(DTYPES)}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,7 +214,7 @@ class TensorSource:
         def write(fh: BinaryIO) -> None:
             array = np.ascontiguousarray(make())
             if array.shape != tuple(shape) or array.dtype != np.dtype(dtype):
-                raise CorruptFileError(
+                raise RuntimeError(  # gemport's own inconsistency, not a property of any input
                     f"tensor {name!r} was declared {np.dtype(dtype)} {list(shape)} but produced "
                     f"{array.dtype} {list(array.shape)}"
                 )
@@ -281,7 +281,7 @@ def write_file(path: str | Path, sources: Iterable[TensorSource], metadata: dict
             before = fh.tell()
             s.write(fh)
             if fh.tell() - before != s.nbytes:
-                raise CorruptFileError(f"{path}: tensor {s.name!r} wrote {fh.tell() - before} bytes, expected {s.nbytes}")
+                raise RuntimeError(f"{path}: tensor {s.name!r} wrote {fh.tell() - before} bytes, expected {s.nbytes}")
         fh.flush()
         os.fsync(fh.fileno())
     return offset

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -10,17 +9,17 @@ import jax
 import numpy as np
 
 from gemport import names
-from gemport.checkpoint.hf_dir import HFCheckpoint
+from gemport.checkpoint.hf_dir import HFCheckpoint, base_spec
 from gemport.checkpoint.load import matched_entries
-from gemport.params import flat_params
 from gemport.checkpoint.output import atomic_dir, check_output, copy_side_files, write_sharded
 from gemport.checkpoint.safetensors import TensorSource
-from gemport.errors import MissingTensorError, SpecError, UnexpectedTensorError
+from gemport.errors import MissingTensorError, UnexpectedTensorError
+from gemport.params import flat_params
 from gemport.specs import GemmaSpec
 
 
-def save_hf(state_or_model, out_dir: str | Path, *, spec: GemmaSpec, base_dir: str | Path | None = None,
-            max_shard_size: int | str = "5GB") -> Path:
+def save_hf(state_or_model, out_dir: str | Path, *, base_dir: str | Path | None = None,
+            spec: GemmaSpec | None = None, max_shard_size: int | str = "5GB") -> Path:
     """Write Tunix parameters as an HF checkpoint: sharded safetensors, index and config.json.
 
     Each Tunix parameter is gathered, converted back to its HF tensor(s) (``gemport.names``) in its own
@@ -30,17 +29,19 @@ def save_hf(state_or_model, out_dir: str | Path, *, spec: GemmaSpec, base_dir: s
     Args:
       state_or_model: a Tunix Gemma model, or its ``nnx.State`` of parameters (as from ``load_hf``).
       out_dir: the output directory; must not exist, be empty, or lie inside ``base_dir``.
-      spec: the architecture.
-      base_dir: an HF checkpoint of the same model (its config must give ``spec``, else ``SpecError``, and its
-        text tensors ``spec``'s shapes). Its key prefix is kept (e.g. ``model.language_model.``
-        of multimodal checkpoints), its non-text tensors (vision, audio) are copied byte for byte, and its
-        config, tokenizer and other files are copied. Without it, keys use ``model.`` and config.json is
-        generated from ``spec`` for ``Gemma3ForCausalLM`` / ``Gemma4ForCausalLM``.
+      base_dir: the HF checkpoint the state came from (its text tensors must have the state's shapes). Gives
+        the architecture; its key prefix is kept (e.g. ``model.language_model.`` of multimodal checkpoints),
+        its non-text tensors (vision, audio) are copied byte for byte, and its config, tokenizer and other
+        files are copied.
+      spec: the architecture, without ``base_dir`` (then keys use ``model.`` and config.json is generated
+        for ``Gemma3ForCausalLM`` / ``Gemma4ForCausalLM``); with it, checked against its config (else
+        ``SpecError``).
       max_shard_size: bytes per shard, an int or a string such as ``"5GB"``.
 
     Returns:
       The output directory.
     """
+    spec = base_spec(base_dir, spec)
     params = flat_params(state_or_model)
     entries = names.entries(spec)
     known = {e.tunix for e in entries}
@@ -56,14 +57,6 @@ def save_hf(state_or_model, out_dir: str | Path, *, spec: GemmaSpec, base_dir: s
     base = HFCheckpoint(base_dir) if base_dir is not None else None
     prefix = "model."
     if base:
-        base_spec = GemmaSpec.from_hf(base_dir)
-        if base_spec != spec:
-            differ = [f"{f.name} {getattr(base_spec, f.name)} != {getattr(spec, f.name)}"
-                      for f in dataclasses.fields(spec) if getattr(base_spec, f.name) != getattr(spec, f.name)]
-            raise SpecError(
-                f"base_dir {base_dir} is another model than the state's spec ({'; '.join(differ[:3])}); its "
-                "config.json would describe weights it does not match. Pass the checkpoint the state came from"
-            )
         prefix, _ = matched_entries(base, spec)
 
     sources = []

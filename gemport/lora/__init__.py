@@ -1,13 +1,14 @@
 """LoRA between PEFT and Qwix, trained as PEFT trains it.
 
-- `LoraSpec` (``config``): a PEFT LoRA configuration (rank, alpha, targets, patterns, initialisation).
+- `LoraSpec` (``config``): a PEFT LoRA configuration (rank, alpha, targets, patterns, initialisation);
+  `LoraParams`: factors with the spec that shapes them.
 - `LoraLayout` / `Adapter` (``layout``): where it lands on a Tunix Gemma model and how each factor is shaped
   and sharded; the one source for loading, exporting, sharding and memory plans.
 - `apply_lora` / `Provider` (``qwix``): Qwix LoRA with PEFT's factors on fused modules and PEFT's
   initialisation.
 """
 
-from gemport.lora.config import PROJECTIONS, VLLM_RANKS, LoraSpec
+from gemport.lora.config import PROJECTIONS, VLLM_RANKS, LoraParams, LoraSpec
 from gemport.lora.layout import Adapter, LoraLayout, factor_specs
 from gemport.lora.qwix import Provider, apply_lora, provider
 
@@ -16,6 +17,7 @@ __all__ = [
     "VLLM_RANKS",
     "Adapter",
     "LoraLayout",
+    "LoraParams",
     "LoraSpec",
     "Provider",
     "apply_lora",

@@ -14,7 +14,9 @@ import re
 from collections.abc import Mapping
 from os import PathLike
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
+
+import numpy as np
 
 from gemport import names
 from gemport.errors import LoraError
@@ -208,6 +210,25 @@ class LoraSpec:
 
 
 # PEFT options that change what an adapter computes or how it trains; Qwix LoRA has none of them.
+class LoraParams(NamedTuple):
+    """LoRA factors with the `LoraSpec` that shapes them: what `gemport.checkpoint.import_peft` and
+    `gemport.checkpoint.read_lora` return, and what `apply_lora` and the exports take.
+
+    params: an ``nnx.State`` of ``nnx.LoRAParam`` with the Tunix model's paths, e.g.
+      ``layers.0.attn.kv_einsum.w_lora_a`` (2, D, r) and ``w_lora_b`` (2, r, K, H).
+    lora_spec: the rank, alpha, targets and fused form the factors were made for.
+    """
+
+    params: Any
+    lora_spec: LoraSpec
+
+    def flat(self) -> dict[str, Any]:
+        """The factors as ``{dotted path: numpy array}``, e.g. for ``np.savez`` or a comparison."""
+        from gemport.params import flat_params
+
+        return {k: np.asarray(v) for k, v in flat_params(self.params).items()}
+
+
 _PEFT_VARIANTS = {
     "alora_invocation_tokens": "aLoRA turns the adapter on only after its invocation tokens; Qwix LoRA is always on",
     "exclude_modules": "gemport adapts every layer's target_modules; list the targets without exclusions",

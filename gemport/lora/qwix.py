@@ -27,8 +27,9 @@ from qwix._src.providers import ptq
 from qwix._src.utils import flax_util
 
 from gemport.errors import LoraError
-from gemport.lora.config import LoraSpec
+from gemport.lora.config import LoraParams, LoraSpec
 from gemport.lora.layout import Adapter, LoraLayout
+from gemport.params import flat_params, lora_state
 from gemport.specs import GemmaSpec
 
 
@@ -152,26 +153,36 @@ def provider(layout: LoraLayout) -> Provider:
     return Provider(rules)
 
 
-def apply_lora(model, spec: GemmaSpec, lora_spec: LoraSpec, state=None, *, seed: int = 0):
-    """LoRA on a Tunix Gemma model per ``lora_spec``; returns the new model (the input is not modified).
+def apply_lora(model, spec: GemmaSpec, lora: LoraSpec | LoraParams, *, seed: int = 0):
+    """LoRA on a Tunix Gemma model; returns the new model (the input is not modified).
 
-    Runs ``qwix.apply_lora_to_model`` with `provider` on a dummy batch; fresh factors start per
-    ``lora_spec.init`` from ``seed``. Each factor carries its base weight's sharding annotation with the rank
-    axis unsharded (`LoraLayout.specs`), and on a mesh is placed accordingly. With ``state`` (e.g. from
-    `gemport.checkpoint.import_peft`), the LoRA params are then set to it.
+    Runs ``qwix.apply_lora_to_model`` with `provider` on a dummy batch. Each factor carries its base weight's
+    sharding annotation with the rank axis unsharded (`LoraLayout.specs`) and, on a mesh, is placed
+    accordingly: no `gemport.sharding.fix_lora` needed.
+
+    Args:
+      model: a Tunix Gemma model of ``spec`` (e.g. from `gemport.checkpoint.load_model`), on a mesh or not.
+      spec: its architecture.
+      lora: a `LoraSpec`, for fresh factors started per ``lora.init`` from ``seed`` (B zero, as PEFT); or
+        `LoraParams` (e.g. from `gemport.checkpoint.import_peft` or `read_lora`), whose factors are placed into
+        the new model's shardings.
 
     Raises:
-      MissingTensorError, UnexpectedTensorError, ShapeMismatchError, LoraError: ``state`` does not hold
+      MissingTensorError, UnexpectedTensorError, ShapeMismatchError, LoraError: ``lora.params`` does not hold
         exactly the layout's factors, with their shapes and finite values (`LoraLayout.match`).
     """
+    lora_spec, params = (lora.lora_spec, lora.params) if isinstance(lora, LoraParams) else (lora, None)
+    if not isinstance(lora_spec, LoraSpec):
+        raise LoraError(f"apply_lora: lora is a {type(lora).__name__}; pass a LoraSpec or LoraParams")
     layout = LoraLayout(spec, lora_spec)
     tokens = jnp.zeros((1, 2), jnp.int32)
     positions = jnp.arange(2)[None]
     mask = jnp.tril(jnp.ones((1, 2, 2), bool))
     lora_model = qwix.apply_lora_to_model(model, provider(layout), tokens, positions, None, mask,
                                           rngs=nnx.Rngs(seed))
-    if state is not None:
-        layout.match({".".join(map(str, path)): getattr(var, "get_value", lambda v=var: v)()
-                      for path, var in nnx.to_flat_state(state)}, source="state")
-        nnx.update(lora_model, state)
+    if params is not None:
+        given = flat_params(params)
+        layout.match(given, source="params")
+        fresh = flat_params(lora_model, nnx.LoRAParam)
+        nnx.update(lora_model, lora_state({k: jax.device_put(v, fresh[k].sharding) for k, v in given.items()}))
     return lora_model

@@ -167,13 +167,10 @@ class GemmaSpec:
 
     def tunix_model_class(self):
         """The Tunix model class: ``Gemma3`` or ``Gemma4``."""
-        if self.family == "gemma3":
-            from tunix.models.gemma3.model import Gemma3
+        from gemport.extras import require
 
-            return Gemma3
-        from tunix.models.gemma4.model import Gemma4
-
-        return Gemma4
+        module = require(f"tunix.models.{self.family}.model", "building a Tunix model")
+        return module.Gemma3 if self.family == "gemma3" else module.Gemma4
 
     def to_hf_config(self) -> dict[str, Any]:
         """A ``config.json`` dict for ``Gemma3ForCausalLM`` / ``Gemma4ForCausalLM`` with this architecture."""

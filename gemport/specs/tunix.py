@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gemport.extras import require
 from gemport.specs.spec import GLOBAL, SLIDING, GemmaSpec
 
 
@@ -37,7 +38,7 @@ def _common_tunix_fields(spec: GemmaSpec) -> dict[str, Any]:
 
 
 def _gemma3_to_tunix(spec: GemmaSpec, param_dtype, sharding):
-    from tunix.models.gemma3 import model as g3
+    g3 = require("tunix.models.gemma3.model", "a Tunix Gemma 3 config")
 
     norm = g3.QueryPreAttentionNormalisation
     by_head = abs(spec.query_scale - spec.head_dim**-0.5) < 1e-12
@@ -51,7 +52,7 @@ def _gemma3_to_tunix(spec: GemmaSpec, param_dtype, sharding):
 
 
 def _gemma4_to_tunix(spec: GemmaSpec, param_dtype, dtype, sharding):
-    from tunix.models.gemma4 import model as g4
+    g4 = require("tunix.models.gemma4.model", "a Tunix Gemma 4 config")
 
     types = {SLIDING: g4.AttentionType.LOCAL_SLIDING, GLOBAL: g4.AttentionType.GLOBAL}
     shared = spec.num_kv_shared_layers

@@ -1,0 +1,36 @@
+"""Optional dependencies, imported where a feature needs them, with the pip command that installs them."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from gemport.errors import MissingDependencyError
+
+_INSTALL = {
+    "tunix": "pip install 'gemport[tunix]'",
+    "grain": "pip install 'gemport[tunix]'",
+    "torch": "pip install 'gemport[hf]'",
+    "transformers": "pip install 'gemport[hf]'",
+    "peft": "pip install 'gemport[hf]'",
+    "trl": "pip install 'gemport[parity]'",
+    "datasets": "pip install 'gemport[parity]'",
+    "pyarrow": "pip install pyarrow",
+}
+
+
+def require(module: str, purpose: str) -> ModuleType:
+    """``importlib.import_module(module)``, or `MissingDependencyError` saying that ``purpose`` needs it and how
+    to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        top = module.split(".")[0]
+        raise MissingDependencyError(
+            f"{purpose} needs {top}, which is not installed ({e}); {_INSTALL.get(top, f'pip install {top}')}"
+        ) from None
+
+
+__all__ = [
+    "require",
+]

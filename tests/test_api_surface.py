@@ -1,0 +1,100 @@
+"""The public surface, pinned: what ``gemport`` and each subpackage export, and that the CLI needs nothing else.
+
+A change here is an API change: update CHANGELOG.md and docs/api.md with it.
+"""
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+import gemport
+
+TOP_LEVEL = [
+    "CheckpointError", "CorruptFileError", "GemmaSpec", "GemportError", "HFPeftTrainer", "LoraError", "LoraLayout",
+    "LoraParams", "LoraSpec", "MaskError", "MeshError", "MissingDependencyError", "MissingTensorError",
+    "OptimizerConfigError", "ShapeMismatchError", "SpecError", "UnexpectedTensorError", "UnsafePathError",
+    "apply_lora", "audit", "compare_logits", "export_merged", "export_peft", "fix_lora", "from_sft_config",
+    "hf_optimizer", "import_peft", "load_hf", "load_model", "load_orbax", "make_mesh", "memory_plan",
+    "micro_batches", "optimizer_shardings", "optimizer_steps", "read_lora", "save_hf", "save_lora", "save_orbax",
+    "train_step", "trajectory", "valid_meshes",
+]  # fmt: skip
+
+SUBPACKAGES = {
+    "gemport.checkpoint": [
+        "HFCheckpoint", "check_output", "export_merged", "export_peft", "import_peft", "load_hf", "load_model",
+        "load_orbax", "read_lora", "save_hf", "save_lora", "save_lora_spec", "save_orbax",
+    ],
+    "gemport.lora": [
+        "PROJECTIONS", "VLLM_RANKS", "Adapter", "LoraLayout", "LoraParams", "LoraSpec", "Provider", "apply_lora",
+        "factor_specs", "provider",
+    ],
+    "gemport.mesh": [
+        "HBM", "MemoryPlan", "MeshError", "ShardedDim", "make_mesh", "memory_plan", "sharded_dims", "valid_meshes",
+        "valid_tp",
+    ],
+    "gemport.sharding": ["Audit", "AuditRow", "LoraChange", "audit", "factor_axes", "fix_lora", "optimizer_shardings"],
+    "gemport.specs": ["GLOBAL", "SLIDING", "GemmaSpec"],
+    "gemport.train": [
+        "BATCH_FIELDS", "LAYOUTS", "Layout", "OptimizerStep", "SFTPipeline", "SamplingStrategy", "StepMetrics",
+        "from_sft_config", "hf_optimizer", "optimizer_steps", "randperm", "sample_order", "stack", "train_step",
+        "tunix_loss",
+    ],
+    "gemport.masks": [
+        "Decision", "Example", "Fitted", "Gemma3", "Gemma4", "Labelled", "MaskPolicy", "Overflow", "PARTS", "Part",
+        "ROLES", "Revision", "Role", "Rows", "Segment", "Thinking", "Train", "Truncation", "TruncationReport",
+        "attention_mask", "build", "check_tokenizer", "encode", "loss_scopes", "masked_cross_entropy", "pack", "pad",
+        "padding_free", "prepare", "summed_cross_entropy", "token_offsets", "truncate", "tunix_inputs",
+    ],
+    "gemport.optim": [
+        "AccumulateTokensState", "HFOptimizer", "Optim", "ScheduleName", "accumulate_tokens", "clip_grad_norm",
+        "decay_mask", "decays", "from_hf", "hf_schedule",
+    ],
+    "gemport.train.peft_trainer": ["NUM_ITEMS", "SCOPES", "HFPeftTrainer", "eval_loss", "hf_loss", "micro_batches"],
+    "gemport.parity": ["StepRow", "Tolerances", "Trajectory", "miniature", "read_recipe", "trajectory"],
+    "gemport.verify": [
+        "LogitReport", "Tolerances", "Trajectory", "compare_logits", "trajectory", "transformers_model", "tunix_logits",
+    ],
+    "gemport.names": ["TEXT_PREFIXES", "Entry", "Rule", "detect_prefix", "entries", "owns"],
+    "gemport.params": ["abstract_model", "flat_params", "lora_state", "path_str"],
+    "gemport.pattern": ["Dim", "Pattern", "shape", "words"],
+    "gemport.partition": ["Spec", "axes_of", "bytes_per_device", "padded", "shards", "spec_of"],
+}  # fmt: skip
+
+
+def test_top_level_namespace_is_pinned():
+    assert sorted(gemport.__all__) == sorted(TOP_LEVEL)
+
+
+def test_every_top_level_name_is_its_submodule_object():
+    for name in gemport.__all__:
+        value = getattr(gemport, name)
+        home = importlib.import_module(value.__module__) if hasattr(value, "__module__") else gemport
+        assert getattr(home, name) is value, name
+    assert set(TOP_LEVEL) <= set(dir(gemport))
+
+
+@pytest.mark.parametrize("module", sorted(SUBPACKAGES))
+def test_subpackage_namespace_is_pinned(module):
+    m = importlib.import_module(module)
+    assert sorted(m.__all__) == sorted(SUBPACKAGES[module])
+    for name in m.__all__:
+        assert hasattr(m, name), f"{module}.{name}"
+
+
+def test_every_submodule_of_the_top_level_is_pinned():
+    assert {f"gemport.{name}" for name in gemport._SUBMODULES} <= set(SUBPACKAGES)
+
+
+def test_the_cli_uses_only_public_names():
+    """Every ``from gemport.X import name`` in the CLI names something in ``gemport.X.__all__``."""
+    tree = ast.parse(Path(gemport.__file__).with_name("cli.py").read_text())
+    private = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("gemport"):
+            module = importlib.import_module(node.module)
+            private += [f"{node.module}.{a.name}" for a in node.names if a.name not in module.__all__]
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            private.append(ast.unparse(node))
+    assert not private, f"the CLI uses non-public names: {private}"
