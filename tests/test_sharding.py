@@ -14,10 +14,11 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 import tiny
-from gemport.checkpoint.load import load_model
+from gemport.checkpoint import load_model
 from gemport.errors import MeshError
-from gemport.lora import LoraLayout, LoraSpec, apply_lora
+from gemport.lora import LoraLayout, LoraParams, LoraSpec, apply_lora
 from gemport.mesh import make_mesh, memory_plan
+from gemport.params import lora_state
 from gemport.sharding import audit, fix_lora, optimizer_shardings
 from gemport.specs import GemmaSpec
 
@@ -156,6 +157,24 @@ def test_qwix_lora_annotations_agree_with_fix_lora(sharded, mesh, builder, spec)
             expected = SEPARATE_KV[factor == "b"]
         assert tuple(var.get_metadata()["out_sharding"]) == expected, path
         assert var.get_value().sharding.is_equivalent_to(NamedSharding(mesh, PartitionSpec(*expected)), var.ndim)
+
+
+def test_given_lora_params_land_in_the_mesh_shardings_without_fix_lora(ckpt, spec, mesh):
+    """apply_lora with LoraParams (host arrays, e.g. an imported adapter) places each factor as a fresh one."""
+    lora_spec = lora_spec_of("gemport")
+    rng = np.random.default_rng(0)
+    given = LoraParams(lora_state({k: rng.normal(size=s).astype(np.float32)
+                                   for k, s in LoraLayout(spec, lora_spec).shapes().items()}), lora_spec)
+    with jax.set_mesh(mesh):
+        model = apply_lora(load_model(ckpt, mesh=mesh), spec, given)
+    found = lora_paths(model)
+    assert found.keys() == given.flat().keys()
+    for path, var in found.items():
+        want = NamedSharding(mesh, PartitionSpec(*var.get_metadata()["out_sharding"]))
+        assert var.get_value().sharding.is_equivalent_to(want, var.ndim), path
+        np.testing.assert_array_equal(np.asarray(var.get_value()), given.flat()[path], err_msg=path)
+    assert fix_lora(model, mesh) == ()
+    assert not audit(model, mesh).problems
 
 
 @pytest.fixture(scope="module")

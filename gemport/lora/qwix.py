@@ -29,7 +29,7 @@ from qwix._src.utils import flax_util
 from gemport.errors import LoraError
 from gemport.lora.config import LoraParams, LoraSpec
 from gemport.lora.layout import Adapter, LoraLayout
-from gemport.params import flat_params, lora_state
+from gemport.params import flat_params, path_str
 from gemport.specs import GemmaSpec
 
 
@@ -183,6 +183,8 @@ def apply_lora(model, spec: GemmaSpec, lora: LoraSpec | LoraParams, *, seed: int
     if params is not None:
         given = flat_params(params)
         layout.match(given, source="params")
-        fresh = flat_params(lora_model, nnx.LoRAParam)
-        nnx.update(lora_model, lora_state({k: jax.device_put(v, fresh[k].sharding) for k, v in given.items()}))
+        # Replacing the values of the model's own variables keeps their sharding annotations.
+        placed = [(path, var.replace(jax.device_put(given[path_str(path)], var.get_value().sharding)))
+                  for path, var in nnx.to_flat_state(nnx.state(lora_model, nnx.LoRAParam))]
+        nnx.update(lora_model, nnx.from_flat_state(placed))
     return lora_model
