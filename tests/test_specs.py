@@ -131,3 +131,19 @@ def test_other_models_and_bad_inputs_are_errors(tmp_path):
 def test_spec_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         GemmaSpec.preset("gemma3-1b").num_layers = 3
+
+
+def test_a_layout_string_is_parsed_into_dimensions():
+    from gemport import names
+    from gemport.pattern import Pattern, shape, words
+
+    p = Pattern.parse("s (k h) d -> s k d h")
+    assert p.left == (("s",), ("k", "h"), ("d",)) and p.right == (("s",), ("k",), ("d",), ("h",))
+    assert p.letters == {"s", "k", "h", "d"} and Pattern.parse("s (k h) d -> s k d h") is p
+    assert shape(p.left, {"s": 2, "k": 4, "h": 8, "d": 16}) == (2, 32, 16) and words(p.left) == ("s", "kh", "d")
+    assert p.sizes_for({"k": 4, "x": 1}) == {"k": 4}
+    for entry in names.entries(GemmaSpec.preset("gemma4-31b")):
+        assert len(entry.tunix_shape) == len(entry.pattern.right)
+    for bad in ("s (k h d -> s", "a -> b -> c", "n, d -> d"):
+        with pytest.raises(SpecError, match="layout"):
+            Pattern.parse(bad)
