@@ -91,7 +91,7 @@ def main():
 
     policy, truncation = masks.MaskPolicy(), masks.Truncation(args.seq_len, "trim")
     (examples, report), mask_seconds = timed(
-        lambda: masks.build(chats, tok, masks.Gemma4(thinking=True), policy, truncation)
+        lambda: masks.build(chats, tok, masks.Gemma4(thinking="on"), policy, truncation)
     )
     tokens = [e.tokens for e in examples]
     loss_mask = [e.loss_mask for e in examples]
@@ -100,7 +100,7 @@ def main():
     print(f"truncation report: {report}")
     print(f"gemport masks (render, tokenize, mask, truncate): {total / mask_seconds:,.0f} tokens/s ({mask_seconds:.1f} s)")
 
-    packed, pack_seconds = timed(lambda: masks.pack(tokens, loss_mask, args.seq_len), repeat=3)
+    packed, pack_seconds = timed(lambda: masks.pack(examples, args.seq_len), repeat=3)
     rows = packed["tokens"].shape[0]
     ours_padding = 1 - total / (rows * args.seq_len)
 

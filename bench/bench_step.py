@@ -45,7 +45,7 @@ def rows(n, seq_len, vocab, seed=0):
     lengths = rng.integers(seq_len // 2, seq_len + 1, n)
     tokens = [rng.integers(1, vocab, k) for k in lengths]
     loss_mask = [np.arange(k) >= k // 3 for k in lengths]
-    return masks.pad(tokens, loss_mask, seq_len)
+    return masks.pad(list(zip(tokens, loss_mask)), seq_len)
 
 
 def baseline_step():

@@ -154,19 +154,19 @@ def main(argv=None) -> int:
 
     step(4, "Chat data -> masked, packed rows (a Grain pipeline with gemport's mask transform)")
     tokenizer = transformers.AutoTokenizer.from_pretrained(base)
-    chat = masks.Gemma4(thinking=True, keep_reasoning=True)
+    chat = masks.Gemma4(thinking="on", keep_reasoning=True)
     transform = MaskTransform(tokenizer, chat, masks.MaskPolicy(), masks.Truncation(max_len=args.seq_len))
     held_out = conversations[-EVAL_CONVERSATIONS:]
     records = list(grain.MapDataset.source([{"messages": c} for c in conversations[:-EVAL_CONVERSATIONS]])
                    .map_with_index(transform).filter(has_target))
-    rows = masks.pack([r["tokens"] for r in records], [r["loss_mask"] for r in records], args.seq_len)
+    rows = masks.pack([(r["tokens"], r["loss_mask"]) for r in records], args.seq_len)
     trained = int(rows["loss_mask"].sum())
     print(f"{len(records)} conversations -> {len(rows['tokens'])} rows of {args.seq_len} tokens; "
           f"{trained} trained targets (assistant answers and <turn|>; system, user, headers and reasoning "
           f"masked); padding {1 - (rows['segment_ids'] > 0).mean():.1%}; {len(held_out)} held out for eval")
     print(f"truncation: {transform.report}")
     eval_examples, _ = masks.build(held_out, tokenizer, chat, masks.MaskPolicy(), transform.truncation)
-    eval_rows = masks.pad([e.tokens for e in eval_examples], [e.loss_mask for e in eval_examples], args.seq_len)
+    eval_rows = masks.pad(eval_examples, args.seq_len)
     eval_batches = [{k: v[None, i:i + 2] for k, v in eval_rows.items()} for i in range(0, len(eval_examples) - 1, 2)]
 
     def scoped_losses(model):

@@ -30,11 +30,11 @@ def spans(messages, policy=masks.MaskPolicy(), tokenizer=None, **options):
 
 
 def test_assistant_turns_train_content_calls_and_turn_end_only():
-    assert spans(CHAT, thinking=True) == ["Hello!<turn|>\n", CALL, "It is 4.<turn|>\n"]
+    assert spans(CHAT, thinking="on") == ["Hello!<turn|>\n", CALL, "It is 4.<turn|>\n"]
 
 
 def test_reasoning_is_trainable_by_option():
-    assert spans(CHAT, masks.MaskPolicy(reasoning=True), thinking=True) == [
+    assert spans(CHAT, masks.MaskPolicy(reasoning=True), thinking="on") == [
         "Hello!<turn|>\n",
         "<|channel>thought\nneed the tool\n<channel|>" + CALL,
         "<|channel>thought\nthe tool said 4\n<channel|>It is 4.<turn|>\n",
@@ -43,23 +43,23 @@ def test_reasoning_is_trainable_by_option():
 
 def test_keep_reasoning_renders_earlier_traces():
     policy = masks.MaskPolicy(reasoning=True)
-    assert spans(CHAT, policy, thinking=True, keep_reasoning=True)[0] == "<|channel>thought\ngreet them\n<channel|>Hello!<turn|>\n"
-    assert spans(CHAT, policy, thinking=True)[0] == "Hello!<turn|>\n"
+    assert spans(CHAT, policy, thinking="on", keep_reasoning=True)[0] == "<|channel>thought\ngreet them\n<channel|>Hello!<turn|>\n"
+    assert spans(CHAT, policy, thinking="on")[0] == "Hello!<turn|>\n"
 
 
 def test_all_turns_trains_users_but_never_system_or_tool():
-    assert spans(CHAT, masks.MaskPolicy("all"), thinking=True) == [
+    assert spans(CHAT, masks.MaskPolicy("all"), thinking="on") == [
         "Hi<turn|>\n", "Hello!<turn|>\n", "Add 2 and 2<turn|>\n", CALL, "It is 4.<turn|>\n",
     ]
 
 
 def test_last_assistant_trains_the_whole_final_model_turn():
-    assert spans(CHAT, masks.MaskPolicy("last_assistant"), thinking=True) == [CALL, "It is 4.<turn|>\n"]
+    assert spans(CHAT, masks.MaskPolicy("last_assistant"), thinking="on") == [CALL, "It is 4.<turn|>\n"]
 
 
 def test_no_header_system_tool_or_reasoning_token_is_trained():
     tokenizer = char_tokenizer(GEMMA4_CONTROL)
-    segments = masks.Gemma4(thinking=True).render(CHAT)
+    segments = masks.Gemma4(thinking="on").render(CHAT)
     example = masks.encode(segments, masks.MaskPolicy().select(segments), tokenizer)
     roles = [masks.ROLES[i] for i in example.role_ids[example.loss_mask]]
     parts = [masks.PARTS[i] for i in example.part_ids[example.loss_mask]]
@@ -91,9 +91,9 @@ def test_empty_reasoning_is_never_rendered_and_empty_thought_is_context():
     chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo", "reasoning": " \n"}]
     text = "".join(s.text for s in masks.Gemma4().render(chat))
     assert text == "<bos><|turn>user\nHi<turn|>\n<|turn>model\nYo<turn|>\n"
-    segments = masks.Gemma4(empty_thought=True).render(chat)
+    segments = masks.Gemma4(thinking="empty_thought").render(chat)
     assert "".join(s.text for s in segments).endswith("<|turn>model\n<|channel>thought\n<channel|>Yo<turn|>\n")
-    assert spans(chat, masks.MaskPolicy(reasoning=True), empty_thought=True) == ["Yo<turn|>\n"]
+    assert spans(chat, masks.MaskPolicy(reasoning=True), thinking="empty_thought") == ["Yo<turn|>\n"]
 
 
 def test_tool_call_without_response_ends_on_tool_response_token():
@@ -101,7 +101,7 @@ def test_tool_call_without_response_ends_on_tool_response_token():
     assert spans(chat) == [CALL]
 
 
-@pytest.mark.parametrize("thinking", [False, True])
+@pytest.mark.parametrize("thinking", ["off", "on"])
 @pytest.mark.parametrize(
     "chat",
     [
@@ -124,7 +124,7 @@ def test_rendering_matches_trls_shipped_gemma4_template(chat, thinking):
     from trl.chat_template_utils import gemma4_v5_chat_template
 
     expected, _ = render_jinja_template(
-        conversations=[chat], chat_template=gemma4_v5_chat_template, bos_token="<bos>", enable_thinking=thinking
+        conversations=[chat], chat_template=gemma4_v5_chat_template, bos_token="<bos>", enable_thinking=thinking == "on"
     )
     assert "".join(s.text for s in masks.Gemma4(thinking=thinking).render(chat)) == expected[0]
 
@@ -150,5 +150,5 @@ def test_render_does_not_modify_its_input():
     import copy
 
     before = copy.deepcopy(CHAT)
-    masks.Gemma4(thinking=True, keep_reasoning=True).render(CHAT)
+    masks.Gemma4(thinking="on", keep_reasoning=True).render(CHAT)
     assert CHAT == before

@@ -1,6 +1,7 @@
 """Masks through merges and byte pieces equal a character-level reference."""
 
 import io
+import typing
 
 import numpy as np
 import pytest
@@ -25,7 +26,7 @@ def chats(draw):
 
 
 POLICIES = st.builds(masks.MaskPolicy, st.sampled_from(["assistant", "all", "last_assistant"]), st.booleans())
-GEMMA4 = st.builds(masks.Gemma4, st.booleans(), st.booleans(), st.booleans())
+GEMMA4 = st.builds(masks.Gemma4, st.sampled_from(typing.get_args(masks.Thinking)), st.booleans())
 
 
 def char_mask(segments, trained):

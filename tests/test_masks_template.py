@@ -90,7 +90,7 @@ def jinja(chat_template, chat, tools=None, **options):
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_every_gemma4_revision_renders_every_message_shape_as_its_template(shape, revision, thinking, generation_prompt):
     chat, tools = SHAPES[shape]
-    chat_format = masks.Gemma4(thinking=thinking, revision=revision)
+    chat_format = masks.Gemma4(thinking="on" if thinking else "off", revision=revision)
     options = dict(enable_thinking=thinking, add_generation_prompt=generation_prompt)
     assert text(chat_format, chat, tools, add_generation_prompt=generation_prompt) == jinja(GEMMA4[revision], chat, tools, **options)
 
@@ -125,7 +125,7 @@ def test_random_conversations_render_as_each_revision(chat, revision, thinking, 
     assume(not (revision in (2, 3) and chat[0]["role"] != "user" and not isinstance(chat[0]["content"], str)))
     tools = TOOLS if tools else None
     expected = jinja(GEMMA4[revision], chat, tools, enable_thinking=thinking)
-    assert text(masks.Gemma4(thinking=thinking, revision=revision), chat, tools) == expected
+    assert text(masks.Gemma4(thinking="on" if thinking else "off", revision=revision), chat, tools) == expected
 
 
 @pytest.mark.parametrize("shape", ["content parts", "developer"])
@@ -160,7 +160,7 @@ def test_unrenderable_input_raises_mask_error_naming_it(chat_format, chat, tools
 def test_render_does_not_modify_its_input():
     chat, tools = SHAPES["tools"]
     before = copy.deepcopy((chat, tools))
-    masks.Gemma4(thinking=True).render(chat, tools, add_generation_prompt=True)
+    masks.Gemma4(thinking="on").render(chat, tools, add_generation_prompt=True)
     assert (chat, tools) == before
 
 
@@ -174,9 +174,9 @@ def tokenizer_with(chat_template, control=GEMMA4_CONTROL):
 def test_chat_format_picks_the_tokenizers_revision(revision):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        chat_format = template.chat_format(tokenizer_with(GEMMA4[revision]), thinking=True)
+        chat_format = template.chat_format(tokenizer_with(GEMMA4[revision]), thinking="on")
     # Revisions 1 and 4 differ only on media parts, which gemport refuses: either renders alike.
-    assert chat_format.revision == (4 if revision == 1 else revision) and chat_format.thinking
+    assert chat_format.revision == (4 if revision == 1 else revision) and chat_format.thinking == "on"
     assert isinstance(template.chat_format(tokenizer_with(trl_templates.gemma3_chat_template, GEMMA3_CONTROL)), masks.Gemma3)
 
 

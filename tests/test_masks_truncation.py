@@ -1,5 +1,8 @@
 """Truncation policies: every decision, its result and its count in the report."""
 
+import re
+from collections import Counter
+
 import numpy as np
 import pytest
 
@@ -73,16 +76,19 @@ def test_inputs_are_not_modified():
     assert all(np.array_equal(a, b) for a, b in zip(ex, before))
 
 
-@pytest.mark.parametrize("overflow, counts", [
-    ("drop", dict(kept=2, trimmed_untrained=1, trimmed=0, dropped_too_long=1, dropped_no_target=1, targets_lost=12,
-                  which={"dropped_too_long": [1], "trimmed_untrained": [2], "dropped_no_target": [3]})),
-    ("trim", dict(kept=2, trimmed_untrained=1, trimmed=1, dropped_too_long=0, dropped_no_target=1, targets_lost=8,
-                  which={"trimmed": [1], "trimmed_untrained": [2], "dropped_no_target": [3]})),
+@pytest.mark.parametrize("overflow, counts, targets_lost, which", [
+    ("drop", Counter(kept=2, trimmed_untrained=1, trimmed=0, dropped_too_long=1, dropped_no_target=1), 12,
+     {"dropped_too_long": [1], "trimmed_untrained": [2], "dropped_no_target": [3]}),
+    ("trim", Counter(kept=2, trimmed_untrained=1, trimmed=1, dropped_too_long=0, dropped_no_target=1), 8,
+     {"trimmed": [1], "trimmed_untrained": [2], "dropped_no_target": [3]}),
 ])
-def test_build_reports_every_decision(overflow, counts):
+def test_build_reports_every_decision(overflow, counts, targets_lost, which):
     chats = [SHORT, TWO_TURNS, TRAILING_USER, NO_ASSISTANT, SHORT]
     examples, report = masks.build(chats, TOKENIZER, masks.Gemma3(), masks.MaskPolicy(), masks.Truncation(40, overflow))
-    assert report == masks.TruncationReport(**counts)
+    assert report == masks.TruncationReport(counts, targets_lost, which)
+    assert {d: getattr(report, d) for d in counts} == counts
+    assert repr(report) == "TruncationReport({}, targets_lost={})".format(
+        ", ".join(f"{d}={n}" for d, n in counts.items()), targets_lost)
     assert len(examples) == counts["kept"] + counts["trimmed_untrained"] + counts["trimmed"]
     assert all(len(e.tokens) <= 40 and e.loss_mask.any() for e in examples)
 
@@ -91,3 +97,15 @@ def test_build_reports_every_decision(overflow, counts):
 def test_bad_truncation_raises(kwargs):
     with pytest.raises(MaskError):
         masks.Truncation(**kwargs)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: masks.Truncation(8, "cut"), "Truncation.overflow: 'cut' is not one of ('drop', 'trim')"),
+    (lambda: masks.MaskPolicy("assistant_only"),
+     "MaskPolicy.train: 'assistant_only' is not one of ('assistant', 'all', 'last_assistant', 'all_tokens')"),
+    (lambda: masks.Gemma4(thinking=True), "Gemma4.thinking: True is not one of ('off', 'on', 'empty_thought')"),
+    (lambda: masks.TruncationReport().record("cut", 0), "decision: 'cut' is not one of ('kept', 'trimmed_untrained'"),
+])
+def test_options_name_the_field_and_their_allowed_values(make, message):
+    with pytest.raises(MaskError, match=re.escape(message)):
+        make()

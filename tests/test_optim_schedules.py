@@ -1,5 +1,7 @@
 """hf_schedule against transformers.get_scheduler, step by step."""
 
+import typing
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +10,7 @@ import torch
 from transformers import get_scheduler
 
 from gemport.errors import OptimizerConfigError
-from gemport.optim import hf_schedule
+from gemport.optim import ScheduleName, hf_schedule
 
 LR = 3e-4
 
@@ -81,3 +83,7 @@ def test_warmup_starts_at_zero_and_is_traceable():
 def test_what_it_cannot_reproduce_is_an_error(call, match):
     with pytest.raises(OptimizerConfigError, match=match):
         call()
+
+
+def test_every_schedule_name_is_compared_with_hf():
+    assert {name for name, _ in SCHEDULES} == set(typing.get_args(ScheduleName))

@@ -98,7 +98,7 @@ def test_twenty_steps_agree_on_gemma4(recipe, thinking, packing):
         r["messages"][-1]["reasoning"] = "think it over"
     report = trajectory(recipe / "base", records, sft_config=sft, tokenizer=tokenizer(), progress=False,
                         lora_config={"r": 4, "lora_alpha": 8, "target_modules": RECIPE["lora_target_modules"]},
-                        chat_format=masks.Gemma4(thinking=thinking))
+                        chat_format=masks.Gemma4(thinking="on" if thinking else "off"))
     assert len(report.rows) == 20 and report.ok, report.table()
     assert len(report.adapters) == 6 * 7 - 1  # k_eq_v global layer 5 has no v_proj
 

@@ -38,25 +38,25 @@ PEFT_CONFIG = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "lora_dropout": 0.
 
 
 def examples(vocab, n, seed):
-    """n token sequences of 4..SEQ tokens, of which a random tail is trained (assistant-like)."""
+    """n (tokens, loss_mask) pairs of 4..SEQ tokens, of which a random tail is trained (assistant-like)."""
     rng = np.random.default_rng(seed)
-    tokens, loss_mask = [], []
+    pairs = []
     for _ in range(n):
         length = int(rng.integers(4, SEQ + 1))
-        tokens.append(rng.integers(1, vocab, length).astype(np.int32))
+        tokens = rng.integers(1, vocab, length).astype(np.int32)
         mask = np.zeros(length, bool)
         mask[int(rng.integers(1, length)):] = True
-        loss_mask.append(mask)
-    return tokens, loss_mask
+        pairs.append((tokens, mask))
+    return pairs
 
 
 def step_batches(vocab):
     """HF-ordered [A, B, SEQ] batches of packed rows (targets unequal across micro-batches), and an eval split."""
-    rows = masks.pack(*examples(vocab, 20, seed=1), SEQ)
+    rows = masks.pack(examples(vocab, 20, seed=1), SEQ)
     steps = [train.stack([{k: v[m] for k, v in rows.items()} for m in s.micro_batches],
                          accumulation=ARGS["gradient_accumulation_steps"], rows=ARGS["per_device_train_batch_size"])
              for s in train.optimizer_steps(ARGS, len(rows["tokens"]))]
-    held_out = masks.pad(*examples(vocab, 4, seed=2), SEQ)
+    held_out = masks.pad(examples(vocab, 4, seed=2), SEQ)
     evals = [{k: v[None, i:i + 2] for k, v in held_out.items()} for i in (0, 2)]
     return steps, evals
 

@@ -100,11 +100,11 @@ def port_run(base, adapter, tokens, loss_mask, args, layout="pad"):
         micro = []
         for rows in s.micro_batches:
             fed.append([int(tokens[i][0]) for i in rows])
-            pick = ([tokens[i] for i in rows], [loss_mask[i] for i in rows])
+            pick = [(tokens[i], loss_mask[i]) for i in rows]
             if layout == "pad":
-                micro.append(masks.pad(*pick, SEQ))
+                micro.append(masks.pad(pick, SEQ))
             else:
-                micro.append(masks.padding_free(*pick, pad_to_multiple_of=2 * SEQ))
+                micro.append(masks.padding_free(pick, pad_to_multiple_of=2 * SEQ))
         batch = train.stack(micro, accumulation=args.gradient_accumulation_steps,
                             rows=1 if layout == "padding_free" else args.per_device_train_batch_size)
         metrics.append(jax.device_get(step(model, optimizer, batch)))
@@ -182,6 +182,6 @@ def test_an_accumulating_optimizer_is_refused(hf_checkpoint):
     optimizer = nnx.Optimizer(model, from_hf({"gradient_accumulation_steps": 2}, num_training_steps=2).tx,
                               wrt=nnx.Param)
     tokens, loss_mask = dataset(96)
-    batch = train.stack([masks.pad(tokens[:2], loss_mask[:2], SEQ)])
+    batch = train.stack([masks.pad(list(zip(tokens[:2], loss_mask[:2])), SEQ)])
     with pytest.raises(OptimizerConfigError, match="hf_optimizer"):
         train.train_step(wrt=nnx.Param)(model, optimizer, batch)

@@ -63,16 +63,19 @@ def test_assistant_masks_equal_gemports(shape, thinking, tokenizer):
     tokenizer.chat_template = TEMPLATE
     out = tokenizer.apply_chat_template(chat, tools=tools, enable_thinking=thinking, return_dict=True,
                                         return_assistant_tokens_mask=True, tokenize=True)
-    expected = gemport_mask(tokenizer, chat, tools, thinking=thinking)
+    expected = gemport_mask(tokenizer, chat, tools, thinking="on" if thinking else "off")
     np.testing.assert_array_equal(out["input_ids"], expected.tokens)
     np.testing.assert_array_equal(np.asarray(out["assistant_masks"], bool), expected.loss_mask)
 
 
-@pytest.mark.parametrize("options", [dict(keep_reasoning=True), dict(empty_thought=True)])
-def test_gemport_options_render_and_mask_alike(options):
+@pytest.mark.parametrize("variables, options", [
+    (dict(keep_reasoning=True), dict(keep_reasoning=True)),
+    (dict(empty_thought=True), dict(thinking="empty_thought")),
+])
+def test_gemport_options_render_and_mask_alike(variables, options):
     tokenizer = char_tokenizer(GEMMA4_CONTROL)
     tokenizer.chat_template = TEMPLATE
-    out = tokenizer.apply_chat_template(CHAT[1:], return_dict=True, return_assistant_tokens_mask=True, **options)
+    out = tokenizer.apply_chat_template(CHAT[1:], return_dict=True, return_assistant_tokens_mask=True, **variables)
     expected = gemport_mask(tokenizer, CHAT[1:], **options)
     np.testing.assert_array_equal(out["input_ids"], expected.tokens)
     np.testing.assert_array_equal(np.asarray(out["assistant_masks"], bool), expected.loss_mask)
@@ -83,7 +86,7 @@ def test_train_reasoning_marks_reasoning_too():
     tokenizer.chat_template = TEMPLATE
     out = tokenizer.apply_chat_template(CHAT, return_dict=True, return_assistant_tokens_mask=True,
                                         enable_thinking=True, train_reasoning=True)
-    expected = gemport_mask(tokenizer, CHAT, policy=masks.MaskPolicy(reasoning=True), thinking=True)
+    expected = gemport_mask(tokenizer, CHAT, policy=masks.MaskPolicy(reasoning=True), thinking="on")
     np.testing.assert_array_equal(np.asarray(out["assistant_masks"], bool), expected.loss_mask)
 
 
@@ -104,6 +107,6 @@ def test_trl_sft_trainer_trains_gemports_tokens(hf_checkpoint, tmp_path, thinkin
     trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
     # Arrow gives every message every key seen in the column (None where absent): render what TRL renders.
     for record, prepared in zip(dataset, trainer.train_dataset):
-        expected = gemport_mask(tokenizer, record["messages"], thinking=thinking)
+        expected = gemport_mask(tokenizer, record["messages"], thinking="on" if thinking else "off")
         np.testing.assert_array_equal(prepared["input_ids"], expected.tokens)
         np.testing.assert_array_equal(np.asarray(prepared["labels"]) != -100, expected.loss_mask)

@@ -16,21 +16,32 @@ import dataclasses
 import itertools
 import json
 import os
-from collections.abc import Mapping, Sequence
+import typing
+from collections.abc import Hashable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 from gemport.errors import MaskError
 from gemport.masks.pipeline import Rendered, fit
 from gemport.masks.policies import MaskPolicy
 from gemport.masks.render import Segment
-from gemport.masks.tokenize import check_tokenizer, text_of
+from gemport.masks.tokenize import Example, check_tokenizer, text_of
+from gemport.masks.truncation import Truncation, TruncationReport
+from gemport.options import one_of
 
-FORMATS = ("messages", "prompt_completion", "text")
+if TYPE_CHECKING:
+    from gemport.masks.gemma3 import Gemma3
+    from gemport.masks.gemma4 import Gemma4
+    from gemport.masks.template import OnMismatch
+
+Format = Literal["messages", "prompt_completion", "text"]
+"""A record format, as ``detect`` names it."""
+FORMATS: tuple[Format, ...] = typing.get_args(Format)
 """Record formats, as ``detect`` names them."""
 
 _ALL_TOKENS = MaskPolicy("all_tokens")
 
 
-def read(source, batch_size=1024):
+def read(source: Any, batch_size: int = 1024) -> Iterator[Any]:
     """Yields the records (dicts) of ``source``, lazily.
 
     source: a path (str or os.PathLike) to a ``.jsonl`` file (one JSON object a line), a ``.json``
@@ -81,7 +92,7 @@ def _json(text, where):
         raise MaskError(f"{where}: not valid JSON ({error.msg} at column {error.colno})") from error
 
 
-def detect(record, text_field="text"):
+def detect(record: Any, text_field: str = "text") -> Format:
     """The format of one record, by its keys as TRL tells them apart: one of ``FORMATS``."""
     if not isinstance(record, Mapping):
         raise MaskError(f"record: expected a dict, got {type(record).__name__}")
@@ -97,8 +108,9 @@ def detect(record, text_field="text"):
     )
 
 
-def render(record, chat_format, *, policy=None, fmt=None, completion_only_loss=None, text_field="text",
-           eos_token=None, key=None):
+def render(record: Mapping[str, Any], chat_format: "Gemma3 | Gemma4", *, policy: MaskPolicy | None = None,
+           fmt: Format | None = None, completion_only_loss: bool | None = None, text_field: str = "text",
+           eos_token: str | None = None, key: Hashable | None = None) -> Rendered:
     """Renders one record and marks what is trained, as TRL's ``SFTTrainer`` would; returns ``Rendered``.
 
     policy: ``MaskPolicy`` for conversations; None trains every token (TRL without
@@ -110,11 +122,9 @@ def render(record, chat_format, *, policy=None, fmt=None, completion_only_loss=N
     eos_token: appended to standard completions and texts that do not end with it (TRL's rule);
         required for those formats.
     A record's ``"chat_template_kwargs"`` (which TRL passes to the template) may set
-    ``enable_thinking``, which replaces ``chat_format.thinking`` for that record.
+    ``enable_thinking`` (Gemma 4), which turns thinking on or off for that record (``for_record``).
     """
-    fmt = fmt or detect(record, text_field)
-    if fmt not in FORMATS:
-        raise MaskError(f"fmt: {fmt!r} is not one of {FORMATS}")
+    fmt = one_of(fmt or detect(record, text_field), Format, "fmt", MaskError)
     policy = policy or _ALL_TOKENS
     chat_format = for_record(chat_format, record)
     tools = _tools(record.get("tools"))
@@ -142,8 +152,11 @@ def render(record, chat_format, *, policy=None, fmt=None, completion_only_loss=N
     return Rendered(key, *_after(segments, trained, boundary))
 
 
-def examples(source, tokenizer, chat_format, truncation, *, policy=None, fmt=None, completion_only_loss=None,
-             text_field="text", eos_token=None, check="warn", check_sample=16, batch_size=512, progress=True):
+def examples(source: Any, tokenizer: Any, chat_format: "Gemma3 | Gemma4", truncation: Truncation, *,
+             policy: MaskPolicy | None = None, fmt: Format | None = None, completion_only_loss: bool | None = None,
+             text_field: str = "text", eos_token: str | None = None, check: "OnMismatch | None" = "warn",
+             check_sample: int = 16, batch_size: int = 512,
+             progress: bool = True) -> tuple[list[Example], TruncationReport]:
     """Masked, fitted examples from every record of ``source``, as TRL's ``SFTTrainer`` would train them.
 
     source: anything ``read`` takes (a .jsonl/.json/.parquet path, a ``datasets.Dataset``, a Grain
@@ -179,7 +192,7 @@ def examples(source, tokenizer, chat_format, truncation, *, policy=None, fmt=Non
     return fit(rendered(), tokenizer, truncation, batch_size=batch_size, progress=progress, total=total)
 
 
-def conversation(record):
+def conversation(record: Mapping[str, Any]) -> tuple[list[Any], Any]:
     """(messages, tools) of a conversational record, as the chat template receives them: the
     prompt and completion joined for prompt/completion records; tools parsed from JSON text."""
     if "prompt" in record and "messages" not in record and "conversations" not in record:
@@ -189,19 +202,22 @@ def conversation(record):
     return messages, _tools(record.get("tools"))
 
 
-def for_record(chat_format, record):
+def for_record(chat_format: "Gemma3 | Gemma4", record: Any) -> "Gemma3 | Gemma4":
     """``chat_format`` as ``record`` asks for it: its ``"chat_template_kwargs"`` may set ``enable_thinking``
-    (Gemma 4); any other key raises MaskError, since gemport would silently render without it."""
+    (Gemma 4: True renders ``thinking="on"``; False turns ``"on"`` off and keeps ``"off"`` or
+    ``"empty_thought"``); any other key raises MaskError, since gemport would silently render without it."""
     kwargs = record.get("chat_template_kwargs")
     if not kwargs:
         return chat_format
     unknown = sorted(set(kwargs) - {"enable_thinking"})
-    if unknown or not hasattr(chat_format, "thinking"):
+    if unknown or not hasattr(chat_format, "enable_thinking"):
         raise MaskError(
             f"record['chat_template_kwargs']: {unknown or sorted(kwargs)} not rendered by {chat_format!r}; "
             "gemport follows enable_thinking (Gemma 4) only"
         )
-    return dataclasses.replace(chat_format, thinking=bool(kwargs["enable_thinking"]))
+    if kwargs["enable_thinking"]:
+        return dataclasses.replace(chat_format, thinking="on")
+    return dataclasses.replace(chat_format, thinking="off") if chat_format.enable_thinking else chat_format
 
 
 def _conversational(record, fmt):

@@ -1,6 +1,8 @@
 """The Gemma 2/3 chat format: ``<start_of_turn>user|model\\n ... <end_of_turn>\\n``, no system role."""
 
 import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from gemport.errors import MaskError
 from gemport.masks.render import SYSTEM_ROLES, Segment, check_messages, check_tools, text_parts
@@ -22,7 +24,8 @@ class Gemma3:
 
     control_tokens = ("<bos>", "<start_of_turn>", "<end_of_turn>")
 
-    def render(self, messages, tools=None, add_generation_prompt=False):
+    def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
+               add_generation_prompt: bool = False) -> tuple[Segment, ...]:
         """Returns the ``Segment``s of ``messages`` (list of {"role", "content"}); the input is not modified.
 
         add_generation_prompt: end with ``<start_of_turn>model\\n`` (context, never a target), as a

@@ -7,14 +7,22 @@ one of them, and ``gemport.masks.template.chat_format`` picks it from a tokenize
 """
 
 import dataclasses
+import typing
 from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 from gemport.errors import MaskError
 from gemport.masks.render import SYSTEM_ROLES, Segment, check_messages, check_plain, check_tools, text_parts
+from gemport.options import one_of
 
 _QUOTE = '<|"|>'
-REVISIONS = (1, 2, 3, 4, 5)
+Revision = Literal[1, 2, 3, 4, 5]
 """Gemma 4 template revisions, numbered as TRL's files: 1 is ``gemma4.jinja``, n is ``gemma4_vn.jinja``."""
+REVISIONS: tuple[Revision, ...] = typing.get_args(Revision)
+
+Thinking = Literal["off", "on", "empty_thought"]
+"""How ``Gemma4`` renders thinking: off, on (the template's ``enable_thinking``), or off with the empty
+thought block the 26B/31B models open their answers with."""
 # Keys of a JSON schema that the parameter formatter skips when it walks a schema as properties.
 _STANDARD_KEYS = ("description", "type", "properties", "required", "nullable")
 _MISSING = object()
@@ -24,14 +32,14 @@ _MISSING = object()
 class Gemma4:
     """Renders conversations as Gemma 4's chat template does, for training.
 
-    thinking: open with ``<|turn>system\\n<|think|>\\n`` (a system turn is rendered even without a
-        system message), as the template does with ``enable_thinking``.
+    thinking: ``"on"`` opens with ``<|turn>system\\n<|think|>\\n`` (a system turn is rendered even
+        without a system message), as the template does with ``enable_thinking``. ``"off"`` (the
+        default) renders without. ``"empty_thought"`` is off, and opens every assistant turn that has
+        no rendered reasoning with the empty ``<|channel>thought\\n<channel|>`` that the 26B/31B
+        generation prompt adds; it is rendered as part of the header, so it is context and never a target.
     keep_reasoning: the template drops the ``reasoning`` of assistant messages before the last user
         message (what the model sees at inference). False keeps that behaviour; True renders the
         reasoning of every assistant message that has one, for data whose earlier traces are wanted.
-    empty_thought: with thinking off, open every assistant turn that has no rendered reasoning with
-        the empty ``<|channel>thought\\n<channel|>`` that the 26B/31B generation prompt adds. It is
-        rendered as part of the header, so it is context and never a target.
     revision: which published template to follow (``REVISIONS``; 5, the newest, by default). Revisions
         1, 3 and 4 render reasoning only on an assistant message with tool calls after the last user
         message and close a model turn before a following assistant message; revision 2 renders no
@@ -47,10 +55,9 @@ class Gemma4:
     continues the same model turn, as in the template.
     """
 
-    thinking: bool = False
+    thinking: Thinking = "off"
     keep_reasoning: bool = False
-    empty_thought: bool = False
-    revision: int = 5
+    revision: Revision = 5
 
     control_tokens = (
         "<bos>", "<|turn>", "<turn|>", "<|think|>", "<|channel>", "<channel|>",
@@ -58,11 +65,17 @@ class Gemma4:
         "<|tool>", "<tool|>",
     )
 
-    def __post_init__(self):
-        if self.revision not in REVISIONS:
-            raise MaskError(f"Gemma4.revision: {self.revision!r} is not one of {REVISIONS}")
+    def __post_init__(self) -> None:
+        one_of(self.thinking, Thinking, "Gemma4.thinking", MaskError)
+        one_of(self.revision, Revision, "Gemma4.revision", MaskError)
 
-    def render(self, messages, tools=None, add_generation_prompt=False):
+    @property
+    def enable_thinking(self) -> bool:
+        """The chat template's ``enable_thinking`` for this rendering."""
+        return self.thinking == "on"
+
+    def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
+               add_generation_prompt: bool = False) -> tuple[Segment, ...]:
         """Returns the ``Segment``s of ``messages``; the input is not modified.
 
         messages: list of {"role", "content"} with optional "reasoning" (or "reasoning_content") and
@@ -81,9 +94,9 @@ class Gemma4:
         out.add("<bos>", "", "bos")
         body, offset = list(messages), 0
         system = bool(body) and body[0]["role"] in SYSTEM_ROLES
-        if self.thinking or tools or system:
+        if self.enable_thinking or tools or system:
             out.turn += 1
-            think = ("<|think|>" if self.revision == 2 else "<|think|>\n") if self.thinking else ""
+            think = ("<|think|>" if self.revision == 2 else "<|think|>\n") if self.enable_thinking else ""
             out.add("<|turn>system\n" + think, "system", "header")
             if system:
                 out.add(self._system_text(body[0].get("content")), "system", "content")
@@ -113,7 +126,7 @@ class Gemma4:
             gate = i > last_user and (self.revision == 5 or bool(calls))
             if reasoning.strip() and (self.keep_reasoning or gate):
                 out.add(f"<|channel>thought\n{reasoning}\n<channel|>", role, "reasoning")
-            elif role == "assistant" and opens and self.empty_thought and not self.thinking:
+            elif role == "assistant" and opens and self.thinking == "empty_thought":
                 out.add("<|channel>thought\n<channel|>", role, "header")
             names = {}
             for k, call in enumerate(calls):
@@ -173,9 +186,9 @@ class Gemma4:
         if last not in waiting:
             out.turn += 1
             out.add("<|turn>model\n", "assistant", "header")
-            if self.empty_thought and not self.thinking:
+            if self.thinking == "empty_thought":
                 out.add("<|channel>thought\n<channel|>", "assistant", "header")
-        elif last == "tool_response" and self.thinking and self.revision == 5:
+        elif last == "tool_response" and self.enable_thinking and self.revision == 5:
             out.add("<|channel>thought\n", "assistant", "header")
 
     def _role(self, message, where, allowed):

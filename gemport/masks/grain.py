@@ -3,13 +3,20 @@
 Grain is imported here only, so ``gemport.masks`` itself does not need it.
 """
 
+from collections.abc import Hashable, Mapping
+from typing import Any
+
 import grain.transforms
 import numpy as np
 
-from gemport.masks.formats import render
+from gemport.masks.formats import Format, render
+from gemport.masks.gemma3 import Gemma3
+from gemport.masks.gemma4 import Gemma4
+from gemport.masks.packing import Rows
+from gemport.masks.policies import MaskPolicy
 from gemport.masks.pipeline import fit_batch
 from gemport.masks.tokenize import check_tokenizer
-from gemport.masks.truncation import TruncationReport
+from gemport.masks.truncation import Truncation, TruncationReport
 
 
 class MaskTransform(grain.transforms.Map, grain.transforms.MapWithIndex):
@@ -26,8 +33,9 @@ class MaskTransform(grain.transforms.Map, grain.transforms.MapWithIndex):
     target crosses a packed boundary.
     """
 
-    def __init__(self, tokenizer, chat_format, policy, truncation, *, fmt=None, completion_only_loss=None,
-                 text_field="text", eos_token=None):
+    def __init__(self, tokenizer: Any, chat_format: Gemma3 | Gemma4, policy: MaskPolicy | None,
+                 truncation: Truncation, *, fmt: Format | None = None, completion_only_loss: bool | None = None,
+                 text_field: str = "text", eos_token: str | None = None) -> None:
         check_tokenizer(tokenizer, chat_format)
         self.tokenizer = tokenizer
         self.chat_format = chat_format
@@ -38,15 +46,15 @@ class MaskTransform(grain.transforms.Map, grain.transforms.MapWithIndex):
         )
         self.report = TruncationReport()
 
-    def map(self, element):
+    def map(self, element: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """{"tokens": int32 [n], "loss_mask": bool [n]} for one record; n = 0 if dropped."""
         return self._fit(element, element.get("id"))
 
-    def map_with_index(self, index, element):
+    def map_with_index(self, index: int, element: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """``map``, naming the record in ``report`` by its "id", else by ``index``."""
         return self._fit(element, element.get("id", index))
 
-    def _fit(self, element, key):
+    def _fit(self, element: Mapping[str, Any], key: Hashable) -> dict[str, np.ndarray]:
         rendered = render(element, self.chat_format, key=key, **self.options)
         [(example, decision, lost)] = fit_batch([rendered], self.tokenizer, self.truncation)
         self.report.record(decision, lost, key)
@@ -55,18 +63,13 @@ class MaskTransform(grain.transforms.Map, grain.transforms.MapWithIndex):
         return {"tokens": example.tokens, "loss_mask": example.loss_mask}
 
 
-def has_target(record):
+def has_target(record: Mapping[str, Any]) -> bool:
     """True when ``record["loss_mask"]`` (bool [n]) trains at least one token."""
     return bool(np.any(record["loss_mask"]))
 
 
-def from_grain(record):
+def from_grain(record: Mapping[str, np.ndarray]) -> Rows:
     """Renames a row packed by Grain (``tokens``, ``loss_mask`` and their ``_segment_ids`` /
-    ``_positions``) to ``pack``'s keys: "tokens", "loss_mask", "segment_ids", "positions", arrays of
-    the record's shape ([T] or [B, T])."""
-    return {
-        "tokens": record["tokens"],
-        "loss_mask": record["loss_mask"],
-        "segment_ids": record["tokens_segment_ids"],
-        "positions": record["tokens_positions"],
-    }
+    ``_positions``) to ``pack``'s ``Rows``, arrays of the record's shape ([T] or [B, T])."""
+    return Rows(tokens=record["tokens"], loss_mask=record["loss_mask"], segment_ids=record["tokens_segment_ids"],
+                positions=record["tokens_positions"])

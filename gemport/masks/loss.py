@@ -2,20 +2,21 @@
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 
-def _target_nll(logits, tokens):
+def _target_nll(logits: ArrayLike, tokens: ArrayLike) -> jax.Array:
     # Position t predicts token t + 1; the float32 log-softmax keeps bf16 logits from skewing the mean.
     log_probs = jax.nn.log_softmax(jnp.asarray(logits[:, :-1], jnp.float32), axis=-1)
     return -jnp.take_along_axis(log_probs, jnp.asarray(tokens)[:, 1:, None], axis=-1)[..., 0]
 
 
-def _mean(nll, targets):
+def _mean(nll: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
     count = targets.sum()
     return jnp.where(targets, nll, 0.0).sum() / jnp.maximum(count, 1), count
 
 
-def masked_cross_entropy(logits, tokens, loss_mask):
+def masked_cross_entropy(logits: ArrayLike, tokens: ArrayLike, loss_mask: ArrayLike) -> jax.Array:
     """Mean next-token cross-entropy over the trained targets.
 
     logits: float [B, T, V]; tokens: int [B, T]; loss_mask: bool [B, T], ``loss_mask[b, t]`` saying
@@ -25,7 +26,7 @@ def masked_cross_entropy(logits, tokens, loss_mask):
     return _mean(_target_nll(logits, tokens), jnp.asarray(loss_mask, bool)[:, 1:])[0]
 
 
-def summed_cross_entropy(logits, tokens, loss_mask):
+def summed_cross_entropy(logits: ArrayLike, tokens: ArrayLike, loss_mask: ArrayLike) -> tuple[jax.Array, jax.Array]:
     """Summed next-token cross-entropy over the trained targets, and their count.
 
     The shapes and target convention of ``masked_cross_entropy``. Returns (float32 [], int32 []):
@@ -36,7 +37,8 @@ def summed_cross_entropy(logits, tokens, loss_mask):
     return jnp.where(targets, _target_nll(logits, tokens), 0.0).sum(), targets.sum(dtype=jnp.int32)
 
 
-def loss_scopes(logits, tokens, loss_mask, segment_ids):
+def loss_scopes(logits: ArrayLike, tokens: ArrayLike, loss_mask: ArrayLike,
+                segment_ids: ArrayLike) -> dict[str, jax.Array]:
     """The masked and the full-sequence loss side by side, from the same logits.
 
     logits: float [B, T, V]; tokens: int [B, T]; loss_mask: bool [B, T]; segment_ids: int [B, T]

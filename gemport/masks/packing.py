@@ -6,36 +6,70 @@ Rows follow Grain's packing conventions: ``segment_ids`` are 1-based per example
 
 import bisect
 import collections
+from collections.abc import Sequence
+from typing import TypedDict
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from gemport.errors import MaskError
+from gemport.masks.tokenize import Example
+
+Labelled = Example | tuple[np.ndarray, np.ndarray]
+"""One example to batch: an ``Example`` or a ``(tokens, loss_mask)`` pair (int [n], bool [n]), the
+target convention of ``Example``; both are tuples that start with those two arrays."""
 
 
-def pack(tokens, loss_mask, seq_len):
+class Rows(TypedDict):
+    """Examples laid out in rows, each array [rows, T], as ``pack``, ``pad`` and ``padding_free`` return them.
+
+    tokens: int32, padding ``pad_id``; loss_mask: bool targets, never on padding; segment_ids: int32,
+    1.. per example within a row, 0 on padding; positions: int32, from 0 in each example, 0 on padding.
+    A dict (typed for readers and checkers) because its consumers take keywords: ``tunix_inputs(**rows)``,
+    Tunix's ``PeftTrainer`` loss (``loss_fn(model, **batch)``) and Grain's records.
+    """
+
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    segment_ids: np.ndarray
+    positions: np.ndarray
+
+
+def labelled(examples: Sequence[Labelled], where: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The tokens and loss masks of ``examples`` as two lists; MaskError naming the first example that
+    is not a ``Labelled`` or whose mask and tokens differ in length."""
+    tokens, loss_mask = [], []
+    for i, example in enumerate(examples):
+        if not isinstance(example, tuple) or len(example) < 2:
+            raise MaskError(
+                f"{where}: examples[{i}] is a {type(example).__name__}; pass Examples or (tokens, loss_mask) pairs"
+            )
+        if len(example[1]) != len(example[0]):
+            raise MaskError(
+                f"{where}: examples[{i}]: loss_mask has {len(example[1])} entries for {len(example[0])} tokens"
+            )
+        tokens.append(example[0])
+        loss_mask.append(example[1])
+    return tokens, loss_mask
+
+
+def pack(examples: Sequence[Labelled], seq_len: int) -> Rows:
     """Packs examples into rows of ``seq_len`` tokens, best fit decreasing.
 
-    tokens: sequence of int [n_i]; loss_mask: sequence of bool [n_i] (the target convention of
-    ``Example``); every 1 <= n_i <= seq_len (truncate first) and ``loss_mask[i][0]`` False, so the
-    first token of a segment is never a target predicted from the previous one. Examples are
-    placed longest first (ties in input order), each into the open row it fills most tightly (the
-    oldest such row): the rows of TRL's ``packing_strategy="bfd"``, in the same order.
-    Returns a dict of [rows, seq_len] arrays: "tokens" int32, "loss_mask" bool, "segment_ids"
-    int32, "positions" int32. Padding is token 0, never trained.
+    examples: ``Example``s or (tokens int [n_i], loss_mask bool [n_i]) pairs, with every
+    1 <= n_i <= seq_len (truncate first) and ``loss_mask[0]`` False, so the first token of a segment
+    is never a target predicted from the previous one. Examples are placed longest first (ties in
+    input order), each into the open row it fills most tightly (the oldest such row): the rows of
+    TRL's ``packing_strategy="bfd"``, in the same order. Returns ``Rows`` [rows, seq_len]; padding is
+    token 0, never trained.
     """
-    if len(tokens) != len(loss_mask):
-        raise MaskError(f"pack: {len(tokens)} token arrays but {len(loss_mask)} loss masks")
+    tokens, loss_mask = labelled(examples, "pack")
     lengths = np.array(list(map(len, tokens)), dtype=np.int64)
-    mask_lengths = np.array(list(map(len, loss_mask)), dtype=np.int64)
-    mismatched = np.flatnonzero(mask_lengths != lengths)
-    if mismatched.size:
-        i = int(mismatched[0])
-        raise MaskError(f"pack: loss_mask[{i}] has {mask_lengths[i]} entries for {lengths[i]} tokens")
     bad = np.flatnonzero((lengths < 1) | (lengths > seq_len))
     if bad.size:
         i = int(bad[0])
-        raise MaskError(f"pack: example {i} has {lengths[i]} tokens; need 1..{seq_len} (truncate first)")
+        raise MaskError(f"pack: examples[{i}] has {lengths[i]} tokens; need 1..{seq_len} (truncate first)")
     row, offset, rows = _best_fit_decreasing(lengths, seq_len)
     # Laid out row by row, the packed tokens are the examples concatenated in (row, offset) order.
     placed = np.lexsort((offset, row))
@@ -45,15 +79,15 @@ def pack(tokens, loss_mask, seq_len):
     first_trained = np.flatnonzero(flat_mask[starts])
     if first_trained.size:
         raise MaskError(
-            f"pack: loss_mask[{int(placed[first_trained[0]])}][0] is True; the first token of an example "
-            "has nothing before it to be predicted from"
+            f"pack: examples[{int(placed[first_trained[0]])}]: loss_mask[0] is True; the first token of an "
+            "example has nothing before it to be predicted from"
         )
     column = np.arange(seq_len, dtype=np.int32)
     padding = column >= np.bincount(row, weights=lengths, minlength=rows)[:, None]
-    out = {"tokens": np.zeros((rows, seq_len), np.int32), "loss_mask": np.zeros((rows, seq_len), bool)}
+    out = Rows(tokens=np.zeros((rows, seq_len), np.int32), loss_mask=np.zeros((rows, seq_len), bool),
+               segment_ids=np.zeros((rows, seq_len), np.int32), positions=np.zeros((rows, seq_len), np.int32))
     out["tokens"][~padding] = _concatenate([tokens[i] for i in placed], np.int32)
     out["loss_mask"][~padding] = flat_mask
-    out["positions"] = np.zeros((rows, seq_len), np.int32)
     out["positions"][~padding] = _concatenate([column[:n] for n in placed_lengths.tolist()], np.int32)
     # Segment ids count the example starts met so far in the row.
     starts_here = np.zeros((rows, seq_len), np.int32)
@@ -63,7 +97,7 @@ def pack(tokens, loss_mask, seq_len):
     return out
 
 
-def _concatenate(arrays, dtype):
+def _concatenate(arrays: list[np.ndarray], dtype: type) -> np.ndarray:
     return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
 
 
@@ -98,7 +132,7 @@ def _best_fit_decreasing(lengths, seq_len):
     return np.array(row, np.int64), np.array(offset, np.int64), len(filled)
 
 
-def attention_mask(segment_ids):
+def attention_mask(segment_ids: jax.typing.ArrayLike) -> jax.Array:
     """Causal, block-diagonal attention: bool [B, T, T] from segment_ids int [B, T].
 
     Query t sees key s when s <= t and both carry the same segment id. Padding (segment 0) sees
@@ -110,7 +144,8 @@ def attention_mask(segment_ids):
     return (segment_ids[:, :, None] == segment_ids[:, None, :]) & causal
 
 
-def tunix_inputs(tokens, loss_mask, segment_ids, positions):
+def tunix_inputs(tokens: jax.typing.ArrayLike, loss_mask: jax.typing.ArrayLike, segment_ids: jax.typing.ArrayLike,
+                 positions: jax.typing.ArrayLike) -> dict[str, jax.Array]:
     """The keyword arguments of Tunix's default PEFT loss for packed rows.
 
     tokens, segment_ids, positions: int [B, T]; loss_mask: bool [B, T] (targets). Returns
@@ -119,7 +154,7 @@ def tunix_inputs(tokens, loss_mask, segment_ids, positions):
     ``input_mask[:, 1:]``, the same target convention. Tunix's examples derive positions and
     attention from a padding mask, which lets packed examples see each other; these come from
     ``segment_ids`` instead. Use it as the trainer's ``gen_model_input_fn``
-    (``lambda batch: tunix_inputs(**batch)`` on ``pack``'s rows); it is jittable.
+    (``lambda batch: tunix_inputs(**batch)`` on ``Rows``); it is jittable.
     """
     return {
         "input_tokens": jnp.asarray(tokens, jnp.int32),

@@ -2,13 +2,18 @@
 
 import itertools
 from concurrent.futures import ThreadPoolExecutor
-from typing import NamedTuple
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from gemport.masks.tokenize import check_tokenizer, encode, encode_batch, piece_lengths, text_of, tokenize_batch
-from gemport.masks.truncation import TruncationReport, truncate
+from gemport.masks.gemma3 import Gemma3
+from gemport.masks.gemma4 import Gemma4
+from gemport.masks.policies import MaskPolicy
+from gemport.masks.render import Segment
+from gemport.masks.tokenize import Example, check_tokenizer, encode, encode_batch, piece_lengths, text_of, tokenize_batch
+from gemport.masks.truncation import Fitted, Truncation, TruncationReport, truncate
 
 
 class Rendered(NamedTuple):
@@ -16,22 +21,25 @@ class Rendered(NamedTuple):
     trained (bool [len(segments)]), and whether it is plain text (tokenized with the tokenizer's
     own special tokens, every token a boundary truncation may cut at)."""
 
-    key: object
-    segments: tuple
-    trained: np.ndarray
+    key: Hashable
+    segments: tuple[Segment, ...]
+    trained: np.ndarray | Sequence[bool]
     plain: bool = False
 
 
-def prepare(messages, tokenizer, chat_format, policy, truncation):
+def prepare(messages: Sequence[Mapping[str, Any]], tokenizer: Any, chat_format: Gemma3 | Gemma4,
+            policy: MaskPolicy, truncation: Truncation) -> Fitted:
     """Renders, masks and truncates one conversation (the tokenizer is not checked: see ``build``).
 
-    Returns (example or None, decision, targets_lost), as ``truncate`` does.
+    Returns ``truncate``'s ``Fitted`` (example or None, decision, targets_lost).
     """
     segments = chat_format.render(messages)
     return truncate(encode(segments, policy.select(segments), tokenizer), truncation)
 
 
-def build(conversations, tokenizer, chat_format, policy, truncation, *, batch_size=512, progress=True):
+def build(conversations: Iterable[Sequence[Mapping[str, Any]]], tokenizer: Any, chat_format: Gemma3 | Gemma4,
+          policy: MaskPolicy, truncation: Truncation, *, batch_size: int = 512,
+          progress: bool = True) -> tuple[list[Example], TruncationReport]:
     """Renders, masks and truncates every conversation.
 
     conversations: iterable of message lists; chat_format: ``Gemma3()`` or ``Gemma4(...)``;
@@ -52,7 +60,8 @@ def build(conversations, tokenizer, chat_format, policy, truncation, *, batch_si
     return fit(rendered(), tokenizer, truncation, batch_size=batch_size, progress=progress, total=total)
 
 
-def fit(rendered, tokenizer, truncation, *, batch_size=512, progress=True, total=None):
+def fit(rendered: Iterable[Rendered], tokenizer: Any, truncation: Truncation, *, batch_size: int = 512,
+        progress: bool = True, total: int | None = None) -> tuple[list[Example], TruncationReport]:
     """Tokenizes, labels and truncates ``Rendered`` records, ``batch_size`` per tokenizer call.
 
     Returns (examples, report) as ``build`` does, the report naming records by their keys.
@@ -90,10 +99,11 @@ def _tokenize(batch, tokenizer, lengths):
     return {plain: tokenize_batch(tokenizer, texts[plain], plain, lengths) for plain in (False, True)}
 
 
-def fit_batch(batch, tokenizer, truncation, tokenized=None):
-    """[(example or None, decision, targets_lost)] for a list of ``Rendered``, as ``truncate`` returns
-    them; one tokenizer call for the conversations of the batch and one for its plain texts
-    (``tokenized``: those two calls' results by plainness, when made elsewhere)."""
+def fit_batch(batch: Sequence[Rendered], tokenizer: Any, truncation: Truncation,
+              tokenized: Mapping[bool, Any] | None = None) -> list[Fitted]:
+    """``truncate``'s ``Fitted`` for each ``Rendered`` of ``batch``: one tokenizer call for the
+    conversations of the batch and one for its plain texts (``tokenized``: those two calls' results by
+    plainness, when made elsewhere)."""
     fitted = [None] * len(batch)
     for plain in (False, True):
         chosen = [i for i, r in enumerate(batch) if r.plain == plain]

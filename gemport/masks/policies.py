@@ -1,12 +1,18 @@
 """Which rendered segments are trained: the loss-mask policy as data."""
 
 import dataclasses
+from collections.abc import Sequence
+from typing import Literal
 
 import numpy as np
 
 from gemport.errors import MaskError
+from gemport.masks.render import Segment
+from gemport.options import one_of
 
-_TRAIN = ("assistant", "all", "last_assistant", "all_tokens")
+Train = Literal["assistant", "all", "last_assistant", "all_tokens"]
+"""What ``MaskPolicy.train`` trains (see ``MaskPolicy``)."""
+
 _TRAINED_PARTS = ("content", "tool_call", "end")
 
 
@@ -25,14 +31,13 @@ class MaskPolicy:
     never on its header; ``<bos>``, system and tool segments are never trained.
     """
 
-    train: str = "assistant"
+    train: Train = "assistant"
     reasoning: bool = False
 
-    def __post_init__(self):
-        if self.train not in _TRAIN:
-            raise MaskError(f"MaskPolicy.train: {self.train!r} is not one of {_TRAIN}")
+    def __post_init__(self) -> None:
+        one_of(self.train, Train, "MaskPolicy.train", MaskError)
 
-    def select(self, segments):
+    def select(self, segments: Sequence[Segment]) -> np.ndarray:
         """Returns bool [len(segments)]: whether each ``Segment`` is trained."""
         if self.train == "all_tokens":
             return np.ones(len(segments), dtype=bool)

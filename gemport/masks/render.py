@@ -5,15 +5,20 @@ string the tokenizer sees. Each segment carries the role and part it came from a
 the turn it belongs to, so masks are decided on text before any tokenizer merges characters.
 """
 
+import typing
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from gemport.errors import MaskError
 
-ROLES = ("", "system", "user", "assistant", "tool")
-"""Role names, indexed by ``Example.role_ids``; ``""`` is the ``<bos>`` token, which has no role."""
+Role = Literal["", "system", "user", "assistant", "tool"]
+"""Who a segment belongs to; ``""`` is the ``<bos>`` token, which has no role."""
+ROLES: tuple[Role, ...] = typing.get_args(Role)
+"""Role names, indexed by ``Example.role_ids``."""
 
-PARTS = ("bos", "header", "content", "reasoning", "tool_call", "end")
+Part = Literal["bos", "header", "content", "reasoning", "tool_call", "end"]
+"""What a segment is within its turn (see ``PARTS``)."""
+PARTS: tuple[Part, ...] = typing.get_args(Part)
 """Part names, indexed by ``Example.part_ids``.
 
 ``header`` is the role cue that opens a turn (the model never generates it), ``end`` is the
@@ -31,12 +36,12 @@ class Segment(NamedTuple):
     """A run of rendered text with one role, one part and one turn index (-1 for ``<bos>``)."""
 
     text: str
-    role: str
-    part: str
+    role: Role
+    part: Part
     turn: int
 
 
-def check_plain(text, where, control_tokens):
+def check_plain(text: Any, where: str, control_tokens: Sequence[str]) -> str:
     """Raises MaskError if ``text`` (user data) is not a string or holds a control token.
 
     A control token inside data would be tokenized as a real turn or channel marker and silently
@@ -50,7 +55,7 @@ def check_plain(text, where, control_tokens):
     return text
 
 
-def text_parts(content, where, control_tokens):
+def text_parts(content: Any, where: str, control_tokens: Sequence[str]) -> list[str]:
     """The texts of ``content``, a string (one part) or a list of ``{"type": "text", "text": str}`` parts.
 
     Raises MaskError naming the part for an image, audio or video part (gemport renders text only:
@@ -74,7 +79,7 @@ def text_parts(content, where, control_tokens):
     return texts
 
 
-def check_messages(messages):
+def check_messages(messages: Any) -> None:
     """Raises MaskError unless ``messages`` is a sequence of mappings that each have a string role."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise MaskError(f"messages: expected a list of dicts, got {type(messages).__name__}")
@@ -83,7 +88,7 @@ def check_messages(messages):
             raise MaskError(f"messages[{i}]: expected a dict with a string 'role'")
 
 
-def check_tools(tools):
+def check_tools(tools: Any) -> tuple[Mapping[str, Any], ...]:
     """Returns ``tools`` as a tuple (None and [] give ()); raises MaskError unless each is a function
     declaration ``{"type": "function", "function": {"name": str, ...}}``."""
     if not tools:

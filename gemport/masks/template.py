@@ -6,12 +6,17 @@ conversations and names the first conversation and character where they part.
 """
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
 
 from gemport.errors import MaskError
 from gemport.masks.formats import conversation, for_record
 from gemport.masks.gemma3 import Gemma3
-from gemport.masks.gemma4 import REVISIONS, Gemma4
+from gemport.masks.gemma4 import REVISIONS, Gemma4, Thinking
+from gemport.options import one_of
+
+OnMismatch = Literal["warn", "raise"]
+"""What ``check_template`` does on a mismatch: a ``TemplateMismatchWarning`` or a ``TemplateMismatch``."""
 
 
 class TemplateMismatch(MaskError):
@@ -36,7 +41,7 @@ _PROBES = (
 )
 
 
-def template_text(tokenizer):
+def template_text(tokenizer: Any) -> str:
     """The tokenizer's chat template (its ``"default"`` one when it has several); MaskError if none."""
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, Mapping):
@@ -46,14 +51,14 @@ def template_text(tokenizer):
     return template
 
 
-def chat_format(tokenizer, *, thinking=False, keep_reasoning=False, empty_thought=False):
+def chat_format(tokenizer: Any, *, thinking: Thinking = "off", keep_reasoning: bool = False) -> Gemma3 | Gemma4:
     """``Gemma3()`` or ``Gemma4(...)`` rendering as ``tokenizer.apply_chat_template`` does.
 
     For Gemma 4, each published template revision renders a few probe conversations on which they
     disagree; the newest revision that agrees with the tokenizer's template on all of them is
     chosen. When none agrees on all, the closest is returned with a ``TemplateMismatchWarning``
-    naming the probe: run ``check_template`` on your data before training on it. ``thinking``,
-    ``keep_reasoning`` and ``empty_thought`` are passed to ``Gemma4``.
+    naming the probe: run ``check_template`` on your data before training on it. ``thinking`` and
+    ``keep_reasoning`` are passed to ``Gemma4``.
     """
     template = template_text(tokenizer)
     if "<|turn>" in template:
@@ -72,13 +77,14 @@ def chat_format(tokenizer, *, thinking=False, keep_reasoning=False, empty_though
                 TemplateMismatchWarning,
                 stacklevel=2,
             )
-        return Gemma4(thinking=thinking, keep_reasoning=keep_reasoning, empty_thought=empty_thought, revision=best)
+        return Gemma4(thinking=thinking, keep_reasoning=keep_reasoning, revision=best)
     if "<start_of_turn>" in template:
         return Gemma3()
     raise MaskError("tokenizer: its chat template is neither Gemma 3's (<start_of_turn>) nor Gemma 4's (<|turn>)")
 
 
-def check_template(tokenizer, chat_format, sample, on_mismatch="warn"):
+def check_template(tokenizer: Any, chat_format: Gemma3 | Gemma4, sample: Iterable[Any],
+                   on_mismatch: OnMismatch = "warn") -> tuple[int, int] | None:
     """Compares ``chat_format``'s rendering with ``tokenizer.apply_chat_template`` on ``sample``.
 
     sample: conversations, each a message list or a conversational record ({"messages"} or
@@ -87,11 +93,10 @@ def check_template(tokenizer, chat_format, sample, on_mismatch="warn"):
         first conversation that differs; the message names its index in ``sample``, the character
         offset and the text on both sides.
     Returns None when every conversation renders alike, else (index, offset) of the first difference.
-    Gemma 4 options beyond the template (``keep_reasoning``, ``empty_thought``) and whitespace-only
+    Gemma 4 options beyond the template (``keep_reasoning``, ``thinking="empty_thought"``) and whitespace-only
     reasoning, which gemport never renders, show up as differences by design.
     """
-    if on_mismatch not in ("warn", "raise"):
-        raise MaskError(f"on_mismatch: {on_mismatch!r}; use 'warn' or 'raise'")
+    one_of(on_mismatch, OnMismatch, "on_mismatch", MaskError)
     for index, item in enumerate(sample):
         messages, tools = conversation(item) if isinstance(item, Mapping) else (item, None)
         record_format = for_record(chat_format, item) if isinstance(item, Mapping) else chat_format
@@ -116,7 +121,7 @@ def _renderings(tokenizer, chat_format, messages, tools):
     # (the template's text, gemport's text); an error on either side stands in for its text.
     try:
         expected = tokenizer.apply_chat_template(
-            messages, tools=tools, tokenize=False, enable_thinking=getattr(chat_format, "thinking", False)
+            messages, tools=tools, tokenize=False, enable_thinking=getattr(chat_format, "enable_thinking", False)
         )
     except Exception as error:  # a template may raise anything (jinja's TemplateError, KeyError, ...)
         expected = f"<the template raised {type(error).__name__}: {error}>"

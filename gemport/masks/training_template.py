@@ -10,13 +10,13 @@ rendering, so a TRL run and a gemport port train the same tokens.
 from importlib import resources
 
 
-def gemma4_training_template():
+def gemma4_training_template() -> str:
     """The Jinja text of gemport's Gemma 4 training chat template.
 
     Set it as ``tokenizer.chat_template`` (or write it to a file for ``SFTConfig.chat_template_path``)
     before building TRL's ``SFTTrainer`` with ``assistant_only_loss=True``. Template variables:
-    ``enable_thinking``, ``keep_reasoning``, ``empty_thought`` (``Gemma4``'s ``thinking``,
-    ``keep_reasoning``, ``empty_thought``), ``train_reasoning`` (``MaskPolicy(reasoning=True)``),
+    ``enable_thinking`` (``Gemma4(thinking="on")``), ``keep_reasoning`` (``Gemma4(keep_reasoning=True)``),
+    ``empty_thought`` (``Gemma4(thinking="empty_thought")``), ``train_reasoning`` (``MaskPolicy(reasoning=True)``),
     ``tools`` and ``add_generation_prompt``; pass the first ones through TRL's ``chat_template_kwargs``.
     It renders text conversations; a media content part raises.
     """

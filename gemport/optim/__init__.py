@@ -3,12 +3,14 @@
 from gemport.optim.accumulation import AccumulateTokensState, accumulate_tokens
 from gemport.optim.clipping import clip_grad_norm
 from gemport.optim.decay import decay_mask, decays
-from gemport.optim.hf import HFOptimizer, from_hf
-from gemport.optim.schedules import hf_schedule
+from gemport.optim.hf import HFOptimizer, Optim, from_hf
+from gemport.optim.schedules import ScheduleName, hf_schedule
 
 __all__ = [
     "AccumulateTokensState",
     "HFOptimizer",
+    "Optim",
+    "ScheduleName",
     "accumulate_tokens",
     "clip_grad_norm",
     "decay_mask",

@@ -16,7 +16,7 @@ class AccumulateTokensState(NamedTuple):
     inner_state: optax.OptState
 
 
-def accumulate_tokens(inner, steps):
+def accumulate_tokens(inner: optax.GradientTransformation, steps: int) -> optax.GradientTransformationExtraArgs:
     """Map HF's ``gradient_accumulation_steps`` with its token-count loss normalisation to Optax.
 
     HF's Trainer sums the per-token losses of ``steps`` micro-batches and divides by the number of

@@ -14,6 +14,7 @@ value a trainable ``skip_scale`` Param. It is excluded here, as HF's decay set d
 import re
 
 import jax
+import optax
 
 _NO_DECAY = re.compile(
     "|".join(
@@ -29,7 +30,7 @@ _NO_DECAY = re.compile(
 )
 
 
-def decays(name):
+def decays(name: str) -> bool:
     """Whether HF's Trainer applies weight decay to the parameter called ``name``.
 
     Maps ``Trainer.get_decay_parameter_names``: ``name`` is a dotted path (an HF parameter name,
@@ -42,7 +43,7 @@ def decays(name):
     return _NO_DECAY.search(name.lower()) is None
 
 
-def decay_mask(params):
+def decay_mask(params: optax.Params) -> optax.Params:
     """A pytree of bools, shaped like ``params``: True where HF would apply weight decay.
 
     Each leaf is judged by ``decays`` on its key path joined with dots (``layers.0.attn.q_einsum.w``

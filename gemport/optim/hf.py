@@ -2,7 +2,7 @@
 
 import math
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import optax
 
@@ -11,6 +11,7 @@ from gemport.optim.accumulation import accumulate_tokens
 from gemport.optim.clipping import clip_grad_norm
 from gemport.optim.decay import decay_mask
 from gemport.optim.schedules import hf_schedule
+from gemport.options import one_of
 
 # TrainingArguments fields from_hf reads, with their transformers 5.12 defaults (used for dict keys
 # that are absent). Note the pitfalls: weight decay 0.0 (optax.adamw: 1e-4, torch AdamW: 1e-2) and
@@ -62,8 +63,9 @@ _RANGES = (
     ("weight_decay", 0.0, math.inf),
 )
 
-# torch.optim.AdamW under both names; Optax's adamw computes the same update.
-_OPTIMS = ("adamw_torch", "adamw_torch_fused")
+Optim = Literal["adamw_torch", "adamw_torch_fused"]
+"""The ``optim`` values ``from_hf`` reproduces: torch.optim.AdamW under both names (Optax's adamw computes
+the same update)."""
 
 
 class HFOptimizer(NamedTuple):
@@ -73,12 +75,12 @@ class HFOptimizer(NamedTuple):
     schedule: optax.Schedule
 
 
-def _plain(value):
+def _plain(value: Any) -> Any:
     """HF stores lr_scheduler_type and optim as str enums; compare their values."""
     return getattr(value, "value", value)
 
 
-def fields_of(config, defaults: Mapping[str, Any]) -> dict[str, Any]:
+def fields_of(config: Any, defaults: Mapping[str, Any]) -> dict[str, Any]:
     """``{name: value}`` for every name of ``defaults``, read from ``config``: ``TrainingArguments`` (or a
     subclass such as ``SFTConfig``) or a dict of its fields. Absent names take their default; HF's str enums
     (``lr_scheduler_type``, ``optim``...) become their values."""
@@ -86,13 +88,13 @@ def fields_of(config, defaults: Mapping[str, Any]) -> dict[str, Any]:
         get = config.get
     else:
 
-        def get(name, default):
+        def get(name: str, default: Any) -> Any:
             return getattr(config, name, default)
 
     return {name: _plain(get(name, default)) for name, default in defaults.items()}
 
 
-def _fields(training_args_or_dict):
+def _fields(training_args_or_dict: Any) -> dict[str, Any]:
     if not isinstance(training_args_or_dict, Mapping) and not hasattr(training_args_or_dict, "learning_rate"):
         raise OptimizerConfigError(
             f"{training_args_or_dict!r:.80} is neither TrainingArguments nor a dict of its fields; pass one of those"
@@ -101,7 +103,7 @@ def _fields(training_args_or_dict):
                      {**_READ, **{name: default for name, (default, _) in _MUST_BE_DEFAULT.items()}})
 
 
-def _warmup_steps(fields, num_training_steps):
+def _warmup_steps(fields: Mapping[str, Any], num_training_steps: int) -> int:
     # TrainingArguments moves a set warmup_ratio into warmup_steps; below 1 it is a ratio.
     warmup = fields["warmup_steps"] if fields["warmup_ratio"] is None else fields["warmup_ratio"]
     if warmup < 0:
@@ -109,7 +111,7 @@ def _warmup_steps(fields, num_training_steps):
     return int(warmup) if warmup >= 1 else math.ceil(num_training_steps * warmup)
 
 
-def from_hf(training_args_or_dict, *, num_training_steps, params=None):
+def from_hf(training_args_or_dict: Any, *, num_training_steps: int, params: optax.Params | None = None) -> HFOptimizer:
     """Map HF ``TrainingArguments`` to the Optax transformation of the HF Trainer's optimizer step.
 
     ``training_args_or_dict`` is a ``transformers.TrainingArguments`` (or a subclass such as TRL's
@@ -138,10 +140,7 @@ def from_hf(training_args_or_dict, *, num_training_steps, params=None):
     that is neither TrainingArguments nor a dict, and a ``num_training_steps`` that is not a positive int.
     """
     fields = _fields(training_args_or_dict)
-    if fields["optim"] not in _OPTIMS:
-        raise OptimizerConfigError(
-            f"optim {fields['optim']!r} is not supported; gemport reproduces {list(_OPTIMS)}."
-        )
+    one_of(fields["optim"], Optim, "optim", OptimizerConfigError)
     for name, (default, reason) in _MUST_BE_DEFAULT.items():
         if fields[name] != default:
             raise OptimizerConfigError(

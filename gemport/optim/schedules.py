@@ -9,11 +9,17 @@ rounded once to float32.
 """
 
 import math
+from typing import Literal
 
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from gemport.errors import OptimizerConfigError
+from gemport.options import one_of
+
+ScheduleName = Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"]
+"""The ``lr_scheduler_type`` values ``hf_schedule`` reproduces."""
 
 
 def _warmup(step, warmup):
@@ -61,7 +67,7 @@ def _constant_with_warmup(step, warmup, total):
 
 
 # name -> (factor, the lr_scheduler_kwargs HF accepts for it with their HF defaults)
-_SCHEDULES = {
+_SCHEDULES: dict[ScheduleName, tuple] = {
     "linear": (_linear, {}),
     "cosine": (_cosine, {"num_cycles": 0.5}),
     "cosine_with_restarts": (_cosine_with_restarts, {"num_cycles": 1}),
@@ -71,7 +77,8 @@ _SCHEDULES = {
 }
 
 
-def hf_schedule(lr_scheduler_type, *, learning_rate, num_training_steps, num_warmup_steps=0, **scheduler_kwargs):
+def hf_schedule(lr_scheduler_type: ScheduleName, *, learning_rate: float, num_training_steps: int,
+                num_warmup_steps: int = 0, **scheduler_kwargs: float) -> optax.Schedule:
     """Map HF's ``lr_scheduler_type`` (as built by ``transformers.get_scheduler``) to an Optax schedule.
 
     ``schedule(t)`` is the learning rate of optimizer step ``t`` (0-based; Optax's count), equal to
@@ -92,14 +99,11 @@ def hf_schedule(lr_scheduler_type, *, learning_rate, num_training_steps, num_war
     ``num_training_steps``; the factors multiply ``learning_rate``. HF's Trainer never steps past
     ``N``; past it this schedule holds its value at step ``N - 1``.
 
-    ``scheduler_kwargs`` are HF's ``lr_scheduler_kwargs``. A name or keyword not listed above raises
-    ``OptimizerConfigError``.
+    ``lr_scheduler_type`` may also be HF's ``SchedulerType`` enum. ``scheduler_kwargs`` are HF's
+    ``lr_scheduler_kwargs``. A name or keyword not listed above raises ``OptimizerConfigError``.
     """
-    name = getattr(lr_scheduler_type, "value", lr_scheduler_type)
-    if name not in _SCHEDULES:
-        raise OptimizerConfigError(
-            f"lr_scheduler_type {name!r} is not supported; gemport reproduces {sorted(_SCHEDULES)}."
-        )
+    name = one_of(getattr(lr_scheduler_type, "value", lr_scheduler_type), ScheduleName, "lr_scheduler_type",
+                  OptimizerConfigError)
     factor, defaults = _SCHEDULES[name]
     unknown = sorted(set(scheduler_kwargs) - set(defaults))
     if unknown:

@@ -8,15 +8,17 @@ and ``from_sft_config`` maps an ``SFTConfig`` onto the masks pipeline. ``gemport
 (imported on its own: it needs Tunix) runs Tunix's ``PeftTrainer`` with HF's accumulation.
 """
 
-from gemport.train.order import OptimizerStep, optimizer_steps, randperm, sample_order
-from gemport.train.sft import LAYOUTS, SFTPipeline, from_sft_config
+from gemport.train.order import OptimizerStep, SamplingStrategy, optimizer_steps, randperm, sample_order
+from gemport.train.sft import LAYOUTS, Layout, SFTPipeline, from_sft_config
 from gemport.train.step import BATCH_FIELDS, StepMetrics, hf_optimizer, stack, train_step, tunix_loss
 
 __all__ = [
     "BATCH_FIELDS",
     "LAYOUTS",
+    "Layout",
     "OptimizerStep",
     "SFTPipeline",
+    "SamplingStrategy",
     "StepMetrics",
     "from_sft_config",
     "hf_optimizer",

@@ -8,18 +8,23 @@ an MT19937 seeded with ``seed mod 2**32``; numpy's legacy MT19937 seeding is the
 order is reproduced here without torch.
 """
 
-from typing import NamedTuple
+from collections.abc import Iterator
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
 from gemport.errors import OptimizerConfigError
 from gemport.optim.hf import fields_of
+from gemport.options import one_of
+
+SamplingStrategy = Literal["random", "sequential"]
+"""The ``train_sampling_strategy`` values whose order gemport reproduces."""
 
 # Above this size torch's randperm draws 64-bit numbers, which is not reproduced here.
 _RANDPERM_32BIT_LIMIT = (2**32 - 1) // 20
 
 
-def randperm(n, seed):
+def randperm(n: int, seed: int) -> np.ndarray:
     """``torch.randperm(n, generator=torch.Generator().manual_seed(seed))`` on CPU, as int64 [n]."""
     if not 0 <= n < _RANDPERM_32BIT_LIMIT:
         raise OptimizerConfigError(f"randperm: n={n}; gemport reproduces torch's order for 0 <= n < {_RANDPERM_32BIT_LIMIT}")
@@ -33,18 +38,14 @@ def randperm(n, seed):
     return np.array(order, dtype=np.int64)
 
 
-def sample_order(num_samples, *, seed, epoch=0, strategy="random"):
+def sample_order(num_samples: int, *, seed: int, epoch: int = 0, strategy: SamplingStrategy = "random") -> np.ndarray:
     """The order in which HF's Trainer visits ``num_samples`` training rows in ``epoch``, int64 [num_samples].
 
     strategy: ``TrainingArguments.train_sampling_strategy``, ``"random"`` (seeded with ``seed + epoch``,
     where ``seed`` is ``data_seed`` if set, else ``seed``) or ``"sequential"``.
     """
-    if strategy == "sequential":
+    if one_of(strategy, SamplingStrategy, "train_sampling_strategy", OptimizerConfigError) == "sequential":
         return np.arange(num_samples, dtype=np.int64)
-    if strategy != "random":
-        raise OptimizerConfigError(
-            f"train_sampling_strategy {strategy!r} is not reproduced; use 'random' or 'sequential'"
-        )
     return randperm(num_samples, seed + epoch)
 
 
@@ -53,7 +54,7 @@ class OptimizerStep(NamedTuple):
 
     step: int
     epoch: int
-    micro_batches: tuple
+    micro_batches: tuple[np.ndarray, ...]
 
 
 _FIELDS = {
@@ -68,7 +69,7 @@ _FIELDS = {
 }
 
 
-def optimizer_steps(training_args_or_dict, num_samples):
+def optimizer_steps(training_args_or_dict: Any, num_samples: int) -> Iterator[OptimizerStep]:
     """Every optimizer step of HF's Trainer on a map-style dataset of ``num_samples`` rows, in order.
 
     Reads ``per_device_train_batch_size``, ``gradient_accumulation_steps``, ``seed``, ``data_seed``,

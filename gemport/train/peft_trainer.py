@@ -13,6 +13,9 @@ schedule's count) and skips as many micro-batches as it had consumed; over a Gra
 yields the same elements in the same order on every pass, it continues exactly where it stopped.
 """
 
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
 import grain
 import jax
 import jax.numpy as jnp
@@ -23,6 +26,7 @@ from tunix.sft import peft_trainer
 
 from gemport.checkpoint.adapters import save_lora_spec
 from gemport.errors import OptimizerConfigError
+from gemport.lora import LoraSpec
 from gemport.masks.loss import loss_scopes
 from gemport.optim.accumulation import AccumulateTokensState
 from gemport.train.step import BATCH_FIELDS, micro_batch_logits
@@ -36,7 +40,7 @@ SCOPES = ("masked_loss", "full_sequence_loss")
 targets of ``loss_mask`` (assistant-only under the default policy) and every token of its own segment."""
 
 
-def micro_batches(steps):
+def micro_batches(steps: Iterable[Mapping[str, np.ndarray]]) -> grain.MapDataset:
     """A Grain ``MapDataset`` of PeftTrainer's micro-batches from optimizer steps' batches.
 
     steps: the batches of successive optimizer steps, each mapping ``BATCH_FIELDS`` to arrays [A, B, T]
@@ -82,7 +86,7 @@ def _logits(model, tokens, loss_mask, segment_ids, positions):
     return micro_batch_logits(model, batch)
 
 
-def hf_loss(accumulation):
+def hf_loss(accumulation: int) -> Callable[..., tuple[jax.Array, dict[str, jax.Array]]]:
     """PeftTrainer's ``loss_fn`` (with ``has_aux=True``) for steps of ``accumulation`` (A) micro-batches.
 
     Returns ``loss(model, tokens, loss_mask, segment_ids, positions, num_items_in_batch)``: tokens,
@@ -102,7 +106,8 @@ def hf_loss(accumulation):
     return loss
 
 
-def eval_loss(model, tokens, loss_mask, segment_ids, positions, **_):
+def eval_loss(model: nnx.Module, tokens: jax.Array, loss_mask: jax.Array, segment_ids: jax.Array, positions: jax.Array,
+              **_: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
     """An eval batch's mean target loss (HF's ``eval_loss`` per batch) and the scopes of ``SCOPES``."""
     logits = _logits(model, tokens, loss_mask, segment_ids, positions)
     scopes = _scoped(logits, tokens, loss_mask, segment_ids)
@@ -134,7 +139,9 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
     ``"train"`` and ``"eval"``). The logged ``loss`` and ``grad_norm`` (before clipping) per step are HF's.
     """
 
-    def __init__(self, model, optimizer, training_config, *, lora_spec=None, **kwargs):
+    def __init__(self, model: nnx.Module, optimizer: optax.GradientTransformation,
+                 training_config: peft_trainer.TrainingConfig, *, lora_spec: LoraSpec | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(model, optimizer, training_config, **kwargs)
         state = self.optimizer.opt_state
         if isinstance(getattr(state, "inner_opt_state", state), AccumulateTokensState):
@@ -148,7 +155,7 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
         if lora_spec is not None and training_config.checkpoint_root_directory is not None:
             save_lora_spec(training_config.checkpoint_root_directory, lora_spec)
 
-    def create_train_step_fn(self):
+    def create_train_step_fn(self) -> Callable[..., Any]:
         """PeftTrainer's step, with ``grad_norm`` the norm of the gradient accumulated up to this micro-batch.
 
         MultiSteps keeps the running mean of the micro-batches' gradients; with the step's last micro-batch it

@@ -2,18 +2,23 @@
 
 import dataclasses
 import math
-from typing import Any
+import typing
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal
 
 import numpy as np
 
 from gemport.errors import OptimizerConfigError
 from gemport.masks import formats
 from gemport.masks.batching import pad, padding_free
-from gemport.masks.packing import pack
+from gemport.masks.gemma3 import Gemma3
+from gemport.masks.gemma4 import Gemma4
+from gemport.masks.packing import Rows, pack
 from gemport.masks.policies import MaskPolicy
-from gemport.masks.truncation import Truncation
+from gemport.masks.tokenize import Example
+from gemport.masks.truncation import Truncation, TruncationReport
 from gemport.optim.hf import fields_of
-from gemport.train.order import optimizer_steps
+from gemport.train.order import OptimizerStep, optimizer_steps
 from gemport.train.step import stack
 
 # SFTConfig fields read, with TRL 1.16's defaults.
@@ -35,8 +40,10 @@ _READ = {
     "gradient_accumulation_steps": 1,
 }
 
-LAYOUTS = ("pack", "pad", "padding_free")
-"""Batch layouts: best-fit-decreasing packed rows, one example per padded row, one padding-free row."""
+Layout = Literal["pack", "pad", "padding_free"]
+"""A batch layout: best-fit-decreasing packed rows, one example per padded row, one padding-free row."""
+LAYOUTS: tuple[Layout, ...] = typing.get_args(Layout)
+"""Every ``Layout``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,19 +57,19 @@ class SFTPipeline:
     config: the ``SFTConfig`` (or dict) the sample order and batch sizes are read from.
     """
 
-    chat_format: Any
+    chat_format: Gemma3 | Gemma4
     policy: MaskPolicy | None
     truncation: Truncation
     completion_only_loss: bool | None
     text_field: str
     eos_token: str | None
-    layout: str
+    layout: Layout
     max_length: int | None
     pad_to_multiple_of: int | None
     pad_id: int
     config: Any
 
-    def examples(self, source, tokenizer, **kwargs):
+    def examples(self, source: Any, tokenizer: Any, **kwargs: Any) -> tuple[list[Example], TruncationReport]:
         """``formats.examples`` of ``source`` with this pipeline's arguments: (examples, report).
 
         ``source`` is a TRL dataset in any of its formats (messages, prompt/completion, text) or a
@@ -74,16 +81,11 @@ class SFTPipeline:
             eos_token=self.eos_token, **kwargs,
         )
 
-    def units(self, examples):
-        """What HF's sampler orders: ``pack``'s rows for ``layout="pack"``, else the examples (as
-        ``{"tokens": [...], "loss_mask": [...]}`` lists)."""
-        tokens = [e.tokens for e in examples]
-        loss_mask = [e.loss_mask for e in examples]
-        if self.layout == "pack":
-            return pack(tokens, loss_mask, self.max_length)
-        return {"tokens": tokens, "loss_mask": loss_mask}
+    def units(self, examples: Sequence[Example]) -> Rows | Sequence[Example]:
+        """What HF's sampler orders: ``pack``'s ``Rows`` for ``layout="pack"``, else the examples."""
+        return pack(examples, self.max_length) if self.layout == "pack" else examples
 
-    def batches(self, examples):
+    def batches(self, examples: Sequence[Example]) -> Iterator[tuple[OptimizerStep, dict[str, np.ndarray]]]:
         """Yields ``(OptimizerStep, batch)`` for every optimizer step of HF's Trainer on ``examples``.
 
         Units (``units``) are visited in HF's order (``optimizer_steps`` of ``config``); each
@@ -92,38 +94,37 @@ class SFTPipeline:
         so the step compiles once: ``max_length`` (packed), the longest example (padded) or the longest
         micro-batch (padding-free), rounded up to ``pad_to_multiple_of``.
         """
-        units = self.units(examples)
-        size = len(units["tokens"])
-        plan = list(optimizer_steps(self.config, size))
+        packed = self.units(examples) if self.layout == "pack" else None
+        plan = list(optimizer_steps(self.config, len(packed["tokens"]) if packed is not None else len(examples)))
         f = fields_of(self.config, _READ)
         accumulation, batch_size = f["gradient_accumulation_steps"], f["per_device_train_batch_size"]
         multiple = self.pad_to_multiple_of or 1
+        lengths = np.array([len(e.tokens) for e in examples])
         if self.layout == "pack":
             rows = batch_size
             width = self.max_length
         elif self.layout == "pad":
             rows = batch_size
-            width = math.ceil(max(len(t) for t in units["tokens"]) / multiple) * multiple
+            width = math.ceil(lengths.max() / multiple) * multiple
         else:
             rows = 1
-            lengths = np.array([len(t) for t in units["tokens"]])
             longest = max(int(lengths[m].sum()) for s in plan for m in s.micro_batches)
             width = math.ceil(longest / multiple) * multiple
         for s in plan:
             micro = []
             for indices in s.micro_batches:
-                if self.layout == "pack":
-                    micro.append({k: v[indices] for k, v in units.items()})
+                if packed is not None:
+                    micro.append({k: v[indices] for k, v in packed.items()})
                     continue
-                picked = ([units["tokens"][i] for i in indices], [units["loss_mask"][i] for i in indices])
+                picked = [examples[i] for i in indices]
                 if self.layout == "pad":
-                    micro.append(pad(*picked, width, pad_id=self.pad_id))
+                    micro.append(pad(picked, width, pad_id=self.pad_id))
                 else:
-                    micro.append(_widen(padding_free(*picked, pad_id=self.pad_id), width, self.pad_id))
+                    micro.append(_widen(padding_free(picked, pad_id=self.pad_id), width, self.pad_id))
             yield s, stack(micro, accumulation=accumulation, rows=rows)
 
 
-def _widen(row, width, pad_id):
+def _widen(row: Rows, width: int, pad_id: int) -> dict[str, np.ndarray]:
     # Padding on the right: never a target, segment 0, position 0.
     out = {}
     for k, v in row.items():
@@ -132,7 +133,7 @@ def _widen(row, width, pad_id):
     return out
 
 
-def from_sft_config(config, tokenizer, *, chat_format=None):
+def from_sft_config(config: Any, tokenizer: Any, *, chat_format: Gemma3 | Gemma4 | None = None) -> SFTPipeline:
     """Map TRL's ``SFTConfig`` (or ``TrainingArguments``, or a dict of their fields) onto gemport.masks.
 
     Reads ``assistant_only_loss`` (-> ``MaskPolicy("assistant")``, else every token trained),
@@ -140,7 +141,7 @@ def from_sft_config(config, tokenizer, *, chat_format=None):
     ``packing_strategy`` / ``padding_free`` / ``pad_to_multiple_of`` (-> the layout),
     ``dataset_text_field``, ``eos_token``, ``pad_token``, and the batch sizes and sample order
     through ``optimizer_steps``. chat_format: default ``masks.template.chat_format(tokenizer)``
-    (pass ``chat_format(tokenizer, thinking=True)`` for Gemma 4 with thinking).
+    (pass ``chat_format(tokenizer, thinking="on")`` for Gemma 4 with thinking).
 
     Where gemport deliberately differs from TRL: TRL truncates at ``max_length`` tokens wherever
     they fall; gemport cuts at turn boundaries (``Truncation(max_length, overflow="trim")``), so

@@ -7,8 +7,8 @@ of those micro-batch losses (the summed token loss of the whole batch over its t
 as the gradient's global L2 norm before clipping.
 """
 
-from collections.abc import Mapping
-from typing import NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -18,12 +18,12 @@ from flax import nnx
 
 from gemport.errors import OptimizerConfigError
 from gemport.masks.loss import summed_cross_entropy
-from gemport.masks.packing import tunix_inputs
+from gemport.masks.packing import Rows, tunix_inputs
 from gemport.optim.accumulation import AccumulateTokensState
-from gemport.optim.hf import from_hf
+from gemport.optim.hf import HFOptimizer, from_hf
 
-BATCH_FIELDS = ("tokens", "loss_mask", "segment_ids", "positions")
-"""The fields of a step's batch, each [A, B, T]: A micro-batches of B rows of T tokens."""
+BATCH_FIELDS: tuple[str, ...] = tuple(Rows.__annotations__)
+"""The fields of a step's batch, each [A, B, T]: A micro-batches of B rows of T tokens (``masks.Rows``' keys)."""
 
 
 class StepMetrics(NamedTuple):
@@ -39,13 +39,13 @@ class StepMetrics(NamedTuple):
     num_tokens: jax.Array
 
 
-def _as_dict(training_args_or_dict):
+def _as_dict(training_args_or_dict: Any) -> dict[str, Any]:
     if isinstance(training_args_or_dict, Mapping):
         return dict(training_args_or_dict)
     return training_args_or_dict.to_dict()
 
 
-def hf_optimizer(training_args_or_dict, *, num_training_steps, params=None):
+def hf_optimizer(training_args_or_dict: Any, *, num_training_steps: int, params: Any = None) -> HFOptimizer:
     """``optim.from_hf`` for ``train_step``: the HF optimizer step, applied once per accumulated batch.
 
     ``train_step`` accumulates the micro-batches itself (a batch carries all of them), so the
@@ -60,7 +60,7 @@ def hf_optimizer(training_args_or_dict, *, num_training_steps, params=None):
     return from_hf(fields, num_training_steps=num_training_steps, params=params)
 
 
-def micro_batch_logits(model, micro_batch):
+def micro_batch_logits(model: nnx.Module, micro_batch: Mapping[str, jax.typing.ArrayLike]) -> jax.Array:
     """Logits [B, T, V] of a Tunix Gemma on one micro-batch of ``BATCH_FIELDS`` [B, T].
 
     Positions and the block-diagonal causal attention come from ``positions`` and ``segment_ids``
@@ -71,14 +71,19 @@ def micro_batch_logits(model, micro_batch):
     return logits
 
 
-def tunix_loss(model, micro_batch):
+def tunix_loss(model: nnx.Module, micro_batch: Mapping[str, jax.typing.ArrayLike]) -> tuple[jax.Array, jax.Array]:
     """Summed target loss and target count of a Tunix Gemma on one micro-batch of ``BATCH_FIELDS`` [B, T]
     (`micro_batch_logits`). Returns (float32 [], int32 [])."""
     logits = micro_batch_logits(model, micro_batch)
     return summed_cross_entropy(logits, micro_batch["tokens"], micro_batch["loss_mask"])
 
 
-def train_step(*, wrt=nnx.LoRAParam, loss_fn=tunix_loss):
+LossFn = Callable[[nnx.Module, Mapping[str, jax.Array]], tuple[jax.Array, jax.Array]]
+"""``(model, micro_batch) -> (summed loss float32 [], target count int32 [])``, as ``tunix_loss``."""
+
+
+def train_step(*, wrt: Any = nnx.LoRAParam,
+               loss_fn: LossFn = tunix_loss) -> Callable[[nnx.Module, nnx.Optimizer, Mapping[str, Any]], StepMetrics]:
     """An HF-Trainer optimizer step for an nnx model, jit-compiled once per batch shape.
 
     wrt: what is trained, an nnx filter: ``nnx.LoRAParam`` (LoRA only, as PEFT) or ``nnx.Param`` (every
@@ -125,7 +130,8 @@ def train_step(*, wrt=nnx.LoRAParam, loss_fn=tunix_loss):
     return step
 
 
-def stack(micro_batches, *, accumulation=None, rows=None):
+def stack(micro_batches: Sequence[Mapping[str, np.ndarray]], *, accumulation: int | None = None,
+          rows: int | None = None) -> dict[str, np.ndarray]:
     """A step's batch [A, B, T] from its micro-batches, each a dict of ``BATCH_FIELDS`` [b_i, T].
 
     accumulation: A, at least the number of micro-batches (default: that number); rows: B, at least
