@@ -103,15 +103,9 @@ def main(argv=None) -> int:
     import transformers
     from tunix.sft.peft_trainer import TrainingConfig
 
-    from gemport import MeshError, masks, train
-    from gemport.checkpoint import export_merged, export_peft, load_tunix_model
-    from gemport.lora import LoraLayout, LoraSpec, apply_lora
+    import gemport
+    from gemport import masks, train
     from gemport.masks.grain import MaskTransform, has_target
-    from gemport.mesh import make_mesh, valid_meshes
-    from gemport.sharding import audit, fix_lora
-    from gemport.specs import GemmaSpec
-    from gemport.train.peft_trainer import HFPeftTrainer, micro_batches
-    from gemport.verify import compare_logits
 
     work = args.out or Path(tempfile.mkdtemp(prefix="gemport-demo-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -124,31 +118,29 @@ def main(argv=None) -> int:
         shutil.rmtree(base, ignore_errors=True)
         tiny_checkpoint(base, conversations)
         print(f"built a random Gemma4ForCausalLM with the 31B layout at {base}")
-    spec = GemmaSpec.from_hf(base)
+    spec = gemport.GemmaSpec.from_hf(base)
     print(f"GemmaSpec: {spec.num_layers} layers, {spec.num_heads} query heads, KV heads {spec.num_kv_heads} "
           f"(sliding) / {spec.global_kv_heads} (global, k_eq_v={spec.k_eq_v}), global layers {spec.layers_of('global')}")
 
     step(2, "Mesh and memory plan")
     devices = jax.devices()
     try:
-        make_mesh(spec, tp=len(devices))
-    except MeshError as e:
+        gemport.make_mesh(spec, tp=len(devices))
+    except gemport.MeshError as e:
         print(f"tp={len(devices)} refused before compiling:\n  {e}")
-    mesh = make_mesh(spec, fsdp=args.fsdp, tp=args.tp)
+    mesh = gemport.make_mesh(spec, fsdp=args.fsdp, tp=args.tp)
     print(f"mesh: {dict(mesh.shape)} on {len(devices)} {devices[0].platform} devices")
-    lora_spec = LoraSpec.from_peft(PEFT_CONFIG)
-    for plan in valid_meshes(spec, len(devices), lora=lora_spec, param_dtype="float32"):
+    lora_spec = gemport.LoraSpec.from_peft(PEFT_CONFIG)
+    for plan in gemport.valid_meshes(spec, len(devices), lora=lora_spec, param_dtype="float32"):
         print(f"  {plan}")
 
     step(3, "Load the base into Tunix, add LoRA from the PEFT config")
     with jax.set_mesh(mesh):
-        model = load_tunix_model(base, mesh=mesh, dtype=jnp.float32)
-        hit = sorted({a.module.rsplit(".", 1)[-1] for a in LoraLayout(spec, lora_spec)})
+        model = gemport.load_model(base, spec=spec, mesh=mesh, dtype=jnp.float32)
+        hit = sorted({a.module.rsplit(".", 1)[-1] for a in gemport.LoraLayout(spec, lora_spec)})
         print(f"PEFT {PEFT_CONFIG['target_modules']} r={lora_spec.rank} alpha={lora_spec.alpha} -> Qwix on {hit}")
-        model = apply_lora(model, spec, lora_spec)
-        for change in fix_lora(model, mesh):
-            print(f"  fix_lora: {change}")
-        report = audit(model, mesh)
+        model = gemport.apply_lora(model, spec, lora_spec)  # each factor created in its sharding on the mesh
+        report = gemport.audit(model, mesh)
         print(f"audit: {len(report)} params, {len(report.problems)} findings, "
               f"{report.bytes_per_device / 2**20:.2f} MiB per device")
 
@@ -178,10 +170,10 @@ def main(argv=None) -> int:
 
     step(5, "Optimizer and sample order from HF TrainingArguments")
     training_args = {**TRAINING_ARGS, "per_device_train_batch_size": args.batch_size, "max_steps": args.steps}
-    hf_optimizer = train.hf_optimizer(training_args, num_training_steps=args.steps)
+    hf_optimizer = gemport.hf_optimizer(training_args, num_training_steps=args.steps)
     print(f"{training_args}\n-> optax: clip (torch rule) + adamw, lr at steps 0/{args.steps // 2}/{args.steps - 1}: "
           + ", ".join(f"{float(hf_optimizer.schedule(s)):.2e}" for s in (0, args.steps // 2, args.steps - 1)))
-    plan = list(train.optimizer_steps(training_args, len(rows["tokens"])))
+    plan = list(gemport.optimizer_steps(training_args, len(rows["tokens"])))
     print(f"rows in the HF Trainer's order (torch's RandomSampler, seed {training_args['seed']}): step 0 takes "
           f"{[m.tolist() for m in plan[0].micro_batches]}; {plan[-1].epoch + 1} epochs")
 
@@ -199,8 +191,8 @@ def main(argv=None) -> int:
     with on_mesh(mesh):
         before = scoped_losses(model)
         # It records the LoraSpec beside the checkpoints; pointed at a root with checkpoints, it resumes.
-        trainer = HFPeftTrainer(model, hf_optimizer.tx, config, lora_spec=lora_spec)
-        trainer.train(micro_batches(steps), micro_batches(eval_batches))
+        trainer = gemport.HFPeftTrainer(model, hf_optimizer.tx, config, lora_spec=lora_spec)
+        trainer.train(gemport.micro_batches(steps), gemport.micro_batches(eval_batches))
         after = scoped_losses(model)
     history = {(mode, name): trainer.metrics_logger.get_metric_history("", name, mode)
                for mode in ("train", "eval") for name in ("loss", "masked_loss", "full_sequence_loss")}
@@ -219,13 +211,14 @@ def main(argv=None) -> int:
     adapter = work / "adapter"
     for path in (merged, adapter):
         shutil.rmtree(path, ignore_errors=True)
-    export_merged(base, root, merged)
-    export_peft(root, adapter, spec=spec, base_model_name_or_path=str(base))
+    gemport.export_merged(root, merged, base_dir=base)
+    gemport.export_peft(root, adapter, base_dir=base)
     print(f"merged: {merged}\nadapter: {adapter} ({sorted(p.name for p in adapter.iterdir())})")
 
     step(8, "Check: transformers on the exports vs the trained Tunix model")
     with jax.set_mesh(mesh):
-        reports = {"merged": compare_logits(merged, model), "peft": compare_logits(base, model, adapter_dir=adapter)}
+        reports = {"merged": gemport.compare_logits(merged, model),
+                   "peft": gemport.compare_logits(base, model, adapter_dir=adapter)}
     for name, report in reports.items():
         print(f"{name}: {report}")
 

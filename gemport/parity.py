@@ -249,7 +249,7 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
     from trl.chat_template_utils import has_generation_markers
 
     from gemport import train
-    from gemport.checkpoint import import_peft, load_tunix_model
+    from gemport.checkpoint import import_peft, load_model
     from gemport.lora import apply_lora
     from gemport.masks import formats
     from gemport.masks.training_template import gemma4_training_template
@@ -284,8 +284,9 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
         logs = [e for e in trainer.state.log_history if "loss" in e and "grad_norm" in e]
 
         spec = GemmaSpec.from_hf(base_dir)
-        lora_spec, state = import_peft(work / "adapter0", spec)
-        port = apply_lora(load_tunix_model(base_dir), spec, lora_spec, state)
+        start = import_peft(work / "adapter0", base_dir=base_dir)
+        lora_spec = start.lora_spec
+        port = apply_lora(load_model(base_dir, spec=spec), spec, start)
         pipeline = train.from_sft_config(port_config, tokenizer, chat_format=chat_format)
         examples, _ = pipeline.examples(records, tokenizer, progress=False)
         hf = train.hf_optimizer(port_config, num_training_steps=port_config.max_steps)
@@ -320,3 +321,13 @@ def _final_adapters(peft_model, port, spec, lora_spec):
             expected = gpu[key + "B.default.weight"] @ gpu[key + "A.default.weight"] * scale
             out[module] = float(np.abs(B @ A * scale - expected).max() / max(np.abs(expected).max(), 1e-30))
     return out
+
+
+__all__ = [
+    "StepRow",
+    "Tolerances",
+    "Trajectory",
+    "miniature",
+    "read_recipe",
+    "trajectory",
+]

@@ -17,7 +17,7 @@ from flax import nnx
 from tunix.sft.peft_trainer import TrainingConfig
 
 from gemport import masks, train
-from gemport.checkpoint import export_merged, export_peft, find_lora_spec, load_tunix_model
+from gemport.checkpoint import export_merged, export_peft, load_model, read_lora
 from gemport.errors import OptimizerConfigError
 from gemport.lora import LoraSpec, apply_lora
 from gemport.mesh import make_mesh
@@ -74,7 +74,7 @@ def on_mesh(mesh):
 
 
 def lora_model(hf_dir, spec, lora_spec, mesh):
-    model = load_tunix_model(hf_dir, mesh=mesh, dtype=jnp.float32)
+    model = load_model(hf_dir, mesh=mesh, dtype=jnp.float32)
     return apply_lora(model, spec, lora_spec, seed=3)
 
 
@@ -130,10 +130,10 @@ def test_peft_trainer_takes_hf_steps(hf_checkpoint, tmp_path, name, mesh_shape):
         np.testing.assert_allclose(np.asarray(a.get_value()), np.asarray(b.get_value()), rtol=0, atol=1e-5,
                                    err_msg=str(path))
 
-    assert find_lora_spec(root) == lora_spec
+    assert read_lora(root).lora_spec == lora_spec
     merged, adapter = tmp_path / "merged", tmp_path / "adapter"
-    export_merged(hf_dir, root, merged)
-    export_peft(root, adapter, spec=spec)
+    export_merged(root, merged, base_dir=hf_dir)
+    export_peft(root, adapter, base_dir=hf_dir)
     for report in (compare_logits(merged, model, seq_len=SEQ), compare_logits(hf_dir, model, adapter_dir=adapter,
                                                                              seq_len=SEQ)):
         assert report.ok, report

@@ -11,7 +11,7 @@ from flax import nnx
 from trl import SFTConfig, SFTTrainer
 
 from gemport import masks, train
-from gemport.checkpoint import import_peft, load_tunix_model
+from gemport.checkpoint import import_peft, load_model
 from gemport.errors import OptimizerConfigError
 from gemport.lora import apply_lora
 from gemport.masks.training_template import gemma4_training_template
@@ -98,8 +98,7 @@ def test_packed_run_matches_trl(hf_checkpoint, tmp_path):
     assert [r[s > 0].tolist() for r, s in zip(rows["tokens"], rows["segment_ids"])] == expected_rows
 
     spec = GemmaSpec.from_hf(base)
-    lora_spec, state = import_peft(tmp_path / "adapter0", spec)
-    port = apply_lora(load_tunix_model(base), spec, lora_spec, state)
+    port = apply_lora(load_model(base), spec, import_peft(tmp_path / "adapter0", base_dir=base))
     hf = train.hf_optimizer(args, num_training_steps=args.max_steps)
     optimizer = nnx.Optimizer(port, hf.tx, wrt=nnx.LoRAParam)
     step = train.train_step()

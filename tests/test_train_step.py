@@ -16,7 +16,7 @@ from tokenizers import Tokenizer, models
 from trl import SFTConfig, SFTTrainer
 
 from gemport import masks, train
-from gemport.checkpoint import import_peft, load_tunix_model
+from gemport.checkpoint import import_peft, load_model
 from gemport.params import flat_params
 from gemport.errors import OptimizerConfigError
 from gemport.lora import apply_lora
@@ -90,8 +90,8 @@ def hf_run(base, tokens, loss_mask, out, attention="eager", **overrides):
 
 def port_run(base, adapter, tokens, loss_mask, args, layout="pad"):
     spec = GemmaSpec.from_hf(base)
-    lora_spec, state = import_peft(adapter, spec)
-    model = apply_lora(load_tunix_model(base), spec, lora_spec, state)
+    lora = import_peft(adapter, base_dir=base)
+    model = apply_lora(load_model(base), spec, lora)
     hf = train.hf_optimizer(args, num_training_steps=STEPS)
     optimizer = nnx.Optimizer(model, hf.tx, wrt=nnx.LoRAParam)
     step = train.train_step()
@@ -108,7 +108,7 @@ def port_run(base, adapter, tokens, loss_mask, args, layout="pad"):
         batch = train.stack(micro, accumulation=args.gradient_accumulation_steps,
                             rows=1 if layout == "padding_free" else args.per_device_train_batch_size)
         metrics.append(jax.device_get(step(model, optimizer, batch)))
-    return SimpleNamespace(metrics=metrics, fed=fed, model=model, lora_spec=lora_spec, spec=spec, schedule=hf.schedule)
+    return SimpleNamespace(metrics=metrics, fed=fed, model=model, lora_spec=lora.lora_spec, spec=spec, schedule=hf.schedule)
 
 
 @pytest.fixture(scope="module", params=["gemma4_dense", "gemma3_1b"])
@@ -178,7 +178,7 @@ def test_an_accumulating_optimizer_is_refused(hf_checkpoint):
     _, base = hf_checkpoint("gemma3_1b")
     from gemport.optim import from_hf
 
-    model = load_tunix_model(base)
+    model = load_model(base)
     optimizer = nnx.Optimizer(model, from_hf({"gradient_accumulation_steps": 2}, num_training_steps=2).tx,
                               wrt=nnx.Param)
     tokens, loss_mask = dataset(96)

@@ -21,6 +21,7 @@ from collections.abc import Hashable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from gemport.errors import MaskError
+from gemport.extras import require
 from gemport.masks.pipeline import Rendered, fit
 from gemport.masks.policies import MaskPolicy
 from gemport.masks.render import Segment
@@ -64,10 +65,7 @@ def read(source: Any, batch_size: int = 1024) -> Iterator[Any]:
 def _read_file(path, batch_size):
     suffix = os.path.splitext(path)[1].lower()
     if suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError as error:
-            raise MaskError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from error
+        pq = require("pyarrow.parquet", f"{path}: reading Parquet")
         for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_size):
             yield from batch.to_pylist()
     elif suffix in (".jsonl", ".ndjson"):

@@ -16,20 +16,22 @@ yields the same elements in the same order on every pass, it continues exactly w
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from tunix.sft import peft_trainer
 
 from gemport.checkpoint.adapters import save_lora_spec
 from gemport.errors import OptimizerConfigError
+from gemport.extras import require
 from gemport.lora import LoraSpec
 from gemport.masks.loss import loss_scopes
 from gemport.optim.accumulation import AccumulateTokensState
 from gemport.train.step import BATCH_FIELDS, micro_batch_logits
+
+grain = require("grain", "gemport.train.peft_trainer")
+peft_trainer = require("tunix.sft.peft_trainer", "gemport.train.peft_trainer")
 
 NUM_ITEMS = "num_items_in_batch"
 """The field every micro-batch carries: its optimizer step's target count, int32 [B] (one per row, so it
@@ -97,7 +99,8 @@ def hf_loss(accumulation: int) -> Callable[..., tuple[jax.Array, dict[str, jax.A
     """
 
     # Named parameters, not a partial: nnx.value_and_grad binds the batch's keywords to positions.
-    def loss(model, tokens, loss_mask, segment_ids, positions, num_items_in_batch):
+    def loss(model: nnx.Module, tokens: jax.Array, loss_mask: jax.Array, segment_ids: jax.Array, positions: jax.Array,
+             num_items_in_batch: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         logits = _logits(model, tokens, loss_mask, segment_ids, positions)
         scopes = _scoped(logits, tokens, loss_mask, segment_ids)
         total = jnp.maximum(jnp.max(num_items_in_batch), 1).astype(jnp.float32)
@@ -189,3 +192,13 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
         for name in SCOPES:
             values, _ = buffer.additional_metrics.setdefault(name, ([], _ratio))
             values.append(aux[name])
+
+
+__all__ = [
+    "NUM_ITEMS",
+    "SCOPES",
+    "HFPeftTrainer",
+    "eval_loss",
+    "hf_loss",
+    "micro_batches",
+]
