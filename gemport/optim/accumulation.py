@@ -1,6 +1,6 @@
 """Gradient accumulation normalised by the token count of the whole accumulated batch."""
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +32,7 @@ def accumulate_tokens(inner: optax.GradientTransformation, steps: int) -> optax.
     in the parameters' dtype, as torch accumulates ``.grad``; updates come in the gradients' dtype.
     """
 
-    def init(params):
+    def init(params: optax.Params) -> AccumulateTokensState:
         return AccumulateTokensState(
             micro_step=jnp.zeros([], jnp.int32),
             num_tokens=jnp.zeros([], jnp.int32),
@@ -40,7 +40,8 @@ def accumulate_tokens(inner: optax.GradientTransformation, steps: int) -> optax.
             inner_state=inner.init(params),
         )
 
-    def update(updates, state, params=None, *, num_tokens, **extra_args):
+    def update(updates: optax.Updates, state: AccumulateTokensState, params: optax.Params | None = None, *,
+               num_tokens: jax.typing.ArrayLike, **extra_args: Any) -> tuple[optax.Updates, AccumulateTokensState]:
         # Sums stay in the parameters' dtype, as torch accumulates .grad, so the state's type is fixed.
         grad_sum = jax.tree.map(lambda s, g: (s + g).astype(s.dtype), state.grad_sum, updates)
         total = state.num_tokens + jnp.asarray(num_tokens, jnp.int32)

@@ -11,6 +11,7 @@ rounded once to float32.
 import math
 from typing import Literal
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -132,7 +133,7 @@ def hf_schedule(lr_scheduler_type: ScheduleName, *, learning_rate: float, num_tr
     factors = [factor(t, num_warmup_steps, num_training_steps, **kwargs) for t in range(num_training_steps)]
     table = np.array([learning_rate * f for f in factors], dtype=np.float32)
 
-    def schedule(count):
+    def schedule(count: jax.typing.ArrayLike) -> jax.Array:
         return jnp.asarray(table)[jnp.minimum(count, num_training_steps - 1)]
 
     return schedule

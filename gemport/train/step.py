@@ -101,7 +101,7 @@ def train_step(*, wrt: Any = nnx.LoRAParam,
     """
 
     @nnx.jit
-    def step(model, optimizer, batch):
+    def step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Mapping[str, Any]) -> StepMetrics:
         if isinstance(optimizer.opt_state, AccumulateTokensState):
             raise OptimizerConfigError(
                 "train_step accumulates micro-batches itself; build the optimizer with "
