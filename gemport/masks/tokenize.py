@@ -287,6 +287,8 @@ def _spans_from_lengths(tokenizer, backend, texts, lengths):
     # Byte offsets within each text: the running sum restarts at every text's first token.
     before = np.append(0, ends)[np.cumsum(counts) - counts]
     ends -= np.repeat(before, counts)
+    # Tokens cover disjoint bytes and each length is at most its token's bytes: the lengths add up to the
+    # text's bytes only if every one is exact and no byte is left out.
     exact = np.append(ends, 0)[np.cumsum(counts) - 1] == text_bytes
     starts = ends - sizes
     if not ascii_:
