@@ -13,12 +13,10 @@ from gemport.errors import MaskError
 from gemport.masks.packing import Labelled, Rows, _concatenate, labelled
 
 
-def _lengths(tokens: list[np.ndarray], where: str) -> np.ndarray:
-    lengths = np.array(list(map(len, tokens)), dtype=np.int64)
+def _check_nonempty(lengths: np.ndarray, where: str) -> None:
     empty = np.flatnonzero(lengths == 0)
     if empty.size:
         raise MaskError(f"{where}: examples[{int(empty[0])}] is empty")
-    return lengths
 
 
 def _round_up(n: int, multiple: int | None) -> int:
@@ -38,8 +36,8 @@ def pad(examples: Sequence[Labelled], seq_len: int | None = None, *, pad_to_mult
     must fit (truncate first). Returns ``Rows`` [len(examples), T]: segment_ids 1 on the example, 0 on
     padding; positions 0.. on the example, 0 on padding. Rows stay in input order.
     """
-    tokens, loss_mask = labelled(examples, "pad")
-    lengths = _lengths(tokens, "pad")
+    tokens, loss_mask, lengths = labelled(examples, "pad")
+    _check_nonempty(lengths, "pad")
     longest = int(lengths.max(initial=0))
     width = _round_up(longest if seq_len is None else seq_len, pad_to_multiple_of)
     if longest > width:
@@ -62,8 +60,8 @@ def padding_free(examples: Sequence[Labelled], *, pad_to_multiple_of: int | None
     first token of each example is never a target (TRL sets its label to -100). Takes ``pad``'s
     examples; returns ``Rows`` [1, T], T the total length rounded up to ``pad_to_multiple_of``.
     """
-    tokens, loss_mask = labelled(examples, "padding_free")
-    lengths = _lengths(tokens, "padding_free")
+    tokens, loss_mask, lengths = labelled(examples, "padding_free")
+    _check_nonempty(lengths, "padding_free")
     total = int(lengths.sum())
     width = _round_up(total, pad_to_multiple_of)
     starts = np.cumsum(lengths) - lengths

@@ -36,22 +36,21 @@ class Rows(TypedDict):
     positions: np.ndarray
 
 
-def labelled(examples: Sequence[Labelled], where: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """The tokens and loss masks of ``examples`` as two lists; MaskError naming the first example that
-    is not a ``Labelled`` or whose mask and tokens differ in length."""
-    tokens, loss_mask = [], []
-    for i, example in enumerate(examples):
-        if not isinstance(example, tuple) or len(example) < 2:
-            raise MaskError(
-                f"{where}: examples[{i}] is a {type(example).__name__}; pass Examples or (tokens, loss_mask) pairs"
-            )
-        if len(example[1]) != len(example[0]):
-            raise MaskError(
-                f"{where}: examples[{i}]: loss_mask has {len(example[1])} entries for {len(example[0])} tokens"
-            )
-        tokens.append(example[0])
-        loss_mask.append(example[1])
-    return tokens, loss_mask
+def labelled(examples: Sequence[Labelled], where: str) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
+    """The tokens and loss masks of ``examples`` as two lists, and the lengths int64 [len(examples)];
+    MaskError naming the first example that is not a ``Labelled`` or whose mask and tokens differ in length."""
+    if not all(isinstance(example, tuple) and len(example) >= 2 for example in examples):
+        i, example = next((i, e) for i, e in enumerate(examples) if not (isinstance(e, tuple) and len(e) >= 2))
+        raise MaskError(f"{where}: examples[{i}] is a {type(example).__name__}; pass Examples or (tokens, loss_mask) pairs")
+    tokens = [example[0] for example in examples]
+    loss_mask = [example[1] for example in examples]
+    lengths = np.fromiter(map(len, tokens), np.int64, len(tokens))
+    mask_lengths = np.fromiter(map(len, loss_mask), np.int64, len(loss_mask))
+    mismatched = np.flatnonzero(mask_lengths != lengths)
+    if mismatched.size:
+        i = int(mismatched[0])
+        raise MaskError(f"{where}: examples[{i}]: loss_mask has {mask_lengths[i]} entries for {lengths[i]} tokens")
+    return tokens, loss_mask, lengths
 
 
 def pack(examples: Sequence[Labelled], seq_len: int) -> Rows:
@@ -64,8 +63,7 @@ def pack(examples: Sequence[Labelled], seq_len: int) -> Rows:
     TRL's ``packing_strategy="bfd"``, in the same order. Returns ``Rows`` [rows, seq_len]; padding is
     token 0, never trained.
     """
-    tokens, loss_mask = labelled(examples, "pack")
-    lengths = np.array(list(map(len, tokens)), dtype=np.int64)
+    tokens, loss_mask, lengths = labelled(examples, "pack")
     bad = np.flatnonzero((lengths < 1) | (lengths > seq_len))
     if bad.size:
         i = int(bad[0])
