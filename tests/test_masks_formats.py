@@ -162,6 +162,17 @@ def test_per_record_enable_thinking_equals_trl(sft):
         ours([{"messages": chat, "chat_template_kwargs": {"reasoning_effort": "high"}}], tok, masks.Gemma4())
 
 
+@pytest.mark.parametrize("thinking, enable_thinking, expected", [
+    ("off", True, "on"), ("on", False, "off"), ("empty_thought", True, "on"), ("empty_thought", False, "empty_thought"),
+    ("off", False, "off"),
+])
+def test_enable_thinking_of_a_record_sets_gemma4_thinking(thinking, enable_thinking, expected):
+    # Thinking off keeps the empty thought block a 26B/31B rendering asked for, as the template variables do.
+    record = {"messages": [], "chat_template_kwargs": {"enable_thinking": enable_thinking}}
+    assert formats.for_record(masks.Gemma4(thinking=thinking, revision=3), record) == masks.Gemma4(
+        thinking=expected, revision=3)
+
+
 def test_every_source_gives_the_same_examples(tmp_path):
     from datasets import Dataset
 
