@@ -1,6 +1,12 @@
-"""The ``gemport`` command line, run as a subprocess on tiny checkpoints, failure paths included."""
+"""The ``gemport`` command line on tiny checkpoints, failure paths included.
 
-import os
+Commands run in this process through ``gemport.cli.main`` (what ``python -m gemport`` calls), so each does not
+pay for importing JAX, torch and transformers again; ``test_the_entry_point_runs_as_a_subprocess`` covers the
+real entry point.
+"""
+
+import contextlib
+import io
 import subprocess
 import sys
 
@@ -8,14 +14,20 @@ import pytest
 import torch
 
 from gemport.checkpoint import HFCheckpoint
+from gemport.cli import main
 
 COMMANDS = ("plan", "convert", "export", "import-peft", "verify")
 
 
 def gemport(*args, ok=True):
-    env = dict(os.environ)
-    result = subprocess.run([sys.executable, "-m", "gemport", *map(str, args)], capture_output=True, text=True,
-                            env=env, timeout=600)
+    """``gemport ARGS`` as a ``CompletedProcess``: exit status, stdout and stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as e:  # argparse: --help and usage errors
+            code = e.code
+    result = subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
     if ok:
         assert result.returncode == 0, result.stderr
     return result
@@ -52,6 +64,14 @@ def adapter(hf_checkpoint, tmp_path_factory):
     path = tmp_path_factory.mktemp("adapter")
     peft_model.save_pretrained(path)
     return path
+
+
+def test_the_entry_point_runs_as_a_subprocess():
+    result = subprocess.run([sys.executable, "-m", "gemport", "plan", "gemma9-1t", "--devices", "8"],
+                            capture_output=True, text=True, timeout=600)
+    one_line_error(result, "unknown preset")
+    assert "COMMAND" in subprocess.run([sys.executable, "-m", "gemport", "--help"], capture_output=True, text=True,
+                                       timeout=600).stdout
 
 
 def test_every_command_has_help():

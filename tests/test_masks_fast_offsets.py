@@ -128,22 +128,15 @@ def nfkc():
     return tokenizer
 
 
-def truncating():
-    tokenizer = Tokenizer.from_str(bpe_tokenizer(GEMMA3_CONTROL).backend_tokenizer.to_str())
-    tokenizer.enable_truncation(8)
-    return tokenizer
-
-
 @pytest.mark.parametrize(
     "make",
     [
         trimming,
         metaspace,
         nfkc,
-        truncating,
         lambda: Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1, "##a": 2}, unk_token="[UNK]")),
     ],
-    ids=["trim_offsets", "metaspace_prepend", "nfkc", "truncation", "wordpiece"],
+    ids=["trim_offsets", "metaspace_prepend", "nfkc", "wordpiece"],
 )
 def test_tokenizers_the_table_could_misread_get_real_offsets(make):
     assert piece_lengths(make()) is None
@@ -202,3 +195,24 @@ def test_gemma_like_non_ascii_masks_equal_trl_template_path(eligible):
     # The comparison covers byte pieces in a trained answer.
     pieces = tokenizer.convert_ids_to_tokens(examples[0].tokens[examples[0].loss_mask].tolist())
     assert "<0xF0>" in pieces and "<0x80>" in pieces
+
+
+def test_truncation_left_on_the_tokenizer_by_an_earlier_call_is_ignored(eligible):
+    """transformers keeps a call's truncation/padding on the backend; build must not cut conversations by it
+    (nor lose the table: spans still come from ids)."""
+    tokenizer = eligible["gemma"]
+    table = piece_lengths(tokenizer)
+    policy, truncation = masks.MaskPolicy("all"), masks.Truncation(4096)
+    before, _ = masks.build(CHATS, tokenizer, masks.Gemma3(), policy, truncation)
+    tokenizer("a long enough text to cut", truncation=True, max_length=4, padding="max_length")
+    assert tokenizer.backend_tokenizer.truncation and tokenizer.backend_tokenizer.padding
+    try:
+        assert piece_lengths(tokenizer).tolist() == table.tolist()
+        after, report = masks.build(CHATS, tokenizer, masks.Gemma3(), policy, truncation)
+        assert report.kept == len(CHATS)
+        for a, b in zip(after, before, strict=True):
+            assert all(x.tolist() == y.tolist() for x, y in zip(a, b, strict=True))
+        assert tokenizer.backend_tokenizer.truncation["max_length"] == 4  # the user's tokenizer is left as it was
+    finally:
+        tokenizer.backend_tokenizer.no_truncation()
+        tokenizer.backend_tokenizer.no_padding()

@@ -2,14 +2,13 @@
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import yaml
 
 from gemport.errors import OptimizerConfigError
 from gemport.parity import Tolerances, Trajectory, StepRow, trajectory
+from test_cli import gemport
 from test_train_sft import chats, tokenizer
 
 RECIPE = dict(assistant_only_loss=True, max_length=128, per_device_train_batch_size=2, gradient_accumulation_steps=2,
@@ -32,8 +31,7 @@ def recipe(hf_checkpoint, tmp_path_factory):
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "gemport", "parity", *map(str, args)], capture_output=True,
-                          text=True, timeout=900)
+    return gemport("parity", *args, ok=False)
 
 
 def test_cli_broken_port_exits_1_naming_step_0_and_the_loss(recipe):

@@ -4,6 +4,7 @@ Works with ``tokenizers.Tokenizer``, transformers fast tokenizers (through their
 ``sentencepiece.SentencePieceProcessor``: anything that reports where each token sits in the text.
 """
 
+import copy
 import itertools
 import json
 from typing import NamedTuple
@@ -32,13 +33,39 @@ class Example(NamedTuple):
     part_ids: np.ndarray
 
 
+_PLAIN = {}  # id(backend) -> (backend, its truncation and padding, a copy without them)
+
+
+def backend_of(tokenizer):
+    """The tokenizer gemport calls: a transformers fast tokenizer's ``backend_tokenizer``, or ``tokenizer``.
+
+    transformers leaves the truncation and padding of a call such as ``tokenizer(x, truncation=True,
+    max_length=4)`` set on its backend, where they would cut every later text; gemport truncates by turns
+    itself, so it then calls a copy without them (made once per such setting; the user's tokenizer is not
+    changed).
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+    if not hasattr(backend, "no_truncation") or not (backend.truncation or backend.padding):
+        return backend
+    setting = (repr(backend.truncation), repr(backend.padding))
+    cached = _PLAIN.get(id(backend))
+    if cached is None or cached[0] is not backend or cached[1] != setting:
+        plain = copy.deepcopy(backend)
+        plain.no_truncation()
+        plain.no_padding()
+        if len(_PLAIN) >= 4:
+            _PLAIN.clear()
+        _PLAIN[id(backend)] = cached = (backend, setting, plain)
+    return cached[2]
+
+
 def token_offsets(tokenizer, text):
     """Tokenizes ``text`` without adding special tokens.
 
     Returns (ids int32 [n], starts int32 [n], ends int32 [n]): each token's character span
     ``text[start:end]``. Raises MaskError for a tokenizer that cannot report offsets.
     """
-    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+    backend = backend_of(tokenizer)
     if hasattr(backend, "encode_batch"):
         encoding = backend.encode(text, add_special_tokens=False)
         spans = np.asarray(encoding.offsets, dtype=np.int32).reshape(-1, 2)
@@ -173,7 +200,7 @@ def tokenize_batch(tokenizer, texts, add_special_tokens=False, lengths=None):
     """
     if not texts:
         return np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int64), np.zeros(0, np.int64)
-    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+    backend = backend_of(tokenizer)
     if lengths is not None and not add_special_tokens:
         return _spans_from_lengths(tokenizer, backend, texts, lengths)
     if hasattr(backend, "encode_batch"):
@@ -216,8 +243,8 @@ def piece_lengths(tokenizer):
     literal ``▁`` 1, an added token that strips spaces only its content), so a text's token spans
     follow from its ids exactly when their lengths add up to the text's byte length.
     """
-    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
-    if not hasattr(backend, "encode_batch_fast") or backend.truncation or backend.padding:
+    backend = backend_of(tokenizer)
+    if not hasattr(backend, "encode_batch_fast"):
         return None
     marker, byte_level = None, False
     for step in _steps(backend.normalizer, "normalizers"):
