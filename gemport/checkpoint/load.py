@@ -76,18 +76,20 @@ def load_hf(hf_dir: str | Path, *, spec: GemmaSpec | None = None, mesh=None, dty
       An ``nnx.State`` of ``nnx.Param`` with the Tunix model's paths, e.g. ``layers.0.attn.q_einsum.w``
       of shape (N, D, H). Vision/audio tensors are ignored (see ``save_hf(base_dir=...)`` to keep them).
     """
-    ckpt = HFCheckpoint(hf_dir)
-    spec = base_spec(hf_dir, spec, "hf_dir")
+    return _load(HFCheckpoint(hf_dir), base_spec(hf_dir, spec, "hf_dir"), mesh, dtype)[1]
+
+
+def _load(ckpt: HFCheckpoint, spec: GemmaSpec, mesh, dtype) -> tuple[nnx.GraphDef, nnx.State]:
     prefix, entries = matched_entries(ckpt, spec)
     if spec.num_experts:
         warnings.warn(
             "Tunix 0.1.7's Gemma 4 MoE routes tokens from the pre_feedforward_layernorm_2 output where HF routes "
             "from the residual; its logits match transformers only where those norm weights are constant",
-            stacklevel=2,
+            stacklevel=3,
         )
     file_dtype = DTYPES[ckpt.info(prefix + "embed_tokens.weight").dtype]
     target = np.dtype(dtype) if dtype is not None else file_dtype
-    _, abstract = nnx.split(abstract_model(spec, param_dtype=target))
+    graphdef, abstract = nnx.split(abstract_model(spec, param_dtype=target))
     by_path = {e.tunix: e for e in entries}
     flat = []
     for path, var in tqdm(nnx.to_flat_state(abstract), desc="load_hf", unit="tensor", leave=False):
@@ -95,7 +97,7 @@ def load_hf(hf_dir: str | Path, *, spec: GemmaSpec | None = None, mesh=None, dty
         shape = var.get_value().shape
         sharding = _sharding(var, mesh)
         flat.append((path, var.replace(_place(ckpt, prefix, entry, shape, target, sharding))))
-    return nnx.from_flat_state(flat)
+    return graphdef, nnx.from_flat_state(flat)
 
 
 def _sharding(var, mesh):
@@ -129,8 +131,5 @@ def load_model(hf_dir: str | Path, *, spec: GemmaSpec | None = None, mesh=None, 
 
     Arguments and loading as in `load_hf`; the model's compute dtype equals its parameter dtype.
     """
-    spec = base_spec(hf_dir, spec, "hf_dir")
-    state = load_hf(hf_dir, spec=spec, mesh=mesh, dtype=dtype)
-    param_dtype = jax.tree.leaves(state)[0].dtype
-    graphdef, _ = nnx.split(abstract_model(spec, param_dtype=param_dtype))
-    return nnx.merge(graphdef, state)
+    ckpt = HFCheckpoint(hf_dir)
+    return nnx.merge(*_load(ckpt, base_spec(hf_dir, spec, "hf_dir"), mesh, dtype))
