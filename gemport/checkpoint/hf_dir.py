@@ -5,6 +5,7 @@ The index and every shard header are validated on open; tensors are then read on
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -31,8 +32,8 @@ def base_spec(base_dir: str | Path | None, spec: GemmaSpec | None, name: str = "
         return spec
     found = GemmaSpec.from_hf(base_dir)
     if spec is not None and spec != found:
-        differ = [f"{f} {getattr(found, f)} != {getattr(spec, f)}"
-                  for f in found.__dataclass_fields__ if getattr(found, f) != getattr(spec, f)]
+        differ = [f"{f.name} {getattr(found, f.name)} != {getattr(spec, f.name)}"
+                  for f in dataclasses.fields(found) if getattr(found, f.name) != getattr(spec, f.name)]
         raise SpecError(
             f"{name} {base_dir} is another model than spec ({'; '.join(differ[:3])}); pass the checkpoint the weights "
             "belong to, or leave spec out"
