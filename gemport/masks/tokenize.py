@@ -7,12 +7,13 @@ Works with ``tokenizers.Tokenizer``, transformers fast tokenizers (through their
 import copy
 import itertools
 import json
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from gemport.errors import MaskError
-from gemport.masks.render import PARTS, ROLES
+from gemport.masks.render import PARTS, ROLES, Segment
 
 
 class Example(NamedTuple):
@@ -36,7 +37,7 @@ class Example(NamedTuple):
 _PLAIN = {}  # id(backend) -> (backend, its truncation and padding, a copy without them)
 
 
-def backend_of(tokenizer):
+def backend_of(tokenizer: Any) -> Any:
     """The tokenizer gemport calls: a transformers fast tokenizer's ``backend_tokenizer``, or ``tokenizer``.
 
     transformers leaves the truncation and padding of a call such as ``tokenizer(x, truncation=True,
@@ -59,7 +60,7 @@ def backend_of(tokenizer):
     return cached[2]
 
 
-def token_offsets(tokenizer, text):
+def token_offsets(tokenizer: Any, text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Tokenizes ``text`` without adding special tokens.
 
     Returns (ids int32 [n], starts int32 [n], ends int32 [n]): each token's character span
@@ -91,7 +92,7 @@ def _char_of_byte(text):
     return np.append(np.cumsum((utf8 & 0xC0) != 0x80, dtype=np.int32) - 1, np.int32(len(text)))
 
 
-def check_tokenizer(tokenizer, chat_format):
+def check_tokenizer(tokenizer: Any, chat_format: Any) -> None:
     """Raises MaskError unless every control token of ``chat_format`` is one token of ``tokenizer``.
 
     A control token split into pieces would put text the model never saw in pretraining where its
@@ -114,7 +115,7 @@ _ROLE_ID = {name: i for i, name in enumerate(ROLES)}
 _PART_ID = {name: i for i, name in enumerate(PARTS)}
 
 
-def encode(segments, trained, tokenizer):
+def encode(segments: Sequence[Segment], trained: np.ndarray, tokenizer: Any) -> Example:
     """Tokenizes rendered ``segments`` and labels every token through character offsets.
 
     segments: sequence of ``Segment`` (from a chat format's ``render``); trained: bool [len(segments)]
@@ -128,7 +129,8 @@ def encode(segments, trained, tokenizer):
     return encode_batch([(segments, trained)], tokenizer)[0]
 
 
-def encode_batch(items, tokenizer, add_special_tokens=False, tokenized=None):
+def encode_batch(items: Sequence[tuple[Sequence[Segment], np.ndarray]], tokenizer: Any,
+                 add_special_tokens: bool = False, tokenized: tuple | None = None) -> list[Example]:
     """``encode`` for many conversations at once: one batch call to the tokenizer, one labelling pass.
 
     items: sequence of (segments, trained) pairs, as ``encode`` takes them. add_special_tokens: let
@@ -183,12 +185,13 @@ def encode_batch(items, tokenizer, add_special_tokens=False, tokenized=None):
     ]
 
 
-def text_of(segments):
+def text_of(segments: Sequence[Segment]) -> str:
     """The rendered text: the segments' texts joined."""
     return "".join(s.text for s in segments)
 
 
-def tokenize_batch(tokenizer, texts, add_special_tokens=False, lengths=None):
+def tokenize_batch(tokenizer: Any, texts: Sequence[str], add_special_tokens: bool = False,
+                   lengths: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Tokenizes ``texts`` (b strings) in one call.
 
     lengths: ``piece_lengths(tokenizer)``, to take token ids from the tokenizer's offset-free batch
@@ -231,7 +234,7 @@ _OFFSET_KEEPING = ("TemplateProcessing", "BertProcessing", "RobertaProcessing", 
 _BYTE_PIECES = [f"<0x{b:02X}>" for b in range(256)]  # byte-fallback pieces: one byte each
 
 
-def piece_lengths(tokenizer):
+def piece_lengths(tokenizer: Any) -> np.ndarray | None:
     """Per token id, a lower bound on the UTF-8 bytes of text that a token stands for; int64 [vocab].
 
     Returns None unless ``tokenizer`` is a fast tokenizer whose pipeline never adds text and whose
