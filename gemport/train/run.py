@@ -218,6 +218,11 @@ class SFTRun:
         """Optimizer steps of the run (HF's ``max_steps``, or its epochs over the data)."""
         return len(self.train_batches)
 
+    @property
+    def num_units(self) -> int:
+        """The rows HF's sampler orders: packed rows (``packing``), else examples."""
+        return len(self.pipeline.units(self.examples)["tokens"]) if self.pipeline.layout == "pack" else len(self.examples)
+
     def make_trainer(self, **kwargs: Any):
         """An ``HFPeftTrainer`` of the current ``model``, ``optimizer`` and ``training_config`` (on the mesh,
         which Tunix reads when it shards the optimizer). With checkpoints in its root it resumes from the latest.
