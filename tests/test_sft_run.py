@@ -50,3 +50,18 @@ def test_trainer_refuses_batches_laid_out_for_another_accumulation(run):
     with pytest.raises(OptimizerConfigError, match="gradient_accumulation_steps=2 but TrainingConfig"):
         other.train()
     assert isinstance(other.trainer, HFPeftTrainer)
+
+
+def test_a_trl_yaml_is_read_as_trl_sft_reads_it(tmp_path):
+    import yaml
+
+    from gemport.train.run import sft_fields
+
+    path = tmp_path / "sft.yaml"
+    path.write_text(yaml.safe_dump({**ARGS, "use_peft": True, "lora_target_modules": ["q_proj"]}))
+    fields = sft_fields(path)
+    assert fields["max_steps"] == 3 and fields["learning_rate"] == 5e-3
+    assert fields["logging_steps"] == 10 and fields["num_train_epochs"] == 3.0  # TRL's defaults for the rest
+    path.write_text(yaml.safe_dump({**ARGS, "fsdp": "full_shard"}))
+    with pytest.raises(OptimizerConfigError, match="fsdp='full_shard'"):
+        sft_fields(path)

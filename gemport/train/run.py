@@ -65,33 +65,22 @@ def steps_of(value: float | int, max_steps: int, name: str) -> int:
 
 def sft_fields(config: Any) -> dict[str, Any]:
     """The ``SFTConfig`` fields of ``config``: an ``SFTConfig``, a dict of its fields, or a ``trl sft --config``
-    YAML/JSON path (its SFTConfig fields; ``read_recipe``). Returned as a new dict (inputs are not modified)."""
+    YAML path (read as ``trl sft`` reads it: ``gemport.train.recipe.read``). Returned as a new dict."""
     if isinstance(config, (str, os.PathLike)):
-        from gemport.parity import read_recipe
+        from gemport.train.recipe import read
 
-        return read_recipe(config)[0]
+        return read(config).sft
     if isinstance(config, Mapping):
         return dict(config)
     if hasattr(config, "to_dict"):
         return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
-    raise OptimizerConfigError(f"{config!r:.80} is not an SFTConfig, a dict of its fields or a YAML/JSON path")
-
-
-# TRL ModelConfig's LoRA defaults, for a `trl sft` recipe that leaves them out.
-_MODEL_CONFIG_LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.05}
+    raise OptimizerConfigError(f"{config!r:.80} is not an SFTConfig, a dict of its fields or a YAML path")
 
 
 def lora_spec_of(lora: Any) -> LoraSpec:
     """A ``LoraSpec`` from a ``LoraSpec``, ``peft.LoraConfig``, its dict, or an ``adapter_config.json`` / its
     directory."""
     return lora if isinstance(lora, LoraSpec) else LoraSpec.from_peft(lora)
-
-
-def recipe_lora(fields: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The PEFT LoRA fields of a ``trl sft`` recipe's ModelConfig ``lora_*`` fields (``read_recipe``'s second
-    item), with ModelConfig's defaults for those it leaves out (``r`` 16, ``lora_alpha`` 32, ``lora_dropout``
-    0.05); None without any."""
-    return {**_MODEL_CONFIG_LORA, **fields} if fields else None
 
 
 def eval_batches(examples: Sequence[Example], batch_size: int, *, pad_id: int = 0,
@@ -141,8 +130,8 @@ class SFTRun:
                progress: bool = True) -> SFTRun:
         """Build the run of ``sft_config`` on ``base_dir`` and ``train_dataset``.
 
-        sft_config: ``SFTConfig``, a dict of its fields, or a ``trl sft --config`` YAML/JSON (whose ``lora_*``
-            fields are the default ``lora``). base_dir: the HF Gemma checkpoint (with its tokenizer unless
+        sft_config: ``SFTConfig``, a dict of its fields, or a ``trl sft --config`` YAML (read as ``trl sft``
+            reads it, ``gemport.train.recipe.read``; its ``use_peft`` + ``lora_*`` fields are the default ``lora``). base_dir: the HF Gemma checkpoint (with its tokenizer unless
             ``tokenizer`` is given). train_dataset, eval_dataset: TRL SFT records in any format gemport reads
             (``masks.formats.read``: a list, a ``datasets.Dataset``, a .jsonl/.json/.parquet file).
         lora: ``LoraSpec``, ``peft.LoraConfig`` or its dict, ``adapter_config.json`` or its directory, or TRL's
@@ -159,11 +148,13 @@ class SFTRun:
         from gemport.checkpoint import import_peft, load_model
         from gemport.lora import apply_lora
 
-        args = sft_fields(sft_config)
-        if lora is None and isinstance(sft_config, (str, os.PathLike)):
-            from gemport.parity import read_recipe
+        if isinstance(sft_config, (str, os.PathLike)):
+            from gemport.train.recipe import read
 
-            lora = recipe_lora(read_recipe(sft_config)[1])
+            recipe = read(sft_config)
+            args, lora = recipe.sft, lora if lora is not None else recipe.lora()
+        else:
+            args = sft_fields(sft_config)
         f = fields_of(args, _READ)
         base_dir = Path(base_dir)
         spec = GemmaSpec.from_hf(base_dir)
@@ -294,4 +285,4 @@ def training_config(args: Any, max_steps: int, *, checkpoint_dir: str | os.PathL
                           checkpointing_options=options, pbar_description=None, max_inflight_computations=1)
 
 
-__all__ = ["CHECKPOINTS", "SFTRun", "eval_batches", "lora_spec_of", "recipe_lora", "sft_fields", "steps_of", "training_config"]
+__all__ = ["CHECKPOINTS", "SFTRun", "eval_batches", "lora_spec_of", "sft_fields", "steps_of", "training_config"]
