@@ -40,6 +40,8 @@ examples:
 def add_parser(sub) -> None:
     """Register ``gemport sft`` on the ``gemport`` subparsers."""
     c = sub.add_parser("sft", help="run a `trl sft --config` recipe (YAML + --key value overrides) on JAX devices",
+                       usage="gemport sft [--config sft.yaml] [--key value ...] [--init-adapter DIR] [--merge] "
+                             "[--fsdp N] [--tp N]",
                        description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
                        allow_abbrev=False)
     c.add_argument("--config", help="the recipe YAML, as `trl sft --config` takes it")
@@ -104,7 +106,7 @@ def run(args) -> int:
     from gemport.checkpoint.peft_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS
     from gemport.train import recipe as trl_recipe
     from gemport.train.data import load_splits
-    from gemport.train.outputs import TRAINER_STATE, HFOutputs
+    from gemport.train.outputs import TRAINER_STATE
     from gemport.train.run import CHECKPOINTS, SFTRun
 
     recipe = trl_recipe.read(args.config, trl_recipe.parse_overrides(args.extra))
@@ -145,11 +147,7 @@ def run(args) -> int:
         print(f"warning: max_length {sft_run.pipeline.max_length} drops {dropped} of {total} examples "
               f"({dropped / total:.0%}) and trims {report.trimmed}, losing {report.targets_lost} trained targets; "
               "raise max_length to keep them")
-    outputs = HFOutputs(sft_run, output_dir)
-    try:
-        trainer = sft_run.train(outputs)
-    finally:
-        outputs.finish()
+    trainer = sft_run.train()  # with HFOutputs in output_dir
     print(f"trained to step {trainer.train_steps}; {output_dir / TRAINER_STATE}")
 
     def adapter(tmp: Path) -> None:

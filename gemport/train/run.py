@@ -227,20 +227,29 @@ class SFTRun:
     def train(self, hooks: Any = None) -> Any:
         """Train on ``train_batches`` (evaluating on ``eval_batches``) inside the mesh context; returns the trainer.
 
-        hooks: Tunix ``TrainingHooks`` (e.g. ``gemport.train.outputs.HFOutputs``). Builds ``trainer`` first if
+        hooks: Tunix ``TrainingHooks``; default, with an ``output_dir``, ``gemport.train.outputs.HFOutputs``
+        (``trainer_state.json``, TensorBoard per ``report_to``, a progress bar). Builds ``trainer`` first if
         unset. Resumes from the latest checkpoint in the checkpoint root, exactly (Tunix skips the consumed
         micro-batches, and the data is the same in the same order).
         """
+        from gemport.train.outputs import HFOutputs
         from gemport.train.peft_trainer import micro_batches
 
+        output_dir = fields_of(self.args, _READ)["output_dir"]
+        if hooks is None and output_dir is not None:
+            hooks = HFOutputs(self, output_dir)
         if self.trainer is None:
             self.trainer = self.make_trainer()
         if hooks is not None:
             self.trainer.with_training_hooks(hooks)
         train_ds = micro_batches(self.train_batches)
         eval_ds = micro_batches(self.eval_batches) if self.eval_batches else None
-        with use_mesh(self.mesh):
-            self.trainer.train(train_ds, eval_ds)
+        try:
+            with use_mesh(self.mesh):
+                self.trainer.train(train_ds, eval_ds)
+        finally:
+            if isinstance(hooks, HFOutputs):
+                hooks.finish()
         return self.trainer
 
     def export_peft(self, out_dir: str | os.PathLike, **kwargs: Any) -> Path:
