@@ -31,12 +31,19 @@ def main(argv=None) -> int:
 
     from port_gemma4 import DATA, tiny_checkpoint
 
+    import transformers
+
     from gemport.cli import main as gemport
+    from gemport.masks.training_template import gemma4_training_template
 
     work = args.out or Path(tempfile.mkdtemp(prefix="gemport-sft-"))
     base = work / "base"
     if not base.is_dir():
         tiny_checkpoint(base, [json.loads(line)["messages"] for line in DATA.read_text().splitlines()])
+        # A chat template with {% generation %} markers, as assistant_only_loss needs in TRL too.
+        tokenizer = transformers.AutoTokenizer.from_pretrained(base)
+        tokenizer.chat_template = gemma4_training_template()
+        tokenizer.save_pretrained(base)
     os.chdir(HERE.parent)  # dataset_name in the YAML is relative to the repository
     return gemport(["sft", "--config", str(HERE / "sft_verilog.yaml"), "--model_name_or_path", str(base),
                     "--output_dir", str(work / "gemma4-verilog-lora"), "--dtype", "float32",
