@@ -127,6 +127,7 @@ def test_gemport_sft_equals_trl_through_a_sigkill_and_a_resume(workdir, tmp_path
     steps = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit())
     assert steps == ["4"] and (out / "checkpoints" / "gemport_lora.json").is_file()  # save_total_limit 1
     assert list((out / "runs").glob("events.out.tfevents.*"))
+
     def logits(adapter):
         base = transformers.AutoModelForCausalLM.from_pretrained(workdir / "base", dtype=torch.float32,
                                                                  attn_implementation="eager")
@@ -139,3 +140,47 @@ def test_gemport_sft_equals_trl_through_a_sigkill_and_a_resume(workdir, tmp_path
         want = trl_model.eval()(ids).logits.numpy()
     moved = np.abs(want - logits(workdir / "adapter0")).max()  # how far the 4 steps moved the logits
     assert np.abs(logits(out) - want).max() < 1e-2 * moved
+
+
+def test_help_speaks_trl():
+    done = gemport("sft", "--help")
+    for words in ("trl sft --config", "--key value", "trainer_state.json", "resume_from_checkpoint", "--init-adapter",
+                  "--merge", "save_total_limit", "bf16"):
+        assert words in done.stdout, words
+
+
+@pytest.mark.parametrize("fields, error, words", [
+    ({"fsdp": "full_shard"}, OptimizerConfigError, "fsdp='full_shard': gemport sft does not reproduce"),
+    ({"learning_rat": 1e-4}, OptimizerConfigError, "learning_rat: not a field"),
+    ({"fp16": True}, OptimizerConfigError, "fp16=True: TPUs compute in bfloat16"),
+    ({"dataset_streaming": True}, OptimizerConfigError, "dataset_streaming=True"),
+    ({"lora_task_type": "SEQ_CLS"}, OptimizerConfigError, "lora_task_type"),
+])
+def test_fields_gemport_does_not_reproduce_are_refused_by_name(fields, error, words):
+    with pytest.raises(error, match=words.replace("(", r"\(").replace("[", r"\[")):
+        recipe.read({**RECIPE, **fields})
+
+
+def test_overrides_read_as_trl_sft_reads_them():
+    got = recipe.parse_overrides(["--learning_rate", "1e-4", "--packing", "--lora_target_modules", "q_proj", "v_proj",
+                                  "--max_steps=7", "--output_dir", "out"])
+    assert got == {"learning_rate": 1e-4, "packing": True, "lora_target_modules": ["q_proj", "v_proj"],
+                   "max_steps": 7, "output_dir": "out"}
+    r = recipe.read({**RECIPE, "gradient_checkpointing": False, "use_peft": True, "lora_r": 8}, got)
+    assert r.sft["learning_rate"] == 1e-4 and r.sft["max_steps"] == 7 and r.sft["logging_steps"] == 1
+    assert r.sft["num_train_epochs"] == 3.0  # TRL's default for what the recipe leaves out
+    assert r.lora() == {"peft_type": "LORA", "r": 8, "lora_alpha": 32, "lora_dropout": 0.05,
+                        "target_modules": ["q_proj", "v_proj"], "use_rslora": False}
+    assert [n.split(":")[0] for n in r.notes] == ["dataloader_num_workers=2", "gradient_checkpointing=False"]
+
+
+def test_cli_errors_name_what_is_missing(workdir, tmp_path):
+    config = write_recipe(tmp_path / "sft.yaml", workdir, output_dir=str(tmp_path / "out"))
+    one_line_error(gemport("sft", "--config", config, ok=False), "use_peft is not set")
+    one_line_error(gemport("sft", "--config", config, "--use_peft", "--lora_target_modules", "q_proj",
+                           "--dataset_test_split", "validation", ok=False), "no split 'validation'")
+    one_line_error(gemport("sft", "--config", config, "--use_peft", "--resume_from_checkpoint", "true", ok=False),
+                   "no checkpoint in")
+    one_line_error(gemport("sft", "--config", config, "--bogus", "1", ok=False), "bogus: not a field")
+    other = gemport("plan", "gemma4-31b", "--devices", "4", "--learning_rate", "1", ok=False)
+    assert other.returncode == 2 and "unrecognized arguments: --learning_rate 1" in other.stderr
