@@ -1,5 +1,11 @@
 """gemport: move a Gemma LoRA fine-tuning recipe from PyTorch/HF to JAX/Tunix on TPU.
 
+A TRL SFT recipe, whole (``gemport sft --config sft.yaml`` on the command line)::
+
+    run = gemport.SFTRun.create("sft.yaml", "gemma-4-31b-it", "data.jsonl")  # SFTConfig + lora_* fields
+    run.train()                                                              # Tunix, on the mesh
+    run.export_peft("adapter")
+
 The common flow reads from here, one call per step::
 
     spec = gemport.GemmaSpec.from_hf("gemma-4-31b-it")                 # architecture
@@ -64,6 +70,7 @@ _LAZY = {
     "fix_lora": "gemport.sharding",
     "optimizer_shardings": "gemport.sharding",
     "from_sft_config": "gemport.train",
+    "SFTRun": "gemport.train",
     "hf_optimizer": "gemport.train",
     "optimizer_steps": "gemport.train",
     "train_step": "gemport.train",

@@ -7,6 +7,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from gemport.cli_sft import add_parser as add_sft_parser
 from gemport.errors import CheckpointError, GemportError, LoraError, MeshError, SpecError
 
 
@@ -245,11 +246,16 @@ def parser() -> argparse.ArgumentParser:
                         "pattern) instead of its weights; BASE needs only config.json and the tokenizer")
     c.add_argument("--vocab-size", type=int, help="the miniature's vocabulary (default: BASE's, so its tokenizer fits)")
     c.set_defaults(run=parity)
+
+    add_sft_parser(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args, args.extra = p.parse_known_args(argv)
+    if args.extra and not getattr(args, "overrides", False):  # only `gemport sft` takes --key value overrides
+        p.error(f"unrecognized arguments: {' '.join(args.extra)}")
     try:
         return args.run(args)
     except GemportError as e:

@@ -83,7 +83,7 @@ class RecordingTrainer(HFPeftTrainer):
         # Called for the micro-batches trained, not for those skipped on resume.
         index = int(input_data.pop("index")[0])
         self.training_hooks.consumed.setdefault(self.train_steps + 1, []).append(index)
-        return input_data
+        return super()._prepare_inputs(input_data)
 
 
 def peft(model, steps, out, kill_after):

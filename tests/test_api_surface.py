@@ -14,7 +14,7 @@ import gemport
 TOP_LEVEL = [
     "CheckpointError", "CorruptFileError", "GemmaSpec", "GemportError", "HFPeftTrainer", "LoraError", "LoraLayout",
     "LoraParams", "LoraSpec", "MaskError", "MeshError", "MissingDependencyError", "MissingTensorError",
-    "OptimizerConfigError", "ShapeMismatchError", "SpecError", "UnexpectedTensorError", "UnsafePathError",
+    "OptimizerConfigError", "SFTRun", "ShapeMismatchError", "SpecError", "UnexpectedTensorError", "UnsafePathError",
     "apply_lora", "audit", "compare_logits", "export_merged", "export_peft", "fix_lora", "from_sft_config",
     "hf_optimizer", "import_peft", "load_hf", "load_model", "load_orbax", "make_mesh", "memory_plan",
     "micro_batches", "optimizer_shardings", "optimizer_steps", "read_lora", "save_hf", "save_lora", "save_orbax",
@@ -31,13 +31,13 @@ SUBPACKAGES = {
         "factor_specs", "provider",
     ],
     "gemport.mesh": [
-        "HBM", "MemoryPlan", "MeshError", "ShardedDim", "make_mesh", "memory_plan", "sharded_dims", "valid_meshes",
-        "valid_tp",
+        "HBM", "MemoryPlan", "MeshError", "ShardedDim", "make_mesh", "memory_plan", "sharded_dims", "use_mesh",
+        "valid_meshes", "valid_tp",
     ],
     "gemport.sharding": ["Audit", "AuditRow", "LoraChange", "audit", "factor_axes", "fix_lora", "optimizer_shardings"],
     "gemport.specs": ["GLOBAL", "SLIDING", "GemmaSpec"],
     "gemport.train": [
-        "BATCH_FIELDS", "LAYOUTS", "Layout", "OptimizerStep", "SFTPipeline", "SamplingStrategy", "StepMetrics",
+        "BATCH_FIELDS", "LAYOUTS", "Layout", "OptimizerStep", "SFTPipeline", "SFTRun", "SamplingStrategy", "StepMetrics",
         "from_sft_config", "hf_optimizer", "optimizer_steps", "randperm", "sample_order", "stack", "train_step",
         "tunix_loss",
     ],
@@ -51,7 +51,7 @@ SUBPACKAGES = {
         "AccumulateTokensState", "HFOptimizer", "Optim", "ScheduleName", "accumulate_tokens", "clip_grad_norm",
         "decay_mask", "decays", "from_hf", "hf_schedule",
     ],
-    "gemport.train.peft_trainer": ["NUM_ITEMS", "SCOPES", "HFPeftTrainer", "eval_loss", "hf_loss", "micro_batches"],
+    "gemport.train.peft_trainer": ["ACCUMULATION", "NUM_ITEMS", "SCOPES", "HFPeftTrainer", "eval_loss", "hf_loss", "micro_batches"],
     "gemport.parity": ["StepRow", "Tolerances", "Trajectory", "miniature", "read_recipe", "trajectory"],
     "gemport.verify": [
         "LogitReport", "Tolerances", "Trajectory", "compare_logits", "trajectory", "transformers_model", "tunix_logits",

@@ -99,8 +99,8 @@ def read_lora(source, *, lora_spec: LoraSpec | None = None, step: int | None = N
       source: `LoraParams`; an nnx model with Qwix LoRA or its ``nnx.State``; a flat
         ``{"layers.0.attn.q_einsum.w_lora_a": array}`` dict; or a path: a PeftTrainer checkpoint root, one of
         its step directories, or a ``model_params`` directory.
-      lora_spec: rank, alpha and targets; default the spec of ``source`` (`LoraParams`) or the one
-        `save_lora_spec` recorded beside an Orbax checkpoint.
+      lora_spec: rank, alpha and targets; default the spec ``source`` carries (`LoraParams`, a model from
+        `gemport.lora.apply_lora`) or the one `save_lora_spec` recorded beside an Orbax checkpoint.
       step: with a checkpoint root, the step to read; default the latest.
 
     Returns:
@@ -113,6 +113,8 @@ def read_lora(source, *, lora_spec: LoraSpec | None = None, step: int | None = N
     if isinstance(source, LoraParams):
         lora_spec = lora_spec or source.lora_spec
         source = source.params
+    if isinstance(source, nnx.Module):
+        lora_spec = lora_spec or getattr(source, "lora_spec", None)
     if isinstance(source, (str, os.PathLike)):
         directory = params_dir(source, step=step)  # a missing checkpoint is reported before a missing spec
         lora_spec = lora_spec or _find_lora_spec(directory)

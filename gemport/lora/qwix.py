@@ -156,6 +156,9 @@ def provider(layout: LoraLayout) -> Provider:
 def apply_lora(model, spec: GemmaSpec, lora: LoraSpec | LoraParams, *, seed: int = 0):
     """LoRA on a Tunix Gemma model; returns the new model (the input is not modified).
 
+    The new model carries its spec as ``model.lora_spec`` (static, kept through ``nnx.split``/``merge``), so
+    `gemport.checkpoint.read_lora` and the exports read its factors without ``lora_spec=``.
+
     Runs ``qwix.apply_lora_to_model`` with `provider` on a dummy batch. Each factor carries its base weight's
     sharding annotation with the rank axis unsharded (`LoraLayout.specs`) and, on a mesh, is placed
     accordingly: no `gemport.sharding.fix_lora` needed.
@@ -187,4 +190,5 @@ def apply_lora(model, spec: GemmaSpec, lora: LoraSpec | LoraParams, *, seed: int
         placed = [(path, var.replace(jax.device_put(given[path_str(path)], var.get_value().sharding)))
                   for path, var in nnx.to_flat_state(nnx.state(lora_model, nnx.LoRAParam))]
         nnx.update(lora_model, nnx.from_flat_state(placed))
+    lora_model.lora_spec = lora_spec
     return lora_model

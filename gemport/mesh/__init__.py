@@ -8,6 +8,7 @@ it, and ``memory_plan`` sums the per-device bytes of the same annotated shapes.
 """
 
 from gemport.errors import MeshError
+from gemport.mesh.context import use_mesh
 from gemport.mesh.dims import ShardedDim, sharded_dims
 from gemport.mesh.factory import make_mesh, valid_tp
 from gemport.mesh.plan import HBM, MemoryPlan, memory_plan, valid_meshes
@@ -20,6 +21,7 @@ __all__ = [
     "make_mesh",
     "memory_plan",
     "sharded_dims",
+    "use_mesh",
     "valid_meshes",
     "valid_tp",
 ]

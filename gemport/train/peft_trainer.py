@@ -37,6 +37,11 @@ NUM_ITEMS = "num_items_in_batch"
 """The field every micro-batch carries: its optimizer step's target count, int32 [B] (one per row, so it
 shards with the rows)."""
 
+ACCUMULATION = "gradient_accumulation_steps"
+"""The field every micro-batch carries: the A its steps were laid out for, int32 [B]. ``HFPeftTrainer`` refuses a
+training micro-batch whose A is not its ``TrainingConfig.gradient_accumulation_steps`` (the loss weighting would
+be wrong) and removes the field before the step."""
+
 SCOPES = ("masked_loss", "full_sequence_loss")
 """The loss scopes ``HFPeftTrainer`` logs beside ``loss``, train and eval (``masks.loss_scopes``): the
 targets of ``loss_mask`` (assistant-only under the default policy) and every token of its own segment."""
@@ -48,8 +53,8 @@ def micro_batches(steps: Iterable[Mapping[str, np.ndarray]]) -> grain.MapDataset
     steps: the batches of successive optimizer steps, each mapping ``BATCH_FIELDS`` to arrays [A, B, T]
         (``train.stack``, or ``SFTPipeline.batches``' second items), all of one shape; it is read once.
 
-    Element ``s * A + a`` is micro-batch ``a`` of step ``s``: ``BATCH_FIELDS`` [B, T] and ``NUM_ITEMS`` [B]
-    (the targets of the whole step). Give ``PeftTrainer`` ``gradient_accumulation_steps=A``. A held-out split
+    Element ``s * A + a`` is micro-batch ``a`` of step ``s``: ``BATCH_FIELDS`` [B, T], ``NUM_ITEMS`` [B]
+    (the targets of the whole step) and ``ACCUMULATION`` [B] (A). Give ``PeftTrainer`` ``gradient_accumulation_steps=A``. A held-out split
     laid out as steps of A = 1 is an eval dataset.
     """
     steps = [{k: np.asarray(batch[k]) for k in BATCH_FIELDS} for batch in steps]
@@ -68,6 +73,7 @@ def micro_batches(steps: Iterable[Mapping[str, np.ndarray]]) -> grain.MapDataset
         s, a = divmod(index, accumulation)
         out = {k: steps[s][k][a] for k in BATCH_FIELDS}
         out[NUM_ITEMS] = np.full(rows, counts[s], np.int32)
+        out[ACCUMULATION] = np.full(rows, accumulation, np.int32)
         return out
 
     return grain.MapDataset.range(len(steps) * accumulation).map(element)
@@ -179,6 +185,19 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
 
         return train_step
 
+    def _prepare_inputs(self, input_data):
+        """Refuses a training micro-batch laid out for another accumulation than the config's; drops the field."""
+        given = input_data.pop(ACCUMULATION, None)
+        expected = self.config.get_with_default("gradient_accumulation_steps", 1)
+        laid_out = None if given is None else int(np.asarray(given).flat[0])
+        if self._mode == "train" and laid_out not in (None, expected):
+            raise OptimizerConfigError(
+                f"HFPeftTrainer: the batches were laid out for gradient_accumulation_steps={laid_out} but "
+                f"TrainingConfig.gradient_accumulation_steps={expected}; build both from one SFTConfig "
+                "(gemport.SFTRun), or give micro_batches(...) steps of that many micro-batches"
+            )
+        return input_data
+
     def _post_process_train_step(self, aux):
         values, _ = self._buffered_train_metrics.additional_metrics["grad_norm"]
         self._buffered_train_metrics.additional_metrics["grad_norm"] = (values, _last)
@@ -195,6 +214,7 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
 
 
 __all__ = [
+    "ACCUMULATION",
     "NUM_ITEMS",
     "SCOPES",
     "HFPeftTrainer",

@@ -1,0 +1,168 @@
+"""``gemport sft --config sft.yaml [--key value ...]``: a ``trl sft`` recipe, unchanged, on the JAX devices present."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+from pathlib import Path
+
+from gemport.errors import CheckpointError, LoraError
+
+DESCRIPTION = """\
+Run a `trl sft --config sft.yaml` recipe on the JAX devices present (a TPU slice; CPU for a miniature):
+the same YAML (ScriptArguments, ModelConfig and SFTConfig fields) and the same `--key value` overrides.
+
+What it does as TRL does: the dataset (dataset_name: a .jsonl/.json/.parquet file, a folder of split
+files, a saved `datasets` dataset, or a hub name; dataset_train_split / dataset_test_split), TRL's masks
+(assistant_only_loss, completion_only_loss), truncation at max_length, packing / padding_free, HF's sample
+order and steps, HF's AdamW, schedule, clipping and token-weighted gradient accumulation, evaluation every
+eval_steps, logging every logging_steps, checkpoints every save_steps (save_total_limit kept).
+
+output_dir receives what a TRL user expects: trainer_state.json (HF's log_history, rewritten at every
+logging step), checkpoints/<step> (Orbax, with the LoRA spec), runs/ (TensorBoard, when report_to names
+it) and at the end adapter_config.json + adapter_model.safetensors, as trainer.save_model() leaves them;
+--merge adds merged/, the base with the adapter merged in (for vLLM). Running the command again resumes
+from the last complete checkpoint, exactly (resume_from_checkpoint too).
+
+Fields without a TPU counterpart (bf16, gradient_checkpointing, dataloader_num_workers, ...) are accepted
+and said; a field gemport does not reproduce, set away from TRL's default, is an error naming it.
+docs/sft.md lists every field."""
+
+EPILOG = """\
+examples:
+  gemport sft --config sft.yaml
+  gemport sft --config sft.yaml --learning_rate 1e-4 --max_steps 200 --output_dir out
+  gemport sft --config sft.yaml --init-adapter gpu_adapter/ --merge
+  gemport sft --config sft.yaml --fsdp 1 --tp 4"""
+
+
+def add_parser(sub) -> None:
+    """Register ``gemport sft`` on the ``gemport`` subparsers."""
+    c = sub.add_parser("sft", help="run a `trl sft --config` recipe (YAML + --key value overrides) on JAX devices",
+                       usage="gemport sft [--config sft.yaml] [--key value ...] [--init-adapter DIR] [--merge] "
+                             "[--fsdp N] [--tp N]",
+                       description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       allow_abbrev=False)
+    c.add_argument("--config", help="the recipe YAML, as `trl sft --config` takes it")
+    c.add_argument("--init-adapter", metavar="DIR",
+                   help="start from this PEFT adapter (e.g. trained on GPUs), as TRL does when handed a PeftModel; "
+                        "its adapter_config.json replaces the recipe's lora_* fields")
+    c.add_argument("--merge", action="store_true", help="also write output_dir/merged: the base with the adapter "
+                                                        "merged in")
+    c.add_argument("--fsdp", type=int, help="mesh fsdp size (default: from the plan)")
+    c.add_argument("--tp", type=int, help="mesh tp size (default: the largest that fits)")
+    c.set_defaults(run=run, overrides=True)
+
+
+def _dtype(model: dict, sft: dict):
+    import jax.numpy as jnp
+
+    name = model.get("dtype")
+    if name not in (None, "auto"):
+        return jnp.dtype(name)
+    return jnp.bfloat16 if sft["bf16"] else jnp.float32
+
+
+def _tokenizer(base: str, chat_template_path: str | None):
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(base)
+    if chat_template_path is not None:
+        path = Path(chat_template_path)
+        if not (path.is_file() and path.suffix in (".jinja", ".j2")):
+            raise LoraError(f"chat_template_path={chat_template_path!r}: gemport reads a .jinja/.j2 template file; "
+                            "copying a template from another tokenizer (which may add tokens) is not ported")
+        tokenizer.chat_template = path.read_text()
+    return tokenizer
+
+
+def _resume_point(value, root: Path) -> None:
+    """Check ``resume_from_checkpoint`` against the checkpoints Tunix resumes from (the latest in ``root``)."""
+    if value in (None, False, "", "false", "False"):
+        return
+    steps = sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) if root.is_dir() else []
+    if not steps:
+        raise CheckpointError(f"resume_from_checkpoint={value!r}: no checkpoint in {root}")
+    if value is True or str(value).lower() == "true":
+        return
+    wanted = Path(value).resolve()
+    if wanted not in (root.resolve(), (root / str(steps[-1])).resolve()):
+        raise CheckpointError(f"resume_from_checkpoint={value!r}: gemport resumes from the latest checkpoint of "
+                              f"output_dir ({root / str(steps[-1])}); pass that, or true")
+
+
+def _put(build, target: Path) -> None:
+    """Write with ``build(tmp)`` beside ``target``, then move it into place (replacing an older one)."""
+    tmp = target.with_name(f".{target.name}.{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    build(tmp)
+    if target.is_dir():
+        shutil.rmtree(target)
+    os.replace(tmp, target)
+
+
+def run(args) -> int:
+    from gemport.checkpoint.peft_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+    from gemport.train import recipe as trl_recipe
+    from gemport.train.data import load_splits
+    from gemport.train.outputs import TRAINER_STATE
+    from gemport.train.run import CHECKPOINTS, SFTRun
+
+    recipe = trl_recipe.read(args.config, trl_recipe.parse_overrides(args.extra))
+    sft, model, script = recipe.sft, recipe.model, recipe.script
+    base = model.get("model_name_or_path")
+    if not base:
+        raise CheckpointError("model_name_or_path: not set; give the HF Gemma checkpoint directory")
+    if not script.get("dataset_name"):
+        raise CheckpointError("dataset_name: not set; give a data file, folder, saved dataset or hub name")
+    lora = recipe.lora()
+    if args.init_adapter:
+        lora = None
+    elif lora is None:
+        raise LoraError("use_peft is not set: gemport sft trains LoRA; set use_peft: true with lora_r, lora_alpha "
+                        "and lora_target_modules, or pass --init-adapter DIR")
+    output_dir = Path(sft["output_dir"] or "trainer_output")  # HF's default
+    sft["output_dir"] = str(output_dir)
+    _resume_point(sft["resume_from_checkpoint"], output_dir / CHECKPOINTS)
+    for note in recipe.notes:
+        print(f"  {note}")
+
+    train_data, test_data = load_splits(
+        script["dataset_name"], script.get("dataset_config"),
+        train_split=script.get("dataset_train_split", "train"), test_split=script.get("dataset_test_split", "test"),
+        with_test=sft["eval_strategy"] != "no")
+    sft_run = SFTRun.create(sft, base, train_data, lora=lora, eval_dataset=test_data, init_adapter=args.init_adapter,
+                            fsdp=args.fsdp, tp=args.tp, dtype=_dtype(model, sft),
+                            tokenizer=_tokenizer(base, sft["chat_template_path"]),
+                            progress=not sft["disable_tqdm"])
+    report = sft_run.report
+    dropped = report.dropped_too_long + report.dropped_no_target
+    total = dropped + len(sft_run.examples)
+    print(f"data: {len(sft_run.examples)} of {total} examples kept ({report}); {sft_run.max_steps} optimizer steps "
+          f"of {sft['gradient_accumulation_steps']} x {sft['per_device_train_batch_size']} "
+          f"({sft_run.pipeline.layout}); mesh {dict(sft_run.mesh.shape)}; LoRA r={sft_run.lora_spec.rank} alpha={sft_run.lora_spec.alpha} "
+          f"on {', '.join(sft_run.lora_spec.targets)}")
+    if dropped or report.trimmed:
+        print(f"warning: max_length {sft_run.pipeline.max_length} drops {dropped} of {total} examples "
+              f"({dropped / total:.0%}) and trims {report.trimmed}, losing {report.targets_lost} trained targets; "
+              "raise max_length to keep them")
+    trainer = sft_run.train()  # with HFOutputs in output_dir
+    print(f"trained to step {trainer.train_steps}; {output_dir / TRAINER_STATE}")
+
+    def adapter(tmp: Path) -> None:
+        sft_run.export_peft(tmp, base_model_name_or_path=str(base))
+
+    staged = output_dir / ".adapter"
+    _put(adapter, staged)
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        os.replace(staged / name, output_dir / name)
+    shutil.rmtree(staged)
+    print(f"wrote {output_dir / ADAPTER_CONFIG}, {output_dir / ADAPTER_WEIGHTS}")
+    if args.merge:
+        _put(lambda tmp: sft_run.export_merged(tmp), output_dir / "merged")
+        print(f"wrote {output_dir / 'merged'}")
+    return 0
+
+
+__all__ = ["DESCRIPTION", "add_parser", "run"]

@@ -1,0 +1,182 @@
+"""What HF's Trainer leaves in ``output_dir`` while it trains: ``trainer_state.json``, TensorBoard events, a bar.
+
+``HFOutputs`` is a Tunix ``TrainingHooks`` for an ``SFTRun``'s trainer. At every logging step it appends HF's
+``log_history`` entry (``loss``: the mean of the steps since the last entry; ``grad_norm`` before clipping;
+``learning_rate``: the step's; ``epoch``; ``step``; and gemport's two loss scopes, ``masked_loss`` and
+``full_sequence_loss``) and rewrites ``trainer_state.json`` atomically; after each evaluation at ``eval_steps``
+it appends ``eval_loss`` and the scopes as ``eval_*``. On a resumed run it keeps the entries up to the restored
+step, so the file reads as an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tunix.sft import hooks
+
+from gemport.errors import OptimizerConfigError
+from gemport.optim.hf import fields_of
+from gemport.train.peft_trainer import SCOPES
+
+TRAINER_STATE = "trainer_state.json"
+
+_READ = {"logging_steps": 10, "logging_first_step": False, "logging_strategy": "steps", "eval_steps": None,
+         "save_steps": 500, "num_train_epochs": 3.0, "per_device_train_batch_size": 8, "report_to": "none",
+         "logging_dir": None, "disable_tqdm": None, "eval_on_start": False}
+
+
+def _reports_to_tensorboard(report_to: Any) -> bool:
+    names = [report_to] if isinstance(report_to, str) else list(report_to or [])
+    return "tensorboard" in names or "all" in names
+
+
+class HFOutputs(hooks.TrainingHooks):
+    """Writes ``output_dir/trainer_state.json`` (HF's ``TrainerState``), TensorBoard scalars when ``report_to``
+    names ``tensorboard`` (under ``logging_dir``, default ``output_dir/runs``), and shows a tqdm bar with loss,
+    grad_norm, learning rate and tokens/s. ``run``: the ``SFTRun`` trained; ``finish()`` after ``train()``."""
+
+    def __init__(self, run: Any, output_dir: str | os.PathLike):
+        f = fields_of(run.args, _READ)
+        if f["logging_strategy"] != "steps":
+            raise OptimizerConfigError(f"SFTConfig.logging_strategy={f['logging_strategy']!r}: gemport logs by "
+                                       "'steps' (logging_steps)")
+        from gemport.train.run import steps_of
+
+        self.run, self.out = run, Path(output_dir)
+        self.max_steps = run.max_steps
+        self.logging_steps = steps_of(f["logging_steps"], self.max_steps, "logging_steps")
+        self.first = bool(f["logging_first_step"])
+        self.eval_every = run.training_config.eval_every_n_steps
+        self.eval_on_start = bool(f["eval_on_start"])
+        self.fields = f
+        # Each optimizer step's epoch as HF counts it: micro-batches done over the micro-batches of a whole epoch.
+        batch = f["per_device_train_batch_size"]
+        units = run.num_units
+        per_epoch = units // batch if fields_of(run.args, {"dataloader_drop_last": False})["dataloader_drop_last"] \
+            else -(-units // batch)
+        done: dict[int, int] = {}
+        self.epochs = []
+        for s in run.plan:
+            done[s.epoch] = done.get(s.epoch, 0) + len(s.micro_batches)
+            self.epochs.append(s.epoch + done[s.epoch] / per_epoch)
+        self.tokens = [int((b["segment_ids"] > 0).sum()) for b in run.train_batches]
+        self.history: list[dict[str, Any]] = []
+        self.window: list[float] = []
+        self.pending: list[dict[str, Any]] = []  # eval entries wait for their step's train entry, as HF orders them
+        self.bar = self.writer = None
+        self.start_step = 0
+        self.clock = time.perf_counter()
+
+    def _begin(self, trainer: Any) -> None:
+        # Once, at the first event: Tunix evaluates before it calls on_train_start.
+        if self.bar is not None:
+            return
+        from tqdm.auto import tqdm
+
+        self.start_step = trainer.train_steps
+        state = self.out / TRAINER_STATE
+        if self.start_step and state.is_file():
+            self.history = [e for e in json.loads(state.read_text()).get("log_history", [])
+                            if e.get("step", 0) <= self.start_step]
+        self.bar = tqdm(total=self.max_steps, initial=self.start_step, desc="gemport sft", unit="step",
+                        disable=bool(self.fields["disable_tqdm"]))
+        if _reports_to_tensorboard(self.fields["report_to"]):
+            from tensorboardX import SummaryWriter
+
+            self.writer = SummaryWriter(str(self.fields["logging_dir"] or self.out / "runs"),
+                                        purge_step=self.start_step + 1 if self.start_step else None)
+        self.clock = time.perf_counter()
+
+    def on_train_start(self, trainer: Any) -> None:
+        self._begin(trainer)
+        if trainer._pbar is not None:  # Tunix's own bar (loss and perplexity only): this one replaces it
+            trainer._pbar.close()
+            trainer._pbar = None
+        self.clock = time.perf_counter()
+
+    def _latest(self, trainer: Any, name: str, mode: str) -> float:
+        return float(np.asarray(trainer.metrics_logger.get_metric_history("", name, mode))[-1])
+
+    def on_train_step_end(self, trainer: Any, train_step: int, train_loss: Any) -> None:
+        self._begin(trainer)
+        step = int(train_step)
+        now = time.perf_counter()
+        elapsed, self.clock = now - self.clock, now
+        loss = float(train_loss)
+        grad_norm = self._latest(trainer, "grad_norm", "train")
+        learning_rate = float(self.run.optimizer.schedule(step - 1))
+        self.window.append(loss)
+        self.bar.set_postfix(loss=f"{loss:.4f}", grad_norm=f"{grad_norm:.3f}", lr=f"{learning_rate:.2e}",
+                             tokens_per_s=f"{self.tokens[step - 1] / max(elapsed, 1e-9):.0f}", refresh=False)
+        self.bar.update(step - self.bar.n)
+        if step % self.logging_steps == 0 or (self.first and step == 1):
+            entry = {"epoch": self.epochs[step - 1], "grad_norm": grad_norm, "learning_rate": learning_rate,
+                     "loss": float(np.mean(self.window)), "step": step}
+            entry.update({name: self._latest(trainer, name, "train") for name in SCOPES})
+            self.window = []
+            self._log(entry, "train")
+        self._flush(step)
+
+    def on_eval_step_end(self, trainer: Any, eval_loss: Any) -> None:
+        self._begin(trainer)
+        step = trainer.train_steps
+        due = step % self.eval_every == 0 if step else self.eval_on_start
+        if not due or any(e.get("step") == step and "eval_loss" in e for e in self.history):
+            return  # Tunix also evaluates when train() starts; HF does not, unless eval_on_start
+        entry = {"epoch": self.epochs[step - 1] if step else 0.0, "eval_loss": self._latest(trainer, "loss", "eval"),
+                 "step": step}
+        entry.update({f"eval_{name}": self._latest(trainer, name, "eval") for name in SCOPES})
+        self.pending.append(entry)
+        if step <= self.start_step:  # the evaluation when a run starts or resumes: its train entry is written
+            self._flush(step)
+
+    def _flush(self, step: int) -> None:
+        while self.pending and self.pending[0]["step"] <= step:
+            self._log(self.pending.pop(0), "eval")
+
+    def _log(self, entry: dict[str, Any], mode: str) -> None:
+        self.history.append(entry)
+        self._write_state()
+        if self.writer is not None:
+            for key, value in entry.items():
+                if key not in ("step", "epoch"):
+                    self.writer.add_scalar(f"{mode}/{key.removeprefix('eval_')}", value, entry["step"])
+            self.writer.flush()
+
+    def _write_state(self) -> None:
+        step = max((e["step"] for e in self.history), default=self.start_step)
+        state = {
+            "best_global_step": None, "best_metric": None, "best_model_checkpoint": None,
+            "epoch": self.epochs[step - 1] if step else 0.0, "eval_steps": self.eval_every, "global_step": step,
+            "is_hyper_param_search": False, "is_local_process_zero": True, "is_world_process_zero": True,
+            "log_history": self.history, "logging_steps": self.logging_steps, "max_steps": self.max_steps,
+            "num_input_tokens_seen": 0, "num_train_epochs": math.ceil(self.epochs[-1]),
+            "save_steps": self.fields["save_steps"], "stateful_callbacks": {}, "total_flos": 0.0,
+            "train_batch_size": self.fields["per_device_train_batch_size"], "trial_name": None, "trial_params": None,
+        }
+        self.out.mkdir(parents=True, exist_ok=True)
+        tmp = self.out / f".{TRAINER_STATE}.{os.getpid()}"
+        tmp.write_text(json.dumps(state, indent=2) + "\n")
+        os.replace(tmp, self.out / TRAINER_STATE)
+
+    def finish(self) -> None:
+        """Write what is pending, close the bar and the TensorBoard writer (Tunix logs the last step after
+        ``on_train_end``, so this comes after ``train()``)."""
+        self._flush(self.max_steps)
+        if self.bar is not None:
+            self.bar.close()
+        if self.writer is not None:
+            self.writer.close()
+
+    def on_train_end(self, trainer: Any) -> None: ...
+    def on_train_step_start(self, trainer: Any) -> None: ...
+    def on_eval_step_start(self, trainer: Any) -> None: ...
+
+
+__all__ = ["TRAINER_STATE", "HFOutputs"]

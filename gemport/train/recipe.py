@@ -1,0 +1,245 @@
+"""A ``trl sft --config sft.yaml [--key value ...]`` recipe read as TRL reads it, every field accounted for.
+
+TRL's ``trl sft`` parses three dataclasses from one YAML plus command-line overrides: ``ScriptArguments``
+(the dataset), ``ModelConfig`` (the model and its LoRA) and ``SFTConfig`` (``TrainingArguments`` and TRL's
+data fields). ``read`` does the same and sorts every field the recipe sets into one of three kinds:
+
+- used: gemport reads it and reproduces what TRL does with it (``USED``);
+- mapped: it has no TPU/JAX counterpart or is TRL's own bookkeeping; gemport accepts it and says what it
+  does instead (``MAPPED``, one sentence each, in ``Recipe.notes``);
+- refused: any other field set to a value other than TRL's default, with an ``OptimizerConfigError`` naming
+  it (also a name that is no field of the three).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from gemport.errors import OptimizerConfigError
+
+SCRIPT = ("dataset_name", "dataset_config", "dataset_train_split", "dataset_test_split")
+"""ScriptArguments fields gemport uses (``gemport.train.data.load_splits``)."""
+
+MODEL = ("model_name_or_path", "dtype", "use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
+         "use_rslora", "lora_task_type")
+"""ModelConfig fields gemport uses: the base checkpoint, its dtype and the LoRA."""
+
+SFT = (
+    # data (gemport.train.from_sft_config)
+    "assistant_only_loss", "completion_only_loss", "max_length", "truncation_mode", "packing", "packing_strategy",
+    "padding_free", "pad_to_multiple_of", "dataset_text_field", "eos_token", "pad_token", "loss_type",
+    "shuffle_dataset", "chat_template_path",
+    # sample order and steps (gemport.train.optimizer_steps)
+    "per_device_train_batch_size", "gradient_accumulation_steps", "seed", "data_seed", "train_sampling_strategy",
+    "max_steps", "num_train_epochs", "dataloader_drop_last",
+    # optimizer and schedule (gemport.optim.from_hf)
+    "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "lr_scheduler_type",
+    "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio", "optim", "average_tokens_across_devices",
+    # run: evaluation, logging, checkpoints, outputs (gemport.train.run, gemport.train.outputs)
+    "output_dir", "bf16", "eval_strategy", "eval_steps", "per_device_eval_batch_size", "eval_on_start",
+    "logging_strategy", "logging_steps", "logging_first_step", "logging_dir", "report_to", "run_name",
+    "save_strategy", "save_steps", "save_total_limit", "resume_from_checkpoint", "disable_tqdm",
+)
+"""SFTConfig fields gemport uses."""
+
+USED = frozenset(SCRIPT + MODEL + SFT)
+
+MAPPED = {
+    "attn_implementation": "Tunix's attention (segment-aware, so packed rows stay apart) replaces torch's",
+    "model_revision": "model_name_or_path is read as a local directory; no revision is fetched",
+    "trust_remote_code": "gemport builds Tunix's Gemma itself; no remote code runs",
+    "model_init_kwargs": "the model is Tunix's Gemma, built by gemport.load_model",
+    "gradient_checkpointing": "the step is compiled by XLA without remat; plan memory with `gemport plan --remat`",
+    "gradient_checkpointing_kwargs": "see gradient_checkpointing",
+    "activation_offloading": "XLA places activations; nothing is offloaded",
+    "use_cache": "training never uses the KV cache",
+    "torch_compile": "XLA compiles the train step",
+    "torch_compile_backend": "XLA compiles the train step",
+    "torch_compile_mode": "XLA compiles the train step",
+    "tf32": "float32 matmuls run at XLA's default precision",
+    "use_cpu": "the run uses the JAX devices present (a TPU slice, or CPU)",
+    "use_liger_kernel": "Tunix's loss and kernels are used; no Liger kernels",
+    "liger_kernel_config": "see use_liger_kernel",
+    "dataloader_num_workers": "batches are laid out once in this process and fed through Grain",
+    "dataloader_pin_memory": "JAX transfers the batches; there is no pinned memory",
+    "dataloader_persistent_workers": "see dataloader_num_workers",
+    "dataloader_prefetch_factor": "see dataloader_num_workers",
+    "dataset_num_proc": "the masks pipeline tokenizes in this process, vectorised",
+    "remove_unused_columns": "only the fields of TRL's dataset formats are read",
+    "ddp_backend": "one JAX program over the mesh; no DDP",
+    "ddp_timeout": "one JAX program over the mesh; no DDP",
+    "ddp_find_unused_parameters": "one JAX program over the mesh; no DDP",
+    "ddp_bucket_cap_mb": "one JAX program over the mesh; no DDP",
+    "ddp_broadcast_buffers": "one JAX program over the mesh; no DDP",
+    "ignore_bias_buffers": "one JAX program over the mesh; no DDP",
+    "local_rank": "JAX's process index replaces torch's rank",
+    "log_level": "gemport prints its own progress",
+    "log_level_replica": "gemport prints its own progress",
+    "log_on_each_node": "the first process logs",
+    "logging_nan_inf_filter": "every logged loss is kept as computed",
+    "skip_memory_metrics": "no memory metrics are logged",
+    "do_train": "`gemport sft` always trains",
+    "do_eval": "evaluation follows eval_strategy",
+    "prediction_loss_only": "evaluation computes losses only",
+    "project": "a name for trackio/W&B, which gemport does not report to",
+    "full_determinism": "XLA on one device set is deterministic; the sample order is HF's",
+    "include_num_input_tokens_seen": "tokens/s is shown in the progress bar",
+}
+"""Fields accepted without a counterpart, with what gemport does instead."""
+
+_REFUSED_WHEN_SET = {
+    "push_to_hub": "gemport has no network access to the Hub here; upload output_dir yourself",
+    "dataset_streaming": "gemport lays out every step's batch ahead (HF's order needs the dataset's length)",
+    "load_in_4bit": "quantized bases are not ported; train on the bfloat16 base",
+    "load_in_8bit": "quantized bases are not ported; train on the bfloat16 base",
+    "fp16": "TPUs compute in bfloat16, not float16: set bf16 instead",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """A ``trl sft`` recipe: each dataclass' fields as set by the YAML and the overrides (TRL's defaults not
+    filled in, except ``sft``, which holds every SFTConfig field: the recipe's over TRL 1.16's defaults).
+
+    script, model: the ScriptArguments and ModelConfig fields set; sft: the SFTConfig fields; notes: one line
+    per mapped field the recipe sets, saying what gemport does instead; source: the YAML path.
+    """
+
+    script: dict[str, Any]
+    model: dict[str, Any]
+    sft: dict[str, Any]
+    notes: tuple[str, ...]
+    source: Path | None
+
+    def lora(self) -> dict[str, Any] | None:
+        """The PEFT LoRA fields of ModelConfig's ``lora_*`` (with ModelConfig's defaults), or None without
+        ``use_peft``."""
+        if not self.model.get("use_peft"):
+            return None
+        from gemport.parity import _TRL_LORA
+
+        defaults = {name: _default("ModelConfig", name) for name in _TRL_LORA}
+        fields = {**defaults, **{k: v for k, v in self.model.items() if k in _TRL_LORA}}
+        return {"peft_type": "LORA", **{_TRL_LORA[k]: v for k, v in fields.items()}}
+
+
+def _classes():
+    from trl import ModelConfig, ScriptArguments, SFTConfig
+
+    return {"ScriptArguments": ScriptArguments, "ModelConfig": ModelConfig, "SFTConfig": SFTConfig}
+
+
+def _defaults(cls) -> dict[str, Any]:
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out
+
+
+def _default(class_name: str, name: str) -> Any:
+    return _defaults(_classes()[class_name]).get(name)
+
+
+def parse_overrides(argv: Sequence[str]) -> dict[str, Any]:
+    """``--key value`` / ``--key=value`` / ``--flag`` (True) / ``--key v1 v2`` (a list), values read as YAML
+    (``1e-4`` as a number too), as ``trl sft`` takes them after ``--config``."""
+    import yaml
+
+    def value(text: str) -> Any:
+        parsed = yaml.safe_load(text)
+        if isinstance(parsed, str):
+            try:
+                return float(parsed)
+            except ValueError:
+                return parsed
+        return parsed
+
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if not token.startswith("--") or len(token) == 2:
+            raise OptimizerConfigError(f"override {token!r}: give recipe fields as --name value")
+        name, eq, text = token[2:].partition("=")
+        name = name.replace("-", "_")
+        i += 1
+        if eq:
+            out[name] = value(text)
+            continue
+        values = []
+        while i < len(argv) and not argv[i].startswith("--"):
+            values.append(value(argv[i]))
+            i += 1
+        out[name] = True if not values else values[0] if len(values) == 1 else values
+    return out
+
+
+def read(config: str | os.PathLike | Mapping[str, Any] | None, overrides: Mapping[str, Any] = ()) -> Recipe:
+    """The recipe of a ``trl sft --config`` YAML (or a dict of its fields) with ``overrides`` on top.
+
+    ``env`` (a mapping) is set in ``os.environ``, as ``trl sft`` does. Raises ``OptimizerConfigError`` naming
+    a field that is no field of ScriptArguments, ModelConfig or SFTConfig, or one gemport does not reproduce
+    set to a value other than TRL's default, with the reason.
+    """
+    import yaml
+
+    source = None
+    fields: dict[str, Any] = {}
+    if isinstance(config, (str, os.PathLike)):
+        source = Path(config)
+        try:
+            fields = yaml.safe_load(source.read_text())
+        except yaml.YAMLError as e:
+            raise OptimizerConfigError(f"{source}: not YAML ({e})") from None
+        if not isinstance(fields, Mapping):
+            raise OptimizerConfigError(f"{source}: expected a YAML mapping of trl sft fields")
+    elif config is not None:
+        fields = dict(config)
+    fields = {**fields, **dict(overrides)}
+    where = f"{source}: " if source else ""
+    env = fields.pop("env", None) or {}
+    if not isinstance(env, Mapping):
+        raise OptimizerConfigError(f"{where}env must be a mapping of environment variables")
+    for key, val in env.items():
+        os.environ[str(key)] = str(val)
+
+    classes = _classes()
+    defaults = {name: _defaults(cls) for name, cls in classes.items()}
+    parts: dict[str, dict[str, Any]] = {name: {} for name in classes}
+    notes = []
+    for name, val in fields.items():
+        owner = next((c for c in ("ScriptArguments", "ModelConfig", "SFTConfig") if name in defaults[c]), None)
+        if owner is None:
+            raise OptimizerConfigError(f"{where}{name}: not a field of trl sft's ScriptArguments, ModelConfig or "
+                                       "SFTConfig; check its spelling")
+        parts[owner][name] = val
+        default = defaults[owner][name]
+        if name in _REFUSED_WHEN_SET and val and val != default:
+            raise OptimizerConfigError(f"{where}{name}={val!r}: {_REFUSED_WHEN_SET[name]}")
+        # hub_* and bnb_* only act with push_to_hub and load_in_4bit, which are refused above.
+        if name in USED or val == default or name.startswith(("hub_", "bnb_")):
+            continue
+        if MAPPED.get(name):
+            notes.append(f"{name}={val!r}: {MAPPED[name]}")
+            continue
+        raise OptimizerConfigError(f"{where}{name}={val!r}: gemport sft does not reproduce this field; leave it at "
+                                   f"TRL's default {default!r} (docs/sft.md lists every field)")
+    model = parts["ModelConfig"]
+    if model.get("lora_task_type", "CAUSAL_LM") != "CAUSAL_LM":
+        raise OptimizerConfigError(f"{where}lora_task_type={model['lora_task_type']!r}: gemport trains causal LMs")
+    sft = {**defaults["SFTConfig"], **parts["SFTConfig"]}
+    if sft["pad_to_multiple_of"] == "auto":  # TRL: 128 on Neuron, else None
+        sft["pad_to_multiple_of"] = None
+    if sft["bf16"] is None:  # TRL: bf16 unless fp16
+        sft["bf16"] = not sft["fp16"]
+    return Recipe(parts["ScriptArguments"], model, sft, tuple(notes), source)
+
+
+__all__ = ["MAPPED", "MODEL", "SCRIPT", "SFT", "USED", "Recipe", "parse_overrides", "read"]

@@ -1,0 +1,297 @@
+"""One TRL SFT run on JAX devices, as one object: ``SFTRun.create(sft_config, base_dir, data, lora=...)``.
+
+Every fact of the run is read once, from the ``SFTConfig``: the optimizer steps (``max_steps`` or the
+epochs over the data, as HF's Trainer counts them), gradient accumulation, batch sizes, sequence length,
+sample order, optimizer and schedule, evaluation and checkpoint cadence. The pieces built from it are the
+existing primitives, each an attribute that can be read or replaced before ``train()``:
+
+- ``model``: the Tunix Gemma on ``mesh`` with LoRA (``apply_lora``; it carries ``lora_spec``),
+- ``pipeline``, ``examples``, ``report``: ``from_sft_config`` and its masked, fitted examples,
+- ``train_batches``: one [A, B, T] batch per optimizer step in HF's order; ``eval_batches``: [1, B, T],
+- ``optimizer``: ``hf_optimizer`` (its ``schedule`` gives each step's learning rate),
+- ``training_config``: Tunix's ``TrainingConfig``; ``trainer``: the ``HFPeftTrainer`` ``train()`` builds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gemport.errors import LoraError, OptimizerConfigError
+from gemport.lora import LoraParams, LoraSpec
+from gemport.masks.batching import pad
+from gemport.masks.tokenize import Example
+from gemport.masks.truncation import TruncationReport
+from gemport.mesh import make_mesh, use_mesh
+from gemport.optim.hf import HFOptimizer, fields_of
+from gemport.specs import GemmaSpec
+from gemport.train.order import OptimizerStep
+from gemport.train.sft import SFTPipeline, from_sft_config
+from gemport.train.step import hf_optimizer, stack
+
+# SFTConfig fields the run reads beyond the pipeline's and the optimizer's, with TRL 1.16's defaults.
+_READ = {
+    "output_dir": None,
+    "seed": 42,
+    "bf16": None,
+    "gradient_accumulation_steps": 1,
+    "per_device_eval_batch_size": 8,
+    "eval_strategy": "no",
+    "eval_steps": None,
+    "logging_steps": 10,
+    "save_strategy": "steps",
+    "save_steps": 500,
+    "save_total_limit": None,
+}
+
+CHECKPOINTS = "checkpoints"
+"""The Orbax checkpoint root inside ``output_dir`` (``<output_dir>/checkpoints/<step>``)."""
+
+
+def steps_of(value: float | int, max_steps: int, name: str) -> int:
+    """HF's reading of ``logging_steps`` / ``eval_steps`` / ``save_steps``: below 1 a ratio of ``max_steps``."""
+    if not value or value <= 0:
+        raise OptimizerConfigError(f"SFTConfig.{name}={value!r}: give a positive number of steps (or a ratio < 1)")
+    return math.ceil(value * max_steps) if value < 1 else int(value)
+
+
+def sft_fields(config: Any) -> dict[str, Any]:
+    """The ``SFTConfig`` fields of ``config``: an ``SFTConfig``, a dict of its fields, or a ``trl sft --config``
+    YAML path (read as ``trl sft`` reads it: ``gemport.train.recipe.read``). Returned as a new dict."""
+    if isinstance(config, (str, os.PathLike)):
+        from gemport.train.recipe import read
+
+        return read(config).sft
+    if isinstance(config, Mapping):
+        return dict(config)
+    if hasattr(config, "to_dict"):
+        return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
+    raise OptimizerConfigError(f"{config!r:.80} is not an SFTConfig, a dict of its fields or a YAML path")
+
+
+def lora_spec_of(lora: Any) -> LoraSpec:
+    """A ``LoraSpec`` from a ``LoraSpec``, ``peft.LoraConfig``, its dict, or an ``adapter_config.json`` / its
+    directory."""
+    return lora if isinstance(lora, LoraSpec) else LoraSpec.from_peft(lora)
+
+
+def eval_batches(examples: Sequence[Example], batch_size: int, *, pad_id: int = 0,
+                 pad_to_multiple_of: int | None = None) -> list[dict[str, np.ndarray]]:
+    """Eval batches [1, batch_size, T] of ``examples`` in order, one padded example a row; the last batch keeps
+    its odd examples (its missing rows are empty: no target). T is the longest example, rounded up."""
+    if not examples:
+        raise OptimizerConfigError("eval_batches: no eval example")
+    multiple = pad_to_multiple_of or 1
+    width = math.ceil(max(len(e.tokens) for e in examples) / multiple) * multiple
+    return [stack([pad(examples[i:i + batch_size], width, pad_id=pad_id)], accumulation=1, rows=batch_size)
+            for i in range(0, len(examples), batch_size)]
+
+
+@dataclasses.dataclass
+class SFTRun:
+    """A TRL SFT recipe on JAX devices: the model, its data, optimizer and Tunix trainer, built once.
+
+    Built by ``create``; every attribute may be replaced before ``train()`` (the trainer is built from them
+    then). ``train_batches[s]`` maps ``BATCH_FIELDS`` to [A, B, T] (A = gradient_accumulation_steps, B =
+    per_device_train_batch_size rows, or 1 padding-free row); ``eval_batches`` to [1, per_device_eval_batch_size,
+    T_eval]. ``plan[s]`` names the rows (``units``) each step takes, in HF's order.
+    """
+
+    args: dict[str, Any]
+    base_dir: Path
+    spec: GemmaSpec
+    mesh: jax.sharding.Mesh | None
+    model: Any
+    tokenizer: Any
+    pipeline: SFTPipeline
+    examples: list[Example]
+    report: TruncationReport
+    plan: list[OptimizerStep]
+    train_batches: list[dict[str, np.ndarray]]
+    eval_examples: list[Example] | None
+    eval_batches: list[dict[str, np.ndarray]] | None
+    optimizer: HFOptimizer
+    training_config: Any
+    trainer: Any = None
+
+    @classmethod
+    def create(cls, sft_config: Any, base_dir: str | os.PathLike, train_dataset: Any, *, lora: Any = None,
+               eval_dataset: Any = None, init_adapter: str | os.PathLike | None = None, mesh=None,
+               fsdp: int | None = None, tp: int | None = None, dtype: Any = None, tokenizer: Any = None,
+               chat_format: Any = None, checkpoint_dir: str | os.PathLike | None = None,
+               progress: bool = True) -> SFTRun:
+        """Build the run of ``sft_config`` on ``base_dir`` and ``train_dataset``.
+
+        sft_config: ``SFTConfig``, a dict of its fields, or a ``trl sft --config`` YAML (read as ``trl sft``
+            reads it, ``gemport.train.recipe.read``; its ``use_peft`` + ``lora_*`` fields are the default ``lora``). base_dir: the HF Gemma checkpoint (with its tokenizer unless
+            ``tokenizer`` is given). train_dataset, eval_dataset: TRL SFT records in any format gemport reads
+            (``masks.formats.read``: a list, a ``datasets.Dataset``, a .jsonl/.json/.parquet file).
+        lora: ``LoraSpec``, ``peft.LoraConfig`` or its dict, ``adapter_config.json`` or its directory, or TRL's
+            ``lora_*`` fields; fresh factors from ``seed``. init_adapter: a PEFT adapter directory to start from
+            (its factors and spec; ``lora``, if also given, must describe the same adapter).
+        mesh: default ``make_mesh(spec, fsdp=fsdp, tp=tp)`` over all devices. dtype: the base weights' dtype;
+            default bfloat16 if ``bf16`` is set, else float32. checkpoint_dir: the Orbax root; default
+            ``<output_dir>/checkpoints`` (none with ``save_strategy="no"`` or without ``output_dir``).
+
+        Raises OptimizerConfigError (a field gemport cannot honour, naming it), LoraError, MaskError.
+        """
+        import transformers
+
+        from gemport.checkpoint import import_peft, load_model
+        from gemport.lora import apply_lora
+
+        if isinstance(sft_config, (str, os.PathLike)):
+            from gemport.train.recipe import read
+
+            recipe = read(sft_config)
+            args, lora = recipe.sft, lora if lora is not None else recipe.lora()
+        else:
+            args = sft_fields(sft_config)
+        f = fields_of(args, _READ)
+        base_dir = Path(base_dir)
+        spec = GemmaSpec.from_hf(base_dir)
+        start: LoraSpec | LoraParams
+        if init_adapter is not None:
+            start = import_peft(init_adapter, base_dir=base_dir)
+            if lora is not None and lora_spec_of(lora) != start.lora_spec:
+                raise LoraError(f"{init_adapter}: its adapter_config.json ({start.lora_spec}) differs from the "
+                                f"LoRA config given ({lora_spec_of(lora)}); pass one of them")
+        elif lora is None:
+            raise LoraError("SFTRun: no LoRA config; pass lora= (a LoraConfig, adapter_config.json or lora_* "
+                            "fields) or init_adapter=")
+        else:
+            start = lora_spec_of(lora)
+        tokenizer = tokenizer or transformers.AutoTokenizer.from_pretrained(base_dir)
+        pipeline = from_sft_config(args, tokenizer, chat_format=chat_format)
+        examples, report = pipeline.examples(train_dataset, tokenizer, progress=progress)
+        if not examples:
+            raise OptimizerConfigError(f"no training example is left after truncation at max_length "
+                                       f"{pipeline.max_length} ({report}); raise max_length")
+        held_out = None
+        if eval_dataset is not None:
+            held_out, _ = pipeline.examples(eval_dataset, tokenizer, progress=progress)
+        steps = list(pipeline.batches(examples))
+        plan, batches = [s for s, _ in steps], [b for _, b in steps]
+        num_steps = len(plan)
+        if dtype is None:
+            dtype = jnp.bfloat16 if f["bf16"] else jnp.float32
+        mesh = mesh if mesh is not None else make_mesh(spec, fsdp=fsdp, tp=tp)
+        with use_mesh(mesh):
+            model = apply_lora(load_model(base_dir, spec=spec, mesh=mesh, dtype=dtype), spec, start, seed=f["seed"])
+        if checkpoint_dir is None and f["output_dir"] is not None and f["save_strategy"] != "no":
+            checkpoint_dir = Path(f["output_dir"]) / CHECKPOINTS
+        evals = None
+        if held_out:
+            evals = eval_batches(held_out, f["per_device_eval_batch_size"], pad_id=pipeline.pad_id,
+                                 pad_to_multiple_of=pipeline.pad_to_multiple_of)
+        return cls(args=args, base_dir=base_dir, spec=spec, mesh=mesh, model=model, tokenizer=tokenizer,
+                   pipeline=pipeline, examples=examples, report=report, plan=plan, train_batches=batches,
+                   eval_examples=held_out, eval_batches=evals,
+                   optimizer=hf_optimizer(args, num_training_steps=num_steps),
+                   training_config=training_config(args, num_steps, checkpoint_dir=checkpoint_dir,
+                                                   evaluate=evals is not None))
+
+    @property
+    def lora_spec(self) -> LoraSpec:
+        """The LoRA spec the model carries."""
+        return self.model.lora_spec
+
+    @property
+    def max_steps(self) -> int:
+        """Optimizer steps of the run (HF's ``max_steps``, or its epochs over the data)."""
+        return len(self.train_batches)
+
+    @property
+    def num_units(self) -> int:
+        """The rows HF's sampler orders: packed rows (``packing``), else examples."""
+        return len(self.pipeline.units(self.examples)["tokens"]) if self.pipeline.layout == "pack" else len(self.examples)
+
+    def make_trainer(self, **kwargs: Any):
+        """An ``HFPeftTrainer`` of the current ``model``, ``optimizer`` and ``training_config`` (on the mesh,
+        which Tunix reads when it shards the optimizer). With checkpoints in its root it resumes from the latest.
+        ``kwargs`` go to the trainer (``metrics_logger``, ...)."""
+        from gemport.train.peft_trainer import HFPeftTrainer
+
+        with use_mesh(self.mesh):
+            return HFPeftTrainer(self.model, self.optimizer.tx, self.training_config, lora_spec=self.lora_spec,
+                                 **kwargs)
+
+    def train(self, hooks: Any = None) -> Any:
+        """Train on ``train_batches`` (evaluating on ``eval_batches``) inside the mesh context; returns the trainer.
+
+        hooks: Tunix ``TrainingHooks``; default, with an ``output_dir``, ``gemport.train.outputs.HFOutputs``
+        (``trainer_state.json``, TensorBoard per ``report_to``, a progress bar). Builds ``trainer`` first if
+        unset. Resumes from the latest checkpoint in the checkpoint root, exactly (Tunix skips the consumed
+        micro-batches, and the data is the same in the same order).
+        """
+        from gemport.train.outputs import HFOutputs
+        from gemport.train.peft_trainer import micro_batches
+
+        output_dir = fields_of(self.args, _READ)["output_dir"]
+        if hooks is None and output_dir is not None:
+            hooks = HFOutputs(self, output_dir)
+        if self.trainer is None:
+            self.trainer = self.make_trainer()
+        if hooks is not None:
+            self.trainer.with_training_hooks(hooks)
+        train_ds = micro_batches(self.train_batches)
+        eval_ds = micro_batches(self.eval_batches) if self.eval_batches else None
+        try:
+            with use_mesh(self.mesh):
+                self.trainer.train(train_ds, eval_ds)
+        finally:
+            if isinstance(hooks, HFOutputs):
+                hooks.finish()
+        return self.trainer
+
+    def export_peft(self, out_dir: str | os.PathLike, **kwargs: Any) -> Path:
+        """The trained adapter as PEFT files (``checkpoint.export_peft`` of ``model`` on ``base_dir``)."""
+        from gemport.checkpoint import export_peft
+
+        return export_peft(self.model, out_dir, base_dir=self.base_dir, **kwargs)
+
+    def export_merged(self, out_dir: str | os.PathLike, **kwargs: Any) -> Path:
+        """The base with the trained adapter merged in (``checkpoint.export_merged``), for vLLM."""
+        from gemport.checkpoint import export_merged
+
+        return export_merged(self.model, out_dir, base_dir=self.base_dir, **kwargs)
+
+
+def training_config(args: Any, max_steps: int, *, checkpoint_dir: str | os.PathLike | None = None,
+                    evaluate: bool = False):
+    """Tunix's ``TrainingConfig`` for ``max_steps`` optimizer steps of the ``SFTConfig`` ``args``.
+
+    ``gradient_accumulation_steps`` as given; evaluation every ``eval_steps`` (default ``logging_steps``, as HF)
+    when ``evaluate`` and ``eval_strategy="steps"`` (``"epoch"`` is refused; ``"no"``: never); checkpoints in
+    ``checkpoint_dir`` every ``save_steps``, keeping ``save_total_limit``. Tunix's own progress bar is off.
+    """
+    import orbax.checkpoint as ocp
+    from tunix.sft.peft_trainer import TrainingConfig
+
+    f = fields_of(args, _READ)
+    for name in ("eval_strategy", "save_strategy"):
+        if f[name] not in ("no", "steps"):
+            raise OptimizerConfigError(f"SFTConfig.{name}={f[name]!r}: gemport runs 'steps' or 'no'; give "
+                                       f"'steps' with {name.split('_')[0]}_steps")
+    eval_every = max_steps + 1
+    if evaluate and f["eval_strategy"] == "steps":
+        eval_every = steps_of(f["eval_steps"] or f["logging_steps"], max_steps, "eval_steps")
+    options = None
+    if checkpoint_dir is not None:
+        options = ocp.CheckpointManagerOptions(save_interval_steps=steps_of(f["save_steps"], max_steps, "save_steps"),
+                                               max_to_keep=f["save_total_limit"])
+    return TrainingConfig(eval_every_n_steps=eval_every, max_steps=max_steps,
+                          gradient_accumulation_steps=f["gradient_accumulation_steps"],
+                          checkpoint_root_directory=None if checkpoint_dir is None else str(checkpoint_dir),
+                          checkpointing_options=options, pbar_description=None, max_inflight_computations=1)
+
+
+__all__ = ["CHECKPOINTS", "SFTRun", "eval_batches", "lora_spec_of", "sft_fields", "steps_of", "training_config"]

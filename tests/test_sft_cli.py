@@ -1,0 +1,186 @@
+"""`gemport sft --config sft.yaml`: a `trl sft` recipe run unchanged, equal to TRL's SFTTrainer + PEFT step for step.
+
+The end-to-end test trains a tiny Gemma 4 for 4 steps from one PEFT adapter (random A and B) with TRL on torch
+and with `gemport sft --init-adapter` on JAX, the gemport run SIGKILLed after step 3 (checkpoint 2 complete)
+and run again, which resumes from step 2. Both in float32 on CPU: loss, grad_norm and learning rate of every step, and the eval
+loss, agree within 1e-4 relative; the adapter left in output_dir loads in PEFT and gives TRL's model's logits.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from gemport.errors import OptimizerConfigError
+from gemport.train import recipe
+from test_cli import gemport, one_line_error
+from test_train_sft import chats, tokenizer
+
+CHILD = Path(__file__).with_name("sft_child.py")
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+RECIPE = dict(assistant_only_loss=True, max_length=128, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+              max_steps=4, learning_rate=5e-3, weight_decay=0.1, max_grad_norm=0.5, lr_scheduler_type="cosine",
+              warmup_steps=1, seed=3, logging_steps=1, eval_strategy="steps", eval_steps=2,
+              per_device_eval_batch_size=5, bf16=False, dataloader_num_workers=2)
+
+
+@pytest.fixture(scope="module")
+def workdir(hf_checkpoint, tmp_path_factory):
+    """A tiny Gemma 4 with its tokenizer, a data folder with train/test splits, and a step-0 PEFT adapter."""
+    import peft
+    import torch
+    import transformers
+
+    _, base = hf_checkpoint("gemma4_mesh")
+    root = tmp_path_factory.mktemp("sft")
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager")
+    tokenizer().save_pretrained(root / "base")
+    model.save_pretrained(root / "base")
+    (root / "data").mkdir()
+    (root / "data" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chats(16)))
+    (root / "data" / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chats(5, seed=1)))
+    torch.manual_seed(0)
+    start = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
+    with torch.no_grad():  # an adapter as if trained on GPUs: B away from PEFT's zero init
+        for name, p in start.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    start.save_pretrained(root / "adapter0")
+    return root
+
+
+def write_recipe(path, root, **fields):
+    path.write_text(yaml.safe_dump({"model_name_or_path": str(root / "base"), "dataset_name": str(root / "data"),
+                                    **RECIPE, **fields}))
+    return path
+
+
+def trl_run(root, out):
+    """TRL's SFTTrainer on a PeftModel of adapter0, the recipe's SFTConfig fields, on torch's CPU in float32."""
+    import datasets
+    import peft
+    import torch
+    import transformers
+    from trl import SFTConfig, SFTTrainer
+
+    fields = {k: v for k, v in RECIPE.items() if k != "dataloader_num_workers"}
+    args = SFTConfig(output_dir=str(out), use_cpu=True, report_to="none", save_strategy="no", **fields)
+    torch.manual_seed(args.seed)
+    model = transformers.AutoModelForCausalLM.from_pretrained(root / "base", dtype=torch.float32,
+                                                              attn_implementation="eager")
+    model = peft.PeftModel.from_pretrained(model, root / "adapter0", is_trainable=True)
+    splits = datasets.load_dataset(str(root / "data"))
+    trainer = SFTTrainer(model=model, args=args, train_dataset=splits["train"], eval_dataset=splits["test"],
+                         processing_class=transformers.AutoTokenizer.from_pretrained(root / "base"))
+    trainer.train()
+    return trainer.state.log_history, model
+
+
+def relative(a, b):
+    return abs(a - b) / max(abs(a), 1e-12)
+
+
+def test_gemport_sft_equals_trl_through_a_sigkill_and_a_resume(workdir, tmp_path):
+    import peft
+    import torch
+    import transformers
+
+    out = tmp_path / "out"
+    config = write_recipe(tmp_path / "sft.yaml", workdir, output_dir=str(out), save_steps=2, save_total_limit=1,
+                          report_to="tensorboard")
+    args = ["--config", config, "--init-adapter", workdir / "adapter0"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
+               # The rerun loads the first process's executables instead of compiling again.
+               JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax-cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    killed = subprocess.run([sys.executable, str(CHILD), "3", *map(str, args)], env=env, cwd=CHILD.parent,
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["global_step"] == 3 and not (out / "adapter_config.json").exists()
+    resumed = subprocess.run([sys.executable, "-m", "gemport", "sft", *map(str, args)], env=env, cwd=CHILD.parent,
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "dataloader_num_workers=2: " in resumed.stdout  # a mapped field is said
+
+    state = json.loads((out / "trainer_state.json").read_text())
+    expected, trl_model = trl_run(workdir, tmp_path / "trl")
+    train = [e for e in state["log_history"] if "loss" in e]
+    trl_train = [e for e in expected if "loss" in e and "grad_norm" in e]
+    assert state["global_step"] == 4 and [e["step"] for e in train] == [1, 2, 3, 4]
+    for ours, theirs in zip(train, trl_train, strict=True):
+        assert ours["step"] == theirs["step"] and ours["epoch"] == pytest.approx(theirs["epoch"])
+        assert relative(theirs["loss"], ours["loss"]) < 1e-4, (ours, theirs)
+        assert relative(theirs["grad_norm"], ours["grad_norm"]) < 1e-4, (ours, theirs)
+        assert relative(theirs["learning_rate"], ours["learning_rate"]) < 1e-6 or theirs["learning_rate"] == 0
+    evals = [e for e in state["log_history"] if "eval_loss" in e]
+    trl_evals = [e for e in expected if "eval_loss" in e]
+    assert [e["step"] for e in evals] == [e["step"] for e in trl_evals] == [2, 4]
+    for ours, theirs in zip(evals, trl_evals):
+        assert relative(theirs["eval_loss"], ours["eval_loss"]) < 1e-4, (ours, theirs)
+
+    steps = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps == ["4"] and (out / "checkpoints" / "gemport_lora.json").is_file()  # save_total_limit 1
+    assert list((out / "runs").glob("events.out.tfevents.*"))
+
+    def logits(adapter):
+        base = transformers.AutoModelForCausalLM.from_pretrained(workdir / "base", dtype=torch.float32,
+                                                                 attn_implementation="eager")
+        with torch.no_grad():
+            return peft.PeftModel.from_pretrained(base, adapter).eval()(ids).logits.numpy()
+
+    t = tokenizer()
+    ids = torch.tensor(t(t.apply_chat_template(chats(1)[0]["messages"], tokenize=False))["input_ids"])[None]
+    with torch.no_grad():
+        want = trl_model.eval()(ids).logits.numpy()
+    moved = np.abs(want - logits(workdir / "adapter0")).max()  # how far the 4 steps moved the logits
+    assert np.abs(logits(out) - want).max() < 1e-2 * moved
+
+
+def test_help_speaks_trl():
+    done = gemport("sft", "--help")
+    for words in ("trl sft --config", "--key value", "trainer_state.json", "resume_from_checkpoint", "--init-adapter",
+                  "--merge", "save_total_limit", "bf16"):
+        assert words in done.stdout, words
+
+
+@pytest.mark.parametrize("fields, error, words", [
+    ({"fsdp": "full_shard"}, OptimizerConfigError, "fsdp='full_shard': gemport sft does not reproduce"),
+    ({"learning_rat": 1e-4}, OptimizerConfigError, "learning_rat: not a field"),
+    ({"fp16": True}, OptimizerConfigError, "fp16=True: TPUs compute in bfloat16"),
+    ({"dataset_streaming": True}, OptimizerConfigError, "dataset_streaming=True"),
+    ({"lora_task_type": "SEQ_CLS"}, OptimizerConfigError, "lora_task_type"),
+])
+def test_fields_gemport_does_not_reproduce_are_refused_by_name(fields, error, words):
+    with pytest.raises(error, match=words.replace("(", r"\(").replace("[", r"\[")):
+        recipe.read({**RECIPE, **fields})
+
+
+def test_overrides_read_as_trl_sft_reads_them():
+    got = recipe.parse_overrides(["--learning_rate", "1e-4", "--packing", "--lora_target_modules", "q_proj", "v_proj",
+                                  "--max_steps=7", "--output_dir", "out"])
+    assert got == {"learning_rate": 1e-4, "packing": True, "lora_target_modules": ["q_proj", "v_proj"],
+                   "max_steps": 7, "output_dir": "out"}
+    r = recipe.read({**RECIPE, "gradient_checkpointing": False, "use_peft": True, "lora_r": 8}, got)
+    assert r.sft["learning_rate"] == 1e-4 and r.sft["max_steps"] == 7 and r.sft["logging_steps"] == 1
+    assert r.sft["num_train_epochs"] == 3.0  # TRL's default for what the recipe leaves out
+    assert r.lora() == {"peft_type": "LORA", "r": 8, "lora_alpha": 32, "lora_dropout": 0.05,
+                        "target_modules": ["q_proj", "v_proj"], "use_rslora": False}
+    assert [n.split(":")[0] for n in r.notes] == ["dataloader_num_workers=2", "gradient_checkpointing=False"]
+
+
+def test_cli_errors_name_what_is_missing(workdir, tmp_path):
+    config = write_recipe(tmp_path / "sft.yaml", workdir, output_dir=str(tmp_path / "out"))
+    one_line_error(gemport("sft", "--config", config, ok=False), "use_peft is not set")
+    one_line_error(gemport("sft", "--config", config, "--use_peft", "--lora_target_modules", "q_proj",
+                           "--dataset_test_split", "validation", ok=False), "no split 'validation'")
+    one_line_error(gemport("sft", "--config", config, "--use_peft", "--resume_from_checkpoint", "true", ok=False),
+                   "no checkpoint in")
+    one_line_error(gemport("sft", "--config", config, "--bogus", "1", ok=False), "bogus: not a field")
+    other = gemport("plan", "gemma4-31b", "--devices", "4", "--learning_rate", "1", ok=False)
+    assert other.returncode == 2 and "unrecognized arguments: --learning_rate 1" in other.stderr
