@@ -226,7 +226,7 @@ def miniature(config, out_dir, *, num_layers=6, hidden_size=64, head_dim=16, sli
 
 
 def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer=None, chat_format=None,
-               port_sft_config=None, tolerances=Tolerances(), progress=True):
+               port_sft_config=None, tolerances=Tolerances(), progress=True, qlora=None):
     """Run the GPU recipe and the port for the same steps from the same step-0 adapter; a ``Trajectory``.
 
     base_dir: an HF Gemma checkpoint (the real one, or a miniature of it) with its tokenizer, unless
@@ -243,6 +243,10 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
     The GPU side is TRL's ``SFTTrainer`` on a ``get_peft_model`` of ``base_dir`` (PEFT's initialisation
     under ``torch.manual_seed(seed)``); that adapter is imported into Tunix (``import_peft``) and trained
     with ``train.from_sft_config`` batches, ``train.hf_optimizer`` and ``train.train_step``.
+
+    qlora: a `gemport.lora.QLoraSpec` (QLoRA): the GPU side loads ``base_dir`` through bitsandbytes
+    (``BitsAndBytesConfig(**qlora.to_bnb())``, then ``peft.prepare_model_for_kbit_training`` as TRL does),
+    the port through `gemport.checkpoint.quantize.load_qlora_model`.
     """
     import jax
     import peft
@@ -255,6 +259,7 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
 
     from gemport import train
     from gemport.checkpoint import import_peft, load_model
+    from gemport.checkpoint.quantize import load_qlora_model
     from gemport.lora import apply_lora
     from gemport.masks import formats
     from gemport.masks.training_template import gemma4_training_template
@@ -277,8 +282,12 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
             tokenizer.chat_template = gemma4_training_template()
 
         torch.manual_seed(gpu_config.seed)
+        quantization = transformers.BitsAndBytesConfig(**qlora.to_bnb()) if qlora is not None else None
         model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32,
-                                                                  attn_implementation="eager")
+                                                                  attn_implementation="eager",
+                                                                  quantization_config=quantization)
+        if qlora is not None:
+            model = peft.prepare_model_for_kbit_training(model, gpu_config.gradient_checkpointing)
         model = peft.get_peft_model(model, lora)
         model.save_pretrained(work / "adapter0")
         import datasets
@@ -291,7 +300,8 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
         spec = GemmaSpec.from_hf(base_dir)
         start = import_peft(work / "adapter0", base_dir=base_dir)
         lora_spec = start.lora_spec
-        port = apply_lora(load_model(base_dir, spec=spec), spec, start)
+        base = load_model(base_dir, spec=spec) if qlora is None else load_qlora_model(base_dir, qlora, spec=spec)
+        port = apply_lora(base, spec, start, qlora=qlora)
         pipeline = train.from_sft_config(port_config, tokenizer, chat_format=chat_format)
         examples, _ = pipeline.examples(records, tokenizer, progress=False)
         hf = train.hf_optimizer(port_config, num_training_steps=port_config.max_steps)
