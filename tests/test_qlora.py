@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 import transformers as tf
+from flax import nnx
 
 from gemport import names
 from gemport.checkpoint.quantize import dequantized, load_qlora_model, nf4, nf4_values, tile_shape, to_qarray
@@ -30,6 +31,10 @@ QLORA_CONFIGS = {
                                   num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=4,
                                   layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=0,
                                   final_logit_softcapping=30.0),
+    # Tensors large enough that one of them, not the fixed cost of building a model, sets the host peak.
+    "wide": tf.Gemma3TextConfig(vocab_size=96, hidden_size=128, intermediate_size=512, num_hidden_layers=3,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32,
+                                sliding_window=4),
 }
 
 
@@ -165,3 +170,175 @@ def test_loaded_base_is_bitsandbytes_dequantized_weights(base, name, double_quan
     for e in entries:
         assert np.array_equal(got[e.tunix], e.to_tunix([expected[h] for h in e.hf])), e.tunix
     assert model.layers[0].attn.attn_vec_einsum.w.array.qvalue.dtype == jnp.uint4
+
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def peft_adapter(model, out_dir, seed=1):
+    """PEFT LoRA on every projection of ``model`` with random non-zero B, saved to ``out_dir``."""
+    import peft
+
+    peft_model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    peft_model.save_pretrained(out_dir)
+    return peft_model
+
+
+def tunix_logits(model, ids):
+    """float32 logits of a Tunix model on ``ids``, jitted: one compile instead of one per eager op."""
+    b, t = ids.shape
+    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+    forward = nnx.jit(lambda m, x: m(x, positions, None, jnp.tril(jnp.ones((b, t, t), bool)))[0])
+    return np.asarray(forward(model, jnp.asarray(ids)), np.float32)
+
+
+def test_qlora_logits_match_transformers_bitsandbytes_and_peft(base, tmp_path):
+    """The port's QLoRA model (4-bit base + imported adapter) gives PEFT-on-bitsandbytes' logits as closely as
+    the unquantized port gives PEFT-on-float32's (the float32 noise floor, measured here); a port that leaves
+    out double quantization would be caught. Gemma 4 with k_eq_v global layers: every tile form of
+    `test_blocks_follow_the_hf_input_dimension_into_tunix_axes`."""
+    from gemport.checkpoint import import_peft, load_model
+
+    path, spec, ids = base("gemma4"), GemmaSpec.from_hf(base("gemma4")), token_ids(96)
+    qlora = QLoraSpec(double_quant=True)
+    gpu = peft_adapter(bnb_model(path, True), tmp_path / "adapter")
+    lora = import_peft(tmp_path / "adapter", base_dir=path)
+    port = apply_lora(load_qlora_model(path, qlora), spec, lora, qlora=qlora)
+    diff = np.abs(tunix_logits(port, ids) - hf_logits(gpu, ids)).max()
+
+    plain_gpu = peft_adapter(tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                                     attn_implementation="eager"), tmp_path / "p")
+    plain_port = apply_lora(load_model(path, spec=spec), spec, import_peft(tmp_path / "p", base_dir=path))
+    floor = np.abs(tunix_logits(plain_port, ids) - hf_logits(plain_gpu, ids)).max()
+    tolerance = 4 * floor
+    print(f"QLoRA logits differ by {diff:.2e}; unquantized port vs float32 PEFT {floor:.2e}")
+    assert diff <= tolerance
+
+    # The bound is tight enough to catch a base that differs by as little as double quantization changes it.
+    import peft
+
+    unnested = peft.PeftModel.from_pretrained(bnb_model(path, False), tmp_path / "adapter").train()
+    assert np.abs(hf_logits(unnested, ids) - hf_logits(gpu, ids)).max() > 100 * tolerance
+
+
+def test_loading_holds_one_tensor_at_a_time_on_the_host(base):
+    """Host (NumPy) allocations while loading, beyond the loaded model itself (on CPU the devices' memory is
+    the host's), peak at a few copies of the largest tensor: not the model's size."""
+    import tracemalloc
+
+    path = base("wide")
+    spec = GemmaSpec.from_hf(path)
+    sizes = [np.prod(e.hf_shape) * len(e.hf) * 4 for e in names.entries(spec) if e.hf]
+    tracemalloc.start()
+    model = load_qlora_model(path, QLoraSpec())
+    resident, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    print(f"host transient peak {peak - resident} B, largest tensor {max(sizes)} B, model {sum(sizes)} B")
+    assert peak - resident < 8 * max(sizes) < sum(sizes)
+    assert model.layers[2].mlp.down_proj.kernel.array.scale.shape == (8, 128)
+
+
+def test_sharded_qlora_base_places_codes_and_scales_on_the_mesh(base):
+    from gemport.mesh import make_mesh
+
+    path = base("gemma3")
+    mesh = make_mesh(GemmaSpec.from_hf(path), fsdp=4, tp=2)
+    sharded = load_qlora_model(path, QLoraSpec(), mesh=mesh)
+    w = sharded.layers[0].mlp.down_proj.kernel.array
+    assert w.qvalue.sharding.mesh.shape == {"fsdp": 4, "tp": 2}
+    assert len({str(s.index) for s in w.qvalue.addressable_shards}) > 1 and w.scale.sharding.mesh is mesh
+    single = dequantized(load_qlora_model(path, QLoraSpec()))
+    on_mesh = dequantized(sharded)
+    assert on_mesh.keys() == single.keys()
+    for key in single:
+        assert np.array_equal(on_mesh[key], single[key]), key
+
+
+def test_memory_plan_counts_the_4bit_base_as_loaded(base):
+    """The plan's base bytes per device equal what the loaded 4-bit base holds on device 0 (uint4 codes at 4
+    bits, float32 scales, the rest float32), on a 4 x 2 mesh; and the 4-bit base is 4.5/32 of float32's there."""
+    from gemport.mesh import make_mesh, memory_plan
+
+    path = base("gemma3")
+    spec = GemmaSpec.from_hf(path)
+    model = load_qlora_model(path, QLoraSpec(), mesh=make_mesh(spec, fsdp=4, tp=2))
+    held = 0
+    for _, leaf in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        shard = leaf.get_value().addressable_shards[0].data
+        held += shard.size * jnp.dtype(shard.dtype).itemsize if shard.dtype != jnp.uint4 else shard.size // 2
+    plan = memory_plan(spec, 4, 2, lora=LoraSpec(4, 8.0), param_dtype="float32", qlora=QLoraSpec())
+    assert plan.base_bytes == held
+    full = memory_plan(spec, 4, 2, lora=LoraSpec(4, 8.0), param_dtype="float32")
+    assert plan.lora_bytes == full.lora_bytes and plan.base_bytes < full.base_bytes
+
+
+def test_qlora_trajectory_agrees_with_trl_on_the_4bit_base(tmp_path):
+    """TRL's SFTTrainer + PEFT on bitsandbytes' double-quantized NF4 base vs the port on its Qwix NF4 base:
+    4 steps with accumulation 2, clipping, weight decay and a warmup + cosine schedule, on a Gemma 3 1B
+    miniature. The tolerance is the unquantized trajectory's float32 one plus what the two bases differ by,
+    measured here: nothing (the bases are equal), so a port that trained on a different base would show."""
+    from trl.chat_template_utils import gemma3_training_chat_template
+
+    from gemport import masks
+    from gemport.parity import Tolerances, miniature, trajectory
+    from test_masks_tokenizers import GEMMA3_CONTROL, char_tokenizer
+    from test_parity import RECIPE
+    from test_train_sft import chats
+
+    base = miniature(GemmaSpec.preset("gemma3-1b").to_hf_config(), tmp_path / "gemma3", vocab_size=256)
+    qlora = QLoraSpec.from_config({"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "use_bnb_nested_quant": True,
+                                   "dtype": "float32"})
+    expected = bnb_weights(bnb_model(base, qlora.double_quant))
+    got = dequantized(load_qlora_model(base, qlora))
+    entries = [e for e in names.entries(GemmaSpec.from_hf(base)) if e.tunix in got]
+    base_gap = max(np.abs(got[e.tunix] - e.to_tunix([expected[h] for h in e.hf])).max() for e in entries)
+    assert base_gap == 0.0
+    tokenizer = char_tokenizer(GEMMA3_CONTROL)
+    tokenizer.chat_template = gemma3_training_chat_template
+    sft = {k: v for k, v in RECIPE.items() if not k.startswith("lora_")} | {"max_steps": 4}
+    report = trajectory(base, chats(8), sft_config=sft, tokenizer=tokenizer, chat_format=masks.Gemma3(),
+                        lora_config={"r": 4, "lora_alpha": 8, "target_modules": TARGETS}, progress=False,
+                        qlora=qlora, tolerances=Tolerances())
+    print(report.table())
+    assert len(report.rows) == 4 and report.ok, report.table()
+    assert len(report.adapters) == 6 * 7
+
+
+def test_exports_of_a_qlora_adapter_are_plain_lora_and_merge_onto_the_unquantized_base(base, tmp_path):
+    """The PEFT export of a QLoRA model is its adapter, bit for bit; the merged export is PEFT's
+    ``merge_and_unload`` onto the unquantized base (not the 4-bit one it trained on): the logits it serves
+    differ from the QLoRA model's by the quantization error, measured here."""
+    import peft
+
+    from gemport.checkpoint import HFCheckpoint, export_merged, export_peft, import_peft
+    from gemport.checkpoint.safetensors import SafetensorsFile
+    from gemport.lora import LoraParams
+
+    path, ids = base("gemma3"), token_ids(96)
+    spec, qlora = GemmaSpec.from_hf(path), QLoraSpec(double_quant=True)
+    gpu = peft_adapter(bnb_model(path, True), tmp_path / "adapter")
+    lora = import_peft(tmp_path / "adapter", base_dir=path)
+    port = apply_lora(load_qlora_model(path, qlora), spec, lora, qlora=qlora)
+    trained = LoraParams(nnx.state(port, nnx.LoRAParam), lora.lora_spec)
+    export_peft(trained, tmp_path / "peft", base_dir=path)
+    given, written = (SafetensorsFile(tmp_path / d / "adapter_model.safetensors") for d in ("adapter", "peft"))
+    assert set(given.tensors) == set(written.tensors)
+    for key in given.tensors:
+        assert np.array_equal(given.array(key), written.array(key)), key
+
+    export_merged(trained, tmp_path / "merged", base_dir=path)
+    plain = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    merged = peft.PeftModel.from_pretrained(plain, tmp_path / "peft").merge_and_unload().state_dict()
+    ours = HFCheckpoint(tmp_path / "merged")
+    for name in ours.keys():
+        np.testing.assert_allclose(ours.array(name), merged[name].numpy(), atol=1e-6, rtol=0, err_msg=name)
+    served = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32,
+                                                     attn_implementation="eager")
+    gap = np.abs(hf_logits(served, ids) - hf_logits(gpu, ids)).max()
+    print(f"merged onto the unquantized base: logits move by {gap:.3e} from the QLoRA model's")
+    assert gap > 1e-3

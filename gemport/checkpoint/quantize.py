@@ -28,15 +28,10 @@ from gemport.checkpoint.hf_dir import HFCheckpoint, base_spec
 from gemport.checkpoint.load import _place, _sharding, matched_entries
 from gemport.checkpoint.safetensors import DTYPES
 from gemport.errors import LoraError, MissingDependencyError
-from gemport.lora.qlora import NESTED_BLOCK_SIZE, QLoraSpec
+from gemport.lora.qlora import NESTED_BLOCK_SIZE, QUANTIZED, QLoraSpec, is_quantized
 from gemport.params import abstract_model, flat_params, path_str
 from gemport.partition import axes_of, padded
 from gemport.specs import GemmaSpec
-
-# Tunix weights made of the HF linear projections bitsandbytes replaces with Linear4bit.
-QUANTIZED = ("q_einsum.w", "qkv_einsum.w", "kv_einsum.w", "k_einsum.w", "attn_vec_einsum.w",
-             "gate_proj.kernel", "up_proj.kernel", "down_proj.kernel")
-
 
 def nf4_values() -> np.ndarray:
     """The 16 NF4 values, from Qwix (the same float32 values as bitsandbytes' ``get_4bit_type("nf4")``)."""
@@ -133,11 +128,6 @@ def how_to_quantize(entry: names.Entry, qlora: QLoraSpec) -> qarray.HowToQuantiz
     )
 
 
-def is_quantized(entry: names.Entry) -> bool:
-    """Whether bitsandbytes quantizes ``entry``'s weight: a linear projection read from the checkpoint."""
-    return entry.fill is None and entry.tunix.endswith(QUANTIZED)
-
-
 def load_qlora_model(hf_dir: str | Path, qlora: QLoraSpec, *, spec: GemmaSpec | None = None, mesh=None,
                      dtype=None):
     """Load an HF Gemma checkpoint as a Tunix model on a 4-bit base, quantizing each tensor as it is placed.
@@ -193,13 +183,28 @@ def load_qlora_model(hf_dir: str | Path, qlora: QLoraSpec, *, spec: GemmaSpec | 
     return model
 
 
+def scale_spec(spec, shape, axis_sizes) -> tuple:
+    """The partition spec of a scale of ``shape`` from its weight's ``spec``: an axis the mesh does not divide
+    (a tile spanning the whole axis, or D/64 blocks over fsdp) is replicated, since JAX places no uneven shards."""
+    return tuple(e if size % math.prod(axis_sizes[a] for a in axes_of(e)) == 0 else None
+                 for e, size in zip(padded(tuple(spec), len(shape)), shape))
+
+
+def bytes_per_device(entry: names.Entry, spec, axis_sizes, qlora: QLoraSpec) -> int:
+    """Bytes one device holds of ``entry``'s 4-bit weight placed with ``spec``: 4-bit codes (TPUs pack two per
+    byte) and the float32 scales in `scale_spec`."""
+    from gemport.partition import bytes_per_device as per_device
+
+    shape = entry.tunix_shape
+    scale = tuple(n // t for n, t in zip(shape, tile_shape(entry, qlora.block_size)))
+    return per_device(shape, spec, axis_sizes, 1) // 2 + per_device(scale, scale_spec(spec, scale, axis_sizes),
+                                                                    axis_sizes, 4)
+
+
 def _scale_sharding(sharding, shape):
     if not isinstance(sharding, NamedSharding):
         return sharding
-    sizes = dict(sharding.mesh.shape)
-    spec = tuple(e if size % math.prod(sizes[a] for a in axes_of(e)) == 0 else None
-                 for e, size in zip(padded(tuple(sharding.spec), len(shape)), shape))
-    return NamedSharding(sharding.mesh, PartitionSpec(*spec))
+    return NamedSharding(sharding.mesh, PartitionSpec(*scale_spec(sharding.spec, shape, dict(sharding.mesh.shape))))
 
 
 def dequantized(model) -> dict[str, np.ndarray]:

@@ -32,6 +32,9 @@ BLOCK_SIZE = 64
 # bitsandbytes' block for the 8-bit absmax of double quantization.
 NESTED_BLOCK_SIZE = 256
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+# Tunix weights made of the HF linear projections bitsandbytes replaces with Linear4bit.
+QUANTIZED = ("q_einsum.w", "qkv_einsum.w", "kv_einsum.w", "k_einsum.w", "attn_vec_einsum.w",
+             "gate_proj.kernel", "up_proj.kernel", "down_proj.kernel")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +64,7 @@ class QLoraSpec:
 
     @property
     def bits_per_weight(self) -> float:
-        """Bytes Qwix holds per quantized weight, in bits: a 4-bit code plus a float32 scale per block."""
+        """What Qwix holds per quantized weight, in bits: a 4-bit code plus a float32 scale per block (4.5)."""
         return 4 + 32 / self.block_size
 
     @classmethod
@@ -122,6 +125,11 @@ class QLoraSpec:
             "bnb_4bit_use_double_quant": self.double_quant,
             "bnb_4bit_compute_dtype": self.compute_dtype or "float32",
         }
+
+
+def is_quantized(entry) -> bool:
+    """Whether bitsandbytes quantizes a names-table entry's weight: a linear projection read from the checkpoint."""
+    return entry.fill is None and entry.tunix.endswith(QUANTIZED)
 
 
 def _fields(config: Any) -> tuple[dict[str, Any], str]:

@@ -73,6 +73,16 @@ class Rule(qwix.LoraRule):
 class Provider(qwix.LoraProvider):
     """``qwix.LoraProvider`` that gives fused modules one A and one B per projection (see the module doc)."""
 
+    def astype(self, x, dtype, *args, **kwargs):
+        # Tunix's Gemma 4 einsums cast their weight to the compute dtype, which Qwix does not intercept; a
+        # 4-bit weight casts its scales, the dtype Qwix dequantizes in.
+        if isinstance(x, ptq.WithAux):
+            return x.replace(array=x.array.astype(dtype))
+        return jnp.astype(x, dtype, *args, **kwargs)
+
+    def get_intercept_map(self):
+        return super().get_intercept_map() | {"jax.numpy.astype": self.astype}
+
     def einsum(self, einsum_str, *operands, **kwargs):
         rule, _ = self._get_current_rule_and_op_id("einsum", only_rule=True)
         if not (isinstance(rule, Rule) and rule.stack is not None):
