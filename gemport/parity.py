@@ -246,7 +246,9 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
 
     qlora: a `gemport.lora.QLoraSpec` (QLoRA): the GPU side loads ``base_dir`` through bitsandbytes
     (``BitsAndBytesConfig(**qlora.to_bnb())``, then ``peft.prepare_model_for_kbit_training`` as TRL does),
-    the port through `gemport.checkpoint.quantize.load_qlora_model`.
+    the port through `gemport.checkpoint.quantize.load_qlora_model`. The GPU side's adapters stay float32,
+    as PEFT makes them: TRL's cast of a quantized model's adapters to bfloat16 is undone, since the port
+    trains float32 factors (see docs/qlora.md for what that cast changes, measured).
     """
     import jax
     import peft
@@ -292,8 +294,15 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
         model.save_pretrained(work / "adapter0")
         import datasets
 
+        adapters = {name: p.data for name, p in model.named_parameters() if p.requires_grad}
         trainer = SFTTrainer(model=model, args=gpu_config, train_dataset=datasets.Dataset.from_list(records),
                              processing_class=tokenizer)
+        if qlora is not None:
+            # TRL 1.x casts a quantized model's adapters to bfloat16; Qwix trains them in float32 (the dtype of
+            # the 4-bit base's scales), as PEFT creates them: compare the float32 recipe (docs/qlora.md).
+            for name, p in model.named_parameters():
+                if name in adapters:
+                    p.data = adapters[name]
         trainer.train()
         logs = [e for e in trainer.state.log_history if "loss" in e and "grad_norm" in e]
 
