@@ -67,9 +67,13 @@ def bnb_model(path, double_quant):
 
 
 def bnb_weights(model):
-    """{HF weight name relative to the text prefix: bitsandbytes' dequantized float32 array}."""
-    return {name.removeprefix("model.") + ".weight": bnb_f.dequantize_4bit(m.weight.data, m.weight.quant_state).numpy()
-            for name, m in model.named_modules() if hasattr(getattr(m, "weight", None), "quant_state")}
+    """{HF weight name relative to the text prefix: bitsandbytes' dequantized float32 array}, of a model or of
+    a PEFT model on it."""
+    import bitsandbytes as bnb
+
+    return {name[name.index("layers."):].removesuffix(".base_layer") + ".weight":
+            bnb_f.dequantize_4bit(m.weight.data, m.weight.quant_state).numpy()
+            for name, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
 
 
 # The config maps ------------------------------------------------------------------------------------------------
@@ -89,6 +93,12 @@ def test_bitsandbytes_config_its_dict_and_trl_fields_map_to_the_same_base(tmp_pa
     assert QLoraSpec.from_config({"load_in_4bit": True, "use_bnb_nested_quant": True, "dtype": "bfloat16"}) == expected
     (tmp_path / "config.json").write_text(tf.Gemma3TextConfig(quantization_config=bnb.to_dict()).to_json_string())
     assert QLoraSpec.from_config(tmp_path) == expected
+    (tmp_path / "recipe.yaml").write_text("load_in_4bit: true\nuse_bnb_nested_quant: true\ndtype: bfloat16\n")
+    assert QLoraSpec.from_config(tmp_path / "recipe.yaml") == expected
+    from gemport.parity import read_recipe
+
+    with pytest.raises(LoraError, match=r"recipe.yaml: the recipe loads its base in 4 bits .*trajectory"):
+        read_recipe(tmp_path / "recipe.yaml")
     assert QLoraSpec.from_config({"load_in_4bit": False}) is None
     assert QLoraSpec.from_config(ModelConfig()) is None
     assert QLoraSpec.from_config(tf.BitsAndBytesConfig(**QLoraSpec(compute_dtype="float32").to_bnb())) == QLoraSpec(
@@ -197,32 +207,50 @@ def tunix_logits(model, ids):
     return np.asarray(forward(model, jnp.asarray(ids)), np.float32)
 
 
-def test_qlora_logits_match_transformers_bitsandbytes_and_peft(base, tmp_path):
+@pytest.fixture(scope="module")
+def qlora_port(base, tmp_path_factory):
+    """The two-layer Gemma 4 (k_eq_v global layer: every tile form of
+    `test_blocks_follow_the_hf_input_dimension_into_tunix_axes`) on its double-quantized 4-bit base, with a
+    PEFT adapter of random non-zero B: (base dir, adapter dir, PEFT on transformers + bitsandbytes, the port)."""
+    from gemport.checkpoint import import_peft
+
+    path, adapter = base("gemma4"), tmp_path_factory.mktemp("qlora-adapter")
+    qlora = QLoraSpec(double_quant=True)
+    gpu = peft_adapter(bnb_model(path, True), adapter)
+    lora = import_peft(adapter, base_dir=path)
+    port = apply_lora(load_qlora_model(path, qlora), GemmaSpec.from_hf(path), lora, qlora=qlora)
+    return path, adapter, gpu, port
+
+
+def test_qlora_logits_match_transformers_bitsandbytes_and_peft(qlora_port, tmp_path):
     """The port's QLoRA model (4-bit base + imported adapter) gives PEFT-on-bitsandbytes' logits as closely as
-    the unquantized port gives PEFT-on-float32's (the float32 noise floor, measured here); a port that leaves
-    out double quantization would be caught. Gemma 4 with k_eq_v global layers: every tile form of
-    `test_blocks_follow_the_hf_input_dimension_into_tunix_axes`."""
+    the unquantized port gives float32 PEFT's on the same (dequantized) weights: the float32 noise floor of
+    this very function, measured here. A port that left out double quantization would be caught."""
+    import peft
+
     from gemport.checkpoint import import_peft, load_model
 
-    path, spec, ids = base("gemma4"), GemmaSpec.from_hf(base("gemma4")), token_ids(96)
-    qlora = QLoraSpec(double_quant=True)
-    gpu = peft_adapter(bnb_model(path, True), tmp_path / "adapter")
-    lora = import_peft(tmp_path / "adapter", base_dir=path)
-    port = apply_lora(load_qlora_model(path, qlora), spec, lora, qlora=qlora)
+    path, adapter, gpu, port = qlora_port
+    ids = token_ids(96)
     diff = np.abs(tunix_logits(port, ids) - hf_logits(gpu, ids)).max()
 
-    plain_gpu = peft_adapter(tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                                     attn_implementation="eager"), tmp_path / "p")
-    plain_port = apply_lora(load_model(path, spec=spec), spec, import_peft(tmp_path / "p", base_dir=path))
+    weights = bnb_weights(gpu)
+    plain = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        for name, p in plain.model.named_parameters():
+            if name in weights:
+                p.copy_(torch.from_numpy(weights[name]))
+    plain.save_pretrained(tmp_path / "dequantized")
+    plain_gpu = peft.PeftModel.from_pretrained(plain, adapter)
+    spec = GemmaSpec.from_hf(path)
+    plain_port = apply_lora(load_model(tmp_path / "dequantized", spec=spec), spec, import_peft(adapter, base_dir=path))
     floor = np.abs(tunix_logits(plain_port, ids) - hf_logits(plain_gpu, ids)).max()
     tolerance = 4 * floor
-    print(f"QLoRA logits differ by {diff:.2e}; unquantized port vs float32 PEFT {floor:.2e}")
+    print(f"QLoRA logits differ by {diff:.2e}; the unquantized port on the dequantized weights by {floor:.2e}")
     assert diff <= tolerance
 
     # The bound is tight enough to catch a base that differs by as little as double quantization changes it.
-    import peft
-
-    unnested = peft.PeftModel.from_pretrained(bnb_model(path, False), tmp_path / "adapter").train()
+    unnested = peft.PeftModel.from_pretrained(bnb_model(path, False), adapter).train()
     assert np.abs(hf_logits(unnested, ids) - hf_logits(gpu, ids)).max() > 100 * tolerance
 
 
@@ -295,7 +323,9 @@ def test_qlora_trajectory_agrees_with_trl_on_the_4bit_base(base):
     entries = [e for e in names.entries(GemmaSpec.from_hf(path)) if e.tunix in got]
     base_gap = max(np.abs(got[e.tunix] - e.to_tunix([expected[h] for h in e.hf])).max() for e in entries)
     assert base_gap == 0.0
-    sft = {k: v for k, v in RECIPE.items() if not k.startswith("lora_")} | {"max_steps": 4}
+    # Gradient checkpointing (TRL's default) recomputes the same float32 forward: off, for time.
+    sft = {k: v for k, v in RECIPE.items() if not k.startswith("lora_")} | {"max_steps": 4,
+                                                                          "gradient_checkpointing": False}
     report = trajectory(path, chats(8), sft_config=sft, tokenizer=tokenizer(), progress=False, qlora=qlora,
                         lora_config={"r": 4, "lora_alpha": 8, "target_modules": TARGETS}, tolerances=Tolerances())
     print(report.table())
@@ -303,7 +333,7 @@ def test_qlora_trajectory_agrees_with_trl_on_the_4bit_base(base):
     assert len(report.adapters) == 2 * 7 - 1  # the k_eq_v global layer has no v_proj
 
 
-def test_exports_of_a_qlora_adapter_are_plain_lora_and_merge_onto_the_unquantized_base(base, tmp_path):
+def test_exports_of_a_qlora_adapter_are_plain_lora_and_merge_onto_the_unquantized_base(qlora_port, tmp_path):
     """The PEFT export of a QLoRA model is its adapter, bit for bit; the merged export is PEFT's
     ``merge_and_unload`` onto the unquantized base (not the 4-bit one it trained on): the logits it serves
     differ from the QLoRA model's by the quantization error, measured here."""
@@ -313,14 +343,11 @@ def test_exports_of_a_qlora_adapter_are_plain_lora_and_merge_onto_the_unquantize
     from gemport.checkpoint.safetensors import SafetensorsFile
     from gemport.lora import LoraParams
 
-    path, ids = base("gemma3"), token_ids(96)
-    spec, qlora = GemmaSpec.from_hf(path), QLoraSpec(double_quant=True)
-    gpu = peft_adapter(bnb_model(path, True), tmp_path / "adapter")
-    lora = import_peft(tmp_path / "adapter", base_dir=path)
-    port = apply_lora(load_qlora_model(path, qlora), spec, lora, qlora=qlora)
-    trained = LoraParams(nnx.state(port, nnx.LoRAParam), lora.lora_spec)
-    export_peft(trained, tmp_path / "peft", base_dir=path)
-    given, written = (SafetensorsFile(tmp_path / d / "adapter_model.safetensors") for d in ("adapter", "peft"))
+    path, adapter, gpu, port = qlora_port
+    trained = LoraParams(nnx.state(port, nnx.LoRAParam), import_peft(adapter, base_dir=path).lora_spec)
+    with pytest.warns(UserWarning, match="max_lora_rank"):
+        export_peft(trained, tmp_path / "peft", base_dir=path)
+    given, written = (SafetensorsFile(d / "adapter_model.safetensors") for d in (adapter, tmp_path / "peft"))
     assert set(given.tensors) == set(written.tensors)
     for key in given.tensors:
         assert np.array_equal(given.array(key), written.array(key)), key
@@ -333,6 +360,7 @@ def test_exports_of_a_qlora_adapter_are_plain_lora_and_merge_onto_the_unquantize
         np.testing.assert_allclose(ours.array(name), merged[name].numpy(), atol=1e-6, rtol=0, err_msg=name)
     served = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32,
                                                      attn_implementation="eager")
+    ids = token_ids(96)
     gap = np.abs(hf_logits(served, ids) - hf_logits(gpu, ids)).max()
     print(f"merged onto the unquantized base: logits move by {gap:.3e} from the QLoRA model's")
     assert gap > 1e-3

@@ -28,7 +28,7 @@ from gemport.checkpoint.hf_dir import HFCheckpoint, base_spec
 from gemport.checkpoint.load import _place, _sharding, matched_entries
 from gemport.checkpoint.safetensors import DTYPES
 from gemport.errors import LoraError, MissingDependencyError
-from gemport.lora.qlora import NESTED_BLOCK_SIZE, QUANTIZED, QLoraSpec, is_quantized
+from gemport.lora.qlora import NESTED_BLOCK_SIZE, QLoraSpec, is_quantized
 from gemport.params import abstract_model, flat_params, path_str
 from gemport.partition import axes_of, padded
 from gemport.specs import GemmaSpec
@@ -132,7 +132,7 @@ def load_qlora_model(hf_dir: str | Path, qlora: QLoraSpec, *, spec: GemmaSpec | 
                      dtype=None):
     """Load an HF Gemma checkpoint as a Tunix model on a 4-bit base, quantizing each tensor as it is placed.
 
-    Every projection weight (`QUANTIZED`) becomes a Qwix ``WithAux(QArray)`` (uint4 codes, float32
+    Every projection weight (`gemport.lora.qlora.QUANTIZED`) becomes a Qwix ``WithAux(QArray)`` (uint4 codes, float32
     bitsandbytes scales, see `to_qarray`) in its Tunix sharding (a scale axis that the mesh axis does not
     divide is replicated); every other parameter loads as in `gemport.checkpoint.load_model`. Host memory is
     one tensor and its quantized copies at a time. Give the result to `gemport.lora.apply_lora` with the
