@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
 
-from gemport.errors import GemportError, OptimizerConfigError, SpecError
+from gemport.errors import GemportError, LoraError, OptimizerConfigError, SpecError
 
 # What the comparison fixes on the GPU side whatever the recipe says: one process on CPU, float32, a log
 # line per step, nothing written.
@@ -118,6 +118,8 @@ def read_recipe(path):
     SFTConfig fields are kept as they are; TRL's ModelConfig LoRA fields (``lora_r``, ``lora_alpha``,
     ``lora_dropout``, ``lora_target_modules``, ``use_rslora``) become ``peft.LoraConfig`` fields; model,
     dataset and PEFT switches (``model_name_or_path``, ``dataset_name``, ``use_peft``, ...) are dropped.
+    A recipe with a 4-bit base (``load_in_4bit``) raises ``LoraError``, pointing to ``trajectory(qlora=)``;
+    one `QLoraSpec.from_config` cannot reproduce raises its refusal.
     """
     path = Path(path)
     text = path.read_text()
@@ -131,6 +133,13 @@ def read_recipe(path):
         raise OptimizerConfigError(f"{path}: expected a mapping of SFTConfig fields")
     from trl import SFTConfig
 
+    from gemport.lora import QLoraSpec
+
+    if QLoraSpec.from_config(fields) is not None:
+        raise LoraError(
+            f"{path}: the recipe loads its base in 4 bits (load_in_4bit); this comparison would run it unquantized. "
+            f"Pass qlora=QLoraSpec.from_config({str(path)!r}) to gemport.parity.trajectory (docs: QLoRA)"
+        )
     names = {f.name for f in dataclasses.fields(SFTConfig)}
     sft = {k: v for k, v in fields.items() if k in names}
     lora = {_TRL_LORA[k]: v for k, v in fields.items() if k in _TRL_LORA}
@@ -226,7 +235,7 @@ def miniature(config, out_dir, *, num_layers=6, hidden_size=64, head_dim=16, sli
 
 
 def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer=None, chat_format=None,
-               port_sft_config=None, tolerances=Tolerances(), progress=True):
+               port_sft_config=None, tolerances=Tolerances(), progress=True, qlora=None):
     """Run the GPU recipe and the port for the same steps from the same step-0 adapter; a ``Trajectory``.
 
     base_dir: an HF Gemma checkpoint (the real one, or a miniature of it) with its tokenizer, unless
@@ -243,6 +252,13 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
     The GPU side is TRL's ``SFTTrainer`` on a ``get_peft_model`` of ``base_dir`` (PEFT's initialisation
     under ``torch.manual_seed(seed)``); that adapter is imported into Tunix (``import_peft``) and trained
     with ``train.from_sft_config`` batches, ``train.hf_optimizer`` and ``train.train_step``.
+
+    qlora: a `gemport.lora.QLoraSpec` (QLoRA): the GPU side loads ``base_dir`` through bitsandbytes
+    (``BitsAndBytesConfig(**qlora.to_bnb())``, then ``peft.prepare_model_for_kbit_training`` as TRL does),
+    the port through `gemport.checkpoint.quantize.load_qlora_model`, both computing in float32 as the rest of
+    the comparison does (``bnb_4bit_compute_dtype`` is overridden). The GPU side's adapters stay float32,
+    as PEFT makes them: TRL's cast of a quantized model's adapters to bfloat16 is undone, since the port
+    trains float32 factors (see docs/qlora.md for what that cast changes, measured).
     """
     import jax
     import peft
@@ -255,6 +271,7 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
 
     from gemport import train
     from gemport.checkpoint import import_peft, load_model
+    from gemport.checkpoint.quantize import load_qlora_model
     from gemport.lora import apply_lora
     from gemport.masks import formats
     from gemport.masks.training_template import gemma4_training_template
@@ -277,21 +294,34 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
             tokenizer.chat_template = gemma4_training_template()
 
         torch.manual_seed(gpu_config.seed)
+        if qlora is not None:
+            qlora = dataclasses.replace(qlora, compute_dtype="float32")
+        quantization = transformers.BitsAndBytesConfig(**qlora.to_bnb()) if qlora is not None else None
         model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32,
-                                                                  attn_implementation="eager")
+                                                                  attn_implementation="eager",
+                                                                  quantization_config=quantization)
+        if qlora is not None:
+            model = peft.prepare_model_for_kbit_training(model, gpu_config.gradient_checkpointing)
         model = peft.get_peft_model(model, lora)
         model.save_pretrained(work / "adapter0")
         import datasets
 
+        # TRL 1.x casts a quantized model's adapters to bfloat16; Qwix trains them in float32 (the dtype of the
+        # 4-bit base's scales), as PEFT creates them: compare the float32 recipe (docs/qlora.md).
+        adapters = {n: p.data for n, p in model.named_parameters() if p.requires_grad} if qlora is not None else {}
         trainer = SFTTrainer(model=model, args=gpu_config, train_dataset=datasets.Dataset.from_list(records),
                              processing_class=tokenizer)
+        for name, p in model.named_parameters():
+            if name in adapters:
+                p.data = adapters[name]
         trainer.train()
         logs = [e for e in trainer.state.log_history if "loss" in e and "grad_norm" in e]
 
         spec = GemmaSpec.from_hf(base_dir)
         start = import_peft(work / "adapter0", base_dir=base_dir)
         lora_spec = start.lora_spec
-        port = apply_lora(load_model(base_dir, spec=spec), spec, start)
+        base = load_model(base_dir, spec=spec) if qlora is None else load_qlora_model(base_dir, qlora, spec=spec)
+        port = apply_lora(base, spec, start, qlora=qlora)
         pipeline = train.from_sft_config(port_config, tokenizer, chat_format=chat_format)
         examples, _ = pipeline.examples(records, tokenizer, progress=False)
         hf = train.hf_optimizer(port_config, num_training_steps=port_config.max_steps)

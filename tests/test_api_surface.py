@@ -24,11 +24,11 @@ TOP_LEVEL = [
 SUBPACKAGES = {
     "gemport.checkpoint": [
         "HFCheckpoint", "check_output", "export_merged", "export_peft", "import_peft", "load_hf", "load_model",
-        "load_orbax", "read_lora", "save_hf", "save_lora", "save_lora_spec", "save_orbax",
+        "load_orbax", "load_qlora_model", "read_lora", "save_hf", "save_lora", "save_lora_spec", "save_orbax",
     ],
     "gemport.lora": [
-        "PROJECTIONS", "VLLM_RANKS", "Adapter", "LoraLayout", "LoraParams", "LoraSpec", "Provider", "apply_lora",
-        "factor_specs", "provider",
+        "PROJECTIONS", "VLLM_RANKS", "Adapter", "LoraLayout", "LoraParams", "LoraSpec", "Provider", "QLoraSpec",
+        "apply_lora", "factor_specs", "provider",
     ],
     "gemport.mesh": [
         "HBM", "MemoryPlan", "MeshError", "ShardedDim", "make_mesh", "memory_plan", "sharded_dims", "use_mesh",

@@ -12,6 +12,7 @@ from gemport.checkpoint.merge import export_merged
 from gemport.checkpoint.orbax import load_orbax, save_orbax
 from gemport.checkpoint.output import check_output
 from gemport.checkpoint.peft_io import export_peft, import_peft
+from gemport.checkpoint.quantize import load_qlora_model
 from gemport.checkpoint.save import save_hf
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "load_hf",
     "load_model",
     "load_orbax",
+    "load_qlora_model",
     "read_lora",
     "save_hf",
     "save_lora",

@@ -6,9 +6,12 @@
   and sharded; the one source for loading, exporting, sharding and memory plans.
 - `apply_lora` / `Provider` (``qwix``): Qwix LoRA with PEFT's factors on fused modules and PEFT's
   initialisation.
+- `QLoraSpec` (``qlora``): a QLoRA recipe's bitsandbytes 4-bit base as the Qwix NF4 base gemport loads
+  (`gemport.checkpoint.quantize`).
 """
 
 from gemport.lora.config import PROJECTIONS, VLLM_RANKS, LoraParams, LoraSpec
+from gemport.lora.qlora import QLoraSpec
 from gemport.lora.layout import Adapter, LoraLayout, factor_specs
 from gemport.lora.qwix import Provider, apply_lora, provider
 
@@ -20,6 +23,7 @@ __all__ = [
     "LoraParams",
     "LoraSpec",
     "Provider",
+    "QLoraSpec",
     "apply_lora",
     "factor_specs",
     "provider",

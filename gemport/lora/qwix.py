@@ -73,6 +73,16 @@ class Rule(qwix.LoraRule):
 class Provider(qwix.LoraProvider):
     """``qwix.LoraProvider`` that gives fused modules one A and one B per projection (see the module doc)."""
 
+    def astype(self, x, dtype, *args, **kwargs):
+        # Tunix's Gemma 4 einsums cast their weight to the compute dtype, which Qwix does not intercept; a
+        # 4-bit weight casts its scales, the dtype Qwix dequantizes in.
+        if isinstance(x, ptq.WithAux):
+            return x.replace(array=x.array.astype(dtype))
+        return jnp.astype(x, dtype, *args, **kwargs)
+
+    def get_intercept_map(self):
+        return super().get_intercept_map() | {"jax.numpy.astype": self.astype}
+
     def einsum(self, einsum_str, *operands, **kwargs):
         rule, _ = self._get_current_rule_and_op_id("einsum", only_rule=True)
         if not (isinstance(rule, Rule) and rule.stack is not None):
@@ -124,16 +134,22 @@ def _alternation(paths: list[str]) -> str:
     return "|".join(f"layers/(?:{'|'.join(idx)})/{re.escape(rest)}" for rest, idx in layers.items())
 
 
+# Every Tunix module holding an HF linear projection, for the frozen 4-bit weights QLoRA does not adapt.
+_PROJECTIONS = r"layers/\d+/(?:attn/(?:q|k|kv|qkv|attn_vec)_einsum|mlp/(?:gate|up|down)_proj)"
+
+
 def _rule_key(adapter: Adapter):
     stack = adapter.weight_axes.index("s") if adapter.separate else None
     return adapter.rank, adapter.ranks, adapter.scales, stack
 
 
-def provider(layout: LoraLayout) -> Provider:
+def provider(layout: LoraLayout, *, weight_qtype: str | None = None) -> Provider:
     """The Qwix provider whose rules create exactly ``layout``'s factors, each module with its own scale.
 
     Module paths are anchored (``layers/(?:0|1)/attn/q_einsum``), so they never reach a vision encoder.
     Modules that differ in rank, per-projection ranks, scales or factor form get separate rules.
+    ``weight_qtype`` (QLoRA, e.g. ``"nf4"``): every projection's weight is a pre-quantized Qwix ``QArray``
+    (`gemport.checkpoint.quantize.load_qlora_model`), targeted or not.
     """
     lora_spec = layout.lora_spec
     groups: dict[tuple, list[str]] = defaultdict(list)
@@ -149,11 +165,14 @@ def provider(layout: LoraLayout) -> Provider:
             lora_a_initializer=lora_a_init(lora_spec.init, ranks, stack is not None),
             stack=stack,
             scales=scales,
+            weight_qtype=weight_qtype,
         ))
+    if weight_qtype is not None:
+        rules.append(qwix.QuantizationRule(module_path=_PROJECTIONS, weight_qtype=weight_qtype))
     return Provider(rules)
 
 
-def apply_lora(model, spec: GemmaSpec, lora: LoraSpec | LoraParams, *, seed: int = 0):
+def apply_lora(model, spec: GemmaSpec, lora: LoraSpec | LoraParams, *, seed: int = 0, qlora=None):
     """LoRA on a Tunix Gemma model; returns the new model (the input is not modified).
 
     The new model carries its spec as ``model.lora_spec`` (static, kept through ``nnx.split``/``merge``), so
@@ -169,6 +188,8 @@ def apply_lora(model, spec: GemmaSpec, lora: LoraSpec | LoraParams, *, seed: int
       lora: a `LoraSpec`, for fresh factors started per ``lora.init`` from ``seed`` (B zero, as PEFT); or
         `LoraParams` (e.g. from `gemport.checkpoint.import_peft` or `read_lora`), whose factors are placed into
         the new model's shardings.
+      qlora: the `gemport.lora.QLoraSpec` of a 4-bit base from `gemport.checkpoint.quantize.load_qlora_model`
+        (QLoRA); the factors are then float32, the dtype of the base's scales, as Qwix makes them.
 
     Raises:
       MissingTensorError, UnexpectedTensorError, ShapeMismatchError, LoraError: ``lora.params`` does not hold
@@ -181,8 +202,8 @@ def apply_lora(model, spec: GemmaSpec, lora: LoraSpec | LoraParams, *, seed: int
     tokens = jnp.zeros((1, 2), jnp.int32)
     positions = jnp.arange(2)[None]
     mask = jnp.tril(jnp.ones((1, 2, 2), bool))
-    lora_model = qwix.apply_lora_to_model(model, provider(layout), tokens, positions, None, mask,
-                                          rngs=nnx.Rngs(seed))
+    rules = provider(layout, weight_qtype=qlora.qtype if qlora is not None else None)
+    lora_model = qwix.apply_lora_to_model(model, rules, tokens, positions, None, mask, rngs=nnx.Rngs(seed))
     if params is not None:
         given = flat_params(params)
         layout.match(given, source="params")

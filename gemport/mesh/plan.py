@@ -10,7 +10,9 @@ from gemport.errors import MeshError
 from gemport.mesh.activations import StepMemory, step_memory
 from gemport.mesh.dims import FSDP, TP, annotated
 from gemport.mesh.factory import check, valid_tp
-from gemport.lora import LoraLayout, LoraSpec
+from gemport.lora import LoraLayout, LoraSpec, QLoraSpec
+from gemport.checkpoint import quantize
+from gemport.lora.qlora import is_quantized
 from gemport.partition import bytes_per_device
 from gemport.specs import GemmaSpec
 
@@ -113,6 +115,7 @@ def memory_plan(
     remat: str = "none",
     dtype=None,
     backend: str = "tpu",
+    qlora: QLoraSpec | None = None,
 ) -> MemoryPlan:
     """Per-device bytes of params, LoRA params and Adam moments on an (fsdp, tp) mesh.
 
@@ -132,12 +135,21 @@ def memory_plan(
         ``remat_config``), logits and loss temporaries (``gemport.mesh.activations.step_memory``).
       dtype: the compute dtype of activations (default ``param_dtype``).
       backend: ``"cpu"`` adds the weight copy XLA:CPU makes for its dots, to compare with a CPU compile.
+      qlora: a 4-bit base (QLoRA): every projection weight counts its 4-bit codes and float32 block scales
+        as `gemport.checkpoint.quantize.load_qlora_model` places them, and the LoRA factors default to
+        float32, the dtype Qwix gives them on a 4-bit base.
     """
     check(spec, fsdp, tp)
     sizes = {FSDP: fsdp, TP: tp}
     params = annotated(spec)
     # Tunix creates every parameter in param_dtype, so elements per device times one itemsize is exact.
     base_elements = sum(bytes_per_device(shape, ann, sizes, 1) for _, shape, ann, _ in params)
+    base_bytes = base_elements * np.dtype(param_dtype).itemsize
+    if qlora is not None:
+        base_bytes = sum(quantize.bytes_per_device(e, ann, sizes, qlora) if is_quantized(e)
+                         else bytes_per_device(shape, ann, sizes, np.dtype(param_dtype).itemsize)
+                         for _, shape, ann, e in params)
+        lora_dtype = lora_dtype or "float32"
     trainable_dtype = np.dtype(param_dtype)
     lora_elements = 0
     if lora is not None:
@@ -155,7 +167,7 @@ def memory_plan(
     return MemoryPlan(
         fsdp,
         tp,
-        base_elements * np.dtype(param_dtype).itemsize,
+        base_bytes,
         lora_elements * trainable_dtype.itemsize,
         2 * trainable * moments_item,
         _hbm(hbm_bytes),
