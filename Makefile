@@ -30,7 +30,7 @@ vllm: $(VLLM_STAMP)
 demo: $(STAMP)
 	$(PY) examples/port_gemma4.py
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q
 	$(VENV)/bin/mkdocs build --strict --quiet --site-dir build/site
 
