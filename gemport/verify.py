@@ -17,6 +17,7 @@ import numpy as np
 from gemport.engines import Served, serve_vllm
 from gemport.extras import require
 from gemport.parity import Tolerances, Trajectory, trajectory
+from gemport.specs import GemmaSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,12 +181,13 @@ def compare_vllm(hf_dir: str | Path, *, adapter_dir: str | Path | None = None, t
       One `ContinuationReport` per reference: transformers first, then Tunix.
     """
     torch = require("torch", "verifying against transformers")
-    hf = transformers_model(hf_dir, adapter_dir=adapter_dir)
     if prompts is None:
-        vocab = hf.config.get_text_config().vocab_size
+        vocab = GemmaSpec.from_hf(hf_dir).vocab
         prompts = np.random.default_rng(seed).integers(0, vocab, (num_prompts, seq_len), dtype=np.int32)
     served = serve_vllm([(hf_dir, [adapter_dir])], prompts, max_tokens=max_tokens, dtype=dtype, python=python)[0][0]
     tokens = np.concatenate([prompts, served.tokens.astype(prompts.dtype)], axis=1)
+    # Loaded after vLLM is done, so that the host holds one model at a time.
+    hf = transformers_model(hf_dir, adapter_dir=adapter_dir)
     with torch.no_grad():
         logits = hf(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()
     name = "transformers + peft" if adapter_dir is not None else "transformers"

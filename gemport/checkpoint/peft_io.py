@@ -226,7 +226,7 @@ def _checked_copies(weights: SafetensorsFile, prefix: str, layout: LoraLayout) -
                     f"factors of {of.rsplit('.', 2)[0]!r}; remove it, or add the missing factor"
                 )
             copy, original = weights.array(key), weights.array(of)
-            if copy.dtype != original.dtype or copy.shape != original.shape or not np.array_equal(copy, original):
+            if copy.dtype != original.dtype or copy.shape != original.shape or copy.tobytes() != original.tobytes():
                 raise LoraError(
                     f"{weights.path}: {key!r} ({copy.dtype} {list(copy.shape)}) is not a copy of {of!r} "
                     f"({original.dtype} {list(original.shape)}): layer {k.split('.')[1]} is k_eq_v (V is K, no "
@@ -267,8 +267,8 @@ def peft_for_vllm(adapter_dir: str | Path, out_dir: str | Path, *, base_dir: str
     added = []
     for k, v in copies.items():
         if f"{prefix}{v}.lora_A.weight" not in weights.tensors:
-            sources += [TensorSource.copy_of(f"{prefix}{v}.lora_{x}.weight", weights.tensors[f"{prefix}{k}.lora_{x}.weight"])
-                        for x in "AB"]
+            sources += [TensorSource.copy_of(f"{prefix}{v}.lora_{x}.weight",
+                                             weights.tensors[f"{prefix}{k}.lora_{x}.weight"]) for x in "AB"]
             added.append(prefix.removeprefix(PEFT_PREFIX) + v)
     with atomic_dir(out) as tmp:
         write_file(tmp / ADAPTER_WEIGHTS, sources, weights.metadata)
