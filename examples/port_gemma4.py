@@ -32,7 +32,7 @@ DATA = Path(__file__).parent / "data" / "verilog_chat.jsonl"
 # The GPU recipe, as the TRL/PEFT run configured it.
 PEFT_CONFIG = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "lora_dropout": 0.0,
                "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
-TRAINING_ARGS = {"learning_rate": 3e-3, "lr_scheduler_type": "cosine", "warmup_ratio": 0.1, "weight_decay": 0.01,
+TRAINING_ARGS = {"learning_rate": 3e-3, "lr_scheduler_type": "cosine", "warmup_steps": 0.1, "weight_decay": 0.01,
                  "max_grad_norm": 1.0, "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_epsilon": 1e-8,
                  "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "seed": 42}
 

@@ -181,6 +181,7 @@ def miniature(config, out_dir, *, num_layers=6, hidden_size=64, head_dim=16, sli
 
     from gemport.checkpoint.output import atomic_dir
     from gemport.jsonfile import read_json
+    from gemport.specs import GemmaSpec
 
     if not isinstance(config, Mapping):
         config = read_json(config, "config.json", SpecError, "an HF checkpoint directory or its config.json")
@@ -188,6 +189,8 @@ def miniature(config, out_dir, *, num_layers=6, hidden_size=64, head_dim=16, sli
     model_type = {"gemma4": "gemma4_text", "gemma3": "gemma3_text"}.get(fields.get("model_type"), fields.get("model_type"))
     if model_type not in ("gemma4_text", "gemma3_text"):
         raise SpecError(f"miniature: model_type {fields.get('model_type')!r} is not a Gemma 3 or Gemma 4 text model")
+    if model_type == "gemma4_text":
+        global_kv = GemmaSpec.from_hf(dict(fields, model_type=model_type)).global_kv_heads
     layer_types = list(fields.get("layer_types") or [])[:num_layers]
     if layer_types:
         layer_types[-1] = "full_attention"
@@ -197,7 +200,9 @@ def miniature(config, out_dir, *, num_layers=6, hidden_size=64, head_dim=16, sli
     if layer_types:
         fields["layer_types"] = layer_types
     if model_type == "gemma4_text":
-        fields["global_head_dim"] = 2 * head_dim
+        # The global layers' widths in the keys every transformers release reads (5.15+ derives per_layer_config).
+        fields.pop("per_layer_config", None)
+        fields.update(global_head_dim=2 * head_dim, num_global_key_value_heads=global_kv)
         if fields.get("hidden_size_per_layer_input"):
             fields["hidden_size_per_layer_input"] = 8
         if fields.get("num_kv_shared_layers"):

@@ -1,6 +1,8 @@
 """HF <-> Tunix checkpoint bridge against real transformers and Tunix models."""
 
 import json
+import shutil
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -32,6 +34,19 @@ def test_tunix_logits_equal_transformers(hf_checkpoint, name, kind):
     ids = token_ids(model.config.get_text_config().vocab_size)
     tunix = load_model(path)
     np.testing.assert_allclose(tunix_logits(tunix, ids), hf_logits(model, ids), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("generation", ["5.12", "5.24"])
+def test_gemma4_loads_under_the_config_of_either_transformers_generation(hf_checkpoint, tmp_path, generation):
+    # The weights are laid out alike; only config.json changed (5.15 moved the global widths to per_layer_config).
+    model, path = hf_checkpoint("gemma4_dense")
+    for file in path.iterdir():
+        if file.name != "config.json":
+            shutil.copy(file, tmp_path)
+    (tmp_path / "config.json").write_bytes((Path(__file__).parent / "data" / f"gemma4_config_{generation}.json")
+                                           .read_bytes())
+    ids = token_ids(model.config.vocab_size)
+    np.testing.assert_allclose(tunix_logits(load_model(tmp_path), ids), hf_logits(model, ids), atol=1e-5, rtol=0)
 
 
 def test_older_gemma3_multimodal_layout_loads(hf_checkpoint, tmp_path):

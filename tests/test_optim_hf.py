@@ -13,7 +13,7 @@ from transformers import TrainingArguments
 
 from gemport.errors import GemportError, OptimizerConfigError
 from gemport.optim import from_hf
-from gemport.optim.hf import _MUST_BE_DEFAULT, _READ
+from gemport.optim.hf import _MUST_BE_DEFAULT, _OLDER, _READ
 
 STEPS = 30
 
@@ -38,6 +38,8 @@ def test_defaults_are_transformers_defaults():
     fields = {f.name: f for f in dataclasses.fields(TrainingArguments)}
     declared = {**_READ, **{name: default for name, (default, _) in _MUST_BE_DEFAULT.items()}}
     assert {name: fields[name].default for name in declared} == declared
+    assert {name: fields[name].default for name in _OLDER if name in fields} == {
+        name: default for name, default in _OLDER.items() if name in fields}
 
 
 def test_an_empty_dict_is_default_training_arguments(tmp_path):
@@ -56,7 +58,7 @@ RECIPE = dict(
     max_grad_norm=0.3,
     lr_scheduler_type="cosine_with_restarts",
     lr_scheduler_kwargs={"num_cycles": 2},
-    warmup_ratio=0.1,
+    warmup_steps=0.1,
     optim="adamw_torch",
 )
 
@@ -70,6 +72,23 @@ def test_a_dict_of_fields_is_the_same_training_arguments(tmp_path):
     # Every field counts: the recipe differs from the defaults in its result.
     default = run(from_hf({}, num_training_steps=STEPS).tx)
     assert not np.allclose(run(from_dict.tx)["layer.weight"], default["layer.weight"])
+
+
+def test_warmup_ratio_of_older_recipes_is_a_fractional_warmup_steps():
+    # transformers 5.15 removed warmup_ratio (warmup_steps below 1 is the ratio): recipes of both generations read.
+    older = dict(RECIPE, warmup_steps=7, warmup_ratio=0.1)
+    schedules = [from_hf(fields, num_training_steps=STEPS).schedule(jnp.arange(STEPS)) for fields in (older, RECIPE)]
+    np.testing.assert_array_equal(*schedules)
+    assert not np.array_equal(schedules[0], from_hf(dict(RECIPE, warmup_steps=7), num_training_steps=STEPS)
+                              .schedule(jnp.arange(STEPS)))
+
+
+@pytest.mark.skipif("warmup_ratio" not in {f.name for f in dataclasses.fields(TrainingArguments)},
+                    reason="this transformers has no TrainingArguments.warmup_ratio (removed in 5.15)")
+def test_training_arguments_warmup_ratio_where_transformers_has_it(tmp_path):
+    ratio = from_hf(training_args(tmp_path, warmup_ratio=0.1), num_training_steps=STEPS)
+    steps = from_hf(training_args(tmp_path, warmup_steps=0.1), num_training_steps=STEPS)
+    np.testing.assert_array_equal(ratio.schedule(jnp.arange(STEPS)), steps.schedule(jnp.arange(STEPS)))
 
 
 def test_weight_decay_spares_norms():

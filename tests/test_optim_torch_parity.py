@@ -123,7 +123,7 @@ CASES = {
     "linear": dict(lr_scheduler_type="linear", warmup_steps=20),
     "cosine": dict(lr_scheduler_type="cosine", warmup_steps=0.1),
     "cosine_with_restarts": dict(
-        lr_scheduler_type="cosine_with_restarts", warmup_ratio=0.05, lr_scheduler_kwargs={"num_cycles": 3}
+        lr_scheduler_type="cosine_with_restarts", warmup_steps=0.05, lr_scheduler_kwargs={"num_cycles": 3}
     ),
     "polynomial": dict(
         lr_scheduler_type="polynomial", warmup_steps=10, lr_scheduler_kwargs={"lr_end": 1e-4, "power": 2.0}

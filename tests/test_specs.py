@@ -1,6 +1,7 @@
 """GemmaSpec from HF configs and presets, and its Tunix configs."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import transformers as tf
@@ -80,6 +81,73 @@ def test_from_hf_reads_legacy_gemma3_rope_keys():
     assert (spec.global_rope_base, spec.local_rope_base, spec.global_rope_scale) == (1e6, 1e4, 8.0)
     modern = tf.Gemma3TextConfig(**{k: v for k, v in legacy.items() if k != "model_type"}).to_dict()
     assert GemmaSpec.from_hf(modern) == spec
+
+
+GEMMA4 = sorted(name for name, fields in TEXT_CONFIGS.items() if fields["model_type"] == "gemma4_text")
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.mark.parametrize("name", GEMMA4)
+def test_gemma4_widths_are_those_of_the_installed_transformers(name, tmp_path):
+    """config.json as the installed transformers writes it gives each layer the widths its model builds."""
+    cfg = text_config(name)
+    cfg.save_pretrained(tmp_path)
+    spec = GemmaSpec.from_hf(tmp_path)
+    model = tf.Gemma4ForCausalLM(cfg)
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        assert spec.layer_head_dim(i) == attn.head_dim == attn.q_proj.out_features // cfg.num_attention_heads, i
+        if hasattr(attn, "k_proj"):
+            assert spec.layer_kv_heads(i) * attn.head_dim == attn.k_proj.out_features, i
+
+
+def test_gemma4_config_files_of_both_generations_read_alike():
+    # Stored as transformers 5.12 (global_head_dim, num_global_key_value_heads) and 5.24 (per_layer_config) wrote
+    # the same gemma4_dense config.
+    older = GemmaSpec.from_hf(DATA / "gemma4_config_5.12.json")
+    newer = GemmaSpec.from_hf(DATA / "gemma4_config_5.24.json")
+    assert older == newer
+    assert (older.head_dim, older.num_kv_heads, older.global_head_dim, older.global_kv_heads) == (8, 2, 16, 1)
+    written = GemmaSpec.from_hf(older.to_hf_config())
+    assert written == older
+    assert GemmaSpec.from_hf({k: v for k, v in older.to_hf_config().items() if k != "per_layer_config"}) == older
+    assert GemmaSpec.from_hf({k: v for k, v in older.to_hf_config().items()
+                              if k not in ("global_head_dim", "num_global_key_value_heads")}) == older
+
+
+def test_a_gemma4_config_without_global_widths_takes_transformers_default():
+    fields = {k: v for k, v in TEXT_CONFIGS["gemma4_dense"].items() if k != "global_head_dim"}
+    assert GemmaSpec.from_hf(fields).global_head_dim == 512 == tf.Gemma4TextConfig(
+        **{k: v for k, v in fields.items() if k != "model_type"}).to_dict().get("global_head_dim", 512)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"per_layer_config": {"5": {"head_dim": 32, "num_key_value_heads": 1}}}, "global_head_dim=16 disagrees"),
+        ({"per_layer_config": {"5": {"head_dim": 16, "num_key_value_heads": 2}}},
+         "num_global_key_value_heads=1 disagrees"),
+        ({"per_layer_config": {"0": {"head_dim": 16}, "5": {"head_dim": 16}}}, r"per_layer_config\[0\]: a sliding"),
+        ({"per_layer_config": {"5": {"head_dim": 16, "sliding_window": 8}}}, "overrides.*sliding_window"),
+        ({"per_layer_config": {"5": {"head_dim": 16}, "9": {"head_dim": 16}}}, r"layers \['9'\]"),
+        ({"per_layer_config": {"5": {"head_dim": "wide"}}}, r"per_layer_config\[5\].*head_dim='wide'"),
+        ({"per_layer_config": {"5": {"num_key_value_heads": 3}}}, "not a multiple of num_key_value_heads=3"),
+        ({"per_layer_config": [16]}, "per_layer_config"),
+    ],
+)
+def test_inconsistent_gemma4_per_layer_configs_are_errors(change, message):
+    cfg = dict(TEXT_CONFIGS["gemma4_dense"], **change)
+    if "disagrees" not in message:
+        cfg = {k: v for k, v in cfg.items() if k not in ("global_head_dim", "num_global_key_value_heads")}
+    with pytest.raises(SpecError, match=message):
+        GemmaSpec.from_hf(cfg)
+
+
+def test_gemma4_global_layers_must_share_their_widths():
+    cfg = dict(TEXT_CONFIGS["gemma4_ple"], per_layer_config={"4": {"head_dim": 32}, "6": {"head_dim": 64}})
+    cfg.pop("global_head_dim")
+    with pytest.raises(SpecError, match="per_layer_config\\[6\\].*differs from another global layer"):
+        GemmaSpec.from_hf(cfg)
 
 
 @pytest.mark.parametrize(

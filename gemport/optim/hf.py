@@ -13,8 +13,8 @@ from gemport.optim.decay import decay_mask
 from gemport.optim.schedules import hf_schedule
 from gemport.options import one_of
 
-# TrainingArguments fields from_hf reads, with their transformers 5.12 defaults (used for dict keys
-# that are absent). Note the pitfalls: weight decay 0.0 (optax.adamw: 1e-4, torch AdamW: 1e-2) and
+# TrainingArguments fields from_hf reads, with their defaults in every transformers gemport supports (used for
+# dict keys that are absent). Note the pitfalls: weight decay 0.0 (optax.adamw: 1e-4, torch AdamW: 1e-2) and
 # clipping on at 1.0 (optax.adamw: none).
 _READ = {
     "learning_rate": 5e-5,
@@ -26,10 +26,13 @@ _READ = {
     "lr_scheduler_type": "linear",
     "lr_scheduler_kwargs": None,
     "warmup_steps": 0,
-    "warmup_ratio": None,
     "optim": "adamw_torch_fused",
     "gradient_accumulation_steps": 1,
 }
+
+# Fields of older TrainingArguments (transformers 5.15 removed warmup_ratio: warmup_steps below 1 is the
+# ratio since), still read from recipes and objects that have them.
+_OLDER = {"warmup_ratio": None}
 
 # Fields that change the optimizer step in ways gemport does not reproduce: each must keep its
 # default, else the error gives the reason.
@@ -100,11 +103,11 @@ def _fields(training_args_or_dict: Any) -> dict[str, Any]:
             f"{training_args_or_dict!r:.80} is neither TrainingArguments nor a dict of its fields; pass one of those"
         )
     return fields_of(training_args_or_dict,
-                     {**_READ, **{name: default for name, (default, _) in _MUST_BE_DEFAULT.items()}})
+                     {**_READ, **_OLDER, **{name: default for name, (default, _) in _MUST_BE_DEFAULT.items()}})
 
 
 def _warmup_steps(fields: Mapping[str, Any], num_training_steps: int) -> int:
-    # TrainingArguments moves a set warmup_ratio into warmup_steps; below 1 it is a ratio.
+    # Older TrainingArguments move a set warmup_ratio into warmup_steps; below 1 it is a ratio.
     warmup = fields["warmup_steps"] if fields["warmup_ratio"] is None else fields["warmup_ratio"]
     if warmup < 0:
         raise OptimizerConfigError(f"warmup_steps must be >= 0, got {warmup}.")
@@ -115,7 +118,7 @@ def from_hf(training_args_or_dict: Any, *, num_training_steps: int, params: opta
     """Map HF ``TrainingArguments`` to the Optax transformation of the HF Trainer's optimizer step.
 
     ``training_args_or_dict`` is a ``transformers.TrainingArguments`` (or a subclass such as TRL's
-    ``SFTConfig``) or a plain dict of its fields; absent keys take transformers 5.12's defaults,
+    ``SFTConfig``) or a plain dict of its fields; absent keys take transformers' defaults,
     keys that do not bear on the optimizer step are ignored. ``num_training_steps`` is the number
     of optimizer steps, as passed to ``Trainer.create_scheduler``.
 
@@ -127,8 +130,8 @@ def from_hf(training_args_or_dict: Any, *, num_training_steps: int, params: opta
       rate as in ``torch.optim.AdamW``, masked by ``decay_mask`` (HF's exclusion of biases and
       norm weights). With ``params`` the mask is computed now from that pytree; with ``None`` it
       is computed from the params given to ``init``, so it fits any tree (a LoRA-only state too).
-    - ``lr_scheduler_type``, ``lr_scheduler_kwargs`` and ``warmup_steps`` (or ``warmup_ratio``;
-      a value below 1 is a ratio, rounded up to steps): ``hf_schedule``.
+    - ``lr_scheduler_type``, ``lr_scheduler_kwargs`` and ``warmup_steps`` (a value below 1 is a ratio,
+      rounded up to steps; an older recipe's ``warmup_ratio``, where set, replaces it): ``hf_schedule``.
     - ``gradient_accumulation_steps > 1``: ``accumulate_tokens``; then ``update`` takes gradients
       of each micro-batch's summed token loss and ``num_tokens=``. With 1, ``update`` takes the
       gradient of the batch's mean token loss, which is HF's loss normalisation for one batch.

@@ -72,8 +72,13 @@ def hf_config(spec: GemmaSpec) -> dict[str, Any]:
         **common,
         "architectures": ["Gemma4ForCausalLM"],
         "model_type": "gemma4_text",
+        # Both generations of the format, so that transformers before and after 5.15 read the same widths.
         "global_head_dim": spec.global_head_dim,
         "num_global_key_value_heads": spec.global_kv_heads,
+        "per_layer_config": {
+            str(i): {"head_dim": spec.global_head_dim, "num_key_value_heads": spec.global_kv_heads}
+            for i, kind in enumerate(spec.layer_types) if kind == GLOBAL
+        },
         "attention_k_eq_v": spec.k_eq_v,
         "hidden_size_per_layer_input": spec.per_layer_input_dim,
         "vocab_size_per_layer_input": spec.vocab,
@@ -229,6 +234,7 @@ def _gemma4_from_hf(cfg: Fields) -> GemmaSpec:
     if per_token > experts:
         raise SpecError(f"{cfg.source}: top_k_experts={per_token} is more than num_experts={experts}")
     head_dim = cfg.integer("head_dim", 256)
+    global_head_dim, global_kv = _global_attention(cfg, layer_types, head_dim, kv)
     softcap = cfg.number("final_logit_softcapping", None)
     if softcap is not None and softcap <= 0:
         cfg.fail("final_logit_softcapping", softcap, "a positive number or null")
@@ -241,8 +247,8 @@ def _gemma4_from_hf(cfg: Fields) -> GemmaSpec:
         num_heads=heads,
         head_dim=head_dim,
         num_kv_heads=kv,
-        global_head_dim=cfg.integer("global_head_dim", head_dim),
-        global_kv_heads=_heads(cfg, heads, "num_global_key_value_heads", kv),
+        global_head_dim=global_head_dim,
+        global_kv_heads=global_kv,
         sliding_window=cfg.integer("sliding_window"),
         layer_types=layer_types,
         k_eq_v=bool(cfg.data.get("attention_k_eq_v")),
@@ -258,6 +264,54 @@ def _gemma4_from_hf(cfg: Fields) -> GemmaSpec:
         global_rope_base=full.number("rope_theta", 1_000_000.0),
         global_rope_fraction=fraction,
     )
+
+
+# What transformers assumes for a Gemma 4 config that names no global head width.
+_HF_GLOBAL_HEAD_DIM = 512
+_PER_LAYER_KEYS = {"head_dim": "global_head_dim", "num_key_value_heads": "num_global_key_value_heads"}
+
+
+def _global_attention(cfg: Fields, layer_types: tuple[str, ...], head_dim: int, kv: int) -> tuple[int, int]:
+    """``(global_head_dim, global_kv_heads)`` from either generation of Gemma 4 config.
+
+    transformers before 5.15 writes ``global_head_dim`` and ``num_global_key_value_heads`` (the latter used on
+    ``attention_k_eq_v`` layers only); from 5.15 it writes ``per_layer_config`` (``{"5": {"head_dim": 512,
+    "num_key_value_heads": 4}}``), sparse overrides of the layer-wide fields. Where both appear they must agree.
+    """
+    heads = cfg.integer("num_attention_heads")
+    legacy_kv = _heads(cfg, heads, "num_global_key_value_heads", kv) if cfg.data.get("attention_k_eq_v") else kv
+    legacy = {"head_dim": cfg.integer("global_head_dim", _HF_GLOBAL_HEAD_DIM), "num_key_value_heads": legacy_kv}
+    if cfg.data.get("per_layer_config") is None:
+        return legacy["head_dim"], legacy["num_key_value_heads"]
+    per_layer = cfg.mapping("per_layer_config")
+    layer_wide = {"head_dim": head_dim, "num_key_value_heads": kv}
+    found: dict[str, dict[str, int]] = {SLIDING: {}, GLOBAL: {}}
+    for index, kind in enumerate(layer_types):
+        raw = per_layer.get(str(index), per_layer.get(index))
+        overrides = Fields(raw if raw is not None else {}, f"{cfg.source}: per_layer_config[{index!r}]", SpecError)
+        unknown = sorted(set(overrides.data) - set(_PER_LAYER_KEYS))
+        if unknown:
+            raise SpecError(f"{overrides.source} overrides {unknown}; Tunix Gemma 4 varies only head_dim and "
+                            "num_key_value_heads between layers")
+        values = {key: overrides.integer(key, layer_wide[key]) for key in _PER_LAYER_KEYS}
+        if kind == SLIDING and values != layer_wide:
+            raise SpecError(f"{overrides.source}: a sliding layer with {values}; Tunix Gemma 4 gives sliding "
+                            f"layers the layer-wide {layer_wide}")
+        if found[kind] and values != found[kind]:
+            raise SpecError(f"{overrides.source}: {values} differs from another global layer's {found[kind]}; "
+                            "Tunix Gemma 4 gives every global layer the same attention widths")
+        found[kind] = values
+    extra = sorted(str(k) for k in per_layer if str(k) not in {str(i) for i in range(len(layer_types))})
+    if extra:
+        raise SpecError(f"{cfg.source}: per_layer_config names layers {extra}, outside num_hidden_layers="
+                        f"{len(layer_types)}")
+    values = found[GLOBAL] or layer_wide
+    _heads(Fields(values, f"{cfg.source}: per_layer_config", SpecError), heads, "num_key_value_heads", kv)
+    for key, legacy_key in _PER_LAYER_KEYS.items():
+        if legacy_key in cfg.data and cfg.data[legacy_key] is not None and legacy[key] != values[key]:
+            raise SpecError(f"{cfg.source}: {legacy_key}={legacy[key]} disagrees with per_layer_config's "
+                            f"{key}={values[key]} on the global layers; write the config again with one of them")
+    return values["head_dim"], values["num_key_value_heads"]
 
 
 def _check_kv_sharing(layer_types: tuple[str, ...], shared: int) -> None:
