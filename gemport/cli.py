@@ -126,11 +126,42 @@ def verify(args) -> int:
         spec = _spec(str(base))
         lora = read_lora(args.lora, lora_spec=_lora_spec(args.lora_config), step=args.step)
         model = apply_lora(load_model(base, spec=spec), spec, lora)
+    elif args.engine == "vllm":
+        model = None
     else:
         model = load_model(hf_dir)
+    if args.engine == "vllm":
+        return _verify_vllm(args, hf_dir, adapter, model)
     report = compare_logits(hf_dir, model, adapter_dir=adapter, seq_len=args.seq_len, atol=args.atol)
     print(report)
     return 0 if report.ok else 1
+
+
+def _verify_vllm(args, hf_dir: Path, adapter: Path | None, tunix_model) -> int:
+    from gemport.checkpoint import vllm_misserved
+    from gemport.verify import compare_vllm
+
+    misserved = vllm_misserved(adapter, spec=_spec(str(hf_dir))) if adapter else []
+    if misserved:
+        print(f"vLLM serves V without k_proj's delta on the k_eq_v layers of {', '.join(misserved)} (no v_proj "
+              f"copy; transformers + PEFT give V that delta): `gemport peft-for-vllm {adapter} {hf_dir} OUT` writes "
+              "the adapter vLLM serves exactly")
+    reports = compare_vllm(hf_dir, adapter_dir=adapter, tunix_model=tunix_model, num_prompts=args.prompts,
+                           seq_len=args.seq_len, max_tokens=args.max_tokens, atol=args.atol, dtype=args.dtype,
+                           python=args.vllm_python)
+    for report in reports:
+        print(report)
+    return 0 if all(r.ok for r in reports) else 1
+
+
+def peft_for_vllm(args) -> int:
+    from gemport.checkpoint import peft_for_vllm as rewrite
+
+    _check_out(args)
+    out, added = rewrite(args.adapter, args.out, spec=_spec(args.model))
+    print(f"wrote {out} (" + (f"v_proj copies of k_proj on {len(added)} k_eq_v layers: {', '.join(added)}"
+                              if added else "vLLM serves it as it was: nothing added") + ")")
+    return 0
 
 
 def parity(args) -> int:
@@ -223,8 +254,32 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--step", type=int, help="checkpoint step (default: latest)")
     c.add_argument("--lora-config", help="PEFT adapter_config.json, if no LoRA spec was recorded")
     c.add_argument("--seq-len", type=int, default=16, help="tokens per row (default 16)")
-    c.add_argument("--atol", type=float, default=1e-4, help="max-abs tolerance (default 1e-4)")
+    c.add_argument("--atol", type=float, default=1e-4, help="max-abs tolerance on logits, or on log-probabilities "
+                                                           "with --engine vllm (default 1e-4)")
+    c.add_argument("--engine", choices=("tunix", "vllm"), default="tunix",
+                   help="tunix (default): logits of Tunix and transformers; vllm: serve HF_DIR (a merged export, "
+                        "or a PEFT adapter on --base) on vLLM and compare its greedy continuations and top-5 "
+                        "logprobs with transformers (+ peft) and, with --lora, Tunix; exit 1 naming the first "
+                        "prompt and position that differ")
+    c.add_argument("--vllm-python", help="the python of a venv with vLLM (default $GEMPORT_VLLM_PYTHON, else this "
+                                         "one; `make vllm` creates .venv-vllm)")
+    c.add_argument("--prompts", type=int, default=3, help="--engine vllm: random prompts of --seq-len tokens "
+                                                          "(default 3)")
+    c.add_argument("--max-tokens", type=int, default=8, help="--engine vllm: tokens generated per prompt (default 8)")
+    c.add_argument("--dtype", default="float32", help="--engine vllm: vLLM's dtype (default float32, as the "
+                                                      "references compute; bfloat16 for a model too large for it, "
+                                                      "with a looser --atol)")
     c.set_defaults(run=verify)
+
+    c = sub.add_parser("peft-for-vllm", help="a PEFT adapter made elsewhere -> one vLLM serves exactly",
+                       description="Copy a PEFT adapter (e.g. trained with PEFT on GPUs), adding on Gemma 4's k_eq_v "
+                                   "layers (V is K) k_proj's factors under v_proj's name: vLLM applies k_proj's LoRA "
+                                   "to K only, transformers + PEFT to K and V. PEFT ignores the copies; everything "
+                                   "else is copied byte for byte.")
+    c.add_argument("adapter", help="the PEFT adapter directory")
+    c.add_argument("model", help=f"the base it adapts: {model_help}")
+    c.add_argument("out", help="the output directory (must not exist)")
+    c.set_defaults(run=peft_for_vllm)
 
     c = sub.add_parser("parity", help="the GPU recipe (TRL + PEFT) and the port, step by step, on CPU",
                        description="Train N steps of the recipe with TRL's SFTTrainer + PEFT on torch and with "

@@ -56,6 +56,11 @@ class OptimizerConfigError(GemportError, ValueError):
     """HF TrainingArguments ask for something gemport cannot reproduce in Optax."""
 
 
+class EngineError(GemportError):
+    """A serving engine (vLLM) refused a checkpoint or adapter, or failed while serving it; the message is the
+    engine's."""
+
+
 class MissingDependencyError(GemportError, ImportError):
     """An optional dependency a feature needs is not installed; the message names the pip extra."""
 
@@ -63,6 +68,7 @@ class MissingDependencyError(GemportError, ImportError):
 __all__ = [
     "CheckpointError",
     "CorruptFileError",
+    "EngineError",
     "GemportError",
     "LoraError",
     "MaskError",

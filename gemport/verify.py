@@ -1,8 +1,9 @@
 """Logit agreement between a Tunix model and transformers on an HF checkpoint (needs the ``hf`` extra).
 
 The one check that says a port changed nothing underneath: the same tokens through both stacks, the
-largest logit difference reported beside the largest logit. ``trajectory`` (from `gemport.parity`) checks
-training: the GPU recipe and the port, step by step.
+largest logit difference reported beside the largest logit. `compare_vllm` checks serving: vLLM's greedy
+continuations and top logprobs on an export against transformers (+ PEFT) and Tunix. ``trajectory`` (from
+`gemport.parity`) checks training: the GPU recipe and the port, step by step.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
+from gemport.engines import Served, serve_vllm
 from gemport.extras import require
 from gemport.parity import Tolerances, Trajectory, trajectory
+from gemport.specs import GemmaSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,11 +94,119 @@ def compare_logits(hf_dir: str | Path, tunix_model, *, adapter_dir: str | Path |
     return LogitReport(float(np.abs(got - expected).max()), float(np.abs(expected).max()), expected.shape, atol)
 
 
+@dataclasses.dataclass(frozen=True)
+class ContinuationReport:
+    """How an engine's greedy continuations and top logprobs agree with a reference model's on the same tokens.
+
+    The reference reads each prompt followed by the engine's continuation (teacher forcing), so every position
+    is compared after the same prefix: a position agrees when the engine's token is the reference's greedy
+    choice (up to ``atol`` in log-probability: a tie is either token) and each of the engine's top logprobs is
+    the reference's within ``atol``.
+
+    Attributes:
+      engine, reference: e.g. ``"vLLM 0.32.0"`` and ``"transformers + peft"``.
+      max_abs_diff: max |engine - reference| log-probability over the engine's top entries at every position.
+      shape: (prompts, generated tokens per prompt).
+      atol: the tolerance ``ok`` is judged by.
+      first: ``None``, or what differs first (prompt-major): ``"prompt 1, position 3: ..."``.
+    """
+
+    engine: str
+    reference: str
+    max_abs_diff: float
+    shape: tuple[int, int]
+    atol: float
+    first: str | None
+
+    @property
+    def ok(self) -> bool:
+        return self.first is None
+
+    def __str__(self) -> str:
+        verdict = "agree" if self.ok else f"DISAGREE at {self.first}"
+        return (f"{self.engine} and {self.reference} {verdict}: greedy continuations of {self.shape[0]} prompts x "
+                f"{self.shape[1]} tokens, max |top logprob difference| {self.max_abs_diff:.3g} (atol {self.atol:g})")
+
+
+def compare_continuations(served: Served, reference: np.ndarray, *, name: str,
+                          atol: float = 1e-4) -> ContinuationReport:
+    """Judge ``served`` against ``reference`` log-probabilities float [B, P + T, V] of each prompt (P tokens)
+    followed by its T served tokens (position P - 1 + j predicts served token j)."""
+    b, t = served.tokens.shape
+    start = reference.shape[1] - t - 1
+    first, worst = None, 0.0
+    for i in range(b):
+        for j in range(t):
+            lp = reference[i, start + j]
+            token, greedy = int(served.tokens[i, j]), int(lp.argmax())
+            diffs = {k: abs(v - lp[k]) for k, v in served.top_logprobs[i][j].items()}
+            worst = max(worst, *diffs.values())
+            if first is not None:
+                continue
+            if lp[token] < lp[greedy] - atol:
+                first = (f"prompt {i}, position {j}: {served.engine} chose token {token} (log-probability "
+                         f"{lp[token]:.6g} in {name}), {name} token {greedy} ({lp[greedy]:.6g})")
+            elif max(diffs.values()) > atol:
+                k = max(diffs, key=diffs.get)
+                first = (f"prompt {i}, position {j}: token {k} has log-probability "
+                         f"{served.top_logprobs[i][j][k]:.6g} in {served.engine}, {lp[k]:.6g} in {name}")
+    return ContinuationReport(served.engine, name, float(worst), (b, t), atol, first)
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """float64 log-probabilities of logits [..., V]."""
+    x = np.asarray(logits, np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def compare_vllm(hf_dir: str | Path, *, adapter_dir: str | Path | None = None, tunix_model=None,
+                 prompts: np.ndarray | None = None, num_prompts: int = 3, seq_len: int = 16, max_tokens: int = 8,
+                 seed: int = 0, atol: float = 1e-4, dtype: str = "float32",
+                 python: str | None = None) -> list[ContinuationReport]:
+    """Serve ``hf_dir`` (with the PEFT adapter ``adapter_dir`` as a LoRA request) on vLLM and compare its greedy
+    continuations and top-5 logprobs with transformers (+ PEFT) and, if given, ``tunix_model``.
+
+    Args:
+      hf_dir: a merged export, or the base of ``adapter_dir``.
+      adapter_dir: a PEFT adapter (e.g. the output of ``export_peft``) served on ``hf_dir``.
+      tunix_model: a Tunix model computing what the export should (e.g. the base with the Qwix LoRA).
+      prompts: int [B, P] token ids; default ``num_prompts`` random rows of ``seq_len`` tokens drawn with ``seed``.
+      max_tokens: tokens generated per prompt.
+      atol: in log-probability.
+      dtype: vLLM's dtype; the references run in float32.
+      python: the interpreter with vLLM (`gemport.engines.vllm_python`).
+
+    Returns:
+      One `ContinuationReport` per reference: transformers first, then Tunix.
+    """
+    torch = require("torch", "verifying against transformers")
+    if prompts is None:
+        vocab = GemmaSpec.from_hf(hf_dir).vocab
+        prompts = np.random.default_rng(seed).integers(0, vocab, (num_prompts, seq_len), dtype=np.int32)
+    served = serve_vllm([(hf_dir, [adapter_dir])], prompts, max_tokens=max_tokens, dtype=dtype, python=python)[0][0]
+    tokens = np.concatenate([prompts, served.tokens.astype(prompts.dtype)], axis=1)
+    # Loaded after vLLM is done, so that the host holds one model at a time.
+    hf = transformers_model(hf_dir, adapter_dir=adapter_dir)
+    with torch.no_grad():
+        logits = hf(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()
+    name = "transformers + peft" if adapter_dir is not None else "transformers"
+    reports = [compare_continuations(served, log_softmax(logits), name=name, atol=atol)]
+    if tunix_model is not None:
+        reports.append(compare_continuations(served, log_softmax(tunix_logits(tunix_model, tokens)), name="tunix",
+                                             atol=atol))
+    return reports
+
+
 __all__ = [
+    "ContinuationReport",
     "LogitReport",
     "Tolerances",
     "Trajectory",
+    "compare_continuations",
     "compare_logits",
+    "compare_vllm",
+    "log_softmax",
     "trajectory",
     "transformers_model",
     "tunix_logits",

@@ -12,7 +12,7 @@ import pytest
 import gemport
 
 TOP_LEVEL = [
-    "CheckpointError", "CorruptFileError", "GemmaSpec", "GemportError", "HFPeftTrainer", "LoraError", "LoraLayout",
+    "CheckpointError", "CorruptFileError", "EngineError", "GemmaSpec", "GemportError", "HFPeftTrainer", "LoraError", "LoraLayout",
     "LoraParams", "LoraSpec", "MaskError", "MeshError", "MissingDependencyError", "MissingTensorError",
     "OptimizerConfigError", "SFTRun", "ShapeMismatchError", "SpecError", "UnexpectedTensorError", "UnsafePathError",
     "apply_lora", "audit", "compare_logits", "export_merged", "export_peft", "fix_lora", "from_sft_config",
@@ -24,8 +24,10 @@ TOP_LEVEL = [
 SUBPACKAGES = {
     "gemport.checkpoint": [
         "HFCheckpoint", "check_output", "export_merged", "export_peft", "import_peft", "load_hf", "load_model",
-        "load_orbax", "load_qlora_model", "read_lora", "save_hf", "save_lora", "save_lora_spec", "save_orbax",
+        "load_orbax", "load_qlora_model", "peft_for_vllm", "read_lora", "save_hf", "save_lora", "save_lora_spec",
+        "save_orbax", "vllm_misserved",
     ],
+    "gemport.engines": ["PYTHON_ENV", "Served", "max_lora_rank", "serve_vllm", "vllm_python"],
     "gemport.lora": [
         "PROJECTIONS", "VLLM_RANKS", "Adapter", "LoraLayout", "LoraParams", "LoraSpec", "Provider", "QLoraSpec",
         "apply_lora", "factor_specs", "provider",
@@ -54,7 +56,8 @@ SUBPACKAGES = {
     "gemport.train.peft_trainer": ["ACCUMULATION", "NUM_ITEMS", "SCOPES", "HFPeftTrainer", "eval_loss", "hf_loss", "micro_batches"],
     "gemport.parity": ["StepRow", "Tolerances", "Trajectory", "miniature", "read_recipe", "trajectory"],
     "gemport.verify": [
-        "LogitReport", "Tolerances", "Trajectory", "compare_logits", "trajectory", "transformers_model", "tunix_logits",
+        "ContinuationReport", "LogitReport", "Tolerances", "Trajectory", "compare_continuations", "compare_logits",
+        "compare_vllm", "log_softmax", "trajectory", "transformers_model", "tunix_logits",
     ],
     "gemport.names": ["TEXT_PREFIXES", "Entry", "Rule", "detect_prefix", "entries", "owns"],
     "gemport.params": ["abstract_model", "flat_params", "lora_state", "path_str"],

@@ -16,7 +16,7 @@ import torch
 from gemport.checkpoint import HFCheckpoint
 from gemport.cli import main
 
-COMMANDS = ("plan", "convert", "export", "import-peft", "verify")
+COMMANDS = ("plan", "convert", "export", "import-peft", "verify", "peft-for-vllm")
 
 
 def gemport(*args, ok=True):
@@ -142,3 +142,40 @@ def test_export_and_verify_failures(base, adapter, tmp_path):
     one_line_error(gemport("verify", adapter, ok=False), "PEFT adapter", "--base")
     one_line_error(gemport("import-peft", adapter, "gemma4-31b", tmp_path / "out", ok=False))
     assert not (tmp_path / "out").exists()
+
+
+def test_peft_for_vllm_adds_the_v_proj_copies_and_changes_nothing_else(base, adapter, tmp_path):
+    """A PEFT adapter made with save_pretrained gains k_proj's factors as v_proj on the k_eq_v layers; every other
+    byte is the input's, and PEFT computes bit for bit the same logits with it."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from gemport.checkpoint.safetensors import SafetensorsFile, read_array
+    from gemport.specs import GemmaSpec
+
+    k_eq_v = GemmaSpec.from_hf(base).layers_of("global")
+    assert f"v_proj copies of k_proj on {len(k_eq_v)} k_eq_v layers" in gemport("peft-for-vllm", adapter, base,
+                                                                              tmp_path / "served").stdout
+    src, out = (SafetensorsFile(d / "adapter_model.safetensors") for d in (adapter, tmp_path / "served"))
+    added = set(out.tensors) - set(src.tensors)
+    assert added == {f"base_model.model.model.layers.{i}.self_attn.v_proj.lora_{x}.weight" for i in k_eq_v
+                     for x in "AB"}
+    for key, info in src.tensors.items():
+        assert read_array(out.tensors[key]).tobytes() == read_array(info).tobytes(), key
+    for key in added:
+        assert read_array(out.tensors[key]).tobytes() == src.array(key.replace("v_proj", "k_proj")).tobytes(), key
+    assert (tmp_path / "served/adapter_config.json").read_bytes() == (adapter / "adapter_config.json").read_bytes()
+    ids = torch.arange(12).reshape(1, 12) * 7 % 96
+    logits = []
+    for d in (adapter, tmp_path / "served"):
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), d).eval()
+        with torch.no_grad():
+            logits.append(model(ids).logits)
+    assert torch.equal(*logits)
+    assert "nothing added" in gemport("peft-for-vllm", tmp_path / "served", base, tmp_path / "again").stdout
+
+
+def test_verify_engine_vllm_without_vllm_says_how_to_install_it(base, adapter, tmp_path):
+    args = ["verify", adapter, "--base", base, "--engine", "vllm", "--vllm-python"]
+    one_line_error(gemport(*args, sys.executable, ok=False), "needs vllm", "make vllm")
+    one_line_error(gemport(*args, tmp_path / "no-python", ok=False), "cannot run", "make vllm")

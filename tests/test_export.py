@@ -1,6 +1,7 @@
 """Qwix LoRA on Tunix -> merged HF safetensors and PEFT adapters, and PEFT adapters -> Qwix, checked against
 transformers + peft on tiny random Gemma 3 and Gemma 4 (k_eq_v global layers) models."""
 
+import contextlib
 import json
 from types import SimpleNamespace
 
@@ -13,8 +14,16 @@ import torch
 import transformers
 from flax import nnx
 
-from gemport.checkpoint import HFCheckpoint, export_merged, export_peft, import_peft, load_model, read_lora
-from gemport.checkpoint.safetensors import SafetensorsFile
+from gemport.checkpoint import (
+    HFCheckpoint,
+    export_merged,
+    export_peft,
+    import_peft,
+    load_model,
+    read_lora,
+    vllm_misserved,
+)
+from gemport.checkpoint.safetensors import SafetensorsFile, TensorSource, write_file
 from gemport.lora import PROJECTIONS, LoraLayout, LoraSpec, apply_lora
 from gemport.specs import GemmaSpec
 from gemport.verify import tunix_logits
@@ -81,12 +90,34 @@ def test_peft_adapter_matches_tunix_with_lora(run):
         np.testing.assert_allclose(ours.array(name), merged[name].numpy(), atol=1e-6, rtol=0, err_msg=name)
 
 
-def test_gemma4_k_eq_v_layers_get_k_proj_only(run):
-    keys = set(SafetensorsFile(run.root / "peft/adapter_model.safetensors").tensors)
+def test_k_eq_v_layers_carry_k_proj_again_as_v_proj(run):
+    """Every layer gets k_proj and v_proj factors; on k_eq_v layers (no v_proj module, V is K) the v_proj copy is
+    k_proj's factors bit for bit, for vLLM (see gemport.checkpoint.peft_io)."""
+    weights = SafetensorsFile(run.root / "peft/adapter_model.safetensors")
     for i in range(run.spec.num_layers):
-        has_v = f"base_model.model.model.layers.{i}.self_attn.v_proj.lora_A.weight" in keys
-        assert f"base_model.model.model.layers.{i}.self_attn.k_proj.lora_A.weight" in keys
-        assert has_v != run.spec.layer_k_eq_v(i)
+        key = f"base_model.model.model.layers.{i}.self_attn.{{}}_proj.lora_{{}}.weight"
+        k, v = weights.array(key.format("k", "B")), weights.array(key.format("v", "B"))
+        if run.spec.layer_k_eq_v(i):
+            np.testing.assert_array_equal(v, k)
+            np.testing.assert_array_equal(weights.array(key.format("v", "A")), weights.array(key.format("k", "A")))
+        else:
+            assert not np.array_equal(v, k)
+
+
+def test_peft_ignores_the_v_proj_copies(run, tmp_path):
+    """PEFT computes bit for bit the same logits with the copies as without them."""
+    weights = SafetensorsFile(run.root / "peft/adapter_model.safetensors")
+    k_eq_v = [i for i in range(run.spec.num_layers) if run.spec.layer_k_eq_v(i)]
+    copies = {key for key in weights.tensors for i in k_eq_v if f".layers.{i}.self_attn.v_proj." in key}
+    assert len(copies) == 2 * len(k_eq_v) and bool(copies) == (run.spec.family == "gemma4")
+    if not copies:
+        return
+    (tmp_path / "adapter_config.json").write_bytes((run.root / "peft/adapter_config.json").read_bytes())
+    write_file(tmp_path / "adapter_model.safetensors",
+               [TensorSource.copy_of(key, info) for key, info in weights.tensors.items() if key not in copies])
+    with_copies, without = (peft.PeftModel.from_pretrained(hf_model(run.root / "base"), d).eval()
+                            for d in (run.root / "peft", tmp_path))
+    np.testing.assert_array_equal(tiny.hf_logits(with_copies, run.ids), tiny.hf_logits(without, run.ids))
 
 
 def test_import_of_export_reproduces_the_deltas(run):
@@ -148,8 +179,13 @@ def test_unequal_k_and_v_ranks_import_padded_and_export_exactly(run, tmp_path):
     lora = import_peft(tmp_path / "gpu", spec=run.spec)
     tunix = apply_lora(load_model(run.root / "base"), run.spec, lora)
     np.testing.assert_allclose(tunix_logits(tunix, run.ids), expected, atol=1e-4, rtol=0)
-    export_peft(lora, tmp_path / "again", spec=run.spec)
+    k_eq_v = [f"model.layers.{i}.self_attn.k_proj" for i in range(run.spec.num_layers) if run.spec.layer_k_eq_v(i)]
+    # vLLM would scale a v_proj copy by v_proj's pattern: none is written, and the export says so.
+    with pytest.warns(UserWarning, match="different scales") if k_eq_v else contextlib.nullcontext():
+        export_peft(lora, tmp_path / "again", spec=run.spec)
     first, again = (SafetensorsFile(tmp_path / d / "adapter_model.safetensors") for d in ("gpu", "again"))
+    assert set(again.tensors) == set(first.tensors)
     for key in first.tensors:
         np.testing.assert_array_equal(again.array(key), first.array(key), err_msg=key)
+    assert vllm_misserved(tmp_path / "again", spec=run.spec) == k_eq_v
     assert json.loads((tmp_path / "again/adapter_config.json").read_text())["rank_pattern"] == {"v_proj": 2}

@@ -22,10 +22,11 @@ from gemport.checkpoint import (
     save_lora_spec,
 )
 from gemport.checkpoint.output import write_sharded
-from gemport.checkpoint.safetensors import SafetensorsFile, TensorSource
+from gemport.checkpoint.safetensors import SafetensorsFile, TensorSource, write_file
 from gemport.errors import (
     CheckpointError,
     LoraError,
+    MissingTensorError,
     ShapeMismatchError,
     UnexpectedTensorError,
     UnsafePathError,
@@ -207,6 +208,26 @@ def test_import_refuses_broken_and_foreign_adapters(run, tmp_path):
     weights.write_bytes(bytes(data))
     with pytest.raises(LoraError, match="NaN"):
         import_peft(bad, spec=run.spec)
+
+
+@pytest.mark.parametrize("change, error, match", [("alter", LoraError, "is not a copy of"),
+                                                   ("drop", MissingTensorError, "without")])
+def test_import_refuses_a_v_proj_copy_that_is_not_k_proj(run, tmp_path, change, error, match):
+    """On a k_eq_v layer a v_proj can only repeat k_proj's factors (for vLLM): anything else is named."""
+    export_peft(run.params, tmp_path / "good", spec=run.spec, lora_spec=LORA)
+    key = f"base_model.model.model.layers.{run.spec.layers_of('global')[0]}.self_attn.v_proj.lora_B.weight"
+    weights = SafetensorsFile(tmp_path / "good/adapter_model.safetensors")
+    sources = [TensorSource.copy_of(k, info) for k, info in weights.tensors.items() if k != key]
+    if change == "alter":
+        info = weights.tensors[key]
+        sources.append(TensorSource.from_array(key, lambda: weights.array(key) * 2, np.float32, info.shape))
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    shutil.copy(tmp_path / "good/adapter_config.json", bad)
+    write_file(bad / "adapter_model.safetensors", sources)
+    with pytest.raises(error, match=match) as e:
+        import_peft(bad, spec=run.spec)
+    assert key in str(e.value)
 
 
 def test_export_peft_warns_when_vllm_would_refuse_the_rank(run, tmp_path):

@@ -40,6 +40,16 @@ TEXT_CONFIGS = {
         num_attention_heads=8, num_key_value_heads=4, head_dim=8, global_head_dim=16, num_global_key_value_heads=4,
         attention_k_eq_v=True, sliding_window=4, hidden_size_per_layer_input=0, final_logit_softcapping=30.0,
     ),
+    # Served by vLLM, whose CPU attention takes head widths 64 and 128 (not 8 or 16): the 31B layout again.
+    "gemma4_vllm": dict(
+        model_type="gemma4_text", vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=64, global_head_dim=128, num_global_key_value_heads=1,
+        attention_k_eq_v=True, sliding_window=4, hidden_size_per_layer_input=0, final_logit_softcapping=30.0,
+    ),
+    "gemma3_vllm": dict(
+        model_type="gemma3_text", vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64, query_pre_attn_scalar=64, sliding_window=4,
+    ),
     # Gemma 3 1B-like: GQA with one KV head, queries scaled by head_dim.
     "gemma3_1b": dict(
         model_type="gemma3_text", vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=6,

@@ -11,7 +11,7 @@ from gemport.checkpoint.load import load_hf, load_model
 from gemport.checkpoint.merge import export_merged
 from gemport.checkpoint.orbax import load_orbax, save_orbax
 from gemport.checkpoint.output import check_output
-from gemport.checkpoint.peft_io import export_peft, import_peft
+from gemport.checkpoint.peft_io import export_peft, import_peft, peft_for_vllm, vllm_misserved
 from gemport.checkpoint.quantize import load_qlora_model
 from gemport.checkpoint.save import save_hf
 
@@ -25,9 +25,11 @@ __all__ = [
     "load_model",
     "load_orbax",
     "load_qlora_model",
+    "peft_for_vllm",
     "read_lora",
     "save_hf",
     "save_lora",
     "save_lora_spec",
     "save_orbax",
+    "vllm_misserved",
 ]

@@ -2,12 +2,19 @@
 
 PEFT keys are ``base_model.model.<text prefix><module>.lora_A.weight`` [r, in] and ``.lora_B.weight``
 [out, r], e.g. ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``.
+
+Gemma 4's k_eq_v global layers have a ``k_proj`` and no ``v_proj``: V is K, so transformers + PEFT give V the
+k_proj delta too. vLLM packs q/k/v into one ``qkv_proj``, loads K's weight into both the K and V slices and
+applies each projection's LoRA to its own slice only: served as PEFT writes it, V misses the delta. The
+adapters written here therefore carry k_proj's factors a second time under ``v_proj`` on those layers (a
+*v_proj copy*); vLLM then computes PEFT's function, and PEFT, which has no v_proj module there, ignores them.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import warnings
 from pathlib import Path
 
@@ -32,14 +39,16 @@ PEFT_PREFIX = "base_model.model."
 def export_peft(lora, out_dir: str | Path, *, base_dir: str | Path | None = None, spec: GemmaSpec | None = None,
                 lora_spec: LoraSpec | None = None, step: int | None = None,
                 base_model_name_or_path: str | None = None) -> Path:
-    """Write Qwix LoRA params as a PEFT adapter that ``peft.PeftModel.from_pretrained`` loads onto the HF base.
+    """Write Qwix LoRA params as a PEFT adapter that ``peft.PeftModel.from_pretrained`` loads onto the HF base
+    and vLLM serves as a LoRA request, both computing the Tunix model's function.
 
     Exact: separate factors of a fused module are split into each projection's ``lora_A`` / ``lora_B``
     (trimmed to its rank); a shared ``lora_a`` is written as the ``lora_A`` of each projection it fuses
-    (kv_einsum -> k_proj and v_proj; k_eq_v layers' k_einsum -> k_proj only, no v_proj invented). The spec's
-    ``rank_pattern`` / ``alpha_pattern`` go into ``adapter_config.json``. Warns when vLLM would refuse the
-    adapter (rank outside ``VLLM_RANKS``: it needs a larger ``--max-lora-rank``, or above 512 cannot be
-    served). Tensors keep the adapter's dtype.
+    (kv_einsum -> k_proj and v_proj; k_eq_v layers' k_einsum -> k_proj, plus its v_proj copy for vLLM, see
+    the module docstring). The spec's ``rank_pattern`` / ``alpha_pattern`` go into ``adapter_config.json``.
+    Warns when vLLM would refuse the adapter (rank outside ``VLLM_RANKS``: it needs a larger
+    ``--max-lora-rank``, or above 512 cannot be served) or serve it differently (patterns giving k_proj and
+    v_proj of a k_eq_v layer different scales: no copy can be exact there). Tensors keep the adapter's dtype.
 
     Args:
       lora: the LoRA factors, anything `read_lora` reads: `LoraParams`, an nnx model or state, a flat dict, or
@@ -61,12 +70,16 @@ def export_peft(lora, out_dir: str | Path, *, base_dir: str | Path | None = None
         base_model_name_or_path = str(Path(base_dir).resolve())
     params, lora_spec = read_lora(lora, lora_spec=lora_spec, step=step)
     params = flat_params(params)
+    layout = LoraLayout(spec, lora_spec)
+    copies = _servable_copies(layout, stacklevel=3)
     sources, ranks = [], []
-    for adapter, a, b in LoraLayout(spec, lora_spec).match(params):
+    for adapter, a, b in layout.match(params):
         for module, (A, B) in zip(adapter.hf_modules, adapter.to_peft(a, b)):
-            key = PEFT_PREFIX + text_prefix + module
-            sources.append(_source(key + ".lora_A.weight", A))
-            sources.append(_source(key + ".lora_B.weight", B))
+            for name in (module, copies.get(module)):
+                if name is not None:
+                    key = PEFT_PREFIX + text_prefix + name
+                    sources.append(_source(key + ".lora_A.weight", A))
+                    sources.append(_source(key + ".lora_B.weight", B))
             ranks.append(A.shape[0])
     top = max(ranks)
     if top not in VLLM_RANKS:
@@ -80,6 +93,48 @@ def export_peft(lora, out_dir: str | Path, *, base_dir: str | Path | None = None
         write_file(tmp / ADAPTER_WEIGHTS, sources)
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(lora_spec.to_peft(base_model_name_or_path), indent=2) + "\n")
     return out
+
+
+def v_proj_copies(layout: LoraLayout) -> dict[str, str]:
+    """``{k_proj module: its v_proj copy}`` of every k_eq_v layer ``layout`` adapts, relative to the text prefix,
+    e.g. ``{"layers.5.self_attn.k_proj": "layers.5.self_attn.v_proj"}``: the k_proj that Tunix holds alone in a
+    ``k_einsum``, where K is also V."""
+    return {
+        module: module.removesuffix("k_proj") + "v_proj"
+        for adapter in layout
+        for module in adapter.hf_modules
+        if adapter.hf_modules == (module,) and module.endswith(".self_attn.k_proj")
+    }
+
+
+def vllm_misserved(adapter_dir: str | Path, *, base_dir: str | Path | None = None,
+                   spec: GemmaSpec | None = None) -> list[str]:
+    """The modules of a PEFT adapter that vLLM serves differently from transformers + PEFT: the k_proj of every
+    k_eq_v layer without its v_proj copy (or whose rank/alpha patterns give k_proj and v_proj different scales),
+    e.g. ``["model.layers.5.self_attn.k_proj"]``; empty when vLLM serves it exactly. `peft_for_vllm` adds the
+    copies."""
+    directory = Path(adapter_dir)
+    layout = LoraLayout(base_spec(base_dir, spec), LoraSpec.from_peft(directory / ADAPTER_CONFIG))
+    weights = SafetensorsFile(directory / ADAPTER_WEIGHTS)
+    prefix = _text_prefix(weights)
+    scaled = layout.lora_spec.scale_of
+    return [prefix.removeprefix(PEFT_PREFIX) + k for k, v in v_proj_copies(layout).items()
+            if f"{prefix}{v}.lora_A.weight" not in weights.tensors or scaled(k) != scaled(v)]
+
+
+def _servable_copies(layout: LoraLayout, stacklevel: int) -> dict[str, str]:
+    """`v_proj_copies` that vLLM computes exactly: vLLM scales a copy by v_proj's rank_pattern/alpha_pattern,
+    so where those give k_proj another scale no copy is written, and a warning names the layers."""
+    copies, lora_spec = v_proj_copies(layout), layout.lora_spec
+    off = [k for k, v in copies.items() if lora_spec.scale_of(k) != lora_spec.scale_of(v)]
+    if off:
+        warnings.warn(
+            f"rank_pattern/alpha_pattern give k_proj and v_proj different scales on the k_eq_v layers of {off}: "
+            "vLLM will serve V there without the k_proj delta (transformers + PEFT give V that delta); give "
+            "k_proj and v_proj one rank and alpha to serve this adapter on vLLM exactly",
+            stacklevel=stacklevel,
+        )
+    return {k: v for k, v in copies.items() if k not in off}
 
 
 def _source(name: str, array: np.ndarray) -> TensorSource:
@@ -105,8 +160,11 @@ def import_peft(adapter_dir: str | Path, *, base_dir: str | Path | None = None,
       `LoraParams`: an ``nnx.State`` of ``nnx.LoRAParam`` (``layers.0.attn.kv_einsum.w_lora_a`` ...) and the
       adapter's spec, for ``apply_lora(model, spec, lora)``, `save_lora` or the exports.
 
+    A v_proj copy on a k_eq_v layer (what `export_peft` and `peft_for_vllm` write for vLLM) is accepted when it
+    equals its k_proj's factors bit for bit; PEFT ignores it, and so does the import.
+
     Raises:
-      LoraError: a config Qwix cannot reproduce, or NaN/Inf weights.
+      LoraError: a config Qwix cannot reproduce, NaN/Inf weights, or a v_proj copy that differs from its k_proj.
       MissingTensorError: an adapter tensor the targets need is absent.
       UnexpectedTensorError: an adapter tensor outside the text model's targets (e.g. a vision tower's).
       ShapeMismatchError: an adapter tensor's shape does not fit the base; names the tensor.
@@ -142,6 +200,7 @@ def import_peft(adapter_dir: str | Path, *, base_dir: str | Path | None = None,
             pairs.append((A, B))
         for name, value in zip((adapter.lora_a, adapter.lora_b), adapter.from_peft(pairs)):
             flat[name] = value
+    used.update(_checked_copies(weights, prefix, layout))
     extra = sorted(set(weights.tensors) - used)
     if extra:
         raise UnexpectedTensorError(
@@ -150,6 +209,73 @@ def import_peft(adapter_dir: str | Path, *, base_dir: str | Path | None = None,
             "(vision/audio towers) or another model's layers"
         )
     return LoraParams(lora_state(flat), lora_spec)
+
+
+def _checked_copies(weights: SafetensorsFile, prefix: str, layout: LoraLayout) -> set[str]:
+    """The keys of the v_proj copies present in ``weights``, each checked to equal its k_proj's tensor."""
+    keys = set()
+    for k, v in v_proj_copies(layout).items():
+        pairs = [(f"{prefix}{v}.lora_{x}.weight", f"{prefix}{k}.lora_{x}.weight") for x in "AB"]
+        present = [key for key, _ in pairs if key in weights.tensors]
+        if not present:
+            continue
+        for key, of in pairs:
+            if key not in weights.tensors:
+                raise MissingTensorError(
+                    f"{weights.path}: {present[0]!r} without {key!r}: a v_proj copy on a k_eq_v layer needs both "
+                    f"factors of {of.rsplit('.', 2)[0]!r}; remove it, or add the missing factor"
+                )
+            copy, original = weights.array(key), weights.array(of)
+            if copy.dtype != original.dtype or copy.shape != original.shape or copy.tobytes() != original.tobytes():
+                raise LoraError(
+                    f"{weights.path}: {key!r} ({copy.dtype} {list(copy.shape)}) is not a copy of {of!r} "
+                    f"({original.dtype} {list(original.shape)}): layer {k.split('.')[1]} is k_eq_v (V is K, no "
+                    "v_proj), where a v_proj can only repeat k_proj's factors for vLLM; remove it (`gemport "
+                    "peft-for-vllm` then writes the copy)"
+                )
+            keys.add(key)
+    return keys
+
+
+def peft_for_vllm(adapter_dir: str | Path, out_dir: str | Path, *, base_dir: str | Path | None = None,
+                  spec: GemmaSpec | None = None) -> tuple[Path, list[str]]:
+    """Copy a PEFT adapter made elsewhere (e.g. PEFT's ``save_pretrained`` after GPU training), adding the v_proj
+    copies vLLM needs on k_eq_v layers (see the module docstring), so that vLLM serves it as PEFT computes it.
+
+    Everything else is copied byte for byte: every tensor, ``adapter_config.json`` and side files (README,
+    tokenizer). The adapter is first read as `import_peft` reads it, with the same checks.
+
+    Args:
+      adapter_dir: a PEFT adapter directory.
+      out_dir: the directory to create; must not exist or be empty.
+      base_dir: the HF checkpoint the adapter was trained on; gives the architecture.
+      spec: the architecture, when no ``base_dir`` is at hand.
+
+    Returns:
+      ``out_dir`` and the HF modules (e.g. ``model.layers.5.self_attn.v_proj``) whose copies were added: none
+      for an adapter without k_proj on k_eq_v layers (Gemma 2/3, or Gemma 4 without that target) or one that
+      has them already.
+    """
+    directory = Path(adapter_dir)
+    out = check_output(out_dir, directory, base_dir)
+    spec = base_spec(base_dir, spec)
+    import_peft(directory, spec=spec)
+    weights = SafetensorsFile(directory / ADAPTER_WEIGHTS)
+    prefix = _text_prefix(weights)
+    copies = _servable_copies(LoraLayout(spec, LoraSpec.from_peft(directory / ADAPTER_CONFIG)), stacklevel=3)
+    sources = [TensorSource.copy_of(key, info) for key, info in weights.tensors.items()]
+    added = []
+    for k, v in copies.items():
+        if f"{prefix}{v}.lora_A.weight" not in weights.tensors:
+            sources += [TensorSource.copy_of(f"{prefix}{v}.lora_{x}.weight",
+                                             weights.tensors[f"{prefix}{k}.lora_{x}.weight"]) for x in "AB"]
+            added.append(prefix.removeprefix(PEFT_PREFIX) + v)
+    with atomic_dir(out) as tmp:
+        write_file(tmp / ADAPTER_WEIGHTS, sources, weights.metadata)
+        for p in directory.iterdir():
+            if p.is_file() and p.name != ADAPTER_WEIGHTS:
+                shutil.copy2(p, tmp / p.name)
+    return out, added
 
 
 def _text_prefix(weights: SafetensorsFile) -> str:

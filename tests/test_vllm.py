@@ -1,0 +1,167 @@
+"""vLLM serving gemport's exports, against transformers + peft and Tunix: merged checkpoints and PEFT adapters of a
+tiny Gemma 4 with the 31B layout (k_eq_v global layers) and a tiny Gemma 3.
+
+The checkpoints are built here with this venv's transformers; vLLM runs in the venv ``make vllm`` creates
+(``.venv-vllm``, or the python named by ``GEMPORT_VLLM_PYTHON``), one process serving every run, since vLLM's
+import and each engine start take tens of seconds on a small CPU.
+
+Tolerance: the Tunix and transformers stacks compute the same function in float32 with different kernels; their
+largest log-probability difference on these tokens, measured here, is the noise between two correct
+implementations. vLLM must agree with transformers within 10x that.
+"""
+
+import os
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import jax.numpy as jnp
+import numpy as np
+import peft
+import pytest
+import tiny
+import torch
+from flax import nnx
+
+from gemport.checkpoint import export_merged, export_peft, load_model, peft_for_vllm, vllm_misserved
+from gemport.cli import main
+from gemport.engines import serve_vllm
+from gemport.lora import PROJECTIONS, LoraSpec, apply_lora
+from gemport.specs import GemmaSpec
+from gemport.verify import compare_continuations, log_softmax, transformers_model, tunix_logits
+
+VLLM_PYTHON = Path(os.environ.get("GEMPORT_VLLM_PYTHON") or Path(__file__).parents[1] / ".venv-vllm/bin/python")
+pytestmark = pytest.mark.skipif(not VLLM_PYTHON.is_file(), reason=f"no vLLM venv at {VLLM_PYTHON}: `make vllm` "
+                                                                   "creates it (or set GEMPORT_VLLM_PYTHON)")
+LORA = LoraSpec(rank=8, alpha=16.0)
+PROMPTS = tiny.token_ids(128, batch=3)
+MAX_TOKENS = 8
+
+
+def tunix_with_lora(base: Path, spec: GemmaSpec):
+    model = apply_lora(load_model(base), spec, LORA)
+    rng = np.random.default_rng(1)
+    flat = [(p, v.replace(jnp.asarray(rng.normal(0, 0.2, v.get_value().shape), v.get_value().dtype)))
+            for p, v in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))]
+    nnx.update(model, nnx.from_flat_state(flat))
+    return model
+
+
+def peft_adapter(base: Path, out: Path) -> Path:
+    """An adapter as PEFT's ``save_pretrained`` writes it after training elsewhere: no v_proj on k_eq_v layers."""
+    model = peft.get_peft_model(transformers_model(base), peft.LoraConfig(r=8, lora_alpha=16,
+                                                                          target_modules=list(PROJECTIONS)))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """Per family: the base, a Tunix model with random LoRA, its merged and PEFT exports (and for Gemma 4 an
+    adapter made by PEFT and its `peft_for_vllm` rewrite)."""
+    families = {}
+    for name in ("gemma4_vllm", "gemma3_vllm"):
+        root = tmp_path_factory.mktemp(name)
+        tiny.causal_lm(name).save_pretrained(root / "base")
+        spec = GemmaSpec.from_hf(root / "base")
+        model = tunix_with_lora(root / "base", spec)
+        export_merged(model, root / "merged", base_dir=root / "base", lora_spec=LORA)
+        export_peft(model, root / "export", base_dir=root / "base", lora_spec=LORA)
+        adapters = {"export": root / "export"}
+        if spec.k_eq_v:
+            adapters["peft"] = peft_adapter(root / "base", root / "peft")
+            adapters["rewritten"] = peft_for_vllm(root / "peft", root / "rewritten", base_dir=root / "base")[0]
+        families[name] = SimpleNamespace(root=root, spec=spec, model=model, adapters=adapters)
+    return families
+
+
+@pytest.fixture(scope="module")
+def family(built):
+    """`built`, every checkpoint and adapter served by vLLM in one process."""
+    families = built
+    runs = [run for f in families.values() for run in ((f.root / "base", list(f.adapters.values())),
+                                                         (f.root / "merged", [None]))]
+    served = iter(serve_vllm(runs, PROMPTS, max_tokens=MAX_TOKENS, python=VLLM_PYTHON))
+    for f in families.values():
+        f.served = dict(zip(f.adapters, next(served)))
+        f.served["merged"] = next(served)[0]
+    return families
+
+
+def reference(directory: Path, tokens: np.ndarray, adapter: Path | None = None) -> np.ndarray:
+    with torch.no_grad():
+        logits = transformers_model(directory, adapter_dir=adapter)(torch.as_tensor(tokens, dtype=torch.long)).logits
+    return log_softmax(logits.numpy())
+
+
+def tokens_of(served) -> np.ndarray:
+    return np.concatenate([PROMPTS, served.tokens.astype(PROMPTS.dtype)], axis=1)
+
+
+@pytest.fixture(scope="module", params=["gemma4_vllm", "gemma3_vllm"])
+def checks(request, family):
+    """The family's served outputs with their references, and the tolerance from the Tunix-transformers floor."""
+    f = family[request.param]
+    tokens = tokens_of(f.served["export"])
+    tunix = log_softmax(tunix_logits(f.model, tokens))
+    floor = np.abs(tunix - reference(f.root / "base", tokens, f.adapters["export"])).max()
+    return SimpleNamespace(f=f, atol=10 * float(floor))
+
+
+def test_the_served_model_is_the_ported_one(checks):
+    """Continuations are not constant (a broken engine generating one token everywhere would still 'agree')."""
+    f = checks.f
+    assert checks.atol < 1e-3
+    assert all(len(set(row)) > 1 for row in f.served["export"].tokens.tolist())
+    assert not np.array_equal(f.served["export"].tokens, np.zeros_like(f.served["export"].tokens))
+
+
+@pytest.mark.parametrize("kind", ["merged", "export"])
+def test_vllm_serves_the_exports_as_transformers_and_tunix_compute_them(checks, kind):
+    f = checks.f
+    served = f.served[kind]
+    tokens = tokens_of(served)
+    expected = reference(f.root / kind, tokens) if kind == "merged" else reference(f.root / "base", tokens,
+                                                                                     f.adapters[kind])
+    for name, lp in (("transformers", expected), ("tunix", log_softmax(tunix_logits(f.model, tokens)))):
+        report = compare_continuations(served, lp, name=name, atol=checks.atol)
+        assert report.ok, report
+
+
+def test_the_merged_export_and_the_adapter_serve_the_same_continuations(checks):
+    np.testing.assert_array_equal(checks.f.served["merged"].tokens, checks.f.served["export"].tokens)
+
+
+def test_a_peft_adapter_is_served_wrongly_on_k_eq_v_layers_until_rewritten(family):
+    """The finding: PEFT's own adapter, as vLLM serves it, is another model; rewritten, it is PEFT's."""
+    f = family["gemma4_vllm"]
+    assert vllm_misserved(f.adapters["peft"], base_dir=f.root / "base") == [
+        f"model.layers.{i}.self_attn.k_proj" for i in f.spec.layers_of("global")]
+    assert vllm_misserved(f.adapters["rewritten"], base_dir=f.root / "base") == []
+    good = compare_continuations(f.served["rewritten"], reference(f.root / "base", tokens_of(f.served["rewritten"]),
+                                                                  f.adapters["peft"]), name="transformers + peft")
+    bad = compare_continuations(f.served["peft"], reference(f.root / "base", tokens_of(f.served["peft"]),
+                                                            f.adapters["peft"]), name="transformers + peft")
+    assert good.ok, good
+    assert not bad.ok and bad.first.startswith("prompt 0, position 0:"), bad
+    assert bad.max_abs_diff > 100 * good.max_abs_diff
+
+
+def test_cli_verify_engine_vllm_names_what_differs(built, capsys):
+    """`gemport verify ADAPTER --base BASE --engine vllm`: the statement of the misserved modules, exit 1 naming the
+    first prompt and position that differ."""
+    f = built["gemma4_vllm"]
+    args = ["--base", f.root / "base", "--engine", "vllm", "--vllm-python", VLLM_PYTHON, "--seq-len", 12,
+            "--prompts", 2, "--max-tokens", 4]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main([str(a) for a in ["verify", f.adapters["peft"], *args]]) == 1
+    out = capsys.readouterr().out
+    assert "vLLM serves V without k_proj's delta on the k_eq_v layers of model.layers.5.self_attn.k_proj" in out
+    assert "gemport peft-for-vllm" in out
+    assert "DISAGREE at prompt 0, position 0" in out
