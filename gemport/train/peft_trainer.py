@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from gemport.checkpoint.adapters import save_lora_spec
 from gemport.errors import OptimizerConfigError
@@ -28,6 +29,7 @@ from gemport.extras import require
 from gemport.lora import LoraSpec
 from gemport.masks.loss import loss_scopes
 from gemport.optim.accumulation import AccumulateTokensState
+from gemport.train.preemption import Preemption
 from gemport.train.step import BATCH_FIELDS, micro_batch_logits
 
 grain = require("grain", "gemport.train.peft_trainer")
@@ -51,6 +53,10 @@ def micro_batches(steps: Iterable[Mapping[str, np.ndarray]]) -> grain.MapDataset
     Element ``s * A + a`` is micro-batch ``a`` of step ``s``: ``BATCH_FIELDS`` [B, T] and ``NUM_ITEMS`` [B]
     (the targets of the whole step). Give ``PeftTrainer`` ``gradient_accumulation_steps=A``. A held-out split
     laid out as steps of A = 1 is an eval dataset.
+
+    Under ``jax.distributed``, give each process the rows it holds (``train.distributed.process_step``),
+    every process the same steps: the step's targets are then summed over processes (one collective, here),
+    and PeftTrainer assembles each micro-batch's global [B, T] from the processes' rows.
     """
     steps = [{k: np.asarray(batch[k]) for k in BATCH_FIELDS} for batch in steps]
     if not steps:
@@ -62,7 +68,10 @@ def micro_batches(steps: Iterable[Mapping[str, np.ndarray]]) -> grain.MapDataset
             "with one accumulation and rows)"
         )
     ((accumulation, rows, _),) = shapes
-    counts = [int(np.asarray(batch["loss_mask"])[:, :, 1:].sum()) for batch in steps]
+    counts = np.array([np.asarray(batch["loss_mask"])[:, :, 1:].sum() for batch in steps], np.int64)
+    if jax.process_count() > 1:
+        counts = multihost_utils.process_allgather(counts).sum(axis=0)
+    counts = counts.tolist()
 
     def element(index):
         s, a = divmod(index, accumulation)
@@ -136,6 +145,9 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
     training_config: ``tunix.sft.peft_trainer.TrainingConfig``.
     lora_spec: recorded beside the checkpoints (``checkpoint.save_lora_spec``) when
         ``checkpoint_root_directory`` is set, so exports find it.
+    preemption: a ``train.preemption.Preemption``: on SIGTERM the trainer writes its metrics and the
+        checkpoint of the step it reaches (on every process, the same step), closes, and raises ``Preempted``;
+        ``train()`` again resumes from that checkpoint.
 
     Train on ``micro_batches(...)``; the loss is ``hf_loss``, the eval loss ``eval_loss``, and
     ``masked_loss`` / ``full_sequence_loss`` are logged beside ``loss`` (``metrics_logger``, modes
@@ -144,8 +156,9 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
 
     def __init__(self, model: nnx.Module, optimizer: optax.GradientTransformation,
                  training_config: peft_trainer.TrainingConfig, *, lora_spec: LoraSpec | None = None,
-                 **kwargs: Any) -> None:
+                 preemption: Preemption | None = None, **kwargs: Any) -> None:
         super().__init__(model, optimizer, training_config, **kwargs)
+        self._preemption = preemption
         state = self.optimizer.opt_state
         if isinstance(getattr(state, "inner_opt_state", state), AccumulateTokensState):
             raise OptimizerConfigError(
@@ -178,6 +191,17 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
             return loss, aux, grad_norm
 
         return train_step
+
+    def _write_train_metrics(self):
+        # Called once per optimizer step, after it and before PeftTrainer's periodic checkpoint.
+        super()._write_train_metrics()
+        if self._preemption is not None:
+            self._preemption.check(self._train_steps, self._stop,
+                                   where=str(self.config.checkpoint_root_directory))
+
+    def _stop(self):
+        self._preemption = None  # close() writes the metrics again
+        self.close()  # the last step's metrics, its checkpoint (waited for), the logger
 
     def _post_process_train_step(self, aux):
         values, _ = self._buffered_train_metrics.additional_metrics["grad_norm"]
