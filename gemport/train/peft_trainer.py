@@ -22,6 +22,8 @@ import numpy as np
 import optax
 from flax import nnx
 from jax.experimental import multihost_utils
+from jax.interpreters import pxla
+from jax.sharding import NamedSharding, PartitionSpec
 
 from gemport.checkpoint.adapters import save_lora_spec
 from gemport.errors import OptimizerConfigError
@@ -191,6 +193,16 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
             return loss, aux, grad_norm
 
         return train_step
+
+    def _prepare_inputs(self, input_data):
+        """Under ``jax.distributed``, each field's global array from this process's rows, sharded over
+        ``data_sharding_axis``. (Tunix 0.1.7 checks the axis divides the *local* rows and otherwise treats each
+        process's rows as the whole replicated batch, which silently trains on other data.)"""
+        mesh = pxla.thread_resources.env.physical_mesh
+        if jax.process_count() == 1 or mesh.empty:
+            return input_data
+        sharding = NamedSharding(mesh, PartitionSpec(*self.config.data_sharding_axis))
+        return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in input_data.items()}
 
     def _write_train_metrics(self):
         # Called once per optimizer step, after it and before PeftTrainer's periodic checkpoint.

@@ -45,7 +45,8 @@ class Preemption:
     all of them: it returns at once unless the run must stop at ``step``; then it calls ``save()`` (which
     must write the checkpoint of ``step`` and wait until it is complete, e.g. Tunix's
     ``CheckpointManager.save(step, ..., force=True)`` followed by ``wait_until_finished``) and raises
-    ``Preempted``. ``where`` names the checkpoint in the message.
+    ``Preempted``. ``where`` names the checkpoint in the message. Build it after ``jax.distributed.initialize``
+    (it asks JAX for the process count).
     """
 
     def __init__(self) -> None:
