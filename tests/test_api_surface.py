@@ -54,6 +54,8 @@ SUBPACKAGES = {
         "decay_mask", "decays", "from_hf", "hf_schedule",
     ],
     "gemport.train.peft_trainer": ["ACCUMULATION", "NUM_ITEMS", "SCOPES", "HFPeftTrainer", "eval_loss", "hf_loss", "micro_batches"],
+    "gemport.train.distributed": ["batch_sharding", "device_rows", "global_batch", "process_rows", "process_step"],
+    "gemport.train.preemption": ["Preempted", "Preemption"],
     "gemport.parity": ["StepRow", "Tolerances", "Trajectory", "miniature", "read_recipe", "trajectory"],
     "gemport.verify": [
         "ContinuationReport", "LogitReport", "Tolerances", "Trajectory", "compare_continuations", "compare_logits",

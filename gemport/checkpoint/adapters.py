@@ -68,10 +68,18 @@ def _read_orbax(path: str | os.PathLike, *, step: int | None = None) -> dict[str
 
 
 def save_lora_spec(root: str | os.PathLike, lora_spec: LoraSpec) -> Path:
-    """Record ``lora_spec`` as ``<root>/gemport_lora.json`` beside a checkpoint (atomically)."""
+    """Record ``lora_spec`` as ``<root>/gemport_lora.json`` beside a checkpoint (atomically).
+
+    Under ``jax.distributed`` only process 0 writes, as Orbax writes a checkpoint's metadata; every process
+    gets the path.
+    """
+    import jax
+
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
     path = root / LORA_SPEC_FILE
+    if jax.process_index() != 0:
+        return path
+    root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".{LORA_SPEC_FILE}.{os.getpid()}"
     tmp.write_text(lora_spec.to_json())
     os.replace(tmp, path)

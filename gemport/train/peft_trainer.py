@@ -21,6 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
+from jax.interpreters import pxla
+from jax.sharding import NamedSharding, PartitionSpec
 
 from gemport.checkpoint.adapters import save_lora_spec
 from gemport.errors import OptimizerConfigError
@@ -28,6 +31,7 @@ from gemport.extras import require
 from gemport.lora import LoraSpec
 from gemport.masks.loss import loss_scopes
 from gemport.optim.accumulation import AccumulateTokensState
+from gemport.train.preemption import Preemption
 from gemport.train.step import BATCH_FIELDS, micro_batch_logits
 
 grain = require("grain", "gemport.train.peft_trainer")
@@ -56,6 +60,10 @@ def micro_batches(steps: Iterable[Mapping[str, np.ndarray]]) -> grain.MapDataset
     Element ``s * A + a`` is micro-batch ``a`` of step ``s``: ``BATCH_FIELDS`` [B, T], ``NUM_ITEMS`` [B]
     (the targets of the whole step) and ``ACCUMULATION`` [B] (A). Give ``PeftTrainer`` ``gradient_accumulation_steps=A``. A held-out split
     laid out as steps of A = 1 is an eval dataset.
+
+    Under ``jax.distributed``, give each process the rows it holds (``train.distributed.process_step``),
+    every process the same steps: the step's targets are then summed over processes (one collective, here),
+    and PeftTrainer assembles each micro-batch's global [B, T] from the processes' rows.
     """
     steps = [{k: np.asarray(batch[k]) for k in BATCH_FIELDS} for batch in steps]
     if not steps:
@@ -67,7 +75,10 @@ def micro_batches(steps: Iterable[Mapping[str, np.ndarray]]) -> grain.MapDataset
             "with one accumulation and rows)"
         )
     ((accumulation, rows, _),) = shapes
-    counts = [int(np.asarray(batch["loss_mask"])[:, :, 1:].sum()) for batch in steps]
+    counts = np.array([np.asarray(batch["loss_mask"])[:, :, 1:].sum() for batch in steps], np.int64)
+    if jax.process_count() > 1:
+        counts = multihost_utils.process_allgather(counts).sum(axis=0)
+    counts = counts.tolist()
 
     def element(index):
         s, a = divmod(index, accumulation)
@@ -142,6 +153,9 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
     training_config: ``tunix.sft.peft_trainer.TrainingConfig``.
     lora_spec: recorded beside the checkpoints (``checkpoint.save_lora_spec``) when
         ``checkpoint_root_directory`` is set, so exports find it.
+    preemption: a ``train.preemption.Preemption``: on SIGTERM the trainer writes its metrics and the
+        checkpoint of the step it reaches (on every process, the same step), closes, and raises ``Preempted``;
+        ``train()`` again resumes from that checkpoint.
 
     Train on ``micro_batches(...)``; the loss is ``hf_loss``, the eval loss ``eval_loss``, and
     ``masked_loss`` / ``full_sequence_loss`` are logged beside ``loss`` (``metrics_logger``, modes
@@ -150,8 +164,9 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
 
     def __init__(self, model: nnx.Module, optimizer: optax.GradientTransformation,
                  training_config: peft_trainer.TrainingConfig, *, lora_spec: LoraSpec | None = None,
-                 **kwargs: Any) -> None:
+                 preemption: Preemption | None = None, **kwargs: Any) -> None:
         super().__init__(model, optimizer, training_config, **kwargs)
+        self._preemption = preemption
         state = self.optimizer.opt_state
         if isinstance(getattr(state, "inner_opt_state", state), AccumulateTokensState):
             raise OptimizerConfigError(
@@ -186,7 +201,10 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
         return train_step
 
     def _prepare_inputs(self, input_data):
-        """Refuses a training micro-batch laid out for another accumulation than the config's; drops the field."""
+        """Refuses a training micro-batch laid out for another accumulation than the config's and drops that
+        field; under ``jax.distributed``, each field's global array from this process's rows, sharded over
+        ``data_sharding_axis``. (Tunix 0.1.7 checks the axis divides the *local* rows and otherwise treats each
+        process's rows as the whole replicated batch, which silently trains on other data.)"""
         given = input_data.pop(ACCUMULATION, None)
         expected = self.config.get_with_default("gradient_accumulation_steps", 1)
         laid_out = None if given is None else int(np.asarray(given).flat[0])
@@ -196,7 +214,22 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
                 f"TrainingConfig.gradient_accumulation_steps={expected}; build both from one SFTConfig "
                 "(gemport.SFTRun), or give micro_batches(...) steps of that many micro-batches"
             )
-        return input_data
+        mesh = pxla.thread_resources.env.physical_mesh
+        if jax.process_count() == 1 or mesh.empty:
+            return input_data
+        sharding = NamedSharding(mesh, PartitionSpec(*self.config.data_sharding_axis))
+        return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in input_data.items()}
+
+    def _write_train_metrics(self):
+        # Called once per optimizer step, after it and before PeftTrainer's periodic checkpoint.
+        super()._write_train_metrics()
+        if self._preemption is not None:
+            self._preemption.check(self._train_steps, self._stop,
+                                   where=str(self.config.checkpoint_root_directory))
+
+    def _stop(self):
+        self._preemption = None  # close() writes the metrics again
+        self.close()  # the last step's metrics, its checkpoint (waited for), the logger
 
     def _post_process_train_step(self, aux):
         values, _ = self._buffered_train_metrics.additional_metrics["grad_norm"]

@@ -18,6 +18,7 @@ from gemport.masks.policies import MaskPolicy
 from gemport.masks.tokenize import Example
 from gemport.masks.truncation import Truncation, TruncationReport
 from gemport.optim.hf import fields_of
+from gemport.train.distributed import process_step
 from gemport.train.order import OptimizerStep, optimizer_steps
 from gemport.train.step import stack
 
@@ -85,7 +86,8 @@ class SFTPipeline:
         """What HF's sampler orders: ``pack``'s ``Rows`` for ``layout="pack"``, else the examples."""
         return pack(examples, self.max_length) if self.layout == "pack" else examples
 
-    def batches(self, examples: Sequence[Example]) -> Iterator[tuple[OptimizerStep, dict[str, np.ndarray]]]:
+    def batches(self, examples: Sequence[Example], *,
+                rows: slice | None = None) -> Iterator[tuple[OptimizerStep, dict[str, np.ndarray]]]:
         """Yields ``(OptimizerStep, batch)`` for every optimizer step of HF's Trainer on ``examples``.
 
         Units (``units``) are visited in HF's order (``optimizer_steps`` of ``config``); each
@@ -93,6 +95,12 @@ class SFTPipeline:
         [gradient_accumulation_steps, rows, T], ready for ``train_step``. T is fixed for the whole run,
         so the step compiles once: ``max_length`` (packed), the longest example (padded) or the longest
         micro-batch (padding-free), rounded up to ``pad_to_multiple_of``.
+
+        rows: only these rows of every batch (``train.distributed.process_rows``), laid out by this
+        process under ``jax.distributed``: batches [A, rows.stop - rows.start, T] (``global_batch`` joins
+        them), the ``OptimizerStep``s cut to them (``process_step``). T still depends on every example's
+        length (and packing on all of them), so ``examples`` is the whole dataset. Not for
+        ``padding_free``, whose batch is one row.
         """
         packed = self.units(examples) if self.layout == "pack" else None
         plan = list(optimizer_steps(self.config, len(packed["tokens"]) if packed is not None else len(examples)))
@@ -100,19 +108,29 @@ class SFTPipeline:
         accumulation, batch_size = f["gradient_accumulation_steps"], f["per_device_train_batch_size"]
         multiple = self.pad_to_multiple_of or 1
         lengths = np.array([len(e.tokens) for e in examples])
+        count = 1 if self.layout == "padding_free" else batch_size
         if self.layout == "pack":
-            rows = batch_size
             width = self.max_length
         elif self.layout == "pad":
-            rows = batch_size
             width = math.ceil(lengths.max() / multiple) * multiple
         else:
-            rows = 1
             longest = max(int(lengths[m].sum()) for s in plan for m in s.micro_batches)
             width = math.ceil(longest / multiple) * multiple
+        if rows is not None:
+            if self.layout == "padding_free":
+                raise OptimizerConfigError(
+                    "SFTConfig.padding_free lays each micro-batch out as one row, which cannot be split over "
+                    "processes; use packing or padding under jax.distributed"
+                )
+            plan = [process_step(s, rows) for s in plan]
+            count = len(range(count)[rows])
         for s in plan:
             micro = []
             for indices in s.micro_batches:
+                if not len(indices):  # no row of this short micro-batch is this process's
+                    micro.append({k: np.zeros((0, width), bool if k == "loss_mask" else np.int32)
+                                  for k in Rows.__annotations__})
+                    continue
                 if packed is not None:
                     micro.append({k: v[indices] for k, v in packed.items()})
                     continue
@@ -121,7 +139,7 @@ class SFTPipeline:
                     micro.append(pad(picked, width, pad_id=self.pad_id))
                 else:
                     micro.append(_widen(padding_free(picked, pad_id=self.pad_id), width, self.pad_id))
-            yield s, stack(micro, accumulation=accumulation, rows=rows)
+            yield s, stack(micro, accumulation=accumulation, rows=count)
 
 
 def _widen(row: Rows, width: int, pad_id: int) -> dict[str, np.ndarray]:

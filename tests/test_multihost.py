@@ -1,0 +1,239 @@
+"""Training past one host: each process's rows of HF's batches, and (multihost_child.py) runs under jax.distributed.
+
+The split is tested in-process on the 8 simulated devices, grouped into two "hosts" of 4 as jax.distributed
+groups them: the hosts' rows are disjoint, contiguous, and together the single-process batch, row for row.
+
+Then 2 processes of 4 CPU devices (gloo collectives on localhost, as test_sharding_multiprocess) train a tiny
+Gemma 4 (the user's nnx loop with train.train_step) and Gemma 3 (HFPeftTrainer) with LoRA, 5 steps of 2
+micro-batches of 8 rows, and 1 process of 8 devices runs the same: per-step losses and final LoRA agree within
+1e-5. Both processes then get SIGTERM mid-run; they save at one step, exit with 143, and the rerun's
+trajectory is the uninterrupted 2-process run's exactly, each sample once. The exports of the 2-process
+checkpoint, written on one host, are those of its own LoRA exactly and the single-process run's within 1e-5.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import safetensors.numpy
+from jax.sharding import NamedSharding, PartitionSpec
+
+from gemport import masks, train
+from gemport.checkpoint import export_merged, export_peft
+from gemport.checkpoint.adapters import LORA_SPEC_FILE
+from gemport.errors import OptimizerConfigError
+from gemport.lora import LoraSpec
+from gemport.train.distributed import batch_sharding, device_rows, global_batch, process_rows, process_step
+from gemport.train.preemption import Preempted, Preemption
+from test_sharding_multiprocess import free_port
+from test_train_sft import CONFIG, chats, tokenizer
+
+HOSTS = 2
+
+
+def hosts(mesh):
+    """The mesh's devices as jax.distributed would give them to 2 processes of 4 (in device order)."""
+    devices = list(mesh.devices.flat)
+    per = len(devices) // HOSTS
+    return [devices[i * per:(i + 1) * per] for i in range(HOSTS)]
+
+
+def meshes():
+    devices = jax.devices()
+    return [jax.make_mesh((8, 1), ("fsdp", "tp"), devices=devices),
+            jax.make_mesh((2, 4), ("fsdp", "tp"), devices=devices)]
+
+
+@pytest.mark.parametrize("mesh", meshes(), ids=["fsdp8", "fsdp2_tp4"])
+def test_each_host_holds_one_range_of_rows(mesh):
+    sharding = batch_sharding(mesh)
+    shape = (2, 8, 12)
+    parts = [device_rows(sharding, shape, group) for group in hosts(mesh)]
+    assert parts == [slice(0, 4), slice(4, 8)]
+    assert process_rows(sharding, shape) == slice(0, 8)  # one process here: all of them
+
+
+def test_rows_that_are_not_one_range_are_refused():
+    mesh = meshes()[1]
+    # Rows over (tp, fsdp): the first host's devices (fsdp 0, every tp) hold rows 0, 2, 4, 6.
+    sharding = NamedSharding(mesh, PartitionSpec(None, ("tp", "fsdp"), None))
+    with pytest.raises(OptimizerConfigError, match=r"rows \[0, 2, 4, 6\] of 8"):
+        device_rows(sharding, (2, 8, 12), hosts(mesh)[0])
+
+
+def packed_rows(n=23, seed=1):
+    rng = np.random.default_rng(seed)
+    tokens = [rng.integers(1, 96, int(k)).astype(np.int32) for k in rng.integers(4, 13, n)]
+    return masks.pack([(t, np.arange(len(t)) >= len(t) // 2) for t in tokens], 12)
+
+
+def test_hosts_rows_are_the_single_process_batches():
+    rows = packed_rows()
+    args = dict(per_device_train_batch_size=8, gradient_accumulation_steps=2, num_train_epochs=2, seed=5)
+    mesh = meshes()[0]
+    sharding = batch_sharding(mesh)
+    steps = list(train.optimizer_steps(args, len(rows["tokens"])))
+    assert len(steps[-1].micro_batches[-1]) < 8  # a short last micro-batch: one host gets fewer rows, or none
+
+    def batch(step, count):
+        return train.stack([{k: v[m] for k, v in rows.items()} for m in step.micro_batches], accumulation=2, rows=count)
+
+    for step in steps:
+        whole = batch(step, 8)
+        parts = []
+        for group in hosts(mesh):
+            mine = device_rows(sharding, whole["tokens"].shape, group)
+            parts.append(batch(process_step(step, mine), mine.stop - mine.start))
+        for k in whole:
+            np.testing.assert_array_equal(np.concatenate([p[k] for p in parts], axis=1), whole[k], err_msg=k)
+        joined = global_batch(whole, sharding, 8)  # one process: its local rows are the global batch
+        assert joined["tokens"].sharding == sharding
+        np.testing.assert_array_equal(np.asarray(joined["tokens"]), whole["tokens"])
+
+
+@pytest.mark.parametrize("layout", [{}, {"packing": False}])
+def test_sft_pipeline_lays_out_only_a_hosts_rows(layout):
+    config = {**CONFIG, **layout, "per_device_train_batch_size": 4, "max_steps": 5}
+    pipeline = train.from_sft_config(config, tokenizer())
+    examples, _ = pipeline.examples(chats(), tokenizer(), progress=False)
+    whole = list(pipeline.batches(examples))
+    parts = [list(pipeline.batches(examples, rows=rows)) for rows in (slice(0, 2), slice(2, 4))]
+    assert len(whole) == len(parts[0]) == len(parts[1]) == 5
+    for (step, batch), (step0, part0), (step1, part1) in zip(whole, *parts):
+        assert part0["tokens"].shape == (2, 2, batch["tokens"].shape[-1])
+        for a, m in enumerate(step.micro_batches):
+            np.testing.assert_array_equal(np.concatenate([step0.micro_batches[a], step1.micro_batches[a]]), m)
+        for k in batch:
+            np.testing.assert_array_equal(np.concatenate([part0[k], part1[k]], axis=1), batch[k], err_msg=k)
+    free = train.from_sft_config({**config, "packing": False, "padding_free": True}, tokenizer())
+    with pytest.raises(OptimizerConfigError, match="padding_free"):
+        next(free.batches(examples, rows=slice(0, 1)))
+
+
+def test_sigterm_on_one_process_stops_at_the_next_check():
+    saved = []
+    before = signal.getsignal(signal.SIGTERM)
+    with Preemption() as preemption:
+        preemption.check(1, lambda: saved.append(1))
+        assert saved == []  # no signal: the run goes on
+        os.kill(os.getpid(), signal.SIGTERM)  # handled: the process lives on to the step boundary
+        with pytest.raises(Preempted, match=r"step 2 in ckpt .*run the same command again") as stopped:
+            preemption.check(2, lambda: saved.append(2), where="ckpt")
+    assert saved == [2] and stopped.value.step == 2 and Preempted.exit_code == 143
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+CHILD = Path(__file__).with_name("multihost_child.py")
+TERM_AFTER = 2
+STEPS = 5
+
+
+def launch(out, jobs, processes):
+    """Run multihost_child.py as ``processes`` processes (8 devices between them); their return codes and stderr."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(out / "jax-cache"),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // processes} "
+                         "--xla_cpu_collective_call_terminate_timeout_seconds=900")
+    env["PYTHONPATH"] = os.pathsep.join([str(CHILD.parents[1]), env.get("PYTHONPATH", "")])
+    port = free_port()
+    procs, logs = [], []
+    for pid in range(processes):
+        # Output goes to files: a full pipe would block one process, and the other then waits for it.
+        err = out / f"err-{port}-{pid}"
+        logs.append(err)
+        with err.open("w") as stderr:
+            procs.append(subprocess.Popen([sys.executable, str(CHILD), str(port), str(pid), str(processes), str(out),
+                                           *jobs], env=env, stdout=subprocess.DEVNULL, stderr=stderr, cwd=CHILD.parent))
+    try:
+        for proc in procs:
+            proc.wait(timeout=900)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    return [proc.returncode for proc in procs], [err.read_text() for err in logs]
+
+
+@pytest.fixture(scope="module")
+def runs(hf_checkpoint, tmp_path_factory):
+    """The runs' output root: one-NAME (1 process), two-NAME (2 processes), term-NAME (2, SIGTERMed, rerun)."""
+    g4, g3 = hf_checkpoint("gemma4_dense")[1], hf_checkpoint("gemma3_1b")[1]
+    out = tmp_path_factory.mktemp("multihost")
+    # Each 2-process launch ends with the job its SIGTERM stops.
+    first = launch(out, [f"nnx:{g4}:two-g4", f"peft:{g3}:two-g3", f"nnx:{g4}:term-g4:{TERM_AFTER}"], 2)
+    second = launch(out, [f"nnx:{g4}:term-g4", f"peft:{g3}:term-g3:{TERM_AFTER}"], 2)
+    third = launch(out, [f"peft:{g3}:term-g3"], 2)
+    one = launch(out, [f"nnx:{g4}:one-g4", f"peft:{g3}:one-g3"], 1)
+    stops = {}
+    for name, (codes, errors) in (("g4", first), ("g3", second)):
+        assert codes == [128 + signal.SIGTERM] * 2, [e[-3000:] for e in errors]
+        stops[name] = {int(m) for e in errors for m in re.findall(r"saved the checkpoint of step (\d+)", e)}
+    for codes, errors in (third, one):
+        assert codes == [0] * len(codes), [e[-3000:] for e in errors]
+    return out, {"g4": g4, "g3": g3}, stops
+
+
+def log(run):
+    return [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+
+
+def lora(run):
+    with np.load(run / "lora.npz") as f:
+        return dict(f)
+
+
+@pytest.mark.parametrize("name", ["g4", "g3"])
+def test_two_processes_train_as_one(runs, name):
+    out, _, _ = runs
+    one, two = log(out / f"one-{name}"), log(out / f"two-{name}")
+    assert [r["step"] for r in two] == list(range(1, STEPS + 1))
+    assert [{k: v for k, v in r.items() if k not in ("loss", "grad_norm")} for r in two] == \
+        [{k: v for k, v in r.items() if k not in ("loss", "grad_norm")} for r in one]  # the same samples
+    # The same arithmetic with the sums over rows and devices reduced in another order: float32 rounding.
+    np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in one], rtol=0, atol=1e-5)
+    a, b = lora(out / f"one-{name}"), lora(out / f"two-{name}")
+    assert sorted(a) == sorted(b) and len(a) > 0
+    for k in a:
+        assert np.abs(a[k]).max() > 0
+        np.testing.assert_allclose(b[k], a[k], rtol=0, atol=1e-5, err_msg=k)
+
+
+@pytest.mark.parametrize("name", ["g4", "g3"])
+def test_sigterm_then_rerun_continues_exactly(runs, name):
+    out, _, stops = runs
+    # Both processes stopped after one step, at or after the SIGTERM, before the end, and saved it.
+    (stop,) = stops[name]
+    assert TERM_AFTER <= stop < STEPS
+    expected, got = log(out / f"two-{name}"), log(out / f"term-{name}")
+    assert got == expected  # losses bit-identical, each step (and its samples) once and in order
+    a, b = lora(out / f"two-{name}"), lora(out / f"term-{name}")
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def tensors(directory):
+    out = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        out.update(safetensors.numpy.load_file(file))
+    return out
+
+
+@pytest.mark.parametrize("export", [export_merged, export_peft])
+def test_exports_of_a_two_process_checkpoint(runs, tmp_path, export):
+    out, base, _ = runs
+    root = out / "two-g3" / "checkpoints"
+    two = tensors(export(root, tmp_path / "two", base_dir=base["g3"]))
+    spec = LoraSpec.from_json((root / LORA_SPEC_FILE).read_text())  # recorded once, by process 0
+    from_lora = tensors(export(lora(out / "two-g3"), tmp_path / "lora", base_dir=base["g3"], lora_spec=spec))
+    one = tensors(export(out / "one-g3" / "checkpoints", tmp_path / "one", base_dir=base["g3"]))
+    assert sorted(two) == sorted(from_lora) == sorted(one)
+    for k in two:
+        np.testing.assert_array_equal(two[k], from_lora[k], err_msg=k)  # the checkpoint holds every shard
+        np.testing.assert_allclose(two[k], one[k], rtol=0, atol=1e-5, err_msg=k)
