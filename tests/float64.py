@@ -1,0 +1,78 @@
+"""float64 on both sides, for comparisons that must not see float32 rounding.
+
+transformers' Gemma modules compute RMSNorm, RoPE tables and the eager softmax in float32 whatever the model's
+dtype (``x.float()``, ``dtype=torch.float32``), and Tunix's Gemma 4 casts norms, RoPE, softmax, router and logits
+to ``jnp.float32``. A model in float64 thus still rounds to float32 at those steps, and two correct
+implementations then differ by float32 noise (~1e-5 relative on a gradient), which depends on the machine's
+float32 kernels. Inside these contexts every float32 request means float64, and each context records what
+would still come out in float32, so a test can assert the whole computation ran in float64.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+
+import jax
+import jax.extend as jex
+import jax.numpy as jnp
+import numpy as np
+import torch
+from torch.overrides import TorchFunctionMode
+
+# Tunix modules whose functions cast to jnp.float32 explicitly (Gemma 3's follow the input dtype).
+TUNIX_FLOAT32_MODULES = ("tunix.models.gemma4.model", "tunix.models.gemma4.moe")
+
+
+def _widen(value):
+    return torch.float64 if value is torch.float32 else value
+
+
+class TorchFloat64(TorchFunctionMode):
+    """``x.float()``, ``dtype=torch.float32`` and ``.to(torch.float32)`` give float64 inside this mode; results
+    that are float32 anyway (a tensor created from a float32 one) are named in ``float32_results``."""
+
+    def __init__(self):
+        super().__init__()
+        self.float32_results = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.float:
+            func, args = torch.Tensor.double, args[:1]
+        args = tuple(_widen(a) for a in args)
+        kwargs = {k: _widen(v) for k, v in (kwargs or {}).items()}
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and out.dtype == torch.float32:
+            self.float32_results.add(getattr(func, "__name__", str(func)))
+        return out
+
+
+class _Float64Numpy:
+    """``jax.numpy`` with ``float32`` meaning ``float64``."""
+
+    def __getattr__(self, name):
+        return jnp.float64 if name == "float32" else getattr(jnp, name)
+
+
+@contextlib.contextmanager
+def tunix_float64(monkeypatch):
+    """x64 on, and Tunix's explicit float32 casts widened to float64 (undone with ``monkeypatch``)."""
+    for name in TUNIX_FLOAT32_MODULES:
+        monkeypatch.setattr(importlib.import_module(name), "jnp", _Float64Numpy())
+    with jax.enable_x64(True):
+        yield
+
+
+def jax_float32_values(fn, *args):
+    """The primitives of ``fn(*args)``'s jaxpr (sub-jaxprs included) with a float32 input or output."""
+    found = set()
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if any(getattr(v.aval, "dtype", None) == np.float32 for v in (*eqn.invars, *eqn.outvars)):
+                found.add(eqn.primitive.name)
+            for sub in jex.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
