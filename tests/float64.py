@@ -24,23 +24,39 @@ from torch.overrides import TorchFunctionMode
 TUNIX_FLOAT32_MODULES = ("tunix.models.gemma4.model", "tunix.models.gemma4.moe")
 
 
+# Read bytes as a dtype (safetensors' loading): float32 there is the file's format, not a precision choice.
+_REINTERPRET = {torch.frombuffer, torch.Tensor.view}
+
+
 def _widen(value):
     return torch.float64 if value is torch.float32 else value
 
 
 class TorchFloat64(TorchFunctionMode):
-    """``x.float()``, ``dtype=torch.float32`` and ``.to(torch.float32)`` give float64 inside this mode; results
-    that are float32 anyway (a tensor created from a float32 one) are named in ``float32_results``."""
+    """``x.float()``, ``dtype=torch.float32``, ``.to(torch.float32)`` and the default dtype give float64 inside
+    this mode; results that are float32 anyway (made from a float32 tensor) are named in ``float32_results``."""
 
     def __init__(self):
         super().__init__()
         self.float32_results = set()
 
+    def __enter__(self):
+        # Tensors created from Python numbers (torch.tensor(0.0), an embedding scale) follow the default dtype.
+        self._default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.set_default_dtype(self._default_dtype)
+        return super().__exit__(*exc)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if func is torch.Tensor.float:
             func, args = torch.Tensor.double, args[:1]
-        args = tuple(_widen(a) for a in args)
-        kwargs = {k: _widen(v) for k, v in (kwargs or {}).items()}
+        elif func not in _REINTERPRET:
+            args = tuple(_widen(a) for a in args)
+            kwargs = {k: _widen(v) for k, v in kwargs.items()}
         out = func(*args, **kwargs)
         if isinstance(out, torch.Tensor) and out.dtype == torch.float32:
             self.float32_results.add(getattr(func, "__name__", str(func)))
@@ -76,3 +92,26 @@ def jax_float32_values(fn, *args):
 
     walk(jax.make_jaxpr(fn)(*args).jaxpr)
     return found
+
+
+def torch_logits(model_class, path, ids):
+    """float64 logits [B, T, V] of the transformers model saved in ``path`` on token ids [B, T], with no float32
+    step (the model is built inside ``TorchFloat64``, so its RoPE tables and embedding scale are float64 too)."""
+    with TorchFloat64() as mode:
+        model = model_class.from_pretrained(path, dtype=torch.float64, attn_implementation="eager")
+        mode.float32_results.clear()
+        with torch.no_grad():
+            logits = model(torch.as_tensor(ids, dtype=torch.long)).logits
+    assert not mode.float32_results, mode.float32_results
+    return logits.numpy()
+
+
+def assert_float32_close(got, float32_peer, exact, factor=10):
+    """``got`` (float32) is within ``factor`` times the distance of a correct float32 implementation
+    (``float32_peer``, computed alongside) from the exact float64 result: max-abs over ``exact``'s max-abs."""
+    scale = np.abs(exact).max()
+    floor = np.abs(np.asarray(float32_peer, np.float64) - exact).max() / scale
+    error = np.abs(np.asarray(got, np.float64) - exact).max() / scale
+    assert 0 < floor < 1e-3, floor  # the peer is float32, and close
+    assert error <= factor * floor, f"{error:.2e} > {factor} x the float32 floor {floor:.2e}"
+    return error / (factor * floor)
