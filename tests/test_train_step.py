@@ -12,7 +12,7 @@ import tiny
 import torch
 import transformers
 from flax import nnx
-from float64 import TorchFloat64
+from float64 import TorchFloat64, relative, trajectory_bound
 from tokenizers import Tokenizer, models
 from trl import SFTConfig, SFTTrainer
 
@@ -142,23 +142,8 @@ def runs(request, hf_checkpoint, tmp_path_factory):
                            loss_mask=loss_mask)
 
 
-def relative(got, want):
-    return abs(got - want) / abs(want)
-
-
 def tolerance(runs, quantity, steps=slice(None)):
-    """10x the largest relative difference of ``quantity`` between torch's float32 runs (eager, sdpa) and the
-    float64 run, over ``steps``.
-
-    Adam's first updates are lr * sign(g): elements with near-zero gradients move on fp32 noise, and the steps
-    that follow amplify it, by an amount that depends on the float32 kernels of the machine (1e-4 in grad_norm
-    after a few steps on a model this small, in any two implementations). A floor measured from one pair of runs
-    on one step is a single draw of that noise: take the largest over both float32 runs and all steps, and 10x.
-    """
-    floor = max(relative(float(run.logs[i][quantity]), float(exact[quantity]))
-                for run in (runs.hf, runs.sdpa) for i, exact in list(enumerate(runs.exact.logs))[steps])
-    assert 0 < floor < 1e-3, (quantity, floor)  # the float32 runs are noisy, and only noisy
-    return 10 * floor
+    return trajectory_bound([runs.hf.logs, runs.sdpa.logs], runs.exact.logs, quantity, steps)
 
 
 def assert_steps_agree(runs, metrics):
@@ -170,7 +155,7 @@ def assert_steps_agree(runs, metrics):
     worst = dict.fromkeys(bounds, 0.0)
     for i, (exact, m) in enumerate(zip(runs.exact.logs, metrics)):
         for quantity, bound in bounds.items():
-            error = relative(float(getattr(m, quantity)), float(exact[quantity]))
+            error = relative(getattr(m, quantity), exact[quantity])
             assert error <= (early if quantity == "grad_norm" and i < 2 else bound), (i, quantity, error, bound)
             worst[quantity] = max(worst[quantity], error / bound)
     print("worst error / bound:", {q: f"{w:.2f} of {bounds[q]:.1e}" for q, w in worst.items()}, f"(steps 0-1: {early:.1e})")
