@@ -8,6 +8,7 @@ gradient, which would hide a wrong A), imports the adapter, and compares against
 import copy
 import math
 
+import float64
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -74,58 +75,95 @@ def peft_grads(model):
     return {n.replace(".default", ""): p.grad.numpy() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def test_gradients_equal_peft_for_every_factor(case):
-    """In float64, where Tunix and transformers agree to ~1e-6 (each keeps a float32 step: RoPE tables in
-    transformers, Gemma 4 logits in Tunix); in float32 their difference alone is ~3e-5 on any projection."""
+def float64_peft_grads(case, tokens, attention):
+    """PEFT's gradients in float64 with no float32 step (see tests/float64.py), on the case's adapter."""
+    model, path = case[:2]
+    mode = float64.TorchFloat64()
+    with mode:
+        base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64,
+                                                                 attn_implementation=attention)
+        model64 = peft.get_peft_model(base, model.peft_config["default"])
+        model64.load_state_dict(model.state_dict())
+        mode.float32_results.clear()  # PEFT creates its factors in float32 before moving them to the base's dtype
+        torch_loss(model64, tokens).backward()
+    assert not mode.float32_results, mode.float32_results
+    return peft_grads(model64)
+
+
+def test_gradients_equal_peft_for_every_factor(case, monkeypatch):
+    """In float64 on both sides, without the float32 steps each keeps by default (norms, RoPE, softmax in
+    transformers; those and the logits in Tunix's Gemma 4). The bound comes from the run: PEFT's own float64
+    gradients with eager and with sdpa attention differ by float64 rounding (~2e-14); Tunix reorders every
+    contraction, not only attention, so it may differ by a few times that: 100x. A single float32 step anywhere
+    would show as ~1e-5."""
     model, path, spec, state, lora_spec = case
     tokens = batch(spec.vocab, 0)
-    model = copy.deepcopy(model).double()
-    model.zero_grad()
-    torch_loss(model, tokens).backward()
-    expected = peft_grads(model)
-    with jax.enable_x64(True):
+    expected = float64_peft_grads(case, tokens, "eager")
+    sdpa = float64_peft_grads(case, tokens, "sdpa")
+    floor = max(np.linalg.norm(sdpa[k] - want) / np.linalg.norm(want) for k, want in expected.items())
+    bound = 100 * floor
+    with float64.tunix_float64(monkeypatch):
         state = jax.tree.map(lambda x: x.astype(jnp.float64), state)
         tunix_model = apply_lora(load_model(path, dtype=jnp.float64), spec, LoraParams(state, lora_spec))
-        grads = nnx.grad(jax_loss, argnums=nnx.DiffState(0, nnx.LoRAParam))(tunix_model, jnp.asarray(tokens))
+        grad = nnx.jit(nnx.grad(jax_loss, argnums=nnx.DiffState(0, nnx.LoRAParam)))
+        assert not float64.jax_float32_values(grad, tunix_model, jnp.asarray(tokens))
+        grads = grad(tunix_model, jnp.asarray(tokens))
         flat = {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(grads)}
     layout = LoraLayout(spec, lora_spec)
     assert set(flat) == set(layout.shapes())  # nothing else is trainable
-    compared = 0
+    compared, worst = 0, 0.0
     for adapter in layout:
         for module, (gA, gB) in zip(adapter.hf_modules, adapter.to_peft(flat[adapter.lora_a], flat[adapter.lora_b])):
             for got, factor in ((gA, "lora_A"), (gB, "lora_B")):
                 want = expected.pop(f"base_model.model.model.{module}.{factor}.weight")
-                assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want), (module, factor)
+                error = np.linalg.norm(got - want) / np.linalg.norm(want)
+                assert error <= bound, (module, factor, error, bound)
+                worst = max(worst, error)
                 compared += 1
     assert not expected and compared == 2 * sum(len(a.hf_modules) for a in layout)
+    print(f"float64 gradients: worst {worst:.2e}, eager-vs-sdpa floor {floor:.2e}, bound {bound:.2e}")
 
 
-@pytest.mark.parametrize("case", ["gemma4_dense", "gemma3_qkv"], indirect=True)  # kv_einsum and qkv_einsum
-def test_ten_optimizer_steps_follow_torch(case):
-    model, path, spec, state, lora_spec = case
-    model = copy.deepcopy(model)
-    tunix_model = apply_lora(load_model(path), spec, LoraParams(state, lora_spec))
+def torch_steps(model, vocab):
+    """The losses of STEPS steps of the recipe on torch (AdamW, HF's cosine schedule, clipping)."""
     params = [p for p in model.parameters() if p.requires_grad]
     torch_opt = torch.optim.AdamW(params, lr=RECIPE["learning_rate"], weight_decay=RECIPE["weight_decay"])
     scheduler = transformers.get_scheduler("cosine", torch_opt, num_warmup_steps=RECIPE["warmup_steps"],
                                            num_training_steps=STEPS)
-    optimizer = nnx.Optimizer(tunix_model, from_hf(RECIPE, num_training_steps=STEPS).tx, wrt=nnx.LoRAParam)
-    value_and_grad = nnx.jit(nnx.value_and_grad(jax_loss, argnums=nnx.DiffState(0, nnx.LoRAParam)))
-
-    torch_losses, jax_losses = [], []
+    losses = []
     for step in range(STEPS):
-        tokens = batch(spec.vocab, step)
         torch_opt.zero_grad()
-        loss = torch_loss(model, tokens)
+        loss = torch_loss(model, batch(vocab, step))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, RECIPE["max_grad_norm"])
         torch_opt.step()
         scheduler.step()
-        torch_losses.append(loss.item())
-        value, grads = value_and_grad(tunix_model, jnp.asarray(tokens))
+        losses.append(loss.item())
+    return np.array(losses)
+
+
+@pytest.mark.parametrize("case", ["gemma4_dense", "gemma3_qkv"], indirect=True)  # kv_einsum and qkv_einsum
+def test_ten_optimizer_steps_follow_torch(case):
+    """Each step's loss within 10x torch's own float32 distance from the same steps in float64 (no float32 step)."""
+    model, path, spec, state, lora_spec = case
+    torch_losses = torch_steps(copy.deepcopy(model), spec.vocab)
+    with float64.TorchFloat64():
+        base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="eager")
+        model64 = peft.get_peft_model(base, model.peft_config["default"])
+        model64.load_state_dict(model.state_dict())
+        exact = torch_steps(model64, spec.vocab)
+    tunix_model = apply_lora(load_model(path), spec, LoraParams(state, lora_spec))
+    optimizer = nnx.Optimizer(tunix_model, from_hf(RECIPE, num_training_steps=STEPS).tx, wrt=nnx.LoRAParam)
+    value_and_grad = nnx.jit(nnx.value_and_grad(jax_loss, argnums=nnx.DiffState(0, nnx.LoRAParam)))
+    jax_losses = []
+    for step in range(STEPS):
+        value, grads = value_and_grad(tunix_model, jnp.asarray(batch(spec.vocab, step)))
         optimizer.update(tunix_model, grads)
         jax_losses.append(float(value))
-    np.testing.assert_allclose(jax_losses, torch_losses, rtol=1e-4)
+    floor = np.max(np.abs(torch_losses - exact) / exact)
+    error = np.max(np.abs(np.array(jax_losses) - exact) / exact)
+    assert 0 < floor < 1e-3 and error <= 10 * floor, (error, floor)
+    print(f"losses: worst {error:.1e}, {error / (10 * floor):.2f} of the bound {10 * floor:.1e}")
     assert abs(torch_losses[-1] - torch_losses[0]) > 1e-3  # the steps moved the model
 
 

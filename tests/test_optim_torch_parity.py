@@ -18,7 +18,6 @@ from transformers import Gemma4ForCausalLM, Gemma4TextConfig, Trainer, TrainingA
 from gemport.optim import clip_grad_norm, decays, from_hf
 
 STEPS = 200
-TOLERANCE = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -53,16 +52,16 @@ def gradients(model):
     }
 
 
-def hf_run(model, args, gradients):
-    """Steps HF's optimizer and scheduler; returns final parameters and the learning rate of each step."""
-    model = copy.deepcopy(model)
+def hf_run(model, args, gradients, dtype=torch.float32):
+    """Steps HF's optimizer and scheduler in ``dtype``; returns final parameters and the learning rate of each step."""
+    model = copy.deepcopy(model).to(dtype)
     trainer = Trainer(model=model, args=args)
     trainer.create_optimizer_and_scheduler(num_training_steps=STEPS)
     params = dict(model.named_parameters())
     lrs = []
     for step in range(STEPS):
         for name, p in params.items():
-            p.grad = torch.from_numpy(gradients[name][step]).clone()
+            p.grad = torch.from_numpy(gradients[name][step]).to(dtype, copy=True)  # clipping scales it in place
         if args.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         lrs.append(trainer.lr_scheduler.get_last_lr()[0])
@@ -88,6 +87,15 @@ def optax_run(tx, params, gradients):
 
 def relative_error(a, b):
     return max(np.abs(a[n] - b[n]).max() for n in b) / max(np.abs(b[n]).max() for n in b)
+
+
+def tolerance(model, args, gradients, expected):
+    """10x the distance of HF's own float32 run (``expected``) from the same run in float64: no reduction but the
+    clipping norm, so the float32 floor is that of AdamW's elementwise arithmetic over 200 steps."""
+    exact, _ = hf_run(model, args, gradients, torch.float64)
+    floor = relative_error(expected, exact)
+    assert 0 < floor < 1e-4
+    return 10 * floor
 
 
 def initial(model):
@@ -153,9 +161,12 @@ def test_200_steps_match_hf_trainer(model, gradients, tmp_path, case, max_grad_n
     tx, schedule = from_hf(args, num_training_steps=STEPS, params=start if max_grad_norm else None)
 
     np.testing.assert_array_equal(np.asarray(schedule(jnp.arange(STEPS))), hf_lrs.astype(np.float32))
-    assert relative_error(optax_run(tx, start, gradients), expected) < TOLERANCE
+    bound = tolerance(model, args, gradients, expected)
+    error = relative_error(optax_run(tx, start, gradients), expected)
+    assert error < bound
+    print(f"{case}: {error:.1e} of {bound:.1e}")
     # Parameters moved by far more than the tolerance, so the comparison above is not vacuous.
-    assert relative_error(start, expected) > 1000 * TOLERANCE
+    assert relative_error(start, expected) > 1000 * bound
 
 
 def test_decaying_norms_and_biases_too_misses_the_tolerance(model, gradients, tmp_path):
@@ -167,7 +178,8 @@ def test_decaying_norms_and_biases_too_misses_the_tolerance(model, gradients, tm
     start = initial(model)
     _, schedule = from_hf(args, num_training_steps=STEPS)
     decay_everything = optax.chain(clip_grad_norm(1.0), optax.adamw(schedule, weight_decay=0.1))
-    assert relative_error(optax_run(decay_everything, start, gradients), expected) > 100 * TOLERANCE
+    assert relative_error(optax_run(decay_everything, start, gradients), expected) > 100 * tolerance(
+        model, args, gradients, expected)
 
 
 def test_clipping_changes_the_trajectory(model, gradients, tmp_path):
@@ -175,4 +187,5 @@ def test_clipping_changes_the_trajectory(model, gradients, tmp_path):
     base = dict(output_dir=str(tmp_path), learning_rate=1e-2, warmup_steps=20, optim="adamw_torch")
     clipped, _ = hf_run(model, TrainingArguments(max_grad_norm=1.0, **base), gradients)
     unclipped, _ = hf_run(model, TrainingArguments(max_grad_norm=0.0, **base), gradients)
-    assert relative_error(unclipped, clipped) > 100 * TOLERANCE
+    assert relative_error(unclipped, clipped) > 100 * tolerance(
+        model, TrainingArguments(max_grad_norm=1.0, **base), gradients, clipped)

@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers
 from flax import nnx
+from float64 import TorchFloat64, relative, trajectory_bound
 from trl import SFTConfig, SFTTrainer
 
 from gemport import masks, train
@@ -74,6 +75,18 @@ def test_batches_have_one_shape_and_hold_every_target(layout):
     assert targets > sum(int(e.loss_mask.sum()) for e in examples)
 
 
+def float64_logs(base, tmp_path, data):
+    """The TRL run of test_packed_run_matches_trl without float32 steps (tests/float64.py), from its adapter0;
+    backward runs outside the mode (autograd's thread), so no recomputed forward there."""
+    with TorchFloat64():
+        model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float64, attn_implementation="eager")
+        model = peft.PeftModel.from_pretrained(model, tmp_path / "adapter0", is_trainable=True)
+        args = SFTConfig(output_dir=str(tmp_path / "trl-float64"), **CONFIG, gradient_checkpointing=False)
+        trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer())
+        trainer.train()
+    return [e for e in trainer.state.log_history if "loss" in e]
+
+
 def test_packed_run_matches_trl(hf_checkpoint, tmp_path):
     """TRL SFTTrainer + PEFT (assistant-only loss, BFD packing, padding-free) and the port from one SFTConfig."""
     _, base = hf_checkpoint("gemma4_mesh")
@@ -90,6 +103,7 @@ def test_packed_run_matches_trl(hf_checkpoint, tmp_path):
     trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer())
     trainer.train()
     logs = [e for e in trainer.state.log_history if "loss" in e]
+    exact = float64_logs(base, tmp_path, data)
 
     pipeline = train.from_sft_config(args, tokenizer())
     examples, report = pipeline.examples(data, tokenizer(), progress=False)
@@ -104,6 +118,9 @@ def test_packed_run_matches_trl(hf_checkpoint, tmp_path):
     step = train.train_step()
     metrics = [jax.device_get(step(port, optimizer, batch)) for _, batch in pipeline.batches(examples)]
     assert len(metrics) == len(logs) == args.max_steps
-    for i, (log, m) in enumerate(zip(logs, metrics)):
-        assert float(m.loss) == pytest.approx(log["loss"], rel=1e-4), f"step {i}"
-        assert float(m.grad_norm) == pytest.approx(log["grad_norm"], rel=1e-4), f"step {i}"
+    # Each step within 10x the float32 TRL run's largest distance from the float64 run (float64.trajectory_bound).
+    for quantity in ("loss", "grad_norm"):
+        bound = trajectory_bound([logs], exact, quantity)
+        errors = [relative(getattr(m, quantity), want[quantity]) for want, m in zip(exact, metrics)]
+        assert max(errors) <= bound, (quantity, errors, bound)
+        print(f"{quantity}: worst {max(errors):.1e}, {max(errors) / bound:.2f} of the bound {bound:.1e}")
