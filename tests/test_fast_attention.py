@@ -33,7 +33,7 @@ def rows(vocab):
             same = segment_ids[b, t] == segment_ids[b, t - 1] and segment_ids[b, t] != 0
             positions[b, t] = positions[b, t - 1] + 1 if same else 0
     tokens = np.where(segment_ids > 0, rng.integers(1, vocab, segment_ids.shape), 0).astype(np.int32)
-    loss_mask = (segment_ids > 0) & (positions > 0)
+    loss_mask = (segment_ids > 0) & (positions > 1)  # a prompt token per example is not trained
     return tokens, positions, segment_ids, loss_mask
 
 

@@ -10,7 +10,7 @@ and ``from_sft_config`` maps an ``SFTConfig`` onto the masks pipeline. ``gemport
 
 from gemport.train.order import OptimizerStep, SamplingStrategy, optimizer_steps, randperm, sample_order
 from gemport.train.sft import LAYOUTS, Layout, SFTPipeline, from_sft_config
-from gemport.train.step import BATCH_FIELDS, StepMetrics, hf_optimizer, stack, train_step, tunix_loss
+from gemport.train.step import BATCH_FIELDS, StepMetrics, fast_loss, hf_optimizer, stack, train_step, tunix_loss
 
 __all__ = [
     "BATCH_FIELDS",
@@ -20,6 +20,7 @@ __all__ = [
     "SFTPipeline",
     "SamplingStrategy",
     "StepMetrics",
+    "fast_loss",
     "from_sft_config",
     "hf_optimizer",
     "optimizer_steps",
