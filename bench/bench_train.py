@@ -1,6 +1,6 @@
 """LoRA train step: step time, tokens/s and peak device memory, beside the memory plan's prediction.
 
-The step is bench/lora_step.py's (forward, masked cross-entropy, LoRA gradients, adamw; state donated) on a
+The step is gemport/mesh/compiled.py's (forward, masked cross-entropy, LoRA gradients, adamw; state donated) on a
 Gemma 4 with Gemma 4 31B's layout. On CPU (default: tiny widths, under a minute) the peak is what XLA's
 compiled memory analysis reserves (arguments + outputs + temporaries, donated buffers once), since the CPU
 reports no allocator statistics; on an accelerator it is the device's ``peak_bytes_in_use``. Where torch sees
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from lora_step import CPU_MEMORY_SCHEDULER  # noqa: E402
+from gemport.mesh.compiled import CPU_MEMORY_SCHEDULER  # noqa: E402
 
 if os.environ.get("JAX_PLATFORMS", "") in ("", "cpu") and CPU_MEMORY_SCHEDULER not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_MEMORY_SCHEDULER}".strip()
@@ -32,7 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
-from lora_step import compile_step, lora_model, make_step  # noqa: E402
+from gemport.mesh.compiled import compile_step, lora_model, make_step  # noqa: E402
 
 from gemport.lora import LoraSpec  # noqa: E402
 from gemport.mesh import make_mesh, memory_plan  # noqa: E402
