@@ -26,8 +26,9 @@ def test_chunked_nll_scopes_and_grads_match_full_logits(hf_checkpoint, name):
 
     def scopes(lora, chunked):
         m = nnx.merge(graphdef, lora, rest)
-        if chunked:  # 7 tokens a chunk: 33 targets in 5 chunks, the last one padded
-            return nll_scopes(target_nll(m, hidden_states(m, tokens, positions, mask), tokens, chunk=7), loss_mask,
+        if chunked:  # 7 tokens a chunk (33 targets: 5 chunks, the last padded), 40 logits a slice (3, the last padded)
+            return nll_scopes(target_nll(m, hidden_states(m, tokens, positions, mask), tokens, chunk=7,
+                                         vocab_chunk=40), loss_mask,
                               segment_ids)
         return loss_scopes(m(tokens, positions, None, mask)[0], tokens, loss_mask, segment_ids)
 
