@@ -67,7 +67,7 @@ def _vocab_blocks(w, vocab_chunk):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _chunk_nll(h, targets, w, dtype, softcap, vocab_chunk):
-    return _chunk_nll_fwd(h, targets, w, dtype, softcap, vocab_chunk)[0]
+    return _chunk_nll_value(h, targets, w, dtype, softcap, vocab_chunk)[0]
 
 
 def _slice_logits(h, wp, j, vocab, vocab_chunk, dtype, softcap):
@@ -77,7 +77,7 @@ def _slice_logits(h, wp, j, vocab, vocab_chunk, dtype, softcap):
     return jnp.where(column < vocab, logits, -jnp.inf), column
 
 
-def _chunk_nll_fwd(h, targets, w, dtype, softcap, vocab_chunk):
+def _chunk_nll_value(h, targets, w, dtype, softcap, vocab_chunk):
     vocab = w.shape[0]
     wp, vocab_chunk, blocks = _vocab_blocks(w, vocab_chunk)
 
@@ -93,11 +93,18 @@ def _chunk_nll_fwd(h, targets, w, dtype, softcap, vocab_chunk):
     init = (jnp.full(n, -jnp.inf, jnp.float32), jnp.zeros(n, jnp.float32), jnp.zeros(n, jnp.float32))
     (m, s, target), _ = jax.lax.scan(block, init, jnp.arange(blocks))
     lse = m + jnp.log(s)
-    return lse - target, (h, targets, w, lse)
+    return lse - target, lse
+
+
+def _chunk_nll_fwd(h, targets, w, dtype, softcap, vocab_chunk):
+    # symbolic_zeros: each input says whether it is differentiated. A frozen embedding (LoRA) gets no
+    # gradient computed, not a [V, D] one thrown away.
+    nll, lse = _chunk_nll_value(h.value, targets.value, w.value, dtype, softcap, vocab_chunk)
+    return nll, (h.value, targets.value, w.value, lse, (None,) if w.perturbed else ())
 
 
 def _chunk_nll_bwd(dtype, softcap, vocab_chunk, residuals, d_nll):
-    h, targets, w, lse = residuals
+    h, targets, w, lse, want_dw = residuals
     vocab = w.shape[0]
     wp, vocab_chunk, blocks = _vocab_blocks(w, vocab_chunk)
 
@@ -108,14 +115,14 @@ def _chunk_nll_bwd(dtype, softcap, vocab_chunk, residuals, d_nll):
         p = jnp.where(column < vocab, jnp.exp(logits - lse[:, None]), 0.0)
         d_logits = d_nll[:, None] * (p - (column[None] == targets[:, None]))
         dh_j, dw_j = vjp(d_logits)
-        return dh + dh_j, dw_j
+        return dh + dh_j, dw_j if want_dw else None
 
     dh, dw = jax.lax.scan(block, jnp.zeros(h.shape, h.dtype), jnp.arange(blocks))
-    dw = dw.reshape(-1, w.shape[1])[:vocab].astype(w.dtype)
-    return dh, np.zeros(targets.shape, jax.dtypes.float0), dw
+    dw = dw.reshape(-1, w.shape[1])[:vocab].astype(w.dtype) if want_dw else None
+    return dh, None, dw
 
 
-_chunk_nll.defvjp(_chunk_nll_fwd, _chunk_nll_bwd)
+_chunk_nll.defvjp(_chunk_nll_fwd, _chunk_nll_bwd, symbolic_zeros=True)
 
 
 def target_nll(model: nnx.Module, hidden: jax.Array, tokens: jax.Array, *, chunk: int = CHUNK,
