@@ -79,7 +79,7 @@ def plan(args) -> int:
 
 def _compiled_peak(spec, lora, p, args) -> str:
     """The compiled peak per device of the train step on plan ``p``'s mesh, on this host's CPU devices."""
-    from gemport.mesh.plan import compiled_peak
+    from gemport.mesh import compiled_peak
 
     if lora is None or args.batch is None:
         raise MeshError("--compile compiles the LoRA train step: give --lora-rank or --lora-config, --batch and "

@@ -158,3 +158,7 @@ def state_bytes(tree) -> int:
         shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
         total += int(np.prod(shape)) * np.dtype(leaf.dtype).itemsize
     return total
+
+
+__all__ = ["CPU_MEMORY_SCHEDULER", "Compiled", "batch_shapes", "compile_step", "lora_model", "make_step", "set_remat",
+           "state_bytes"]
