@@ -1,7 +1,11 @@
-"""LoRA train step: step time, tokens/s and peak device memory, beside the memory plan's prediction.
+"""LoRA train step: step time, tokens/s, MFU and peak device memory, beside the memory plan's prediction.
 
-The step is bench/lora_step.py's (forward, masked cross-entropy, LoRA gradients, adamw; state donated) on a
-Gemma 4 with Gemma 4 31B's layout. On CPU (default: tiny widths, under a minute) the peak is what XLA's
+The step is gemport/mesh/compiled.py's (forward, masked cross-entropy, LoRA gradients, adamw; state donated) on a
+Gemma 4 with Gemma 4 31B's layout, twice: Tunix's own attention and logits, and gemport's fast step (segment
+attention, chunked cross-entropy: ``train.fast_loss``). MFU is model FLOPs per trained token (``4 x`` the
+weights a token passes through, forward and backward through the activations, plus ``12 x`` keys seen x head
+width x heads per layer for attention) times tokens/s over the device's bf16 peak (``PEAK_TFLOPS``); on CPU
+there is no accelerator figure. On CPU (default: tiny widths, under a minute) the peak is what XLA's
 compiled memory analysis reserves (arguments + outputs + temporaries, donated buffers once), since the CPU
 reports no allocator statistics; on an accelerator it is the device's ``peak_bytes_in_use``. Where torch sees
 a CUDA device, PEFT's step on the same model (HF Gemma 4, the same LoRA targets, torch AdamW) runs as the
@@ -22,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from lora_step import CPU_MEMORY_SCHEDULER  # noqa: E402
+from gemport.mesh.compiled import CPU_MEMORY_SCHEDULER  # noqa: E402
 
 if os.environ.get("JAX_PLATFORMS", "") in ("", "cpu") and CPU_MEMORY_SCHEDULER not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_MEMORY_SCHEDULER}".strip()
@@ -32,13 +36,36 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
-from lora_step import compile_step, lora_model, make_step  # noqa: E402
+from gemport.mesh.compiled import compile_step, lora_model, make_step  # noqa: E402
 
 from gemport.lora import LoraSpec  # noqa: E402
 from gemport.mesh import make_mesh, memory_plan  # noqa: E402
 from gemport.specs import GemmaSpec  # noqa: E402
 
 GiB = 2**30
+
+PEAK_TFLOPS = {"TPU v4": 275, "TPU v5 lite": 197, "TPU v5e": 197, "TPU v5p": 459, "TPU v5": 459, "TPU v6 lite": 918,
+               "TPU v6e": 918, "H100": 989, "H200": 989, "B200": 2250}
+"""Dense bf16 peak per device (TFLOP/s), by ``device_kind`` (the longest key it contains)."""
+
+
+def peak_tflops(device_kind: str) -> float | None:
+    keys = [k for k in PEAK_TFLOPS if k in device_kind]
+    return PEAK_TFLOPS[max(keys, key=len)] if keys else None
+
+
+def flops_per_token(spec: GemmaSpec, seq_len: int) -> float:
+    """Model FLOPs of one trained token: 4 x weights passed (frozen weights: forward, and backward to the
+    activations; the embedding as the logits' matmul) + 12 x keys seen x heads x head width per layer."""
+    from gemport.mesh.dims import annotated
+
+    weights = sum(int(np.prod(shape)) for _, shape, _, _ in annotated(spec) if len(shape) > 1)
+    attention = 0.0
+    for i in range(spec.num_layers):
+        window = spec.sliding_window if spec.layer_types[i] == "sliding" else seq_len
+        seen = min(window, (seq_len + 1) / 2)
+        attention += 12 * seen * spec.num_heads * spec.layer_head_dim(i)
+    return 4 * weights + attention
 
 
 def bench_spec(widths: str, layers: int, vocab: int) -> GemmaSpec:
@@ -64,21 +91,22 @@ def batch_arrays(batch, seq_len, vocab, abstract):
         "tokens": rng.integers(0, vocab, (batch, seq_len), dtype=np.int32),
         "positions": np.broadcast_to(np.arange(seq_len, dtype=np.int32), (batch, seq_len)).copy(),
         "attention_mask": np.broadcast_to(np.tril(np.ones((seq_len, seq_len), bool)), (batch, seq_len, seq_len)).copy(),
+        "segment_ids": np.ones((batch, seq_len), np.int32),
         "loss_mask": np.ones((batch, seq_len), bool),
     }
-    return {k: jax.device_put(v, abstract[k].sharding) for k, v in values.items()}
+    return {k: jax.device_put(values[k], a.sharding) for k, a in abstract.items()}
 
 
-def jax_step(args, spec, lora_spec, dtype):
+def jax_step(args, spec, lora_spec, dtype, fast):
     mesh = make_mesh(spec, fsdp=args.fsdp, tp=args.tp, devices=jax.devices()[: args.fsdp * args.tp])
     model = lora_model(spec, lora_spec, param_dtype=dtype, remat=args.remat, abstract=False)
     tx = optax.adamw(1e-4)
-    compiled, abstract = compile_step(model, mesh, args.batch, args.seq_len, tx)
+    compiled, abstract = compile_step(model, mesh, args.batch, args.seq_len, tx, fast=fast)
     graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
     lora, rest = placed(lora, abstract[0]), placed(rest, abstract[2])
     opt_state = placed(tx.init(nnx.as_pure(lora)), abstract[1])
     batch = batch_arrays(args.batch, args.seq_len, spec.vocab, abstract[3])
-    step = make_step(graphdef, tx)
+    step = make_step(graphdef, tx, fast)
     times = []
     with jax.set_mesh(mesh):
         for i in range(args.steps + 1):
@@ -143,15 +171,22 @@ def main():
     backend = jax.default_backend()
     plan = memory_plan(spec, args.fsdp, args.tp, lora=LoraSpec(args.rank, 2.0 * args.rank), param_dtype=dtype, batch=args.batch,
                        seq_len=args.seq_len, remat=args.remat, backend="cpu" if backend == "cpu" else "tpu")
-    seconds, peak, compiled, loss = jax_step(args, spec, lora_spec, dtype)
     tokens = args.batch * args.seq_len
-    measured, how = (peak, "peak_bytes_in_use") if peak else (compiled.peak_bytes, "compiled memory analysis")
-    print(f"{backend}: {args.widths} widths, {args.layers} layers, vocab {args.vocab}, mesh fsdp={args.fsdp} "
+    kind = jax.devices()[0].device_kind
+    peak_flops = peak_tflops(kind) if backend != "cpu" else None
+    print(f"{backend} ({kind}): {args.widths} widths, {args.layers} layers, vocab {args.vocab}, mesh fsdp={args.fsdp} "
           f"tp={args.tp}, batch {args.batch} x {args.seq_len}, remat {args.remat}, LoRA r={args.rank}, {args.dtype}")
-    print(f"  gemport/Tunix step: {seconds * 1e3:.1f} ms, {tokens / seconds:,.0f} tokens/s (loss {loss:.3f})")
-    print(f"  peak per device ({how}): {measured / GiB:.3f} GiB; memory plan: {plan.total_bytes / GiB:.3f} GiB "
-          f"({plan.total_bytes / measured:.2f}x)")
-    print(f"  plan: {plan}")
+    print(f"  plan (Tunix's step): {plan}")
+    for name, fast in (("Tunix step", False), ("fast step", True)):
+        seconds, peak, compiled, loss = jax_step(args, spec, lora_spec, dtype, fast)
+        measured, how = (peak, "peak_bytes_in_use") if peak else (compiled.peak_bytes, "compiled memory analysis")
+        rate = tokens / seconds
+        if peak_flops is None:
+            mfu = "MFU: no accelerator figure (CPU)" if backend == "cpu" else f"MFU: no bf16 peak known for {kind}"
+        else:
+            mfu = f"MFU {rate * flops_per_token(spec, args.seq_len) / (peak_flops * 1e12 * args.fsdp * args.tp):.1%}"
+        print(f"  {name}: {seconds * 1e3:.1f} ms, {rate:,.0f} tokens/s, {mfu} (loss {loss:.3f}); peak per device "
+              f"({how}) {measured / GiB:.3f} GiB")
     baseline = torch_step(args, spec, lora_spec)
     if baseline is None:
         print("  PEFT baseline: skipped (torch sees no CUDA device)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -59,12 +60,37 @@ def plan(args) -> int:
         from gemport.lora import LoraSpec
 
         lora = LoraSpec(args.lora_rank, 2.0 * args.lora_rank)
+    if args.compile:
+        from gemport.mesh.compiled import CPU_MEMORY_SCHEDULER
+
+        # Read when JAX's CPU backend starts: in a fresh process, before anything has run.
+        flags = os.environ.get("XLA_FLAGS", "")
+        if "host_platform_device_count" not in flags:
+            flags += f" --xla_force_host_platform_device_count={args.devices}"
+        os.environ["XLA_FLAGS"] = f"{flags} {CPU_MEMORY_SCHEDULER}".strip()
     plans = valid_meshes(spec, args.devices, hbm_bytes=hbm, lora=lora, param_dtype=args.dtype,
                          batch=args.batch, seq_len=args.seq_len, remat=args.remat)
     print(f"{args.model}: {len(plans)} valid (fsdp, tp) meshes on {args.devices} devices")
     for p in plans:
         print(f"  {p}")
+        if args.compile:
+            print(f"    {_compiled_peak(spec, lora, p, args)}")
     return 0
+
+
+def _compiled_peak(spec, lora, p, args) -> str:
+    """The compiled peak per device of the train step on plan ``p``'s mesh, on this host's CPU devices."""
+    from gemport.mesh import compiled_peak
+
+    if lora is None or args.batch is None:
+        raise MeshError("--compile compiles the LoRA train step: give --lora-rank or --lora-config, --batch and "
+                        "--seq-len")
+    try:
+        peak = compiled_peak(spec, lora, p.fsdp, p.tp, batch=args.batch, seq_len=args.seq_len, remat=args.remat,
+                             param_dtype=args.dtype)
+    except MeshError as e:
+        return f"not compiled: {e}"
+    return f"compiled peak (XLA:CPU, the step gemport trains with): {peak / 2**30:.2f} GiB ({peak} bytes) per device"
 
 
 def convert(args) -> int:
@@ -208,6 +234,9 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--seq-len", type=int, help="tokens per row")
     c.add_argument("--remat", choices=("none", "block", "decoder"), default="none",
                    help="Tunix remat_config of the step (default none)")
+    c.add_argument("--compile", action="store_true",
+                   help="also lower and compile the LoRA train step for abstract inputs on this host's CPU (nothing "
+                        "allocated; minutes at real widths) and print its compiled peak per device")
     c.set_defaults(run=plan)
 
     c = sub.add_parser("convert", help="HF safetensors <-> Orbax Tunix parameters",

@@ -33,14 +33,15 @@ SUBPACKAGES = {
         "apply_lora", "factor_specs", "provider",
     ],
     "gemport.mesh": [
-        "HBM", "MemoryPlan", "MeshError", "ShardedDim", "make_mesh", "memory_plan", "sharded_dims", "use_mesh",
-        "valid_meshes", "valid_tp",
+        "HBM", "MemoryPlan", "MeshError", "ShardedDim", "compiled_peak", "make_mesh", "memory_plan", "sharded_dims",
+        "use_mesh", "valid_meshes", "valid_tp",
     ],
     "gemport.sharding": ["Audit", "AuditRow", "LoraChange", "audit", "factor_axes", "fix_lora", "optimizer_shardings"],
     "gemport.specs": ["GLOBAL", "SLIDING", "GemmaSpec"],
     "gemport.train": [
         "BATCH_FIELDS", "LAYOUTS", "Layout", "OptimizerStep", "SFTPipeline", "SFTRun", "SamplingStrategy", "StepMetrics",
-        "from_sft_config", "hf_optimizer", "optimizer_steps", "randperm", "sample_order", "stack", "train_step",
+        "fast_loss", "from_sft_config", "hf_optimizer", "optimizer_steps", "randperm", "sample_order", "stack",
+        "train_step",
         "tunix_loss",
     ],
     "gemport.masks": [

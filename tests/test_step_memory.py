@@ -1,6 +1,6 @@
 """The memory plan of a train step against the peak XLA compiles the LoRA step to (compiled memory analysis).
 
-The step (bench/lora_step.py: forward, masked cross-entropy, LoRA gradients, adamw, state donated) is lowered
+The step (gemport/mesh/compiled.py: forward, masked cross-entropy, LoRA gradients, adamw, state donated) is lowered
 for abstract arguments and compiled, never run, in a subprocess: XLA:CPU needs its memory-ordered scheduler
 (a flag read at start-up) for remat to save anything, as it does on accelerators. Params are float32, since
 XLA:CPU computes bfloat16 in float32 and would not match a bf16 plan. The real-width cases are Gemma 4 31B's
@@ -40,7 +40,7 @@ import dataclasses, json, sys
 import jax, jax.numpy as jnp
 sys.path[:0] = [{bench!r}, {tests!r}]
 import tiny
-from lora_step import compile_step, lora_model
+from gemport.mesh.compiled import compile_step, lora_model
 from gemport.lora import LoraSpec
 from gemport.mesh import make_mesh
 from gemport.specs import GemmaSpec
@@ -63,7 +63,7 @@ def _spec(name):
 
 def _measure(cases):
     sys.path.insert(0, str(BENCH))
-    from lora_step import CPU_MEMORY_SCHEDULER
+    from gemport.mesh.compiled import CPU_MEMORY_SCHEDULER
 
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {CPU_MEMORY_SCHEDULER}")

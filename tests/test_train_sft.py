@@ -54,6 +54,9 @@ def test_config_maps_onto_the_masks_pipeline():
     assert train.from_sft_config({"padding_free": True}, t).layout == "padding_free"
     plain = train.from_sft_config({"max_length": None, "pad_to_multiple_of": 8}, t)
     assert (plain.layout, plain.policy, plain.pad_to_multiple_of) == ("pad", None, 8)
+    # TRL's SFTConfig checkpoints gradients by default; the port recomputes each decoder layer.
+    assert pipeline.remat == "decoder" and plain.remat == "decoder"
+    assert train.from_sft_config({"gradient_checkpointing": False}, t).remat == "none"
     for bad, field in [({"truncation_mode": "keep_end"}, "truncation_mode"), ({"loss_type": "dft"}, "loss_type"),
                        ({"packing": True, "packing_strategy": "wrapped"}, "packing_strategy"),
                        ({"shuffle_dataset": True}, "shuffle_dataset"), ({"packing": True, "max_length": None}, "max_length")]:

@@ -48,7 +48,13 @@ def loss_scopes(logits: ArrayLike, tokens: ArrayLike, loss_mask: ArrayLike,
     and padding never count. Returns {"masked": float32 [], "full_sequence": float32 [],
     "masked_targets": int32 [], "full_sequence_targets": int32 []}.
     """
-    nll = _target_nll(logits, tokens)
+    return nll_scopes(_target_nll(logits, tokens), loss_mask, segment_ids)
+
+
+def nll_scopes(nll: ArrayLike, loss_mask: ArrayLike, segment_ids: ArrayLike) -> dict[str, jax.Array]:
+    """``loss_scopes`` from the per-target losses: nll float32 [B, T - 1], position t's loss of token t + 1
+    (e.g. ``train.chunked_loss.target_nll``); loss_mask, segment_ids [B, T] and the result as there."""
+    nll = jnp.asarray(nll)
     segment_ids = jnp.asarray(segment_ids)
     same_segment = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] != 0)
     masked, masked_targets = _mean(nll, jnp.asarray(loss_mask, bool)[:, 1:])

@@ -11,13 +11,14 @@ from gemport.errors import MeshError
 from gemport.mesh.context import use_mesh
 from gemport.mesh.dims import ShardedDim, sharded_dims
 from gemport.mesh.factory import make_mesh, valid_tp
-from gemport.mesh.plan import HBM, MemoryPlan, memory_plan, valid_meshes
+from gemport.mesh.plan import HBM, MemoryPlan, compiled_peak, memory_plan, valid_meshes
 
 __all__ = [
     "HBM",
     "MemoryPlan",
     "MeshError",
     "ShardedDim",
+    "compiled_peak",
     "make_mesh",
     "memory_plan",
     "sharded_dims",

@@ -13,7 +13,7 @@ width over tp (``act_btd = ("fsdp", None, "tp")``, ``act_btnh``, ``act_btf``), l
 (the embedding's tp axis).
 
 How many tensors of each size a layer keeps is counted from what XLA's buffer assignment holds for Tunix's
-Gemma 4 and Gemma 3 on CPU (``bench/lora_step.py``), not derived from first principles; the tests check the
+Gemma 4 and Gemma 3 on CPU (``gemport/mesh/compiled.py``), not derived from first principles; the tests check the
 totals against ``jax``'s compiled memory analysis.
 """
 

@@ -187,6 +187,33 @@ def _weight_copy(params, sizes, param_dtype) -> int:
     )
 
 
+def compiled_peak(spec: GemmaSpec, lora: LoraSpec, fsdp: int, tp: int, *, batch: int, seq_len: int,
+                  remat: str = "none", param_dtype="bfloat16", fast: bool = True) -> int:
+    """Per-device peak bytes XLA compiles the LoRA train step to on an (fsdp, tp) mesh of this host's CPU devices.
+
+    The step (``gemport.mesh.compiled``: forward, ``train.fast_loss`` or, with ``fast=False``, Tunix's attention
+    and logits, LoRA gradients, AdamW, state donated) is lowered for abstract inputs and compiled, never run:
+    nothing is allocated. XLA:CPU computes bfloat16 in float32, so for a bf16 model the figure includes
+    float32 copies of weights and activations a TPU would not make: an upper bound for the TPU's. Give XLA
+    ``gemport.mesh.compiled.CPU_MEMORY_SCHEDULER`` before JAX starts, or remat saves nothing on CPU.
+    Raises MeshError when the host has fewer than fsdp * tp CPU devices
+    (``--xla_force_host_platform_device_count``).
+    """
+    import jax
+
+    from gemport.mesh.compiled import compile_step, lora_model
+    from gemport.mesh.factory import make_mesh
+
+    devices = jax.devices("cpu")
+    if len(devices) < fsdp * tp:
+        raise MeshError(f"compiling for fsdp={fsdp} tp={tp} needs {fsdp * tp} CPU devices, the host has "
+                        f"{len(devices)}: set XLA_FLAGS=--xla_force_host_platform_device_count={fsdp * tp}")
+    model = lora_model(spec, lora, remat=remat, param_dtype=np.dtype(param_dtype))
+    mesh = make_mesh(spec, fsdp=fsdp, tp=tp, devices=devices[: fsdp * tp])
+    compiled, _ = compile_step(model, mesh, batch, seq_len, fast=fast)
+    return compiled.peak_bytes
+
+
 def valid_meshes(
     spec: GemmaSpec,
     num_devices: int,

@@ -16,6 +16,8 @@ yields the same elements in the same order on every pass, it continues exactly w
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,10 +31,11 @@ from gemport.checkpoint.adapters import save_lora_spec
 from gemport.errors import OptimizerConfigError
 from gemport.extras import require
 from gemport.lora import LoraSpec
-from gemport.masks.loss import loss_scopes
+from gemport.masks.loss import loss_scopes, nll_scopes
 from gemport.optim.accumulation import AccumulateTokensState
+from gemport.train.attention import check_segments
 from gemport.train.preemption import Preemption
-from gemport.train.step import BATCH_FIELDS, micro_batch_logits
+from gemport.train.step import BATCH_FIELDS, micro_batch_logits, micro_batch_nll
 
 grain = require("grain", "gemport.train.peft_trainer")
 peft_trainer = require("tunix.sft.peft_trainer", "gemport.train.peft_trainer")
@@ -90,9 +93,13 @@ def micro_batches(steps: Iterable[Mapping[str, np.ndarray]]) -> grain.MapDataset
     return grain.MapDataset.range(len(steps) * accumulation).map(element)
 
 
-def _scoped(logits, tokens, loss_mask, segment_ids):
+def _scoped(model, tokens, loss_mask, segment_ids, positions, fast):
     # Each scope as [summed loss, targets], so micro-batches and eval batches combine weighted by targets.
-    scopes = loss_scopes(logits, tokens, loss_mask, segment_ids)
+    batch = dict(tokens=tokens, loss_mask=loss_mask, segment_ids=segment_ids, positions=positions)
+    if fast:
+        scopes = nll_scopes(micro_batch_nll(model, batch), loss_mask, segment_ids)
+    else:
+        scopes = loss_scopes(micro_batch_logits(model, batch), tokens, loss_mask, segment_ids)
     return {
         "masked_loss": jnp.stack([scopes["masked"] * scopes["masked_targets"], scopes["masked_targets"]]),
         "full_sequence_loss": jnp.stack(
@@ -100,13 +107,11 @@ def _scoped(logits, tokens, loss_mask, segment_ids):
     }
 
 
-def _logits(model, tokens, loss_mask, segment_ids, positions):
-    batch = dict(tokens=tokens, loss_mask=loss_mask, segment_ids=segment_ids, positions=positions)
-    return micro_batch_logits(model, batch)
-
-
-def hf_loss(accumulation: int) -> Callable[..., tuple[jax.Array, dict[str, jax.Array]]]:
+def hf_loss(accumulation: int, *, fast: bool = True) -> Callable[..., tuple[jax.Array, dict[str, jax.Array]]]:
     """PeftTrainer's ``loss_fn`` (with ``has_aux=True``) for steps of ``accumulation`` (A) micro-batches.
+
+    fast: compute it with ``train.step.micro_batch_nll`` (segment attention, chunked cross-entropy; the
+    default) or, if False, from Tunix's own attention and logits (``micro_batch_logits``): the same loss.
 
     Returns ``loss(model, tokens, loss_mask, segment_ids, positions, num_items_in_batch)``: tokens,
     loss_mask, segment_ids, positions [B, T], as ``masks.pack`` / ``pad`` lay them out; num_items_in_batch
@@ -118,8 +123,7 @@ def hf_loss(accumulation: int) -> Callable[..., tuple[jax.Array, dict[str, jax.A
     # Named parameters, not a partial: nnx.value_and_grad binds the batch's keywords to positions.
     def loss(model: nnx.Module, tokens: jax.Array, loss_mask: jax.Array, segment_ids: jax.Array, positions: jax.Array,
              num_items_in_batch: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-        logits = _logits(model, tokens, loss_mask, segment_ids, positions)
-        scopes = _scoped(logits, tokens, loss_mask, segment_ids)
+        scopes = _scoped(model, tokens, loss_mask, segment_ids, positions, fast)
         total = jnp.maximum(jnp.max(num_items_in_batch), 1).astype(jnp.float32)
         return scopes["masked_loss"][0] * accumulation / total, scopes
 
@@ -127,10 +131,10 @@ def hf_loss(accumulation: int) -> Callable[..., tuple[jax.Array, dict[str, jax.A
 
 
 def eval_loss(model: nnx.Module, tokens: jax.Array, loss_mask: jax.Array, segment_ids: jax.Array, positions: jax.Array,
-              **_: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """An eval batch's mean target loss (HF's ``eval_loss`` per batch) and the scopes of ``SCOPES``."""
-    logits = _logits(model, tokens, loss_mask, segment_ids, positions)
-    scopes = _scoped(logits, tokens, loss_mask, segment_ids)
+              fast: bool = True, **_: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """An eval batch's mean target loss (HF's ``eval_loss`` per batch) and the scopes of ``SCOPES``; ``fast``
+    as ``hf_loss``'s."""
+    scopes = _scoped(model, tokens, loss_mask, segment_ids, positions, fast)
     masked = scopes["masked_loss"]
     return masked[0] / jnp.maximum(masked[1], 1), scopes
 
@@ -156,6 +160,8 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
     preemption: a ``train.preemption.Preemption``: on SIGTERM the trainer writes its metrics and the
         checkpoint of the step it reaches (on every process, the same step), closes, and raises ``Preempted``;
         ``train()`` again resumes from that checkpoint.
+    fast: ``hf_loss``'s (segment attention and chunked cross-entropy, the default); False runs Tunix's own
+        attention and logits, and then refuses packed rows to a model built with ``use_flash_attention``.
 
     Train on ``micro_batches(...)``; the loss is ``hf_loss``, the eval loss ``eval_loss``, and
     ``masked_loss`` / ``full_sequence_loss`` are logged beside ``loss`` (``metrics_logger``, modes
@@ -164,7 +170,7 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
 
     def __init__(self, model: nnx.Module, optimizer: optax.GradientTransformation,
                  training_config: peft_trainer.TrainingConfig, *, lora_spec: LoraSpec | None = None,
-                 preemption: Preemption | None = None, **kwargs: Any) -> None:
+                 preemption: Preemption | None = None, fast: bool = True, **kwargs: Any) -> None:
         super().__init__(model, optimizer, training_config, **kwargs)
         self._preemption = preemption
         state = self.optimizer.opt_state
@@ -174,8 +180,9 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
                 "with gemport.train.hf_optimizer, not optim.from_hf with gradient_accumulation_steps > 1"
             )
         accumulation = training_config.get_with_default("gradient_accumulation_steps", 1)
-        self.with_loss_fn(hf_loss(accumulation), has_aux=True)
-        self.eval_loss_fn = eval_loss
+        self.fast = fast
+        self.with_loss_fn(hf_loss(accumulation, fast=fast), has_aux=True)
+        self.eval_loss_fn = functools.partial(eval_loss, fast=fast)
         if lora_spec is not None and training_config.checkpoint_root_directory is not None:
             save_lora_spec(training_config.checkpoint_root_directory, lora_spec)
 
@@ -200,11 +207,13 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
 
         return train_step
 
-    def _prepare_inputs(self, input_data):
-        """Refuses a training micro-batch laid out for another accumulation than the config's and drops that
-        field; under ``jax.distributed``, each field's global array from this process's rows, sharded over
-        ``data_sharding_axis``. (Tunix 0.1.7 checks the axis divides the *local* rows and otherwise treats each
+    def _prepare_inputs(self, input_data: Any) -> Any:
+        """Refuses packed rows to a segment-blind attention (with ``fast=False``) and a training micro-batch
+        laid out for another accumulation than the config's, and drops that field; under ``jax.distributed``,
+        each field's global array from this process's rows, sharded over ``data_sharding_axis``. (Tunix 0.1.7 checks the axis divides the *local* rows and otherwise treats each
         process's rows as the whole replicated batch, which silently trains on other data.)"""
+        if not self.fast:
+            check_segments(self.model, input_data["segment_ids"], "HFPeftTrainer")
         given = input_data.pop(ACCUMULATION, None)
         expected = self.config.get_with_default("gradient_accumulation_steps", 1)
         laid_out = None if given is None else int(np.asarray(given).flat[0])

@@ -39,6 +39,7 @@ _READ = {
     "shuffle_dataset": False,
     "per_device_train_batch_size": 8,
     "gradient_accumulation_steps": 1,
+    "gradient_checkpointing": True,
 }
 
 Layout = Literal["pack", "pad", "padding_free"]
@@ -55,7 +56,10 @@ class SFTPipeline:
     ``assistant_only_loss``, else None (every token trained, as TRL does); truncation: ``Truncation``
     at ``max_length``; completion_only_loss, text_field, eos_token: ``formats.render``'s arguments;
     layout: one of ``LAYOUTS``; max_length, pad_to_multiple_of, pad_id: the row geometry;
-    config: the ``SFTConfig`` (or dict) the sample order and batch sizes are read from.
+    config: the ``SFTConfig`` (or dict) the sample order and batch sizes are read from;
+    remat: Tunix's ``remat_config`` for ``gradient_checkpointing`` (``"decoder"``: every decoder layer
+    recomputed in the backward pass, as HF's checkpointing of each layer; ``"none"``), e.g. for
+    ``mesh.compiled.set_remat`` or ``gemport plan --remat``.
     """
 
     chat_format: Gemma3 | Gemma4
@@ -69,6 +73,7 @@ class SFTPipeline:
     pad_to_multiple_of: int | None
     pad_id: int
     config: Any
+    remat: str = "none"
 
     def examples(self, source: Any, tokenizer: Any, **kwargs: Any) -> tuple[list[Example], TruncationReport]:
         """``formats.examples`` of ``source`` with this pipeline's arguments: (examples, report).
@@ -167,6 +172,14 @@ def from_sft_config(config: Any, tokenizer: Any, *, chat_format: Gemma3 | Gemma4
     Settings gemport does not reproduce raise ``OptimizerConfigError`` naming the field:
     ``truncation_mode="keep_end"``, ``packing_strategy`` other than ``"bfd"``, ``loss_type="dft"``,
     ``shuffle_dataset=True`` (TRL shuffles the prepared dataset with ``datasets``' generator).
+
+    The GPU recipe's speed settings: ``gradient_checkpointing`` (TRL's default True) -> ``remat``;
+    ``packing`` / ``padding_free`` -> the layout, whose rows carry ``segment_ids`` that the default step's
+    attention honours (``train.fast_loss``: HF's ``flash_attention_2`` behaviour on packed rows, whatever
+    ``attn_implementation`` says; eager or sdpa on padding-free rows let HF's examples see each other, which
+    the port does not reproduce); ``use_liger_kernel`` -> nothing to set: the default step's chunked
+    cross-entropy is the counterpart of Liger's fused linear cross-entropy, and Liger's fused RMSNorm, RoPE
+    and GeGLU kernels have none (XLA fuses those itself).
     Returns an ``SFTPipeline``.
     """
     f = fields_of(config, _READ)
@@ -202,4 +215,5 @@ def from_sft_config(config: Any, tokenizer: Any, *, chat_format: Gemma3 | Gemma4
         pad_to_multiple_of=f["pad_to_multiple_of"],
         pad_id=pad_id,
         config=config,
+        remat="decoder" if f["gradient_checkpointing"] else "none",
     )

@@ -21,6 +21,8 @@ from gemport.masks.loss import summed_cross_entropy
 from gemport.masks.packing import Rows, tunix_inputs
 from gemport.optim.accumulation import AccumulateTokensState
 from gemport.optim.hf import HFOptimizer, from_hf
+from gemport.train.attention import check_segments, segment_attention_model
+from gemport.train.chunked_loss import hidden_states, target_nll
 
 BATCH_FIELDS: tuple[str, ...] = tuple(Rows.__annotations__)
 """The fields of a step's batch, each [A, B, T]: A micro-batches of B rows of T tokens (``masks.Rows``' keys)."""
@@ -78,18 +80,42 @@ def tunix_loss(model: nnx.Module, micro_batch: Mapping[str, jax.typing.ArrayLike
     return summed_cross_entropy(logits, micro_batch["tokens"], micro_batch["loss_mask"])
 
 
+def micro_batch_nll(model: nnx.Module, micro_batch: Mapping[str, jax.typing.ArrayLike]) -> jax.Array:
+    """Per-target losses float32 [B, T - 1] of a Tunix Gemma on one micro-batch of ``BATCH_FIELDS`` [B, T],
+    the fast way: attention from ``segment_ids`` (``attention.segment_attention_model``: blockwise, splash on
+    TPU; no [T, S] scores) and the cross-entropy in chunks of tokens (``chunked_loss``: never [B, T, V] logits).
+    Position t's loss of token t + 1, equal to ``masks.loss``' on ``micro_batch_logits``.
+    """
+    tokens = jnp.asarray(micro_batch["tokens"], jnp.int32)
+    segment_ids = jnp.asarray(micro_batch["segment_ids"], jnp.int32)
+    positions = jnp.asarray(micro_batch["positions"], jnp.int32)
+    hidden = hidden_states(segment_attention_model(model), tokens, positions, segment_ids)
+    return target_nll(model, hidden, tokens)
+
+
+def fast_loss(model: nnx.Module, micro_batch: Mapping[str, jax.typing.ArrayLike]) -> tuple[jax.Array, jax.Array]:
+    """``tunix_loss``'s summed target loss and target count, computed by ``micro_batch_nll`` (segment attention,
+    chunked cross-entropy). Returns (float32 [], int32 [])."""
+    targets = jnp.asarray(micro_batch["loss_mask"], bool)[:, 1:]
+    nll = micro_batch_nll(model, micro_batch)
+    return jnp.where(targets, nll, 0.0).sum(), targets.sum(dtype=jnp.int32)
+
+
 LossFn = Callable[[nnx.Module, Mapping[str, jax.Array]], tuple[jax.Array, jax.Array]]
 """``(model, micro_batch) -> (summed loss float32 [], target count int32 [])``, as ``tunix_loss``."""
 
 
 def train_step(*, wrt: Any = nnx.LoRAParam,
-               loss_fn: LossFn = tunix_loss) -> Callable[[nnx.Module, nnx.Optimizer, Mapping[str, Any]], StepMetrics]:
+               loss_fn: LossFn = fast_loss) -> Callable[[nnx.Module, nnx.Optimizer, Mapping[str, Any]], StepMetrics]:
     """An HF-Trainer optimizer step for an nnx model, jit-compiled once per batch shape.
 
     wrt: what is trained, an nnx filter: ``nnx.LoRAParam`` (LoRA only, as PEFT) or ``nnx.Param`` (every
         parameter); the same filter as the ``nnx.Optimizer``'s ``wrt``.
-    loss_fn: ``(model, micro_batch) -> (summed loss float32 [], target count int32 [])``; ``tunix_loss``
-        by default.
+    loss_fn: ``(model, micro_batch) -> (summed loss float32 [], target count int32 [])``. ``fast_loss`` by
+        default (segment attention, chunked cross-entropy: the same loss and gradients without [T, S] scores
+        or [B, T, V] logits); ``tunix_loss`` runs Tunix's own attention and logits. With any other than
+        ``fast_loss``, a model whose attention ignores segments (Tunix's ``use_flash_attention``) is refused
+        packed rows (``attention.SegmentAttentionError``).
 
     Returns ``step(model, optimizer, batch) -> StepMetrics``. ``batch`` maps each of ``BATCH_FIELDS`` to an
     array [A, B, T] (``stack`` builds it): the A micro-batches of one optimizer step, run one after the
@@ -101,7 +127,7 @@ def train_step(*, wrt: Any = nnx.LoRAParam,
     """
 
     @nnx.jit
-    def step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Mapping[str, Any]) -> StepMetrics:
+    def jitted(model: nnx.Module, optimizer: nnx.Optimizer, batch: Mapping[str, Any]) -> StepMetrics:
         if isinstance(optimizer.opt_state, AccumulateTokensState):
             raise OptimizerConfigError(
                 "train_step accumulates micro-batches itself; build the optimizer with "
@@ -126,6 +152,11 @@ def train_step(*, wrt: Any = nnx.LoRAParam,
         grad_norm = optax.tree.norm(grads)
         optimizer.update(model, grads)
         return StepMetrics(loss_sum / denominator, grad_norm, count)
+
+    def step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Mapping[str, Any]) -> StepMetrics:
+        if loss_fn is not fast_loss:
+            check_segments(model, batch["segment_ids"], "train_step")
+        return jitted(model, optimizer, batch)
 
     return step
 

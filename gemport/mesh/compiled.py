@@ -1,9 +1,12 @@
-"""A minimal LoRA train step on a Tunix Gemma model, and the peak memory XLA compiles it to.
+"""A LoRA train step on a Tunix Gemma model, and the peak memory XLA compiles it to, nothing allocated.
 
-The step is what a trainer does per batch: forward, ``masked_cross_entropy``, gradients of the LoRA params
-only (``nnx.LoRAParam``), an ``optax.adamw`` update; the LoRA params and Adam state are donated, as a trainer
-that keeps one copy of its state does. ``compiled_peak`` lowers and compiles it for abstract inputs
-(shapes and shardings only), so a model of any size is measured without materialising it.
+The step is what a trainer does per batch: forward, the masked cross-entropy (gemport's fast loss,
+``train.fast_loss``, or Tunix's logits with ``masked_cross_entropy``), gradients of the LoRA params only
+(``nnx.LoRAParam``), an ``optax.adamw`` update; the LoRA params and Adam state are donated, as a trainer that
+keeps one copy of its state does. ``compile_step`` lowers and compiles it for abstract inputs (shapes and
+shardings only, ``nnx.eval_shape``), so a model of any size is measured without materialising it. On CPU, set
+``CPU_MEMORY_SCHEDULER`` in ``XLA_FLAGS`` before JAX starts; XLA:CPU computes bfloat16 in float32, so its
+figure for a bf16 model includes float32 copies of weights a TPU would not make.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from gemport.masks.loss import masked_cross_entropy
 from gemport.partition import padded, spec_of
 from gemport.sharding import optimizer_shardings
 from gemport.specs import GemmaSpec
+from gemport.train import fast_loss
 
 
 # XLA:CPU orders a program for concurrency by default: it runs every layer's rematerialisation as early
@@ -58,22 +62,33 @@ def lora_model(spec: GemmaSpec, lora_spec: LoraSpec, *, param_dtype=jnp.bfloat16
     return model
 
 
-def batch_shapes(batch: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
-    """One batch of packed rows: tokens, positions [B, T] int32; attention_mask [B, T, T], loss_mask [B, T] bool."""
-    return {
+def batch_shapes(batch: int, seq_len: int, fast: bool = False) -> dict[str, jax.ShapeDtypeStruct]:
+    """One batch of packed rows: tokens, positions [B, T] int32, loss_mask [B, T] bool; and segment_ids [B, T]
+    int32 (``fast``) or attention_mask [B, T, T] bool (Tunix's attention)."""
+    rows = {
         "tokens": jax.ShapeDtypeStruct((batch, seq_len), jnp.int32),
         "positions": jax.ShapeDtypeStruct((batch, seq_len), jnp.int32),
-        "attention_mask": jax.ShapeDtypeStruct((batch, seq_len, seq_len), jnp.bool_),
         "loss_mask": jax.ShapeDtypeStruct((batch, seq_len), jnp.bool_),
     }
+    if fast:
+        rows["segment_ids"] = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
+    else:
+        rows["attention_mask"] = jax.ShapeDtypeStruct((batch, seq_len, seq_len), jnp.bool_)
+    return rows
 
 
-def make_step(graphdef, tx: optax.GradientTransformation):
-    """``step(lora, opt_state, rest, batch) -> (lora, opt_state, loss)``, jitted, LoRA and Adam state donated."""
+def make_step(graphdef, tx: optax.GradientTransformation, fast: bool = False):
+    """``step(lora, opt_state, rest, batch) -> (lora, opt_state, loss)``, jitted, LoRA and Adam state donated.
+
+    fast: the loss of ``gemport.train.fast_loss`` (segment attention, chunked cross-entropy), else Tunix's
+    attention and logits with ``masked_cross_entropy``."""
 
     def step(lora, opt_state, rest, batch):
         def loss_fn(lora):
             model = nnx.merge(graphdef, lora, rest)
+            if fast:
+                summed, count = fast_loss(model, batch)
+                return summed / jnp.maximum(count, 1)
             logits, _ = model(batch["tokens"], batch["positions"], None, batch["attention_mask"])
             return masked_cross_entropy(logits, batch["tokens"], batch["loss_mask"])
 
@@ -112,11 +127,12 @@ class Compiled:
         return self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
 
 
-def compile_step(model, mesh, batch: int, seq_len: int, tx: optax.GradientTransformation | None = None):
+def compile_step(model, mesh, batch: int, seq_len: int, tx: optax.GradientTransformation | None = None,
+                 fast: bool = False):
     """Lower and compile the LoRA step of ``model`` (abstract or concrete) for one batch shape on ``mesh``.
 
     The batch is sharded over fsdp (rows), params by their Tunix/Qwix annotations, Adam state like the
-    LoRA params. Returns ``(Compiled, args)``: ``args`` are the abstract arguments, in call order.
+    LoRA params; ``fast`` as ``make_step``'s. Returns ``(Compiled, args)``: ``args`` are the abstract arguments, in call order.
     """
     tx = tx or optax.adamw(1e-4)
     graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
@@ -125,10 +141,10 @@ def compile_step(model, mesh, batch: int, seq_len: int, tx: optax.GradientTransf
     opt_in = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                           jax.eval_shape(tx.init, nnx.as_pure(lora_in)), opt_shardings)
     rows = NamedSharding(mesh, PartitionSpec("fsdp"))
-    batch_in = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rows) for k, v in batch_shapes(batch, seq_len).items()}
+    batch_in = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rows) for k, v in batch_shapes(batch, seq_len, fast).items()}
     args = (lora_in, opt_in, rest_in, batch_in)
     with jax.set_mesh(mesh):
-        executable = make_step(graphdef, tx).lower(*args).compile()
+        executable = make_step(graphdef, tx, fast).lower(*args).compile()
     m = executable.memory_analysis()
     return Compiled(m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes,
                     m.alias_size_in_bytes, executable), args
@@ -142,3 +158,7 @@ def state_bytes(tree) -> int:
         shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
         total += int(np.prod(shape)) * np.dtype(leaf.dtype).itemsize
     return total
+
+
+__all__ = ["CPU_MEMORY_SCHEDULER", "Compiled", "batch_shapes", "compile_step", "lora_model", "make_step", "set_remat",
+           "state_bytes"]

@@ -1,0 +1,56 @@
+"""Compiled peak per device of the LoRA step at Gemma 4 31B's widths, Tunix's step against gemport's fast step.
+
+Two layers (one sliding, one global), vocabulary 262144, LoRA r=16 on all seven projections, bf16, decoder
+remat, one row: lowered for abstract arguments and compiled on the host's CPU (nothing allocated), XLA's
+memory analysis read. Minutes per case on CPU. ``python bench/bench_memory.py [seq_len ...] [--vocab V]``.
+"""
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gemport.mesh.compiled import CPU_MEMORY_SCHEDULER  # noqa: E402
+
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_MEMORY_SCHEDULER}".strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from gemport.mesh.compiled import compile_step, lora_model  # noqa: E402
+
+from gemport.lora import LoraSpec  # noqa: E402
+from gemport.mesh import make_mesh  # noqa: E402
+from gemport.specs import GemmaSpec  # noqa: E402
+
+GiB = 2**30
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("seq_len", type=int, nargs="*", default=[4096, 8192])
+    parser.add_argument("--vocab", type=int, default=262144)
+    parser.add_argument("--remat", default="decoder")
+    parser.add_argument("--steps", nargs="+", default=["fast", "tunix"], choices=["fast", "tunix"])
+    args = parser.parse_args()
+    spec = dataclasses.replace(GemmaSpec.preset("gemma4-31b"), num_layers=2, layer_types=("sliding", "global"),
+                               vocab=args.vocab)
+    model = lora_model(spec, LoraSpec(rank=16, alpha=32, targets=TARGETS), remat=args.remat,
+                       param_dtype=jnp.bfloat16)
+    mesh = make_mesh(spec, fsdp=1, tp=1, devices=jax.devices()[:1])
+    print(f"Gemma 4 31B widths, 2 layers, vocab {args.vocab}, LoRA r=16 x 7, bf16, remat {args.remat}, 1 row; "
+          f"XLA:{jax.default_backend().upper()} compiled memory analysis")
+    for seq_len in args.seq_len:
+        for name in args.steps:
+            start = time.perf_counter()
+            compiled, _ = compile_step(model, mesh, 1, seq_len, fast=name == "fast")
+            print(f"{seq_len:6d} tokens  {name:5s} step: peak {compiled.peak_bytes / GiB:6.2f} GiB "
+                  f"(arguments {compiled.argument_bytes / GiB:.2f}, temporaries {compiled.temp_bytes / GiB:.2f}) "
+                  f"compiled in {time.perf_counter() - start:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""gemport.train.attention against Tunix's own einsum attention: logits and LoRA gradients of tiny Gemma 4 (k_eq_v)
+and Gemma 3 models on packed rows, a sliding window reaching across example boundaries, padding and an empty row;
+the blockwise kernel against a dense softmax over several tile sizes; the refusal of segment-blind attention."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tiny
+from flax import nnx
+
+from gemport.checkpoint import load_model
+from gemport.lora import LoraSpec, apply_lora
+from gemport.masks import attention_mask
+from gemport.specs import GemmaSpec
+from gemport.train.attention import (SegmentAttentionError, check_segments, segment_attention,
+                                     segment_attention_model, segment_blind)
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+T = tiny.SEQ
+
+
+def rows(vocab):
+    """Row 0 packs examples of 5, 4 and 2 tokens then padding (the window of 4 reaches across each boundary);
+    row 1 is one example filling the row; row 2 is empty (all padding)."""
+    rng = np.random.default_rng(0)
+    segment_ids = np.array([[1] * 5 + [2] * 4 + [3] * 2 + [0], [1] * T, [0] * T], np.int32)
+    positions = np.zeros_like(segment_ids)
+    for b in range(len(segment_ids)):
+        for t in range(1, T):
+            same = segment_ids[b, t] == segment_ids[b, t - 1] and segment_ids[b, t] != 0
+            positions[b, t] = positions[b, t - 1] + 1 if same else 0
+    tokens = np.where(segment_ids > 0, rng.integers(1, vocab, segment_ids.shape), 0).astype(np.int32)
+    loss_mask = (segment_ids > 0) & (positions > 1)  # a prompt token per example is not trained
+    return tokens, positions, segment_ids, loss_mask
+
+
+def lora_model(hf_checkpoint, name):
+    """The tiny model with LoRA on all seven projections, cut to its last two layers (sliding, then global) to
+    keep compiling quick."""
+    _, path = hf_checkpoint(name)
+    spec = GemmaSpec.from_hf(path)
+    assert spec.layer_types[-2:] == ("sliding", "global")
+    model = apply_lora(load_model(path), spec, LoraSpec(rank=2, alpha=4, targets=TARGETS))
+    model.layers = type(model.layers)(list(model.layers)[-2:])
+    key = jax.random.key(1)
+    for _, p in nnx.iter_graph(model):  # B starts at zero: give the adapter a non-zero delta
+        if isinstance(p, nnx.LoRAParam):
+            key, sub = jax.random.split(key)
+            p.value = 0.1 * jax.random.normal(sub, p.value.shape, p.value.dtype)
+    return model
+
+
+def summed_loss(logits, tokens, loss_mask):
+    log_probs = jax.nn.log_softmax(logits[:, :-1], -1)
+    nll = -jnp.take_along_axis(log_probs, tokens[:, 1:, None], -1)[..., 0]
+    return jnp.where(loss_mask[:, 1:], nll, 0.0).sum()
+
+
+def logits_and_grads(model, call):
+    """A jitted ``(tokens, positions, segment_ids, loss_mask) -> (logits, LoRA grads of the summed loss)``."""
+    graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
+
+    def loss(lora, tokens, positions, segment_ids, loss_mask):
+        logits = call(nnx.merge(graphdef, lora, rest), tokens, positions, segment_ids)
+        return summed_loss(logits, tokens, loss_mask), logits
+
+    grad = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    return lambda *batch: (lambda out: (out[0][1], out[1]))(grad(lora, *batch))
+
+
+def rel_err(a, b):
+    return float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+
+
+def errors(ours, ref):
+    (logits, grads), (ref_logits, ref_grads) = ours, ref
+    return [rel_err(logits, ref_logits)] + [rel_err(g, r) for g, r in zip(jax.tree.leaves(grads),
+                                                                          jax.tree.leaves(ref_grads))]
+
+
+@pytest.mark.parametrize("name", ["gemma4_dense", "gemma3_1b", "gemma3_qkv"])
+def test_logits_and_lora_grads_match_tunix(hf_checkpoint, name):
+    model = lora_model(hf_checkpoint, name)
+    batch = rows(tiny.text_config(name).vocab_size)
+    tunix = logits_and_grads(model, lambda m, tokens, positions, segment_ids: m(
+        tokens, positions, None, attention_mask(segment_ids))[0])
+    ours = logits_and_grads(model, lambda m, tokens, positions, segment_ids: segment_attention_model(m, block=5)(
+        tokens, positions, None, segment_ids)[0])
+    ref = tunix(*batch)
+    assert len(jax.tree.leaves(ref[1])) >= 2 * 5 * 2  # A and B of q, kv (or k), o and the MLP, two layers
+    assert all(float(jnp.max(jnp.abs(g))) > 0 for g in jax.tree.leaves(ref[1]))
+    # Noise floor: Tunix's own step on the same rows in another batch order (float32 sums in another order).
+    perm = np.array([2, 0, 1])
+    logits, grads = tunix(*(a[perm] for a in batch))
+    floor = errors((logits[np.argsort(perm)], grads), ref)
+    got = errors(ours(*batch), ref)
+    assert max(got) < max(1e-5, 2 * max(floor)), (got, floor)
+
+
+def dense_reference(q, k, v, segment_ids, window):
+    # The mask of masks.attention_mask and Tunix's sliding band, as one dense softmax.
+    b, t, n, h = q.shape
+    kv_heads = k.shape[2]
+    qg = q.reshape(b, t, kv_heads, n // kv_heads, h)
+    s = jnp.einsum("btkgh,bskh->btkgs", qg, k)
+    idx = jnp.arange(t)
+    mask = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (idx[None, :] <= idx[:, None])
+    if window is not None:
+        mask &= idx[:, None] - idx[None, :] < window
+    p = jax.nn.softmax(jnp.where(mask[:, :, None, None], s, -2.3819763e38), -1)
+    return jnp.einsum("btkgs,bskh->btkgh", p, v).reshape(q.shape)
+
+
+@pytest.mark.parametrize("window", [None, 3, 7])
+@pytest.mark.parametrize("block", [4, 5, 16])
+def test_blockwise_tiles_match_a_dense_softmax(window, block):
+    kq, kk, kv, kd = jax.random.split(jax.random.key(0), 4)
+    b, t, n, kv_heads, h = 2, 13, 4, 2, 8
+    q = jax.random.normal(kq, (b, t, n, h))
+    k = jax.random.normal(kk, (b, t, kv_heads, h))
+    v = jax.random.normal(kv, (b, t, kv_heads, h))
+    d_out = jax.random.normal(kd, (b, t, n, h))
+    segment_ids = jnp.array([[1] * 6 + [2] * 5 + [0] * 2, [3] * 13])
+
+    def pull(f):
+        out, vjp = jax.vjp(lambda q, k, v: f(q, k, v), q, k, v)
+        return (out, *vjp(d_out))
+
+    ours = pull(lambda q, k, v: segment_attention(q, k, v, segment_ids, window=window, block=block))
+    ref = pull(lambda q, k, v: dense_reference(q, k, v, segment_ids, window))
+    for a, r in zip(ours, ref):
+        assert rel_err(a, r) < 1e-5
+
+
+def test_segment_blind_attention_refuses_packed_rows(hf_checkpoint):
+    _, path = hf_checkpoint("gemma4_dense")
+    spec = GemmaSpec.from_hf(path)
+    model = load_model(path)
+    assert not segment_blind(model)
+    for _, module in nnx.iter_modules(model):
+        if hasattr(module, "config"):
+            module.config = dataclasses.replace(module.config, use_flash_attention=True,
+                                                use_sliding_window_kv_cache=False)
+    assert segment_blind(model)
+    _, _, segment_ids, _ = rows(spec.vocab)
+    check_segments(model, segment_ids[1:], "train_step")  # one example per row (and padding) is fine
+    with pytest.raises(SegmentAttentionError, match="train_step: row 0 .*use_flash_attention"):
+        check_segments(model, segment_ids, "train_step")
+    assert not segment_blind(segment_attention_model(model))
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_splash_path_matches_blockwise_in_interpret_mode(window):
+    """The TPU path (Pallas splash attention with SegmentIds, a LocalMask on sliding layers) on CPU in interpret
+    mode, small shapes: two examples and padding in a 128-token row, GQA; outputs and gradients."""
+    from gemport.train.attention import _splash
+
+    kq, kk, kv, kd = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(kq, (1, 128, 4, 64))
+    k = jax.random.normal(kk, (1, 128, 2, 64))
+    v = jax.random.normal(kv, (1, 128, 2, 64))
+    d_out = jax.random.normal(kd, q.shape)
+    segment_ids = jnp.array([[1] * 50 + [2] * 60 + [0] * 18])
+
+    def pull(f):
+        out, vjp = jax.vjp(f, q, k, v)
+        return (out, *vjp(d_out))
+
+    got = pull(lambda q, k, v: _splash(q, k, v, segment_ids, window, interpret=True))
+    ref = pull(lambda q, k, v: segment_attention(q, k, v, segment_ids, window=window, block=32))
+    for a, r in zip(got, ref):
+        assert rel_err(a, r) < 1e-5
