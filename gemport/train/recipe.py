@@ -94,8 +94,9 @@ MAPPED = {
 _REFUSED_WHEN_SET = {
     "push_to_hub": "gemport has no network access to the Hub here; upload output_dir yourself",
     "dataset_streaming": "gemport lays out every step's batch ahead (HF's order needs the dataset's length)",
-    "load_in_4bit": "quantized bases are not ported; train on the bfloat16 base",
-    "load_in_8bit": "quantized bases are not ported; train on the bfloat16 base",
+    "load_in_4bit": ("gemport sft does not run QLoRA yet: train on the bfloat16 base, or in Python on the 4-bit "
+                     "base with gemport.lora.QLoraSpec and gemport.checkpoint.load_qlora_model (docs: QLoRA)"),
+    "load_in_8bit": "8-bit bases are not ported (Qwix QLoRA here is NF4); train on the bfloat16 base",
     "fp16": "TPUs compute in bfloat16, not float16: set bf16 instead",
 }
 
