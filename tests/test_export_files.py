@@ -187,8 +187,9 @@ def test_output_inside_input_is_refused(run):
 
 
 def test_missing_lora_spec_is_refused(run):
+    # A model from apply_lora carries its spec; its bare LoRA state does not.
     with pytest.raises(LoraError, match="save_lora_spec"):
-        export_merged(run.model, run.root / "bad", base_dir=run.root / "base")
+        export_merged(nnx.state(run.model, nnx.LoRAParam), run.root / "bad", base_dir=run.root / "base")
     no_output(run.root / "bad")
 
 

@@ -334,7 +334,7 @@ def test_qlora_trajectory_agrees_with_trl_on_the_4bit_base(base):
 
 
 def test_exports_of_a_qlora_adapter_are_plain_lora_and_merge_onto_the_unquantized_base(qlora_port, tmp_path):
-    """The PEFT export of a QLoRA model is its adapter, bit for bit; the merged export is PEFT's
+    """The PEFT export of a QLoRA model is its adapter, bit for bit (with vLLM's v_proj copies); the merged export is PEFT's
     ``merge_and_unload`` onto the unquantized base (not the 4-bit one it trained on): the logits it serves
     differ from the QLoRA model's by the quantization error, measured here."""
     import peft
@@ -348,9 +348,14 @@ def test_exports_of_a_qlora_adapter_are_plain_lora_and_merge_onto_the_unquantize
     with pytest.warns(UserWarning, match="max_lora_rank"):
         export_peft(trained, tmp_path / "peft", base_dir=path)
     given, written = (SafetensorsFile(d / "adapter_model.safetensors") for d in (adapter, tmp_path / "peft"))
-    assert set(given.tensors) == set(written.tensors)
+    # Beyond the adapter: k_proj's factors again as v_proj on k_eq_v layers, for vLLM (docs: Serving on vLLM).
+    copies = {key.replace(".k_proj.", ".v_proj."): key for key in given.tensors
+              if ".k_proj." in key and key.replace(".k_proj.", ".v_proj.") not in given.tensors}
+    assert copies and set(written.tensors) == set(given.tensors) | set(copies)
     for key in given.tensors:
         assert np.array_equal(given.array(key), written.array(key)), key
+    for copy, key in copies.items():
+        assert np.array_equal(given.array(key), written.array(copy)), copy
 
     export_merged(trained, tmp_path / "merged", base_dir=path)
     plain = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
