@@ -40,8 +40,9 @@ from gemport.lora import LoraSpec, apply_lora  # noqa: E402
 from gemport.mesh import make_mesh  # noqa: E402
 from gemport.specs import GemmaSpec  # noqa: E402
 from gemport.train.distributed import batch_sharding, global_batch, process_rows, process_step  # noqa: E402
-from gemport.train.peft_trainer import HFPeftTrainer, micro_batches  # noqa: E402
+from gemport.train.peft_trainer import micro_batches  # noqa: E402
 from gemport.train.preemption import Preempted, Preemption  # noqa: E402
+from resume_child import RecordingTrainer  # noqa: E402
 
 STEPS, EVERY, ROWS, ACCUMULATION, SEQ = 5, 2, 8, 2, 12
 # adam_epsilon: Adam moves an element whose gradient is fp32 noise by ~lr (lr * sign(g)); a larger epsilon
@@ -124,12 +125,6 @@ class Recorder(hooks.TrainingHooks):
     def on_eval_step_end(self, trainer, eval_loss): ...
 
 
-class RecordingTrainer(HFPeftTrainer):
-    def _prepare_inputs(self, input_data):
-        # Called for the micro-batches trained, not for those skipped on resume.
-        index = int(input_data.pop("index")[0])
-        self.training_hooks.consumed.setdefault(self.train_steps + 1, []).append(index)
-        return super()._prepare_inputs(input_data)
 
 
 def peft(model, mesh, rows, out, term_after):
