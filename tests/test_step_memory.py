@@ -124,3 +124,45 @@ def test_bad_step_arguments_are_typed_errors():
         memory_plan(G31, 1, 1, batch=1, seq_len=8, remat="full")
     with pytest.raises(MeshError, match="batch=6 does not divide over fsdp=4"):
         memory_plan(G31, 4, 1, batch=6, seq_len=8)
+
+
+@pytest.mark.parametrize("name", ["gemma4_dense", "gemma3_1b"])
+def test_vocabulary_slices_give_the_full_logits_loss_and_gradients(hf_checkpoint, name):
+    """The chunked loss over interleaved vocabulary slices (7 tokens by 16 of 96 rows, or 16 of 128, a block at
+    a time) against Tunix's full logits: the summed loss, the LoRA gradients and the tied embedding's gradient
+    (full fine-tuning; under LoRA nothing reads it)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import tiny
+    from flax import nnx
+    from test_fast_attention import lora_model, rel_err, rows, summed_loss
+
+    from gemport.masks import attention_mask
+    from gemport.train.chunked_loss import hidden_states, num_slices, target_nll
+
+    vocab = tiny.text_config(name).vocab_size
+    assert num_slices(vocab, 22) > 2
+    model = lora_model(hf_checkpoint, name)
+    tokens, positions, segment_ids, loss_mask = rows(vocab)
+    mask = attention_mask(segment_ids)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(params, sliced):
+        m = nnx.merge(graphdef, params, rest)
+        if sliced:
+            nll = target_nll(m, hidden_states(m, tokens, positions, mask), tokens, chunk=7, vocab_slice=22)
+            return jnp.where(loss_mask[:, 1:], nll, 0.0).sum()
+        return summed_loss(m(tokens, positions, None, mask)[0], tokens, loss_mask)
+
+    both = jax.jit(lambda params: [jax.value_and_grad(loss)(params, sliced) for sliced in (False, True)])
+    (ref, ref_grads), (got, got_grads) = both(params)
+    np.testing.assert_allclose(got, ref, rtol=1e-6)
+    ref_flat = dict(nnx.to_flat_state(ref_grads))
+    # The LoRA factors (what LoRA trains) and the embedding (whose decode gradient is the sliced backward's).
+    compared = [(p, g) for p, g in nnx.to_flat_state(got_grads) if "input_embedding" in p or "lora" in str(p[-1])]
+    assert sum("input_embedding" in p for p, _ in compared) == 1 and len(compared) > 10
+    for path, g in compared:
+        r = ref_flat[path].get_value()
+        assert float(jnp.max(jnp.abs(r))) > 0, path
+        assert rel_err(g.get_value(), r) < 1e-5, path

@@ -1,10 +1,15 @@
-"""Cross-entropy from a Tunix Gemma's final hidden states and its tied embedding, in chunks of tokens.
+"""Cross-entropy from a Tunix Gemma's final hidden states and its tied embedding, a block of logits at a time.
 
 Tunix's model returns float32 logits [B, T, V] (4 GiB per 4096-token row at Gemma's 262144-token vocabulary,
-and as much again for their gradient). Here the logits of ``CHUNK`` tokens at a time are computed from the
-hidden states (Tunix's ``embedder.decode``, then Gemma 4's final softcap), reduced to each target's negative
-log-likelihood and dropped; the backward pass recomputes each chunk's logits (``jax.checkpoint``), so memory
-holds one chunk's logits, never the row's.
+and as much again for their gradient). Here the logits of ``CHUNK`` tokens against ``VOCAB_SLICE`` embedding
+rows at a time are computed from the hidden states (Tunix's ``embedder.decode`` on those rows, then Gemma 4's
+final softcap) and folded into each token's log-sum-exp (an online softmax, as flash attention takes it); the
+backward pass (`jax.custom_vjp`) recomputes each block from the saved log-sum-exp. Memory holds one block of
+logits, never a chunk's or the row's, and no transient copy of the whole embedding: a compiler that computes a
+bfloat16 dot in float32 (XLA:CPU) converts one slice of rows at a time, not 262144 x D.
+
+The slices interleave (slice b holds tokens b, b + s, b + 2s, ...), so on a mesh whose tp axis splits the
+vocabulary each device reads its own rows of every slice, without communication.
 """
 
 import functools
@@ -14,7 +19,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 CHUNK = 512
-"""Tokens whose logits [CHUNK, V] are held at once (1 GiB of float32 at V = 262144, gradient included)."""
+"""Tokens per block of logits (and per float32 cotangent [CHUNK, D] of the backward pass)."""
+
+VOCAB_SLICE = 16384
+"""Embedding rows per block of logits: [CHUNK, VOCAB_SLICE] float32 (32 MiB) are held at once."""
 
 
 @functools.cache
@@ -43,13 +51,117 @@ def hidden_states(model: nnx.Module, tokens: jax.Array, positions: jax.Array, at
     return hidden
 
 
-def target_nll(model: nnx.Module, hidden: jax.Array, tokens: jax.Array, *, chunk: int = CHUNK) -> jax.Array:
-    """Next-token negative log-likelihoods from hidden states, ``chunk`` tokens' logits at a time.
+def num_slices(vocab: int, vocab_slice: int = VOCAB_SLICE) -> int:
+    """The fewest interleaved slices of at most ``vocab_slice`` rows that split ``vocab`` evenly."""
+    return next(s for s in range(-(-vocab // vocab_slice), vocab + 1) if vocab % s == 0)
+
+
+def _slice_logits(graphdef, state, softcap, slices, h_c, b):
+    # Slice b's raw logits [C, V / s] as Tunix's decode computes them, its rows [V / s, D], and the softcap's
+    # tanh (None without one) and the float32 logits the loss reads.
+    embedder = nnx.merge(graphdef, state)
+    w = embedder.input_embedding.get_value()
+    # XLA:CPU slices no bfloat16 array: it would convert the whole embedding to float32 to slice it (5 GiB at
+    # Gemma's vocabulary). Its 16-bit pattern slices as is, and is the same bfloat16 again.
+    bits = jax.lax.bitcast_convert_type(w, jnp.uint16) if w.dtype == jnp.bfloat16 else w
+    w_b = jax.lax.dynamic_index_in_dim(bits.reshape(-1, slices, w.shape[-1]), b, axis=1, keepdims=False)
+    w_b = jax.lax.bitcast_convert_type(w_b, w.dtype)
+    embedder.input_embedding = nnx.Param(w_b)
+    raw = embedder.decode(h_c)
+    z = raw.astype(jnp.float32)
+    if softcap is None:
+        return raw, w_b, None, z
+    tanh = jnp.tanh(z / softcap)
+    return raw, w_b, tanh, tanh * softcap
+
+
+def _split_targets(t_c, slices):
+    # Token v is row v // s of slice v % s.
+    return t_c // slices, t_c % slices
+
+
+def _forward(h, targets, state, graphdef, softcap, slices):
+    f32 = jnp.float32
+
+    def chunk(_, xs):
+        h_c, t_c = xs
+        row, which = _split_targets(t_c, slices)
+
+        def one(carry, b):
+            m, l, picked = carry
+            z = _slice_logits(graphdef, state, softcap, slices, h_c, b)[3]
+            m_new = jnp.maximum(m, z.max(-1))
+            l = l * jnp.exp(m - m_new) + jnp.exp(z - m_new[:, None]).sum(-1)
+            picked = picked + jnp.where(which == b, jnp.take_along_axis(z, row[:, None], -1)[:, 0], 0.0)
+            return (m_new, l, picked), None
+
+        c = h_c.shape[0]
+        init = (jnp.full((c,), -jnp.inf, f32), jnp.zeros((c,), f32), jnp.zeros((c,), f32))
+        (m, l, picked), _ = jax.lax.scan(one, init, jnp.arange(slices))
+        lse = m + jnp.log(l)
+        return None, (lse - picked, lse)
+
+    _, (nll, lse) = jax.lax.scan(chunk, None, (h, targets))
+    return nll, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _nll(h, targets, state, graphdef, softcap, slices):
+    return _forward(h, targets, state, graphdef, softcap, slices)[0]
+
+
+def _nll_fwd(h, targets, state, graphdef, softcap, slices):
+    nll, lse = _forward(h, targets, state, graphdef, softcap, slices)
+    return nll, (h, targets, state, lse)
+
+
+def _nll_bwd(graphdef, softcap, slices, residuals, g):
+    h, targets, state, lse = residuals
+    f32 = jnp.float32
+    w = nnx.merge(graphdef, state).input_embedding.get_value()
+    rows = w.shape[0] // slices
+
+    def chunk(dw, xs):
+        h_c, t_c, lse_c, g_c = xs
+        row, which = _split_targets(t_c, slices)
+
+        def one(carry, b):
+            dh, dw = carry
+            raw, w_b, tanh, z = _slice_logits(graphdef, state, softcap, slices, h_c, b)
+            target = (which[:, None] == b) & (row[:, None] == jnp.arange(rows)[None])
+            dz = g_c[:, None] * (jnp.exp(z - lse_c[:, None]) - target)
+            if tanh is not None:
+                dz = dz * (1 - tanh * tanh)
+            # The cotangent of decode's output in its dtype, contracted with float32 accumulation over all
+            # slices: the one dot over the whole vocabulary that the full-logits gradient is.
+            d = dz.astype(raw.dtype)
+            dh = dh + jnp.dot(d, w_b.astype(raw.dtype), preferred_element_type=f32)
+            dw = dw.at[:, b].add(jnp.dot(d.T, h_c.astype(raw.dtype), preferred_element_type=f32))
+            return (dh, dw), None
+
+        (dh, dw), _ = jax.lax.scan(one, (jnp.zeros(h_c.shape, f32), dw), jnp.arange(slices))
+        return dw, dh.astype(h_c.dtype)
+
+    # The embedding's gradient is only built when it is trained: under LoRA nothing reads it and XLA drops it.
+    dw, dh = jax.lax.scan(chunk, jnp.zeros((rows, slices, w.shape[-1]), f32), (h, targets, lse, g))
+    d_state = jax.tree.map(jnp.zeros_like, state)
+    d_state["input_embedding"] = d_state["input_embedding"].replace(dw.reshape(w.shape).astype(w.dtype))
+    return dh, None, d_state
+
+
+_nll.defvjp(_nll_fwd, _nll_bwd)
+
+
+def target_nll(model: nnx.Module, hidden: jax.Array, tokens: jax.Array, *, chunk: int = CHUNK,
+               vocab_slice: int = VOCAB_SLICE) -> jax.Array:
+    """Next-token negative log-likelihoods from hidden states, ``chunk`` tokens by ``vocab_slice`` rows' logits
+    at a time.
 
     model: the Tunix Gemma whose ``embedder`` (and final logit softcap, if its config has one) turn hidden
     states into logits; hidden: [B, T, D] (``hidden_states``); tokens: int [B, T]. Position t predicts token
     t + 1, as ``masks.loss``. Returns float32 [B, T - 1]: the value of ``masks.loss``' per-target loss on
-    Tunix's logits, with float32 log-softmax.
+    Tunix's logits, with float32 log-softmax. Differentiable in ``hidden`` and the embedding (whose gradient
+    is built only when it is trained).
     """
     b, t, d = hidden.shape
     n = b * (t - 1)
@@ -59,13 +171,6 @@ def target_nll(model: nnx.Module, hidden: jax.Array, tokens: jax.Array, *, chunk
     targets = jnp.pad(jnp.asarray(tokens, jnp.int32)[:, 1:].reshape(n), (0, pad)).reshape(-1, chunk)
     graphdef, state = nnx.split(model.embedder)
     softcap = getattr(model.config, "final_logit_softcap", None)
-
-    @jax.checkpoint
-    def chunk_nll(h_c, t_c, state):
-        logits = nnx.merge(graphdef, state).decode(h_c).astype(jnp.float32)
-        if softcap is not None:
-            logits = jnp.tanh(logits / softcap) * softcap
-        return jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, t_c[:, None], -1)[:, 0]
-
-    _, nll = jax.lax.scan(lambda carry, xs: (carry, chunk_nll(*xs, state)), None, (h, targets))
+    slices = num_slices(state["input_embedding"].get_value().shape[0], vocab_slice)
+    nll = _nll(h, targets, state, graphdef, softcap, slices)
     return nll.reshape(-1)[:n].reshape(b, t - 1)
