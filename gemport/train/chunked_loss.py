@@ -19,10 +19,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 CHUNK = 512
-"""Tokens per block of logits (and per float32 cotangent [CHUNK, D] of the backward pass)."""
+"""Tokens of each row per block of logits (and per float32 cotangent [B, CHUNK, D] of the backward pass)."""
 
 VOCAB_SLICE = 16384
-"""Embedding rows per block of logits: [CHUNK, VOCAB_SLICE] float32 (32 MiB) are held at once."""
+"""Embedding rows per block of logits: [B, CHUNK, VOCAB_SLICE] float32 (32 MiB a row) are held at once."""
 
 
 @functools.cache
@@ -91,12 +91,12 @@ def _forward(h, targets, state, graphdef, softcap, slices):
             m, l, picked = carry
             z = _slice_logits(graphdef, state, softcap, slices, h_c, b)[3]
             m_new = jnp.maximum(m, z.max(-1))
-            l = l * jnp.exp(m - m_new) + jnp.exp(z - m_new[:, None]).sum(-1)
-            picked = picked + jnp.where(which == b, jnp.take_along_axis(z, row[:, None], -1)[:, 0], 0.0)
+            l = l * jnp.exp(m - m_new) + jnp.exp(z - m_new[..., None]).sum(-1)
+            picked = picked + jnp.where(which == b, jnp.take_along_axis(z, row[..., None], -1)[..., 0], 0.0)
             return (m_new, l, picked), None
 
-        c = h_c.shape[0]
-        init = (jnp.full((c,), -jnp.inf, f32), jnp.zeros((c,), f32), jnp.zeros((c,), f32))
+        c = h_c.shape[:-1]
+        init = (jnp.full(c, -jnp.inf, f32), jnp.zeros(c, f32), jnp.zeros(c, f32))
         (m, l, picked), _ = jax.lax.scan(one, init, jnp.arange(slices))
         lse = m + jnp.log(l)
         return None, (lse - picked, lse)
@@ -128,15 +128,15 @@ def _nll_bwd(graphdef, softcap, slices, residuals, g):
         def one(carry, b):
             dh, dw = carry
             raw, w_b, tanh, z = _slice_logits(graphdef, state, softcap, slices, h_c, b)
-            target = (which[:, None] == b) & (row[:, None] == jnp.arange(rows)[None])
-            dz = g_c[:, None] * (jnp.exp(z - lse_c[:, None]) - target)
+            target = (which[..., None] == b) & (row[..., None] == jnp.arange(rows))
+            dz = g_c[..., None] * (jnp.exp(z - lse_c[..., None]) - target)
             if tanh is not None:
                 dz = dz * (1 - tanh * tanh)
             # The cotangent of decode's output in its dtype, contracted with float32 accumulation over all
             # slices: the one dot over the whole vocabulary that the full-logits gradient is.
             d = dz.astype(raw.dtype)
             dh = dh + jnp.dot(d, w_b.astype(raw.dtype), preferred_element_type=f32)
-            dw = dw.at[:, b].add(jnp.dot(d.T, h_c.astype(raw.dtype), preferred_element_type=f32))
+            dw = dw.at[:, b].add(jnp.einsum("bcv,bcd->vd", d, h_c.astype(raw.dtype), preferred_element_type=f32))
             return (dh, dw), None
 
         (dh, dw), _ = jax.lax.scan(one, (jnp.zeros(h_c.shape, f32), dw), jnp.arange(slices))
@@ -164,13 +164,14 @@ def target_nll(model: nnx.Module, hidden: jax.Array, tokens: jax.Array, *, chunk
     is built only when it is trained).
     """
     b, t, d = hidden.shape
-    n = b * (t - 1)
+    n = t - 1
     chunk = min(chunk, n)
     pad = -n % chunk
-    h = jnp.pad(hidden[:, :-1].reshape(n, d), ((0, pad), (0, 0))).reshape(-1, chunk, d)
-    targets = jnp.pad(jnp.asarray(tokens, jnp.int32)[:, 1:].reshape(n), (0, pad)).reshape(-1, chunk)
+    # [chunks, B, chunk, ...]: each block keeps the rows of the batch, so fsdp keeps splitting them.
+    h = jnp.pad(hidden[:, :-1], ((0, 0), (0, pad), (0, 0))).reshape(b, -1, chunk, d).swapaxes(0, 1)
+    targets = jnp.pad(jnp.asarray(tokens, jnp.int32)[:, 1:], ((0, 0), (0, pad))).reshape(b, -1, chunk).swapaxes(0, 1)
     graphdef, state = nnx.split(model.embedder)
     softcap = getattr(model.config, "final_logit_softcap", None)
     slices = num_slices(state["input_embedding"].get_value().shape[0], vocab_slice)
     nll = _nll(h, targets, state, graphdef, softcap, slices)
-    return nll.reshape(-1)[:n].reshape(b, t - 1)
+    return nll.swapaxes(0, 1).reshape(b, -1)[:, :n]
