@@ -60,6 +60,13 @@ def plan(args) -> int:
         from gemport.lora import LoraSpec
 
         lora = LoraSpec(args.lora_rank, 2.0 * args.lora_rank)
+    qlora = None
+    if args.qlora:
+        from gemport.lora import QLoraSpec
+
+        qlora = QLoraSpec(qtype=args.qlora, double_quant=args.double_quant)
+        if lora is None:
+            raise LoraError("--qlora trains LoRA on the 4-bit base: give --lora-rank or --lora-config")
     if args.compile:
         from gemport.mesh.compiled import CPU_MEMORY_SCHEDULER
 
@@ -69,16 +76,19 @@ def plan(args) -> int:
             flags += f" --xla_force_host_platform_device_count={args.devices}"
         os.environ["XLA_FLAGS"] = f"{flags} {CPU_MEMORY_SCHEDULER}".strip()
     plans = valid_meshes(spec, args.devices, hbm_bytes=hbm, lora=lora, param_dtype=args.dtype,
-                         batch=args.batch, seq_len=args.seq_len, remat=args.remat)
-    print(f"{args.model}: {len(plans)} valid (fsdp, tp) meshes on {args.devices} devices")
+                         batch=args.batch, seq_len=args.seq_len, remat=args.remat, qlora=qlora)
+    base = "a 4-bit (nf4) base" if qlora else f"a {args.dtype} base"
+    print(f"{args.model}: {len(plans)} valid (fsdp, tp) meshes on {args.devices} devices, {base}")
     for p in plans:
         print(f"  {p}")
+        if p.tunix_line:
+            print(f"    {p.tunix_line}")
         if args.compile:
-            print(f"    {_compiled_peak(spec, lora, p, args)}")
+            print(f"    {_compiled_peak(spec, lora, qlora, p, args)}")
     return 0
 
 
-def _compiled_peak(spec, lora, p, args) -> str:
+def _compiled_peak(spec, lora, qlora, p, args) -> str:
     """The compiled peak per device of the train step on plan ``p``'s mesh, on this host's CPU devices."""
     from gemport.mesh import compiled_peak
 
@@ -87,7 +97,7 @@ def _compiled_peak(spec, lora, p, args) -> str:
                         "--seq-len")
     try:
         peak = compiled_peak(spec, lora, p.fsdp, p.tp, batch=args.batch, seq_len=args.seq_len, remat=args.remat,
-                             param_dtype=args.dtype)
+                             param_dtype=args.dtype, qlora=qlora)
     except MeshError as e:
         return f"not compiled: {e}"
     return f"compiled peak (XLA:CPU, the step gemport trains with): {peak / 2**30:.2f} GiB ({peak} bytes) per device"
@@ -229,6 +239,10 @@ def parser() -> argparse.ArgumentParser:
                                                  "full fine-tuning)")
     c.add_argument("--lora-config", help="a PEFT adapter_config.json or its directory: targets and per-module ranks")
     c.add_argument("--dtype", default="bfloat16", help="parameter dtype (default bfloat16)")
+    c.add_argument("--qlora", choices=("nf4",), help="QLoRA: the projections on a 4-bit base as load_qlora_model "
+                                                     "places it (bitsandbytes' bnb_4bit_quant_type; nf4)")
+    c.add_argument("--double-quant", action="store_true",
+                   help="with --qlora: bitsandbytes' bnb_4bit_use_double_quant (same memory: scales stay float32)")
     c.add_argument("--batch", type=int, help="rows per train step, all devices together (with --seq-len: add the "
                                              "step's gradients, activations, logits)")
     c.add_argument("--seq-len", type=int, help="tokens per row")

@@ -37,6 +37,10 @@ _BACKWARD = {"scores": 2.0, "mlp": 1.0, "model": 2.0}
 _LOGIT_COPIES = 4
 # Model-width tensors per layer kept under remat: the layer's inputs (decoder), or each block's (block).
 _REMAT_KEPT = {"decoder": 2.0, "block": 5.0}
+# gemport's fast step (``train.fast_loss``) holds float32 blocks of logits [rows, CHUNK, VOCAB_SLICE], not
+# (B, T, V): the block, its exponentials and its cotangent.
+_BLOCK_COPIES = 3
+STEPS = ("fast", "tunix")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +52,10 @@ class StepMemory:
       gradient_bytes: one gradient per trainable param (shaped and sharded like it).
       activation_bytes: what the layers keep for the backward pass plus one layer's backward temporaries.
       logits_bytes: the float32 logits (B, T, V) and the loss's temporaries of that size.
-      batch_bytes: the input rows (tokens, positions, loss mask, attention mask [B, T, T]).
+      batch_bytes: the input rows (tokens, positions, loss mask; segment ids, or Tunix's attention mask
+        [B, T, T]).
+      step: ``"fast"`` (gemport's default step, ``train.fast_loss``) or ``"tunix"`` (Tunix's own attention and
+        logits).
     """
 
     batch: int
@@ -58,19 +65,24 @@ class StepMemory:
     activation_bytes: int
     logits_bytes: int
     batch_bytes: int
+    step: str = "fast"
 
     @property
     def total_bytes(self) -> int:
         return self.gradient_bytes + self.activation_bytes + self.logits_bytes + self.batch_bytes
 
 
-def _layer_widths(spec: GemmaSpec, layer: int, seq_len: int, tp: int) -> dict[str, float]:
-    """Per-token elements on one device of each kind of tensor a layer computes."""
+def _layer_widths(spec: GemmaSpec, layer: int, seq_len: int, tp: int, step: str) -> dict[str, float]:
+    """Per-token elements on one device of each kind of tensor a layer computes; attention scores are one
+    [T, S] row per head under Tunix's attention, one tile row (``train.attention.BLOCK`` keys) under gemport's."""
+    from gemport.train.attention import BLOCK
+
+    keys = seq_len if step == "tunix" else min(seq_len, BLOCK)
     head_dim, kv_heads = spec.layer_head_dim(layer), spec.layer_kv_heads(layer)
     kv = 0 if spec.layer_kv_shared(layer) else (1 if spec.layer_k_eq_v(layer) else 2) * kv_heads * head_dim
     mlp = spec.layer_mlp(layer) + spec.experts_per_token * spec.expert_dim + spec.per_layer_input_dim
     return {
-        "scores": spec.num_heads * seq_len / tp,
+        "scores": spec.num_heads * keys / tp,
         "mlp": mlp / tp,
         "model": spec.hidden / tp,
         "heads": (spec.num_heads * head_dim + kv) / tp,
@@ -87,6 +99,7 @@ def step_memory(
     remat: str = "none",
     trainable_bytes: int,
     dtype="bfloat16",
+    step: str = "fast",
 ) -> StepMemory:
     """Per-device bytes of one train step of ``spec`` on an (fsdp, tp) mesh for ``batch`` rows of ``seq_len``.
 
@@ -97,7 +110,11 @@ def step_memory(
       trainable_bytes: per-device bytes of the trainable params (their gradients are as large).
       dtype: the compute dtype of activations (Tunix Gemma 4's ``dtype``; Gemma 3 computes in its param
         dtype). Gemma 4 takes attention softmax in float32 whatever it is; logits are float32.
+      step: ``"fast"``, the step ``train.train_step`` runs by default (segment attention in tiles, the loss in
+        blocks of logits), or ``"tunix"``, Tunix's own attention ([B, T, N, S] scores) and [B, T, V] logits.
     """
+    if step not in STEPS:
+        raise MeshError(f"step={step!r}: expected one of {', '.join(STEPS)}")
     if remat not in REMAT:
         raise MeshError(f"remat={remat!r}: expected one of {', '.join(REMAT)} (Tunix's RematConfig)")
     if batch < 1 or seq_len < 1:
@@ -105,9 +122,9 @@ def step_memory(
     if batch % fsdp:
         raise MeshError(f"batch={batch} does not divide over fsdp={fsdp}: each fsdp shard takes whole rows")
     act = np.dtype(dtype).itemsize
-    score = 4 if spec.family == "gemma4" else act
+    score = 4 if spec.family == "gemma4" or step == "fast" else act
     tokens = batch // fsdp * seq_len
-    layers = [_layer_widths(spec, i, seq_len, tp) for i in range(spec.num_layers)]
+    layers = [_layer_widths(spec, i, seq_len, tp, step) for i in range(spec.num_layers)]
 
     def size(widths, counts):
         return sum(counts.get(k, 0) * w * (score if k == "scores" else act) for k, w in widths.items())
@@ -126,13 +143,25 @@ def step_memory(
             live = max(max(size(w, attention), size(w, mlp)) for w in layers)
         per_token = saved + live + backward
     rows = batch // fsdp
+    vocab = -(-spec.vocab // tp)
+    if step == "tunix":
+        logits = tokens * _LOGIT_COPIES * vocab * 4
+        # int32 tokens and positions, bool loss mask and attention mask.
+        batch_bytes = rows * seq_len * (4 + 4 + 1 + seq_len)
+    else:
+        from gemport.train.chunked_loss import CHUNK, VOCAB_SLICE, num_slices
+
+        block = rows * min(CHUNK, seq_len) * -(-spec.vocab // num_slices(spec.vocab, VOCAB_SLICE) // tp)
+        logits = _BLOCK_COPIES * block * 4
+        # int32 tokens, positions and segment ids, bool loss mask.
+        batch_bytes = rows * seq_len * (4 + 4 + 4 + 1)
     return StepMemory(
         batch=batch,
         seq_len=seq_len,
         remat=remat,
         gradient_bytes=trainable_bytes,
         activation_bytes=int(tokens * per_token),
-        logits_bytes=int(tokens * _LOGIT_COPIES * -(-spec.vocab // tp) * 4),
-        # int32 tokens and positions, bool loss mask and attention mask.
-        batch_bytes=rows * seq_len * (4 + 4 + 1 + seq_len),
+        logits_bytes=int(logits),
+        batch_bytes=batch_bytes,
+        step=step,
     )

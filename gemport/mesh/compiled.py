@@ -20,8 +20,12 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from gemport.lora import LoraSpec, apply_lora
+from gemport import names
+from gemport.checkpoint.quantize import how_to_quantize
+from gemport.lora import LoraSpec, QLoraSpec, apply_lora
+from gemport.lora.qlora import is_quantized
 from gemport.masks.loss import masked_cross_entropy
+from gemport.params import path_str
 from gemport.partition import padded, spec_of
 from gemport.sharding import optimizer_shardings
 from gemport.specs import GemmaSpec
@@ -47,15 +51,41 @@ def set_remat(model, family: str, remat: str):
                 holder.remat_config = value
 
 
+def quantize_base(model, spec: GemmaSpec, qlora: QLoraSpec):
+    """Make every projection weight of ``model`` (in place) the 4-bit base ``load_qlora_model`` places: a Qwix
+    ``WithAux(QArray)`` of uint4 codes and float32 scales in bitsandbytes' blocks (``how_to_quantize``). The
+    codes are Qwix's quantization of the weights the model holds; shapes, dtypes and shardings are the
+    loader's, which is what a compile measures."""
+    from qwix._src.core import qarray
+    from qwix._src.providers import ptq
+
+    by_path = {e.tunix: e for e in names.entries(spec)}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        entry = by_path[path_str(path)]
+        if not is_quantized(entry):
+            continue
+        how = how_to_quantize(entry, qlora)
+        q = qarray.quantize(var.get_value(), how)
+        q = qarray.QArray(q.qvalue, q.scale.astype(jnp.float32), qtype=q.qtype)
+        module = model
+        for key in path[:-1]:
+            module = module[key] if isinstance(key, int) else getattr(module, key)
+        setattr(module, path[-1], jax.tree.map(var.replace, ptq.WithAux(q, how)))
+
+
 def lora_model(spec: GemmaSpec, lora_spec: LoraSpec, *, param_dtype=jnp.bfloat16, remat: str = "none",
-               abstract: bool = True):
-    """A Tunix model of ``spec`` with Qwix LoRA per ``lora_spec``: shapes only (``abstract``) or random."""
+               abstract: bool = True, qlora: QLoraSpec | None = None):
+    """A Tunix model of ``spec`` with Qwix LoRA per ``lora_spec``: shapes only (``abstract``) or random; on a
+    4-bit base (``quantize_base``) with ``qlora``, its LoRA factors float32 as Qwix makes them there."""
     cfg = spec.to_tunix(param_dtype=param_dtype)
 
     def build():
         with nnx.var_defaults(ref=True):
             rngs = nnx.Rngs(0)
-        return apply_lora(spec.tunix_model_class()(cfg, rngs=rngs), spec, lora_spec)
+        model = spec.tunix_model_class()(cfg, rngs=rngs)
+        if qlora is not None:
+            quantize_base(model, spec, qlora)
+        return apply_lora(model, spec, lora_spec, qlora=qlora)
 
     model = nnx.eval_shape(build) if abstract else build()
     set_remat(model, spec.family, remat)
@@ -160,5 +190,5 @@ def state_bytes(tree) -> int:
     return total
 
 
-__all__ = ["CPU_MEMORY_SCHEDULER", "Compiled", "batch_shapes", "compile_step", "lora_model", "make_step", "set_remat",
-           "state_bytes"]
+__all__ = ["CPU_MEMORY_SCHEDULER", "Compiled", "batch_shapes", "compile_step", "lora_model", "make_step",
+           "quantize_base", "set_remat", "state_bytes"]

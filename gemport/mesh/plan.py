@@ -34,8 +34,11 @@ class MemoryPlan:
       hbm_bytes: HBM per device, if given.
       step: gradients, activations, logits and the batch of one train step (``gemport.mesh.activations``),
         when the plan was given ``batch`` and ``seq_len``; None otherwise, and then the plan says so.
-      weight_copy_bytes: on ``backend="cpu"``, the transposed copy XLA:CPU makes of the largest attention
-        or embedding weight for its dots (0 otherwise).
+      weight_copy_bytes: on ``backend="cpu"``, the copies XLA:CPU makes of weights for its dots (0 otherwise):
+        the transposed largest attention weight (and, for Tunix's step, the transposed embedding; for the
+        fast step on a bfloat16 embedding, the 16-bit view it slices).
+      tunix_step, tunix_weight_copy_bytes: the same for Tunix's own step (its attention's [B, T, N, S] scores
+        and [B, T, V] logits), what the step needed before gemport's fast step; None without a batch.
     """
 
     fsdp: int
@@ -46,11 +49,21 @@ class MemoryPlan:
     hbm_bytes: int | None = None
     step: StepMemory | None = None
     weight_copy_bytes: int = 0
+    tunix_step: StepMemory | None = None
+    tunix_weight_copy_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
         step = self.step.total_bytes + self.weight_copy_bytes if self.step else 0
         return self.base_bytes + self.lora_bytes + self.optimizer_bytes + step
+
+    @property
+    def tunix_total_bytes(self) -> int | None:
+        """``total_bytes`` with Tunix's own step in place of ``step``; None without a batch."""
+        if self.tunix_step is None:
+            return None
+        return (self.base_bytes + self.lora_bytes + self.optimizer_bytes + self.tunix_step.total_bytes
+                + self.tunix_weight_copy_bytes)
 
     @property
     def fits(self) -> bool | None:
@@ -74,14 +87,22 @@ class MemoryPlan:
                 f"logits and loss {_human(step.logits_bytes)} + batch {_human(step.batch_bytes)}"
                 + (f" + XLA:CPU weight copy {_human(self.weight_copy_bytes)}" if self.weight_copy_bytes else "")
                 + f" = {_human(self.total_bytes)} per device (batch {step.batch} x {step.seq_len} tokens, "
-                f"remat {step.remat})"
+                f"remat {step.remat}, {step.step} step)"
             )
         else:
             text += f" = {_human(self.total_bytes)} per device before the train step (no batch/seq_len given)"
         if self.hbm_bytes is None:
             return text
         verdict = {True: "fits", False: "does not fit", None: "state fits; plan a batch to know if the step does"}
-        return text + f" of {_human(self.hbm_bytes)}: " + verdict[self.fits]
+        text += f" of {_human(self.hbm_bytes)}: " + verdict[self.fits]
+        return text
+
+    @property
+    def tunix_line(self) -> str | None:
+        """What Tunix's own step would need on this mesh, one line; None without a batch or when planned."""
+        if self.tunix_step is None or self.step is self.tunix_step:
+            return None
+        return f"Tunix's own step (its attention's scores, [B, T, V] logits) would need {_human(self.tunix_total_bytes)}"
 
 
 def _human(nbytes: int) -> str:
@@ -116,6 +137,7 @@ def memory_plan(
     dtype=None,
     backend: str = "tpu",
     qlora: QLoraSpec | None = None,
+    step: str = "fast",
 ) -> MemoryPlan:
     """Per-device bytes of params, LoRA params and Adam moments on an (fsdp, tp) mesh.
 
@@ -134,10 +156,14 @@ def memory_plan(
         step's gradients, activations (per ``remat``: ``"none"``, ``"block"``, ``"decoder"``, Tunix's
         ``remat_config``), logits and loss temporaries (``gemport.mesh.activations.step_memory``).
       dtype: the compute dtype of activations (default ``param_dtype``).
-      backend: ``"cpu"`` adds the weight copy XLA:CPU makes for its dots, to compare with a CPU compile.
+      backend: ``"cpu"`` adds the weight copies XLA:CPU makes for its dots, to compare with a CPU compile.
+      step: the train step planned: ``"fast"`` (``train.train_step``'s default: segment attention in tiles,
+        the loss in blocks of logits) or ``"tunix"`` (Tunix's own attention and logits). With a batch the plan
+        also carries Tunix's step (``tunix_step``), what it would need.
       qlora: a 4-bit base (QLoRA): every projection weight counts its 4-bit codes and float32 block scales
         as `gemport.checkpoint.quantize.load_qlora_model` places them, and the LoRA factors default to
-        float32, the dtype Qwix gives them on a 4-bit base.
+        float32, the dtype Qwix gives them on a 4-bit base. With ``backend="cpu"`` the plan adds the
+        dequantized weights XLA:CPU holds through the step.
     """
     check(spec, fsdp, tp)
     sizes = {FSDP: fsdp, TP: tp}
@@ -159,11 +185,16 @@ def memory_plan(
         lora_elements = sum(bytes_per_device(shape, lora_specs[name], sizes, 1) for name, shape in layout.shapes().items())
     trainable = lora_elements if lora is not None else base_elements
     moments_item = np.dtype(moments_dtype or trainable_dtype).itemsize
-    step = weight_copy = None
+    planned = {}
     if batch is not None and seq_len is not None:
-        step = step_memory(spec, fsdp, tp, batch=batch, seq_len=seq_len, remat=remat,
-                           trainable_bytes=trainable * trainable_dtype.itemsize, dtype=dtype or param_dtype)
-        weight_copy = _weight_copy(params, sizes, param_dtype) if backend == "cpu" else 0
+        for kind in {step, "tunix"}:
+            planned[kind] = (
+                step_memory(spec, fsdp, tp, batch=batch, seq_len=seq_len, remat=remat,
+                            trainable_bytes=trainable * trainable_dtype.itemsize, dtype=dtype or param_dtype,
+                            step=kind),
+                _weight_copy(params, sizes, param_dtype, kind, qlora, dtype) if backend == "cpu" else 0,
+            )
+    (step_plan, weight_copy), (tunix_plan, tunix_copy) = planned.get(step, (None, 0)), planned.get("tunix", (None, 0))
     return MemoryPlan(
         fsdp,
         tp,
@@ -171,30 +202,43 @@ def memory_plan(
         lora_elements * trainable_dtype.itemsize,
         2 * trainable * moments_item,
         _hbm(hbm_bytes),
-        step,
-        weight_copy or 0,
+        step_plan,
+        weight_copy,
+        tunix_plan,
+        tunix_copy,
     )
 
 
-def _weight_copy(params, sizes, param_dtype) -> int:
-    # XLA:CPU transposes q/kv/k einsum weights (D is not their leading axis) and the embedding (used as
-    # x @ E.T) into a temporary before each dot, one at a time: the largest one is live at the peak.
-    copied = ("q_einsum.w", "kv_einsum.w", "k_einsum.w", "qkv_einsum.w", "input_embedding")
-    return max(
-        (bytes_per_device(shape, ann, sizes, np.dtype(param_dtype).itemsize)
-         for path, shape, ann, _ in params if path.endswith(copied)),
-        default=0,
-    )
+def _weight_copy(params, sizes, param_dtype, step: str, qlora=None, dtype=None) -> int:
+    # XLA:CPU transposes q/kv/k einsum weights (D is not their leading axis) and, in Tunix's step, the
+    # embedding (used as x @ E.T) into a temporary before each dot, one at a time: the largest one is live at
+    # the peak. The fast step decodes slices of the embedding; XLA:CPU slices no bfloat16 array, so it holds
+    # a 16-bit view of a bfloat16 one (gemport.train.chunked_loss).
+    item = np.dtype(param_dtype).itemsize
+    copied = ("q_einsum.w", "kv_einsum.w", "k_einsum.w", "qkv_einsum.w") + (("input_embedding",) if step == "tunix"
+                                                                            else ())
+    largest = max((bytes_per_device(shape, ann, sizes, item) for path, shape, ann, _ in params
+                   if path.endswith(copied)), default=0)
+    view = sum(bytes_per_device(shape, ann, sizes, item) for path, shape, ann, _ in params
+               if step == "fast" and np.dtype(param_dtype) == np.dtype("bfloat16") and path.endswith("input_embedding"))
+    if qlora is None:
+        return largest + view
+    # On a 4-bit base XLA:CPU keeps every dequantized weight (in the compute dtype) from the forward pass to
+    # the backward one, remat or not, instead of the transposed copy.
+    compute = np.dtype(qlora.compute_dtype or dtype or param_dtype).itemsize
+    return view + sum(bytes_per_device(shape, ann, sizes, compute) for _, shape, ann, e in params if is_quantized(e))
 
 
 def compiled_peak(spec: GemmaSpec, lora: LoraSpec, fsdp: int, tp: int, *, batch: int, seq_len: int,
-                  remat: str = "none", param_dtype="bfloat16", fast: bool = True) -> int:
+                  remat: str = "none", param_dtype="bfloat16", fast: bool = True,
+                  qlora: QLoraSpec | None = None) -> int:
     """Per-device peak bytes XLA compiles the LoRA train step to on an (fsdp, tp) mesh of this host's CPU devices.
 
     The step (``gemport.mesh.compiled``: forward, ``train.fast_loss`` or, with ``fast=False``, Tunix's attention
     and logits, LoRA gradients, AdamW, state donated) is lowered for abstract inputs and compiled, never run:
     nothing is allocated. XLA:CPU computes bfloat16 in float32, so for a bf16 model the figure includes
-    float32 copies of weights and activations a TPU would not make: an upper bound for the TPU's. Give XLA
+    float32 copies of weights and activations a TPU would not make: an upper bound for the TPU's. With
+    ``qlora`` the base is 4-bit as ``load_qlora_model`` places it (``gemport.mesh.compiled.quantize_base``). Give XLA
     ``gemport.mesh.compiled.CPU_MEMORY_SCHEDULER`` before JAX starts, or remat saves nothing on CPU.
     Raises MeshError when the host has fewer than fsdp * tp CPU devices
     (``--xla_force_host_platform_device_count``).
@@ -208,7 +252,7 @@ def compiled_peak(spec: GemmaSpec, lora: LoraSpec, fsdp: int, tp: int, *, batch:
     if len(devices) < fsdp * tp:
         raise MeshError(f"compiling for fsdp={fsdp} tp={tp} needs {fsdp * tp} CPU devices, the host has "
                         f"{len(devices)}: set XLA_FLAGS=--xla_force_host_platform_device_count={fsdp * tp}")
-    model = lora_model(spec, lora, remat=remat, param_dtype=np.dtype(param_dtype))
+    model = lora_model(spec, lora, remat=remat, param_dtype=np.dtype(param_dtype), qlora=qlora)
     mesh = make_mesh(spec, fsdp=fsdp, tp=tp, devices=devices[: fsdp * tp])
     compiled, _ = compile_step(model, mesh, batch, seq_len, fast=fast)
     return compiled.peak_bytes
@@ -226,6 +270,8 @@ def valid_meshes(
     batch: int | None = None,
     seq_len: int | None = None,
     remat: str = "none",
+    step: str = "fast",
+    qlora: QLoraSpec | None = None,
 ) -> tuple[MemoryPlan, ...]:
     """A ``MemoryPlan`` for every (fsdp, tp) with fsdp * tp = ``num_devices`` that fits ``spec``, by tp.
 
@@ -236,7 +282,7 @@ def valid_meshes(
         memory_plan(
             spec, num_devices // tp, tp, lora=lora, hbm_bytes=hbm_bytes, param_dtype=param_dtype,
             lora_dtype=lora_dtype, moments_dtype=moments_dtype, batch=batch, seq_len=seq_len,
-            remat=remat,
+            remat=remat, step=step, qlora=qlora,
         )
         for tp in valid_tp(spec, num_devices)
     )  # fmt: skip
