@@ -43,8 +43,10 @@ QLORA = dict(model_type="gemma4_text", vocab_size=512, hidden_size=256, intermed
              layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=0,
              final_logit_softcapping=30.0)
 QLORA_CASE = ("qlora", "none", 1, 1, 32)
-# The fast step over fsdp=4 compiles to 2.6x less than on one device, not 4x (its attention's scans keep part
-# of the batch replicated); the plan assumes the rows split, so that case is not compared.
+# The fast step over fsdp=4 compiles to 2.6x less than on one device, not 4x: Tunix skips its activation
+# sharding constraints on CPU (tunix.utils.sharding_utils.shard), and without them XLA keeps the MLP
+# activations of all rows on every device (Tunix's own step gets the rows' split from its [B, T, T] mask). The
+# plan assumes the rows split, as they do under Tunix's constraints on an accelerator; that case is not compared.
 FAST_CASES = [c for c in CASES if c[2] == 1]
 
 _CHILD = r"""
@@ -226,3 +228,19 @@ def test_vocabulary_slices_give_the_full_logits_loss_and_gradients(hf_checkpoint
         r = ref_flat[path].get_value()
         assert float(jnp.max(jnp.abs(r))) > 0, path
         assert rel_err(g.get_value(), r) < 1e-5, path
+
+
+def test_plan_command_plans_the_4bit_base_and_tunix_step(capsys):
+    from gemport.cli import main
+
+    args = ["plan", "gemma4-31b", "--devices", "8", "--hbm", "v6e", "--lora-rank", "16", "--batch", "8",
+            "--seq-len", "2048", "--remat", "decoder"]
+    assert main(args) == 0
+    full = capsys.readouterr().out
+    assert main(args + ["--qlora", "nf4"]) == 0
+    four_bit = capsys.readouterr().out
+    assert "a bfloat16 base" in full and "a 4-bit (nf4) base" in four_bit
+    assert "fsdp=2 tp=4: base 7.15 GiB" in full and "fsdp=2 tp=4: base 2.25 GiB" in four_bit
+    assert full.count("Tunix's own step") == four_bit.count("Tunix's own step") == 3
+    assert main(["plan", "gemma4-31b", "--devices", "8", "--qlora", "nf4"]) == 2
+    assert "--qlora trains LoRA on the 4-bit base" in capsys.readouterr().err
