@@ -48,6 +48,8 @@ QLORA_CASE = ("qlora", "none", 1, 1, 32)
 # activations of all rows on every device (Tunix's own step gets the rows' split from its [B, T, T] mask). The
 # plan assumes the rows split, as they do under Tunix's constraints on an accelerator; that case is not compared.
 FAST_CASES = [c for c in CASES if c[2] == 1]
+# Tunix's step without remat variants: remat is proved on the step gemport trains with, and the suite has a budget.
+TUNIX_CASES = [c for c in CASES if c[1] == "none"]
 
 _CHILD = r"""
 import dataclasses, json, sys
@@ -97,9 +99,9 @@ def _measure(cases):
 
 @pytest.fixture(scope="module")
 def peaks():
-    """{(fast, case): compiled peak bytes}: the fast step on FAST_CASES, Tunix's on CASES (float32 bases); and
+    """{(fast, case): compiled peak bytes}: the fast step on FAST_CASES, Tunix's on TUNIX_CASES (float32 bases); and
     {(True, QLORA_CASE, base): ...} for the fast step on a bfloat16 and on a 4-bit (float32 compute) base."""
-    runs = ([(True, c, "float32") for c in FAST_CASES] + [(False, c, "float32") for c in CASES]
+    runs = ([(True, c, "float32") for c in FAST_CASES] + [(False, c, "float32") for c in TUNIX_CASES]
             + [(True, QLORA_CASE, b) for b in ("bfloat16", "nf4")])
     measured = dict(zip(runs, _measure(runs)))
     return {**{k[:2]: v for k, v in measured.items() if k[1] != QLORA_CASE}, **measured}
@@ -131,7 +133,7 @@ def test_plan_is_within_15_percent_of_the_compiled_fast_step(peaks, case):
     assert abs(plan.total_bytes / peaks[(True, case)] - 1) <= 0.15, (plan.total_bytes, peaks[(True, case)], str(plan))
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("case", TUNIX_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_what_tunix_step_would_need_is_within_15_percent_of_its_compiled_peak(peaks, case):
     plan = _plan(case)
     assert plan.tunix_step.step == "tunix" and "Tunix's own step" in plan.tunix_line
@@ -143,8 +145,7 @@ def test_remat_shrinks_the_plan_as_it_shrinks_the_compiled_step(peaks):
         plans = {r: memory_plan(_spec(name), 1, 1, lora=LoraSpec(4, 8.0), param_dtype="float32", batch=batch, seq_len=seq_len,
                                 remat=r).step.activation_bytes for r in ("none", remat)}
         assert plans[remat] < plans["none"]
-        for fast in (True, False):
-            assert peaks[(fast, (name, remat, 1, batch, seq_len))] < peaks[(fast, (name, "none", 1, batch, seq_len))]
+        assert peaks[(True, (name, remat, 1, batch, seq_len))] < peaks[(True, (name, "none", 1, batch, seq_len))]
 
 
 def test_the_fast_step_needs_less_than_tunix_step_at_long_rows():
