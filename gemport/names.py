@@ -83,8 +83,7 @@ class Entry:
 
     def to_hf(self, array) -> list[np.ndarray]:
         """The Tunix parameter -> HF tensors, in ``hf`` order."""
-        left, right = self.layout.split("->")
-        x = einops.rearrange(array, f"{right} -> {left}", **dict(self.sizes))
+        x = einops.rearrange(array, self.pattern.inverse, **dict(self.sizes))
         return list(x) if len(self.hf) > 1 else [x]
 
 

@@ -30,13 +30,13 @@ SUBPACKAGES = {
     "gemport.engines": ["PYTHON_ENV", "Served", "max_lora_rank", "serve_vllm", "vllm_python"],
     "gemport.lora": [
         "PROJECTIONS", "VLLM_RANKS", "Adapter", "LoraLayout", "LoraParams", "LoraSpec", "Provider", "QLoraSpec",
-        "apply_lora", "factor_specs", "provider",
+        "apply_lora", "factor_axes", "factor_specs", "provider",
     ],
     "gemport.mesh": [
         "HBM", "MemoryPlan", "MeshError", "ShardedDim", "compiled_peak", "make_mesh", "memory_plan", "sharded_dims",
         "use_mesh", "valid_meshes", "valid_tp",
     ],
-    "gemport.sharding": ["Audit", "AuditRow", "LoraChange", "audit", "factor_axes", "fix_lora", "optimizer_shardings"],
+    "gemport.sharding": ["Audit", "AuditRow", "LoraChange", "audit", "fix_lora", "optimizer_shardings"],
     "gemport.specs": ["GLOBAL", "SLIDING", "GemmaSpec"],
     "gemport.train": [
         "BATCH_FIELDS", "LAYOUTS", "Layout", "OptimizerStep", "SFTPipeline", "SFTRun", "SamplingStrategy", "StepMetrics",
@@ -64,7 +64,7 @@ SUBPACKAGES = {
     ],
     "gemport.names": ["TEXT_PREFIXES", "Entry", "Rule", "detect_prefix", "entries", "owns"],
     "gemport.params": ["abstract_model", "flat_params", "lora_state", "path_str"],
-    "gemport.pattern": ["Dim", "Pattern", "shape", "words"],
+    "gemport.pattern": ["Dim", "Equation", "Pattern", "shape", "words"],
     "gemport.partition": ["Spec", "axes_of", "bytes_per_device", "padded", "shards", "spec_of"],
 }  # fmt: skip
 

@@ -12,7 +12,7 @@
 
 from gemport.lora.config import PROJECTIONS, VLLM_RANKS, LoraParams, LoraSpec
 from gemport.lora.qlora import QLoraSpec
-from gemport.lora.layout import Adapter, LoraLayout, factor_specs
+from gemport.lora.layout import Adapter, LoraLayout, factor_axes, factor_specs
 from gemport.lora.qwix import Provider, apply_lora, provider
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "Provider",
     "QLoraSpec",
     "apply_lora",
+    "factor_axes",
     "factor_specs",
     "provider",
 ]

@@ -16,7 +16,7 @@ projection keeps its own A and B, as in PEFT:
 | mlp.down_proj | ``d f -> f d`` | ``f r`` | ``r d`` |
 
 `LoraLayout` holds every adapter of a model and answers from them: targets, factor shapes and shardings,
-parameter counts, the Qwix provider (`gemport.lora.qwix`) and PEFT module names.
+parameter counts; `gemport.lora.provider` builds the Qwix rules from it.
 """
 
 from __future__ import annotations
@@ -36,6 +36,24 @@ from gemport.pattern import Pattern
 from gemport.specs import GemmaSpec
 
 Spec = tuple  # a PartitionSpec as a tuple of entries (None, "tp", ("fsdp", "tp"), ...)
+
+
+def factor_axes(
+    weight_axes: Iterable[str], in_axes: Iterable[str], *, stack: str | None = None, rank: str = "r"
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Axes of (``lora_a``, ``lora_b``) for a weight with ``weight_axes`` contracted with an input over ``in_axes``.
+
+    Qwix's rule: the weight axes that appear in the input go to ``lora_a``, then the rank; ``lora_b`` is the
+    rank, then the remaining axes, both in the weight's order. With ``stack`` (separate factors per fused
+    projection) that axis leads both factors instead. Axes are names (``"d"``) or einsum letters (``"D"``):
+    ``factor_axes("skdh", "d")`` is ``(("d", "r"), ("r", "s", "k", "h"))``;
+    ``factor_axes("skdh", "d", stack="s")`` is ``(("s", "d", "r"), ("s", "r", "k", "h"))``.
+    """
+    weight_axes, in_axes = tuple(weight_axes), set(in_axes)
+    lead = (stack,) if stack is not None else ()
+    a = lead + tuple(x for x in weight_axes if x in in_axes and x != stack) + (rank,)
+    b = lead + (rank,) + tuple(x for x in weight_axes if x not in in_axes and x != stack)
+    return a, b
 
 
 def factor_specs(weight_axes: Iterable[str], base_spec: Spec, *factors: Iterable[str]) -> tuple[Spec, ...]:
@@ -176,13 +194,8 @@ def _projection(hf_name: str) -> str | None:
 
 def _adapter(entry: names.Entry, lora_spec: LoraSpec) -> Adapter:
     out_axes, in_axes = entry.pattern.left[-2:]  # an HF linear weight is [out, in], after the stacking axis s
-    axes = pattern.words(entry.pattern.right)
-    rest = [x for x in axes if x not in in_axes]
     separate = len(entry.hf) > 1 and lora_spec.fused == "separate"
-    a = [x for x in axes if x in in_axes] + ["r"]
-    b = ["r"] + rest
-    if separate:
-        a, b = ["s", *a], ["s", "r", *(x for x in rest if x != "s")]
+    a, b = factor_axes(pattern.words(entry.pattern.right), in_axes, stack="s" if separate else None)
     modules = [h.removesuffix(".weight") for h in entry.hf]
     return Adapter(
         entry=entry,
@@ -277,16 +290,6 @@ class LoraLayout:
             for a in self.adapters
             for name, spec in zip((a.lora_a, a.lora_b), a.specs(base_specs[a.entry.tunix]))
         }
-
-    def provider(self):
-        """The ``qwix.LoraProvider`` that creates exactly these factors (see `gemport.lora.qwix`)."""
-        from gemport.lora.qwix import provider
-
-        return provider(self)
-
-    def peft_modules(self, text_prefix: str = "model.") -> dict[str, int]:
-        """``{HF module name: PEFT rank}`` of every adapted projection, e.g. ``model.layers.0.self_attn.q_proj``."""
-        return {text_prefix + m: r for a in self.adapters for m, r in zip(a.hf_modules, a.ranks)}
 
     def match(self, params: dict, source: str = "adapter") -> list[tuple[Adapter, np.ndarray, np.ndarray]]:
         """Pair each adapter with its ``lora_a``, ``lora_b`` in ``params`` (``{"layers.0...w_lora_a": array}``).
