@@ -38,6 +38,8 @@ from gemport.errors import (
     OptimizerConfigError,
     ShapeMismatchError,
     SpecError,
+    TemplateMismatchError,
+    TemplateMismatchWarning,
     UnexpectedTensorError,
     UnsafePathError,
 )

@@ -52,6 +52,15 @@ class MaskError(GemportError, ValueError):
     """A conversation cannot be rendered or masked as asked."""
 
 
+class TemplateMismatchError(MaskError):
+    """gemport's rendering of a conversation differs from the tokenizer's ``apply_chat_template``."""
+
+
+class TemplateMismatchWarning(UserWarning):
+    """Not an error: ``check_template(on_mismatch="warn")`` found gemport's rendering differs from the
+    tokenizer's template and goes on with the closest chat format."""
+
+
 class OptimizerConfigError(GemportError, ValueError):
     """HF TrainingArguments ask for something gemport cannot reproduce in Optax."""
 
@@ -78,6 +87,8 @@ __all__ = [
     "OptimizerConfigError",
     "ShapeMismatchError",
     "SpecError",
+    "TemplateMismatchError",
+    "TemplateMismatchWarning",
     "UnexpectedTensorError",
     "UnsafePathError",
 ]

@@ -26,10 +26,11 @@ from gemport.checkpoint.hf_dir import HFCheckpoint, base_spec
 from gemport.checkpoint.load import matched_entries
 from gemport.checkpoint.output import atomic_dir, check_output
 from gemport.checkpoint.safetensors import SafetensorsFile, TensorSource, write_file
-from gemport.errors import CheckpointError, LoraError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError
+from gemport.errors import CheckpointError, LoraError, MissingTensorError
 from gemport.lora import VLLM_RANKS, LoraLayout, LoraParams, LoraSpec
 from gemport.params import flat_params, lora_state
 from gemport.specs import GemmaSpec
+from gemport.tensors import check_finite, check_tensors
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -179,35 +180,27 @@ def import_peft(adapter_dir: str | Path, *, base_dir: str | Path | None = None,
     prefix = _text_prefix(weights)
     layout = LoraLayout(spec, lora_spec)
 
-    flat, used = {}, set()
-    for adapter in layout:
+    keys = {adapter: [[f"{prefix}{m}.lora_{x}.weight" for x in "AB"] for m in adapter.hf_modules]
+            for adapter in layout}
+    wanted = {}
+    for adapter, pairs in keys.items():
         out_size, in_size = adapter.entry.hf_shape
-        pairs = []
-        for module, rank in zip(adapter.hf_modules, adapter.ranks):
-            keys = [f"{prefix}{module}.lora_{x}.weight" for x in "AB"]
-            A, B = (_tensor(weights, key) for key in keys)
-            used.update(keys)
-            r = A.shape[0]
-            if A.shape != (r, in_size) or B.shape != (out_size, r):
-                raise ShapeMismatchError(
-                    f"{weights.path}: {prefix}{module} has lora_A {list(A.shape)} and lora_B {list(B.shape)}, but "
-                    f"the model needs [r, {in_size}] and [{out_size}, r]; the adapter is for a different model"
-                )
-            if r != rank:
-                raise ShapeMismatchError(
-                    f"{weights.path}: {prefix}{module} has rank {r}, but adapter_config.json says {rank}"
-                )
-            pairs.append((A, B))
-        for name, value in zip((adapter.lora_a, adapter.lora_b), adapter.from_peft(pairs)):
+        for (key_a, key_b), rank in zip(pairs, adapter.ranks):
+            wanted |= {key_a: (rank, in_size), key_b: (out_size, rank)}
+    copies = _checked_copies(weights, prefix, layout)
+    check_tensors(
+        {k: info.shape for k, info in weights.tensors.items() if k not in copies},
+        wanted,
+        source=str(weights.path),
+        fix=f"the adapter is not for this {spec.family} text model with the targets and ranks of its "
+            f"adapter_config.json ({list(lora_spec.targets)}); Tunix cannot carry adapters on other modules "
+            "(vision/audio towers) or another model's layers",
+    )
+    flat = {}
+    for adapter, pairs in keys.items():
+        factors = [tuple(_tensor(weights, key) for key in pair) for pair in pairs]
+        for name, value in zip((adapter.lora_a, adapter.lora_b), adapter.from_peft(factors)):
             flat[name] = value
-    used.update(_checked_copies(weights, prefix, layout))
-    extra = sorted(set(weights.tensors) - used)
-    if extra:
-        raise UnexpectedTensorError(
-            f"{weights.path}: {extra[0]!r} (and {len(extra) - 1} more) has no place in this {spec.family} text "
-            f"model with targets {list(lora_spec.targets)}; Tunix cannot carry adapters on other modules "
-            "(vision/audio towers) or another model's layers"
-        )
     return LoraParams(lora_state(flat), lora_spec)
 
 
@@ -289,9 +282,6 @@ def _text_prefix(weights: SafetensorsFile) -> str:
 
 
 def _tensor(weights: SafetensorsFile, key: str) -> np.ndarray:
-    if key not in weights.tensors:
-        raise MissingTensorError(f"{weights.path}: no {key!r}; the adapter_config targets it but the weights lack it")
     array = weights.array(key)
-    if not np.isfinite(array.astype(np.float32)).all():
-        raise LoraError(f"{weights.path}: {key!r} holds NaN or Inf; the adapter is broken")
-    return np.asarray(array)
+    check_finite(key, array, source=str(weights.path), error=LoraError, fix="the adapter is broken")
+    return array

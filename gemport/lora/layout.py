@@ -30,13 +30,12 @@ import einops
 import numpy as np
 
 from gemport import names, pattern
-from gemport.errors import LoraError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError
+from gemport.errors import LoraError
 from gemport.lora.config import PROJECTIONS, LoraSpec
+from gemport.partition import Spec, padded
 from gemport.pattern import Pattern
 from gemport.specs import GemmaSpec
-
-Spec = tuple  # a PartitionSpec as a tuple of entries (None, "tp", ("fsdp", "tp"), ...)
-
+from gemport.tensors import check_finite, check_tensors
 
 def factor_axes(
     weight_axes: Iterable[str], in_axes: Iterable[str], *, stack: str | None = None, rank: str = "r"
@@ -63,7 +62,7 @@ def factor_specs(weight_axes: Iterable[str], base_spec: Spec, *factors: Iterable
     None) and ``s r k h`` (None, None, "tp", None). Axes are names (``"d"``) or einsum letters (``"D"``).
     """
     weight_axes = list(weight_axes)
-    base = dict(zip(weight_axes, tuple(base_spec) + (None,) * (len(weight_axes) - len(base_spec))))
+    base = dict(zip(weight_axes, padded(base_spec, len(weight_axes))))
     return tuple(tuple(base.get(x) for x in axes) for axes in factors)
 
 
@@ -300,32 +299,22 @@ class LoraLayout:
         NaN or Inf.
         """
         lora_spec = self.lora_spec
-        known = {name for a in self.adapters for name in (a.lora_a, a.lora_b)}
-        extra = sorted(set(params) - known)
-        if extra:
-            raise UnexpectedTensorError(
-                f"{source}: {extra[0]!r} (and {len(extra) - 1} more) is not a LoRA param of this {self.spec.family} "
-                f"model with targets {list(lora_spec.targets)}; the adapter is for a different model or the "
-                "LoraSpec's targets are wrong"
-            )
-        out = []
-        for t in self.adapters:
-            for name in (t.lora_a, t.lora_b):
-                if name not in params:
-                    raise MissingTensorError(
-                        f"{source}: no {name!r}, but targets {list(lora_spec.targets)} put LoRA on {t.module}; "
-                        "the LoraSpec does not match the training run"
-                    )
-            a, b = params[t.lora_a], params[t.lora_b]
-            for name, array, want, axes in ((t.lora_a, a, t.shapes[0], t.a), (t.lora_b, b, t.shapes[1], t.b)):
-                if tuple(array.shape) != want:
-                    raise ShapeMismatchError(
-                        f"{source}: {name!r} has shape {list(array.shape)}, but the model and LoraSpec need "
-                        f"{list(want)} ({axes}; {', '.join(f'{x}={n}' for x, n in t.entry.sizes if x in axes)}, "
-                        f"r={t.rank}, fused={lora_spec.fused!r}); the adapter is for a different model, rank or "
-                        "fused form"
-                    )
-                if not np.isfinite(np.asarray(array, np.float32)).all():
-                    raise LoraError(f"{source}: {name!r} holds NaN or Inf; the training diverged, export an earlier step")
-            out.append((t, a, b))
-        return out
+        factors = {name: (t, axes) for t in self.adapters for name, axes in ((t.lora_a, t.a), (t.lora_b, t.b))}
+
+        def about(name: str) -> str:
+            t, axes = factors[name]
+            sizes = ", ".join(f"{x}={n}" for x, n in t.entry.sizes if x in axes.split())
+            return f"{axes} of {t.module}; {sizes}, r={t.rank}, fused={lora_spec.fused!r}"
+
+        check_tensors(
+            {name: tuple(array.shape) for name, array in params.items()},
+            self.shapes(),
+            source=source,
+            fix=f"the adapter is for a different model, rank or fused form than this {self.spec.family} model "
+                f"with targets {list(lora_spec.targets)}; pass the LoraSpec of the training run",
+            about=about,
+        )
+        for name, array in params.items():
+            check_finite(name, array, source=source, error=LoraError,
+                         fix="the training diverged; export an earlier step")
+        return [(t, params[t.lora_a], params[t.lora_b]) for t in self.adapters]
