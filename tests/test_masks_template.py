@@ -201,11 +201,11 @@ def test_check_template_names_the_conversation_and_character():
 
 
 def test_examples_check_the_tokenizers_template_first():
-    from gemport.masks import formats
+    from gemport.masks import dataset
 
     tok = tokenizer_with(GEMMA4[1])
     records = [{"messages": SHAPES["assistant after assistant"][0]}]
     with pytest.raises(errors.TemplateMismatchError, match="conversation 0"):
-        formats.examples(records, tok, masks.Gemma4(), masks.Truncation(64), check="raise", progress=False)
+        dataset.examples(records, tok, masks.Gemma4(), masks.Truncation(64), check="raise", progress=False)
     with pytest.warns(errors.TemplateMismatchWarning):
-        formats.examples(records, tok, masks.Gemma4(), masks.Truncation(64), progress=False)
+        dataset.examples(records, tok, masks.Gemma4(), masks.Truncation(64), progress=False)

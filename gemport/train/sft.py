@@ -9,7 +9,7 @@ from typing import Any, Literal
 import numpy as np
 
 from gemport.errors import OptimizerConfigError
-from gemport.masks import formats
+from gemport.masks import dataset
 from gemport.masks.batching import pad, padding_free
 from gemport.masks.gemma3 import Gemma3
 from gemport.masks.gemma4 import Gemma4
@@ -54,7 +54,7 @@ class SFTPipeline:
 
     chat_format: ``Gemma3()`` / ``Gemma4(...)``; policy: ``MaskPolicy("assistant")`` for
     ``assistant_only_loss``, else None (every token trained, as TRL does); truncation: ``Truncation``
-    at ``max_length``; completion_only_loss, text_field, eos_token: ``formats.render``'s arguments;
+    at ``max_length``; completion_only_loss, text_field, eos_token: ``gemport.masks.formats.render``'s arguments;
     layout: one of ``LAYOUTS``; max_length, pad_to_multiple_of, pad_id: the row geometry;
     config: the ``SFTConfig`` (or dict) the sample order and batch sizes are read from;
     remat: Tunix's ``remat_config`` for ``gradient_checkpointing`` (``"decoder"``: every decoder layer
@@ -76,12 +76,12 @@ class SFTPipeline:
     remat: str = "none"
 
     def examples(self, source: Any, tokenizer: Any, **kwargs: Any) -> tuple[list[Example], TruncationReport]:
-        """``formats.examples`` of ``source`` with this pipeline's arguments: (examples, report).
+        """``gemport.masks.dataset.examples`` of ``source`` with this pipeline's arguments: (examples, report).
 
         ``source`` is a TRL dataset in any of its formats (messages, prompt/completion, text) or a
-        file of one; ``kwargs`` go to ``formats.examples`` (``check``, ``progress``, ...).
+        file of one; ``kwargs`` go to ``dataset.examples`` (``check``, ``progress``, ...).
         """
-        return formats.examples(
+        return dataset.examples(
             source, tokenizer, self.chat_format, self.truncation, policy=self.policy,
             completion_only_loss=self.completion_only_loss, text_field=self.text_field,
             eos_token=self.eos_token, **kwargs,
