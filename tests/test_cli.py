@@ -75,6 +75,22 @@ def test_the_entry_point_runs_as_a_subprocess():
                                        timeout=600).stdout
 
 
+def test_help_shows_the_library_defaults_it_does_not_repeat():
+    import inspect
+
+    from gemport.checkpoint import save_hf
+    from gemport.verify import compare_logits, compare_vllm
+
+    def default(function, name):
+        return str(inspect.signature(function).parameters[name].default)
+
+    assert f"(default {default(save_hf, 'max_shard_size')})" in gemport("convert", "--help").stdout
+    shown = " ".join(gemport("verify", "--help").stdout.split())
+    for function, name in ((compare_logits, "seq_len"), (compare_logits, "atol"), (compare_vllm, "num_prompts"),
+                           (compare_vllm, "max_tokens"), (compare_vllm, "dtype")):
+        assert f"(default {default(function, name)}" in shown, name
+
+
 def test_every_command_has_help():
     assert "COMMAND" in gemport("--help").stdout
     for command in COMMANDS:

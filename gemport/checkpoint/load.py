@@ -11,7 +11,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from gemport import names
-from gemport.checkpoint.hf_dir import HFCheckpoint, base_spec
+from gemport.checkpoint.hf_dir import HFCheckpoint, resolve_spec
 from gemport.checkpoint.safetensors import DTYPES, FLOAT_DTYPES
 from gemport.errors import CheckpointError
 from gemport.params import abstract_model, path_str
@@ -65,7 +65,7 @@ def load_hf(hf_dir: str | Path, *, spec: GemmaSpec | None = None, mesh=None, dty
       An ``nnx.State`` of ``nnx.Param`` with the Tunix model's paths, e.g. ``layers.0.attn.q_einsum.w``
       of shape (N, D, H). Vision/audio tensors are ignored (see ``save_hf(base_dir=...)`` to keep them).
     """
-    return _load(HFCheckpoint(hf_dir), base_spec(hf_dir, spec, "hf_dir"), mesh, dtype)[1]
+    return _load(HFCheckpoint(hf_dir), resolve_spec(hf_dir, spec, "hf_dir"), mesh, dtype)[1]
 
 
 def _load(ckpt: HFCheckpoint, spec: GemmaSpec, mesh, dtype) -> tuple[nnx.GraphDef, nnx.State]:
@@ -120,4 +120,4 @@ def load_model(hf_dir: str | Path, *, spec: GemmaSpec | None = None, mesh=None, 
     Arguments and loading as in `load_hf`; the model's compute dtype equals its parameter dtype.
     """
     ckpt = HFCheckpoint(hf_dir)
-    return nnx.merge(*_load(ckpt, base_spec(hf_dir, spec, "hf_dir"), mesh, dtype))
+    return nnx.merge(*_load(ckpt, resolve_spec(hf_dir, spec, "hf_dir"), mesh, dtype))

@@ -22,7 +22,7 @@ import numpy as np
 
 from gemport import names
 from gemport.checkpoint.adapters import read_lora
-from gemport.checkpoint.hf_dir import HFCheckpoint, base_spec
+from gemport.checkpoint.hf_dir import HFCheckpoint, resolve_spec
 from gemport.checkpoint.load import matched_entries
 from gemport.checkpoint.output import atomic_dir, check_output
 from gemport.checkpoint.safetensors import SafetensorsFile, TensorSource, write_file
@@ -65,7 +65,7 @@ def export_peft(lora, out_dir: str | Path, *, base_dir: str | Path | None = None
         ``base_dir``'s absolute path.
     """
     out = check_output(out_dir, base_dir, lora if isinstance(lora, (str, os.PathLike)) else None)
-    spec = base_spec(base_dir, spec)
+    spec = resolve_spec(base_dir, spec)
     text_prefix = "model." if base_dir is None else matched_entries(HFCheckpoint(base_dir), spec)[0]
     if base_model_name_or_path is None and base_dir is not None:
         base_model_name_or_path = str(Path(base_dir).resolve())
@@ -115,7 +115,7 @@ def vllm_misserved(adapter_dir: str | Path, *, base_dir: str | Path | None = Non
     e.g. ``["model.layers.5.self_attn.k_proj"]``; empty when vLLM serves it exactly. `peft_for_vllm` adds the
     copies."""
     directory = Path(adapter_dir)
-    layout = LoraLayout(base_spec(base_dir, spec), LoraSpec.from_peft(directory / ADAPTER_CONFIG))
+    layout = LoraLayout(resolve_spec(base_dir, spec), LoraSpec.from_peft(directory / ADAPTER_CONFIG))
     weights = SafetensorsFile(directory / ADAPTER_WEIGHTS)
     prefix = _text_prefix(weights)
     scaled = layout.lora_spec.scale_of
@@ -171,7 +171,7 @@ def import_peft(adapter_dir: str | Path, *, base_dir: str | Path | None = None,
       ShapeMismatchError: an adapter tensor's shape does not fit the base; names the tensor.
     """
     directory = Path(adapter_dir)
-    spec = base_spec(base_dir, spec)
+    spec = resolve_spec(base_dir, spec)
     for file in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
         if not (directory / file).is_file():
             raise CheckpointError(f"{directory}: no {file}; pass a PEFT adapter directory saved by save_pretrained")
@@ -251,7 +251,7 @@ def peft_for_vllm(adapter_dir: str | Path, out_dir: str | Path, *, base_dir: str
     """
     directory = Path(adapter_dir)
     out = check_output(out_dir, directory, base_dir)
-    spec = base_spec(base_dir, spec)
+    spec = resolve_spec(base_dir, spec)
     import_peft(directory, spec=spec)
     weights = SafetensorsFile(directory / ADAPTER_WEIGHTS)
     prefix = _text_prefix(weights)

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from gemport import names
-from gemport.checkpoint.hf_dir import HFCheckpoint, base_spec
+from gemport.checkpoint.hf_dir import HFCheckpoint, resolve_spec
 from gemport.checkpoint.load import matched_entries
 from gemport.checkpoint.output import atomic_dir, check_output, copy_side_files, write_sharded
 from gemport.checkpoint.safetensors import TensorSource
@@ -41,7 +41,7 @@ def save_hf(state_or_model, out_dir: str | Path, *, base_dir: str | Path | None 
     Returns:
       The output directory.
     """
-    spec = base_spec(base_dir, spec)
+    spec = resolve_spec(base_dir, spec)
     params = flat_params(state_or_model)
     entries = names.entries(spec)
     lora = any("lora" in p for p in params)
