@@ -26,6 +26,7 @@ import importlib
 
 from gemport import errors
 from gemport.errors import (
+    BatchError,
     CheckpointError,
     CorruptFileError,
     EngineError,
@@ -36,6 +37,7 @@ from gemport.errors import (
     MissingDependencyError,
     MissingTensorError,
     OptimizerConfigError,
+    RecipeError,
     ShapeMismatchError,
     SpecError,
     TemplateMismatchError,

@@ -62,7 +62,18 @@ class TemplateMismatchWarning(UserWarning):
 
 
 class OptimizerConfigError(GemportError, ValueError):
-    """HF TrainingArguments ask for something gemport cannot reproduce in Optax."""
+    """HF TrainingArguments' optimizer and schedule fields ask for something gemport cannot reproduce in Optax,
+    or an optimizer built for one step is given to another."""
+
+
+class RecipeError(GemportError, ValueError):
+    """A training recipe (TRL's SFT YAML, an ``SFTConfig``, its overrides) cannot be read, or asks for a data,
+    logging or evaluation setting gemport does not reproduce; names the field."""
+
+
+class BatchError(GemportError, ValueError):
+    """Batches that do not fit the step they are given to: shapes, accumulation, rows, or rows a process of a
+    multi-host run cannot hold."""
 
 
 class EngineError(GemportError):
@@ -75,6 +86,7 @@ class MissingDependencyError(GemportError, ImportError):
 
 
 __all__ = [
+    "BatchError",
     "CheckpointError",
     "CorruptFileError",
     "EngineError",
@@ -85,6 +97,7 @@ __all__ = [
     "MissingDependencyError",
     "MissingTensorError",
     "OptimizerConfigError",
+    "RecipeError",
     "ShapeMismatchError",
     "SpecError",
     "TemplateMismatchError",

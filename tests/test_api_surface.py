@@ -12,9 +12,9 @@ import pytest
 import gemport
 
 TOP_LEVEL = [
-    "CheckpointError", "CorruptFileError", "EngineError", "GemmaSpec", "GemportError", "HFPeftTrainer", "LoraError", "LoraLayout",
+    "BatchError", "CheckpointError", "CorruptFileError", "EngineError", "GemmaSpec", "GemportError", "HFPeftTrainer", "LoraError", "LoraLayout",
     "LoraParams", "LoraSpec", "MaskError", "MeshError", "MissingDependencyError", "MissingTensorError",
-    "OptimizerConfigError", "SFTRun", "ShapeMismatchError", "SpecError", "TemplateMismatchError",
+    "OptimizerConfigError", "RecipeError", "SFTRun", "ShapeMismatchError", "SpecError", "TemplateMismatchError",
     "TemplateMismatchWarning", "UnexpectedTensorError", "UnsafePathError",
     "apply_lora", "audit", "compare_logits", "export_merged", "export_peft", "fix_lora", "from_sft_config",
     "hf_optimizer", "import_peft", "load_hf", "load_model", "load_orbax", "make_mesh", "memory_plan",
