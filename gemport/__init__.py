@@ -26,6 +26,7 @@ import importlib
 
 from gemport import errors
 from gemport.errors import (
+    BatchError,
     CheckpointError,
     CorruptFileError,
     EngineError,
@@ -36,8 +37,11 @@ from gemport.errors import (
     MissingDependencyError,
     MissingTensorError,
     OptimizerConfigError,
+    RecipeError,
     ShapeMismatchError,
     SpecError,
+    TemplateMismatchError,
+    TemplateMismatchWarning,
     UnexpectedTensorError,
     UnsafePathError,
 )

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import inspect
 import os
 import sys
 import tempfile
@@ -10,6 +12,30 @@ from pathlib import Path
 
 from gemport.cli_sft import add_parser as add_sft_parser
 from gemport.errors import CheckpointError, GemportError, LoraError, MeshError, SpecError
+
+
+class Default:
+    """An option's default, read from the library function's signature when it is shown (``--help``), so the
+    CLI never repeats a library default and parsing stays cheap (no JAX import)."""
+
+    def __init__(self, function: str, parameter: str):
+        self.function, self.parameter = function, parameter
+
+    def __str__(self):
+        module, name = self.function.rsplit(".", 1)
+        return str(inspect.signature(getattr(importlib.import_module(module), name)).parameters[self.parameter].default)
+
+
+def _given(args, **names: str) -> dict:
+    """``{parameter: args.<option>}`` for the options the user gave; the library's defaults apply to the rest."""
+    return {param: getattr(args, opt) for param, opt in names.items() if not isinstance(getattr(args, opt), Default)}
+
+
+def _add_lora_source(c, what: str) -> None:
+    """The options that name where LoRA factors come from, shared by ``export`` and ``verify``."""
+    c.add_argument("--step", type=int, help=f"{what} step (default: latest)")
+    c.add_argument("--lora-config", help="a PEFT adapter_config.json or its directory, if gemport did not record "
+                                         "the LoRA spec beside the checkpoint")
 
 
 def _spec(model: str):
@@ -115,7 +141,7 @@ def convert(args) -> int:
             raise SpecError(f"{src} is an Orbax checkpoint: pass --spec (HF dir or preset) or --base-dir")
         spec = _spec(args.spec or args.base_dir)
         out = save_hf(load_orbax(src, spec=spec, dtype=args.dtype), args.out, base_dir=args.base_dir,
-                      spec=spec, max_shard_size=args.max_shard_size)
+                      spec=spec, **_given(args, max_shard_size="max_shard_size"))
     print(f"wrote {out}")
     return 0
 
@@ -127,7 +153,7 @@ def export(args) -> int:
     lora_spec = _lora_spec(args.lora_config)
     if args.format == "merged":
         out = export_merged(args.lora, args.out, base_dir=args.base, lora_spec=lora_spec, step=args.step,
-                            max_shard_size=args.max_shard_size)
+                            **_given(args, max_shard_size="max_shard_size"))
     else:
         out = export_peft(args.lora, args.out, base_dir=args.base, lora_spec=lora_spec, step=args.step,
                           base_model_name_or_path=args.base_model_name)
@@ -168,7 +194,7 @@ def verify(args) -> int:
         model = load_model(hf_dir)
     if args.engine == "vllm":
         return _verify_vllm(args, hf_dir, adapter, model)
-    report = compare_logits(hf_dir, model, adapter_dir=adapter, seq_len=args.seq_len, atol=args.atol)
+    report = compare_logits(hf_dir, model, adapter_dir=adapter, **_given(args, seq_len="seq_len", atol="atol"))
     print(report)
     return 0 if report.ok else 1
 
@@ -182,9 +208,9 @@ def _verify_vllm(args, hf_dir: Path, adapter: Path | None, tunix_model) -> int:
         print(f"vLLM serves V without k_proj's delta on the k_eq_v layers of {', '.join(misserved)} (no v_proj "
               f"copy; transformers + PEFT give V that delta): `gemport peft-for-vllm {adapter} {hf_dir} OUT` writes "
               "the adapter vLLM serves exactly")
-    reports = compare_vllm(hf_dir, adapter_dir=adapter, tunix_model=tunix_model, num_prompts=args.prompts,
-                           seq_len=args.seq_len, max_tokens=args.max_tokens, atol=args.atol, dtype=args.dtype,
-                           python=args.vllm_python)
+    reports = compare_vllm(hf_dir, adapter_dir=adapter, tunix_model=tunix_model, python=args.vllm_python,
+                           **_given(args, num_prompts="prompts", seq_len="seq_len", max_tokens="max_tokens",
+                                    atol="atol", dtype="dtype"))
     for report in reports:
         print(report)
     return 0 if all(r.ok for r in reports) else 1
@@ -261,7 +287,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--spec", help=f"for Orbax -> HF: {model_help}")
     c.add_argument("--base-dir", help="for Orbax -> HF: the original HF checkpoint (keeps its layout and files)")
     c.add_argument("--dtype", help="parameter dtype, e.g. bfloat16 (default: keep)")
-    c.add_argument("--max-shard-size", default="5GB", help="HF shard size (default 5GB)")
+    c.add_argument("--max-shard-size", default=Default("gemport.checkpoint.save_hf", "max_shard_size"),
+                   help="HF shard size (default %(default)s)")
     c.set_defaults(run=convert)
 
     c = sub.add_parser("export", help="Orbax LoRA -> merged HF safetensors or a PEFT adapter",
@@ -271,11 +298,10 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("lora", help="the PeftTrainer checkpoint root, a step, or a model_params directory")
     c.add_argument("out", help="the output directory (must not exist)")
     c.add_argument("--format", choices=("merged", "peft"), default="merged", help="default merged")
-    c.add_argument("--step", type=int, help="checkpoint step (default: latest)")
-    c.add_argument("--lora-config", help="a PEFT adapter_config.json or its directory, if gemport did not record "
-                                         "the LoRA spec beside the checkpoint")
+    _add_lora_source(c, "checkpoint")
     c.add_argument("--base-model-name", help="base_model_name_or_path for the PEFT adapter (default: base path)")
-    c.add_argument("--max-shard-size", default="5GB", help="merged shard size (default 5GB)")
+    c.add_argument("--max-shard-size", default=Default("gemport.checkpoint.export_merged", "max_shard_size"),
+                   help="merged shard size (default %(default)s)")
     c.set_defaults(run=export)
 
     c = sub.add_parser("import-peft", help="a PEFT adapter -> Orbax LoRA params for Tunix",
@@ -294,11 +320,12 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("hf_dir", help="an HF checkpoint, a merged export, or a PEFT adapter")
     c.add_argument("--base", help="the base HF checkpoint (for an export or an adapter)")
     c.add_argument("--lora", help="the Orbax LoRA checkpoint the export came from")
-    c.add_argument("--step", type=int, help="checkpoint step (default: latest)")
-    c.add_argument("--lora-config", help="PEFT adapter_config.json, if no LoRA spec was recorded")
-    c.add_argument("--seq-len", type=int, default=16, help="tokens per row (default 16)")
-    c.add_argument("--atol", type=float, default=1e-4, help="max-abs tolerance on logits, or on log-probabilities "
-                                                           "with --engine vllm (default 1e-4)")
+    _add_lora_source(c, "--lora checkpoint")
+    c.add_argument("--seq-len", type=int, default=Default("gemport.verify.compare_logits", "seq_len"),
+                   help="tokens per row (default %(default)s)")
+    c.add_argument("--atol", type=float, default=Default("gemport.verify.compare_logits", "atol"),
+                   help="max-abs tolerance on logits, or on log-probabilities with --engine vllm (default "
+                        "%(default)s)")
     c.add_argument("--engine", choices=("tunix", "vllm"), default="tunix",
                    help="tunix (default): logits of Tunix and transformers; vllm: serve HF_DIR (a merged export, "
                         "or a PEFT adapter on --base) on vLLM and compare its greedy continuations and top-5 "
@@ -306,10 +333,12 @@ def parser() -> argparse.ArgumentParser:
                         "prompt and position that differ")
     c.add_argument("--vllm-python", help="the python of a venv with vLLM (default $GEMPORT_VLLM_PYTHON, else this "
                                          "one; `make vllm` creates .venv-vllm)")
-    c.add_argument("--prompts", type=int, default=3, help="--engine vllm: random prompts of --seq-len tokens "
-                                                          "(default 3)")
-    c.add_argument("--max-tokens", type=int, default=8, help="--engine vllm: tokens generated per prompt (default 8)")
-    c.add_argument("--dtype", default="float32", help="--engine vllm: vLLM's dtype (default float32, as the "
+    c.add_argument("--prompts", type=int, default=Default("gemport.verify.compare_vllm", "num_prompts"),
+                   help="--engine vllm: random prompts of --seq-len tokens (default %(default)s)")
+    c.add_argument("--max-tokens", type=int, default=Default("gemport.verify.compare_vllm", "max_tokens"),
+                   help="--engine vllm: tokens generated per prompt (default %(default)s)")
+    c.add_argument("--dtype", default=Default("gemport.verify.compare_vllm", "dtype"),
+                   help="--engine vllm: vLLM's dtype (default %(default)s, as the "
                                                       "references compute; bfloat16 for a model too large for it, "
                                                       "with a looser --atol)")
     c.set_defaults(run=verify)

@@ -52,8 +52,28 @@ class MaskError(GemportError, ValueError):
     """A conversation cannot be rendered or masked as asked."""
 
 
+class TemplateMismatchError(MaskError):
+    """gemport's rendering of a conversation differs from the tokenizer's ``apply_chat_template``."""
+
+
+class TemplateMismatchWarning(UserWarning):
+    """Not an error: ``check_template(on_mismatch="warn")`` found gemport's rendering differs from the
+    tokenizer's template and goes on with the closest chat format."""
+
+
 class OptimizerConfigError(GemportError, ValueError):
-    """HF TrainingArguments ask for something gemport cannot reproduce in Optax."""
+    """HF TrainingArguments' optimizer and schedule fields ask for something gemport cannot reproduce in Optax,
+    or an optimizer built for one step is given to another."""
+
+
+class RecipeError(GemportError, ValueError):
+    """A training recipe (TRL's SFT YAML, an ``SFTConfig``, its overrides) cannot be read, or asks for a data,
+    logging or evaluation setting gemport does not reproduce; names the field."""
+
+
+class BatchError(GemportError, ValueError):
+    """Batches that do not fit the step they are given to: shapes, accumulation, rows, or rows a process of a
+    multi-host run cannot hold."""
 
 
 class EngineError(GemportError):
@@ -66,6 +86,7 @@ class MissingDependencyError(GemportError, ImportError):
 
 
 __all__ = [
+    "BatchError",
     "CheckpointError",
     "CorruptFileError",
     "EngineError",
@@ -76,8 +97,11 @@ __all__ = [
     "MissingDependencyError",
     "MissingTensorError",
     "OptimizerConfigError",
+    "RecipeError",
     "ShapeMismatchError",
     "SpecError",
+    "TemplateMismatchError",
+    "TemplateMismatchWarning",
     "UnexpectedTensorError",
     "UnsafePathError",
 ]

@@ -7,8 +7,7 @@ A rule with no HF tensor names a Tunix parameter that HF checkpoints do not have
 uses it (K/V weights of Gemma 4's KV-shared layers); it is filled with a constant on load and dropped on save.
 
 HF names here are relative to the text model's prefix; ``TEXT_PREFIXES`` lists the prefixes found in the
-wild. Axis letters: ``d`` model width, ``f`` MLP width, ``n`` query heads, ``k`` KV heads, ``h`` head width,
-``v`` vocabulary, ``l`` layers, ``p`` per-layer input width, ``e`` experts, ``i`` expert width, ``g`` gate/up.
+wild. The layouts' axis letters are ``AXES``.
 """
 
 from __future__ import annotations
@@ -23,6 +22,13 @@ from gemport import pattern
 from gemport.errors import CheckpointError
 from gemport.pattern import Pattern
 from gemport.specs import GemmaSpec
+
+AXES = {
+    "d": "model width", "f": "MLP width", "n": "query heads", "k": "KV heads", "h": "head width",
+    "v": "vocabulary", "l": "layers", "p": "per-layer input width", "e": "experts", "i": "expert width",
+    "g": "gate/up", "s": "stacked projections", "o": "layer scalar",
+}  # fmt: skip
+"""The axis alphabet of every layout: letter -> what the axis is (the mesh plan names sharded dims by it)."""
 
 # Longest first, so that "model.language_model." is preferred over "model." when both could match.
 TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
@@ -83,8 +89,7 @@ class Entry:
 
     def to_hf(self, array) -> list[np.ndarray]:
         """The Tunix parameter -> HF tensors, in ``hf`` order."""
-        left, right = self.layout.split("->")
-        x = einops.rearrange(array, f"{right} -> {left}", **dict(self.sizes))
+        x = einops.rearrange(array, self.pattern.inverse, **dict(self.sizes))
         return list(x) if len(self.hf) > 1 else [x]
 
 
@@ -233,6 +238,7 @@ def owns(name: str, prefix: str) -> bool:
 
 
 __all__ = [
+    "AXES",
     "TEXT_PREFIXES",
     "Entry",
     "Rule",

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
+from jax.sharding import NamedSharding, PartitionSpec
+
 Spec = tuple
 
 
@@ -22,6 +24,11 @@ def axes_of(entry) -> tuple[str, ...]:
 def spec_of(var) -> Spec:
     """The ``out_sharding`` annotation of an ``nnx.Variable`` as a tuple; () when it has none."""
     return tuple(var.get_metadata().get("out_sharding") or ())
+
+
+def named_sharding(var, mesh) -> NamedSharding:
+    """``var``'s annotation placed on ``mesh`` (replicated where it has none)."""
+    return NamedSharding(mesh, PartitionSpec(*spec_of(var)))
 
 
 def padded(spec: Spec, ndim: int) -> Spec:
@@ -47,6 +54,7 @@ __all__ = [
     "Spec",
     "axes_of",
     "bytes_per_device",
+    "named_sharding",
     "padded",
     "shards",
     "spec_of",

@@ -1,9 +1,10 @@
-"""Layout strings, parsed once.
+"""Layout strings and einsum equations, parsed once.
 
 A layout is an einops pattern such as ``"s (k h) d -> s k d h"``: each side lists the dimensions of an array,
 and a dimension is one axis letter or a parenthesised group of letters merged into one. ``Pattern.parse``
 turns the string into that structure; the names table (``gemport.names``), the LoRA factor layouts
-(``gemport.lora``) and the mesh's dimension names (``gemport.mesh``) all read layouts through it.
+(``gemport.lora``) and the mesh's dimension names (``gemport.mesh``) all read layouts through it. An einsum equation such as ``"BTD,NDH->BTNH"`` (one letter per
+dimension, as Tunix's modules record them) is read by ``Equation.parse``.
 """
 
 from __future__ import annotations
@@ -52,6 +53,38 @@ class Pattern:
         """The entries of ``sizes`` that this pattern's letters use (what ``einops.rearrange`` accepts)."""
         return {a: n for a, n in sizes.items() if a in self.letters}
 
+    @property
+    def inverse(self) -> str:
+        """The pattern read backwards, ``right -> left``: ``"s k d h -> s (k h) d"``."""
+        left, right = self.text.split("->")
+        return f"{right.strip()} -> {left.strip()}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Equation:
+    """An einsum equation: each operand's axis letters and the output's.
+
+    E.g. ``Equation.parse("BTD,NDH->BTNH")`` has ``inputs == ("BTD", "NDH")`` and ``output == "BTNH"``.
+    """
+
+    text: str
+    inputs: tuple[str, ...]
+    output: str
+
+    @staticmethod
+    @functools.lru_cache(maxsize=None)
+    def parse(text: str) -> Equation:
+        """Parse ``text``; ``SpecError`` naming it when it has no single ``->``."""
+        lhs, *out = text.replace(" ", "").split("->")
+        if len(out) != 1:
+            raise SpecError(f"einsum {text!r}: an equation has exactly one '->'")
+        return Equation(text, tuple(lhs.split(",")), out[0])
+
+    @property
+    def letters(self) -> frozenset[str]:
+        """Every axis letter the equation uses."""
+        return frozenset("".join(self.inputs) + self.output)
+
 
 def shape(dims: tuple[Dim, ...], sizes: Mapping[str, int]) -> tuple[int, ...]:
     """The array shape ``dims`` describe: each dimension the product of its axes' sizes."""
@@ -74,6 +107,7 @@ def _side(text: str, side: str) -> tuple[Dim, ...]:
 
 __all__ = [
     "Dim",
+    "Equation",
     "Pattern",
     "shape",
     "words",

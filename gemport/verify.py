@@ -2,8 +2,8 @@
 
 The one check that says a port changed nothing underneath: the same tokens through both stacks, the
 largest logit difference reported beside the largest logit. `compare_vllm` checks serving: vLLM's greedy
-continuations and top logprobs on an export against transformers (+ PEFT) and Tunix. ``trajectory`` (from
-`gemport.parity`) checks training: the GPU recipe and the port, step by step.
+continuations and top logprobs on an export against transformers (+ PEFT) and Tunix. Training is checked a
+layer up, by `gemport.parity`: the GPU recipe and the port, step by step.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import numpy as np
 
 from gemport.engines import Served, serve_vllm
 from gemport.extras import require
-from gemport.parity import Tolerances, Trajectory, trajectory
 from gemport.specs import GemmaSpec
 
 
@@ -201,13 +200,10 @@ def compare_vllm(hf_dir: str | Path, *, adapter_dir: str | Path | None = None, t
 __all__ = [
     "ContinuationReport",
     "LogitReport",
-    "Tolerances",
-    "Trajectory",
     "compare_continuations",
     "compare_logits",
     "compare_vllm",
     "log_softmax",
-    "trajectory",
     "transformers_model",
     "tunix_logits",
 ]

@@ -12,9 +12,10 @@ import pytest
 import gemport
 
 TOP_LEVEL = [
-    "CheckpointError", "CorruptFileError", "EngineError", "GemmaSpec", "GemportError", "HFPeftTrainer", "LoraError", "LoraLayout",
+    "BatchError", "CheckpointError", "CorruptFileError", "EngineError", "GemmaSpec", "GemportError", "HFPeftTrainer", "LoraError", "LoraLayout",
     "LoraParams", "LoraSpec", "MaskError", "MeshError", "MissingDependencyError", "MissingTensorError",
-    "OptimizerConfigError", "SFTRun", "ShapeMismatchError", "SpecError", "UnexpectedTensorError", "UnsafePathError",
+    "OptimizerConfigError", "RecipeError", "SFTRun", "ShapeMismatchError", "SpecError", "TemplateMismatchError",
+    "TemplateMismatchWarning", "UnexpectedTensorError", "UnsafePathError",
     "apply_lora", "audit", "compare_logits", "export_merged", "export_peft", "fix_lora", "from_sft_config",
     "hf_optimizer", "import_peft", "load_hf", "load_model", "load_orbax", "make_mesh", "memory_plan",
     "micro_batches", "optimizer_shardings", "optimizer_steps", "read_lora", "save_hf", "save_lora", "save_orbax",
@@ -30,13 +31,13 @@ SUBPACKAGES = {
     "gemport.engines": ["PYTHON_ENV", "Served", "max_lora_rank", "serve_vllm", "vllm_python"],
     "gemport.lora": [
         "PROJECTIONS", "VLLM_RANKS", "Adapter", "LoraLayout", "LoraParams", "LoraSpec", "Provider", "QLoraSpec",
-        "apply_lora", "factor_specs", "provider",
+        "apply_lora", "factor_axes", "factor_specs", "provider",
     ],
     "gemport.mesh": [
         "HBM", "MemoryPlan", "MeshError", "ShardedDim", "compiled_peak", "make_mesh", "memory_plan", "sharded_dims",
         "use_mesh", "valid_meshes", "valid_tp",
     ],
-    "gemport.sharding": ["Audit", "AuditRow", "LoraChange", "audit", "factor_axes", "fix_lora", "optimizer_shardings"],
+    "gemport.sharding": ["Audit", "AuditRow", "LoraChange", "audit", "fix_lora", "optimizer_shardings"],
     "gemport.specs": ["GLOBAL", "SLIDING", "GemmaSpec"],
     "gemport.train": [
         "BATCH_FIELDS", "LAYOUTS", "Layout", "OptimizerStep", "SFTPipeline", "SFTRun", "SamplingStrategy", "StepMetrics",
@@ -59,13 +60,13 @@ SUBPACKAGES = {
     "gemport.train.preemption": ["Preempted", "Preemption"],
     "gemport.parity": ["StepRow", "Tolerances", "Trajectory", "miniature", "read_recipe", "trajectory"],
     "gemport.verify": [
-        "ContinuationReport", "LogitReport", "Tolerances", "Trajectory", "compare_continuations", "compare_logits",
-        "compare_vllm", "log_softmax", "trajectory", "transformers_model", "tunix_logits",
+        "ContinuationReport", "LogitReport", "compare_continuations", "compare_logits", "compare_vllm", "log_softmax",
+        "transformers_model", "tunix_logits",
     ],
-    "gemport.names": ["TEXT_PREFIXES", "Entry", "Rule", "detect_prefix", "entries", "owns"],
+    "gemport.names": ["AXES", "TEXT_PREFIXES", "Entry", "Rule", "detect_prefix", "entries", "owns"],
     "gemport.params": ["abstract_model", "flat_params", "lora_state", "path_str"],
-    "gemport.pattern": ["Dim", "Pattern", "shape", "words"],
-    "gemport.partition": ["Spec", "axes_of", "bytes_per_device", "padded", "shards", "spec_of"],
+    "gemport.pattern": ["Dim", "Equation", "Pattern", "shape", "words"],
+    "gemport.partition": ["Spec", "axes_of", "bytes_per_device", "named_sharding", "padded", "shards", "spec_of"],
 }  # fmt: skip
 
 

@@ -34,6 +34,7 @@ def gemport(*args, ok=True):
 
 
 def one_line_error(result, *fragments):
+    assert fragments, "name what the message must say"
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.startswith("gemport")]
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
@@ -74,6 +75,22 @@ def test_the_entry_point_runs_as_a_subprocess():
                                        timeout=600).stdout
 
 
+def test_help_shows_the_library_defaults_it_does_not_repeat():
+    import inspect
+
+    from gemport.checkpoint import save_hf
+    from gemport.verify import compare_logits, compare_vllm
+
+    def default(function, name):
+        return str(inspect.signature(function).parameters[name].default)
+
+    assert f"(default {default(save_hf, 'max_shard_size')})" in gemport("convert", "--help").stdout
+    shown = " ".join(gemport("verify", "--help").stdout.split())
+    for function, name in ((compare_logits, "seq_len"), (compare_logits, "atol"), (compare_vllm, "num_prompts"),
+                           (compare_vllm, "max_tokens"), (compare_vllm, "dtype")):
+        assert f"(default {default(function, name)}" in shown, name
+
+
 def test_every_command_has_help():
     assert "COMMAND" in gemport("--help").stdout
     for command in COMMANDS:
@@ -112,7 +129,8 @@ def test_convert_failures(base, tmp_path):
     (tmp_path / "orbax").mkdir()
     one_line_error(gemport("convert", tmp_path / "orbax", tmp_path / "out", ok=False), "Orbax", "--spec")
     one_line_error(gemport("convert", base, base / "inside", ok=False), "inside", str(base))
-    one_line_error(gemport("convert", tmp_path / "missing", tmp_path / "out", ok=False))
+    one_line_error(gemport("convert", tmp_path / "missing", tmp_path / "out", ok=False), "missing",
+                   "no such directory")
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +158,8 @@ def test_verify_reports_disagreement(base, checkpoint):
 def test_export_and_verify_failures(base, adapter, tmp_path):
     one_line_error(gemport("export", base, tmp_path / "nothing", tmp_path / "out", ok=False), "nothing")
     one_line_error(gemport("verify", adapter, ok=False), "PEFT adapter", "--base")
-    one_line_error(gemport("import-peft", adapter, "gemma4-31b", tmp_path / "out", ok=False))
+    one_line_error(gemport("import-peft", adapter, "gemma4-31b", tmp_path / "out", ok=False),
+                   "adapter_model.safetensors", "q_proj.lora_A.weight", "expected [4, 5376]")
     assert not (tmp_path / "out").exists()
 
 

@@ -19,13 +19,22 @@ def spec_of(name):
     return GemmaSpec.from_hf(cfg)
 
 
-def modules(spec, lora_spec):
-    """Tunix module paths that the Qwix provider's rules match, among all Tunix weights of the model."""
-    from gemport import names
+def lora_shapes(spec, lora_spec):
+    """``{param path: shape}`` of the LoRA params apply_lora creates on ``spec``'s Tunix model (shapes only)."""
+    from flax import nnx
 
-    rules = LoraLayout(spec, lora_spec).provider()._rules
-    every = {e.module.replace(".", "/") for e in names.entries(spec)}
-    return {m for m in every if any(re.fullmatch(r.module_path, m) for r in rules)}
+    from gemport.lora import apply_lora
+
+    def build():
+        return apply_lora(spec.tunix_model_class()(spec.to_tunix(), rngs=nnx.Rngs(0)), spec, lora_spec)
+
+    return {".".join(map(str, p)): tuple(v.get_value().shape)
+            for p, v in nnx.to_flat_state(nnx.state(nnx.eval_shape(build), nnx.LoRAParam))}
+
+
+def modules(spec, lora_spec):
+    """Tunix module paths (``layers/0/attn/q_einsum``) that apply_lora puts LoRA on."""
+    return {p.rsplit(".", 1)[0].replace(".", "/") for p in lora_shapes(spec, lora_spec)}
 
 
 def test_from_peft_round_trip():
@@ -59,13 +68,12 @@ def test_from_peft_refuses_what_qwix_cannot_do(bad, why):
         LoraSpec.from_peft(config)
 
 
-def test_rslora_maps_to_the_same_scale_in_qwix():
+def test_rslora_scales_every_adapter_by_alpha_over_sqrt_r():
     spec = LoraSpec(16, 8.0, rslora=True)
-    rules = LoraLayout(spec_of("gemma3_1b"), spec).provider()._rules
-    assert {r.stack for r in rules} == {None, 0}  # kv_einsum's separate factors have a rule of their own
-    for rule in rules:
-        assert rule.alpha / rule.rank == pytest.approx(8.0 / math.sqrt(16)) == spec.scale
-        assert all(s == pytest.approx(spec.scale) for s in rule.scales)
+    adapters = LoraLayout(spec_of("gemma3_1b"), spec).adapters
+    assert {a.separate for a in adapters} == {False, True}  # kv_einsum's separate factors, q/o/mlp plain
+    for adapter in adapters:
+        assert all(s == pytest.approx(8.0 / math.sqrt(16)) == spec.scale for s in adapter.scales)
 
 
 def test_gemma4_k_and_v_reach_kv_einsum_on_sliding_and_k_einsum_on_global_layers():
@@ -83,8 +91,15 @@ def test_all_projections_hit_exactly_the_projection_modules():
     assert kinds == {"attn/q_einsum", "attn/kv_einsum", "attn/k_einsum", "attn/attn_vec_einsum",
                      "mlp/gate_proj", "mlp/up_proj", "mlp/down_proj"}
     assert len(hit) == 6 * spec.num_layers  # q, kv or k, o, gate, up, down
-    rules = LoraLayout(spec, LoraSpec(4, 8.0)).provider()._rules
-    assert not any(re.fullmatch(r.module_path, "vision_encoder/layers/0/attn/q_einsum") for r in rules)
+
+
+def test_module_paths_are_anchored_so_a_vision_tower_never_matches():
+    from gemport.lora.qwix import _alternation
+
+    pattern = _alternation(["layers/0/attn/q_einsum", "layers/1/attn/q_einsum"])
+    assert re.fullmatch(pattern, "layers/1/attn/q_einsum")
+    assert not re.fullmatch(pattern, "vision_encoder/layers/0/attn/q_einsum")
+    assert not re.fullmatch(pattern, "layers/10/attn/q_einsum")
 
 
 def test_kv_shared_layers_get_no_kv_lora():
@@ -148,8 +163,6 @@ def test_per_module_ranks_and_scales_follow_peft_patterns():
     assert layout["layers.1.attn.attn_vec_einsum"].ranks == (6,)
     assert layout["layers.1.attn.attn_vec_einsum"].scales == (0.5,)
     assert layout["layers.0.attn.attn_vec_einsum"].scales == (0.75,)
-    rules = LoraLayout(spec, lora_spec).provider()._rules
-    assert len({(r.rank, r.scales) for r in rules}) == len(rules)
     with pytest.raises(LoraError, match="fused='separate'"):
         LoraLayout(spec, dataclasses.replace(lora_spec, fused="shared")).adapters
 
@@ -158,16 +171,18 @@ def test_per_module_ranks_and_scales_follow_peft_patterns():
 @pytest.mark.parametrize("name", ["gemma4_dense", "gemma4_ple", "gemma3_1b", "gemma3_qkv"])
 def test_layout_is_what_qwix_builds(name, fused):
     """LoraLayout's factor names and shapes are exactly the LoRA params apply_lora creates (shapes only)."""
-    from flax import nnx
-
-    from gemport.lora import apply_lora
-
-    spec = spec_of(name)
     lora_spec = LoraSpec(3, 6.0, fused=fused, rank_pattern={"o_proj": 2})
+    assert lora_shapes(spec_of(name), lora_spec) == LoraLayout(spec_of(name), lora_spec).shapes()
 
-    def build():
-        return apply_lora(spec.tunix_model_class()(spec.to_tunix(), rngs=nnx.Rngs(0)), spec, lora_spec)
 
-    built = {".".join(map(str, p)): tuple(v.get_value().shape)
-             for p, v in nnx.to_flat_state(nnx.state(nnx.eval_shape(build), nnx.LoRAParam))}
-    assert built == LoraLayout(spec, lora_spec).shapes()
+@pytest.mark.parametrize("weight, x, stack, a, b", [
+    ("skdh", "btd", None, "dr", "rskh"),
+    ("skdh", "btd", "s", "sdr", "srkh"),
+    ("nhd", "btnh", None, "nhr", "rd"),
+    ("CKDH", "BSD", "C", "CDr", "CrKH"),
+])
+def test_factor_axes_is_qwix_rule(weight, x, stack, a, b):
+    """Input axes of the weight go to lora_a then r; lora_b is r then the rest; a stacking axis leads both."""
+    from gemport.lora import factor_axes
+
+    assert tuple(map("".join, factor_axes(weight, x, stack=stack))) == (a, b)

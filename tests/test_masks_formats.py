@@ -15,7 +15,7 @@ from tokenizers.processors import TemplateProcessing
 
 import gemport.masks as masks
 from gemport.errors import MaskError
-from gemport.masks import formats, template
+from gemport.masks import dataset, formats, template
 from test_masks_tokenizers import GEMMA3_CONTROL, GEMMA4_CONTROL, bpe_tokenizer
 
 pytest.importorskip("trl")
@@ -93,7 +93,7 @@ def assert_same(examples, rows):
 
 def ours(records, tok, chat_format, **options):
     options = {"check": "raise", **options}
-    examples, report = formats.examples(records, tok, chat_format, masks.Truncation(1024), progress=False, **options)
+    examples, report = dataset.examples(records, tok, chat_format, masks.Truncation(1024), progress=False, **options)
     assert report.kept == len(records)
     return examples
 
@@ -191,7 +191,7 @@ def test_every_source_gives_the_same_examples(tmp_path):
 
     sources = [records, jsonl, str(tmp_path / "chats.parquet"), Dataset.from_list(records),
                grain.MapDataset.source(records), DataSource()]
-    results = [formats.examples(s, tok, masks.Gemma4(), masks.Truncation(500), progress=False) for s in sources]
+    results = [dataset.examples(s, tok, masks.Gemma4(), masks.Truncation(500), progress=False) for s in sources]
     for examples, report in results:
         assert report.which == {"dropped_too_long": ["long"]} and report.kept == 2
         assert [e.tokens.tolist() for e in examples] == [e.tokens.tolist() for e in results[0][0]]
@@ -206,7 +206,7 @@ def test_grain_transform_reads_every_format():
     records = PROMPT_COMPLETION + STANDARD + TEXT
     transform = MaskTransform(tok, masks.Gemma3(), None, masks.Truncation(1024))
     rows = list(grain.MapDataset.source(records).map_with_index(transform))
-    expected, report = formats.examples(records, tok, masks.Gemma3(), masks.Truncation(1024), progress=False)
+    expected, report = dataset.examples(records, tok, masks.Gemma3(), masks.Truncation(1024), progress=False)
     assert transform.report == report
     for row, example in zip(rows, expected, strict=True):
         assert np.array_equal(row["tokens"], example.tokens) and np.array_equal(row["loss_mask"], example.loss_mask)
@@ -214,7 +214,7 @@ def test_grain_transform_reads_every_format():
 
 def test_plain_text_is_trimmed_anywhere():
     tok = tokenizer(GEMMA3_CONTROL, gemma3_chat_template)
-    [example], report = formats.examples(TEXT[:1], tok, masks.Gemma3(), masks.Truncation(5, "trim"), progress=False)
+    [example], report = dataset.examples(TEXT[:1], tok, masks.Gemma3(), masks.Truncation(5, "trim"), progress=False)
     assert len(example.tokens) == 5 and report.which == {"trimmed": [0]}
 
 
@@ -228,7 +228,7 @@ def test_plain_text_is_trimmed_anywhere():
 def test_bad_records_raise_mask_error(record, match):
     tok = tokenizer(GEMMA4_CONTROL, gemma4_v5_chat_template)
     with pytest.raises(MaskError, match=match):
-        formats.examples([record], tok, masks.Gemma4(), masks.Truncation(64), progress=False, check=None)
+        dataset.examples([record], tok, masks.Gemma4(), masks.Truncation(64), progress=False, check=None)
 
 
 def test_bad_files_are_named(tmp_path):

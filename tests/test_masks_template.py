@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, assume, given, settings, strategies as st
 from transformers.utils.chat_template_utils import render_jinja_template
 
 import gemport.masks as masks
+from gemport import errors
 from gemport.errors import MaskError
 from gemport.masks import template
 from test_masks_tokenizers import GEMMA3_CONTROL, GEMMA4_CONTROL, char_tokenizer
@@ -193,18 +194,18 @@ def test_check_template_names_the_conversation_and_character():
     assert template.check_template(tok, masks.Gemma4(revision=1), sample) is None
     expected = jinja(GEMMA4[1], sample[1]["messages"])
     offset = expected.index("<turn|>\nc")
-    with pytest.warns(template.TemplateMismatchWarning, match=rf"conversation 1: .* from character {offset}:"):
+    with pytest.warns(errors.TemplateMismatchWarning, match=rf"conversation 1: .* from character {offset}:"):
         assert template.check_template(tok, masks.Gemma4(revision=5), sample) == (1, offset)
-    with pytest.raises(template.TemplateMismatch, match="conversation 1"):
+    with pytest.raises(errors.TemplateMismatchError, match="conversation 1"):
         template.check_template(tok, masks.Gemma4(revision=5), sample, on_mismatch="raise")
 
 
 def test_examples_check_the_tokenizers_template_first():
-    from gemport.masks import formats
+    from gemport.masks import dataset
 
     tok = tokenizer_with(GEMMA4[1])
     records = [{"messages": SHAPES["assistant after assistant"][0]}]
-    with pytest.raises(template.TemplateMismatch, match="conversation 0"):
-        formats.examples(records, tok, masks.Gemma4(), masks.Truncation(64), check="raise", progress=False)
-    with pytest.warns(template.TemplateMismatchWarning):
-        formats.examples(records, tok, masks.Gemma4(), masks.Truncation(64), progress=False)
+    with pytest.raises(errors.TemplateMismatchError, match="conversation 0"):
+        dataset.examples(records, tok, masks.Gemma4(), masks.Truncation(64), check="raise", progress=False)
+    with pytest.warns(errors.TemplateMismatchWarning):
+        dataset.examples(records, tok, masks.Gemma4(), masks.Truncation(64), progress=False)

@@ -59,8 +59,12 @@ def trained_spans(example, tokenizer):
 
 
 def test_control_tokens_are_single_tokens():
+    """Both test tokenizers give each control token one id of its own, which check_tokenizer accepts."""
     for control, chat_format in ((GEMMA3_CONTROL, masks.Gemma3()), (GEMMA4_CONTROL, masks.Gemma4())):
         for tokenizer in (char_tokenizer(control), bpe_tokenizer(control)):
+            ids = [tokenizer.encode(t, add_special_tokens=False) for t in chat_format.control_tokens]
+            assert all(len(i) == 1 for i in ids) and len({i[0] for i in ids}) == len(ids)
+            assert [tokenizer.decode(i) for i in ids] == list(chat_format.control_tokens)
             masks.check_tokenizer(tokenizer, chat_format)
 
 

@@ -215,3 +215,23 @@ def test_a_layout_string_is_parsed_into_dimensions():
     for bad in ("s (k h d -> s", "a -> b -> c", "n, d -> d"):
         with pytest.raises(SpecError, match="layout"):
             Pattern.parse(bad)
+    assert p.inverse == "s k d h -> s (k h) d"
+
+
+def test_an_einsum_equation_is_parsed_once():
+    from gemport.pattern import Equation
+
+    e = Equation.parse("BTD, NDH -> BTNH")
+    assert (e.inputs, e.output) == (("BTD", "NDH"), "BTNH") and Equation.parse("BTD, NDH -> BTNH") is e
+    assert e.letters == set("BTDNH")
+    for bad in ("BTD,NDH", "a->b->c"):
+        with pytest.raises(SpecError, match="einsum"):
+            Equation.parse(bad)
+
+
+@pytest.mark.parametrize("preset", GemmaSpec.presets())
+def test_every_layout_letter_is_in_the_axis_alphabet(preset):
+    from gemport import names
+
+    for entry in names.entries(GemmaSpec.preset(preset)):
+        assert entry.pattern.letters <= set(names.AXES), entry.tunix

@@ -6,7 +6,7 @@ import torch
 import transformers
 from torch.utils.data import RandomSampler
 
-from gemport.errors import OptimizerConfigError
+from gemport.errors import RecipeError
 from gemport.train import optimizer_steps, randperm, sample_order
 
 
@@ -21,7 +21,7 @@ def test_random_order_is_the_seeded_sampler_of_each_epoch():
         sampler = RandomSampler(range(25), generator=torch.Generator().manual_seed(11 + epoch))
         np.testing.assert_array_equal(sample_order(25, seed=11, epoch=epoch), list(sampler))
     np.testing.assert_array_equal(sample_order(5, seed=1, strategy="sequential"), np.arange(5))
-    with pytest.raises(OptimizerConfigError, match="group_by_length"):
+    with pytest.raises(RecipeError, match="group_by_length"):
         sample_order(5, seed=1, strategy="group_by_length")
 
 
@@ -43,7 +43,7 @@ def test_max_steps_and_drop_last():
     steps = list(optimizer_steps(args, 10))
     assert len(steps) == 5 and all(len(s.micro_batches) == 1 and len(s.micro_batches[0]) == 4 for s in steps)
     assert [s.epoch for s in steps] == [0, 0, 1, 1, 2]
-    with pytest.raises(OptimizerConfigError, match="no batch"):
+    with pytest.raises(RecipeError, match="no batch"):
         list(optimizer_steps({**args, "per_device_train_batch_size": 11}, 10))
-    with pytest.raises(OptimizerConfigError, match="gradient_accumulation_steps"):
+    with pytest.raises(RecipeError, match="gradient_accumulation_steps"):
         list(optimizer_steps({"gradient_accumulation_steps": 0}, 10))

@@ -13,7 +13,7 @@ from trl import SFTConfig, SFTTrainer
 
 from gemport import masks, train
 from gemport.checkpoint import import_peft, load_model
-from gemport.errors import OptimizerConfigError
+from gemport.errors import RecipeError
 from gemport.lora import apply_lora
 from gemport.masks.training_template import gemma4_training_template
 from gemport.specs import GemmaSpec
@@ -60,7 +60,7 @@ def test_config_maps_onto_the_masks_pipeline():
     for bad, field in [({"truncation_mode": "keep_end"}, "truncation_mode"), ({"loss_type": "dft"}, "loss_type"),
                        ({"packing": True, "packing_strategy": "wrapped"}, "packing_strategy"),
                        ({"shuffle_dataset": True}, "shuffle_dataset"), ({"packing": True, "max_length": None}, "max_length")]:
-        with pytest.raises(OptimizerConfigError, match=field):
+        with pytest.raises(RecipeError, match=field):
             train.from_sft_config(bad, t)
 
 

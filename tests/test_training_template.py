@@ -100,7 +100,7 @@ def test_trl_sft_trainer_trains_gemports_tokens(hf_checkpoint, tmp_path, thinkin
     args = SFTConfig(output_dir=str(tmp_path), assistant_only_loss=True, max_length=None, report_to="none",
                      use_cpu=True, bf16=False)
     tokenizer.chat_template = gemma4_v5_chat_template
-    with pytest.raises(Exception, match="training"):
+    with pytest.raises(ValueError, match="training"):
         SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer)
     tokenizer.chat_template = TEMPLATE
     dataset = datasets.Dataset.from_list(rows)

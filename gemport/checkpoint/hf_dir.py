@@ -20,7 +20,7 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
 
-def base_spec(base_dir: str | Path | None, spec: GemmaSpec | None, name: str = "base_dir") -> GemmaSpec:
+def resolve_spec(base_dir: str | Path | None, spec: GemmaSpec | None, name: str = "base_dir") -> GemmaSpec:
     """The architecture a checkpoint function works on: ``base_dir``'s config.json, or ``spec``; both must agree.
 
     Raises:

@@ -8,15 +8,16 @@ from pathlib import Path
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from gemport import names
-from gemport.checkpoint.hf_dir import HFCheckpoint, base_spec
+from gemport.checkpoint.hf_dir import HFCheckpoint, resolve_spec
 from gemport.checkpoint.safetensors import DTYPES, FLOAT_DTYPES
-from gemport.errors import CheckpointError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError
+from gemport.errors import CheckpointError
 from gemport.params import abstract_model, path_str
+from gemport.partition import named_sharding
 from gemport.specs import GemmaSpec
+from gemport.tensors import check_tensors
 
 
 def matched_entries(ckpt: HFCheckpoint, spec: GemmaSpec) -> tuple[str, tuple[names.Entry, ...]]:
@@ -29,31 +30,19 @@ def matched_entries(ckpt: HFCheckpoint, spec: GemmaSpec) -> tuple[str, tuple[nam
     prefix = names.detect_prefix(keys)
     entries = names.entries(spec)
     wanted = {prefix + h: e for e in entries for h in e.hf}
-    unexpected = [k for k in keys if names.owns(k, prefix) and k not in wanted and k != "lm_head.weight"]
-    if unexpected:
-        k = unexpected[0]
-        raise UnexpectedTensorError(
-            f"{ckpt.info(k).file}: tensor {k!r} is not part of a {spec.family} model with this config"
-            f"{f' (and {len(unexpected) - 1} more)' if len(unexpected) > 1 else ''}; the config.json does not "
-            "describe these weights"
-        )
-    for full, entry in wanted.items():
-        if full not in ckpt.tensors:
-            raise MissingTensorError(
-                f"{ckpt.dir}: tensor {full!r} (for Tunix {entry.tunix}) is missing; the config describes a "
-                "layer the weights do not have"
-            )
+    check_tensors(
+        {k: ckpt.tensors[k].shape for k in keys if names.owns(k, prefix) and k != "lm_head.weight"},
+        {k: e.hf_shape for k, e in wanted.items()},
+        source=str(ckpt.dir),
+        fix="config.json does not describe these weights; use the config the checkpoint was saved with",
+        file_of=lambda k: ckpt.info(k).file,
+        about=lambda k: f"Tunix {wanted[k].tunix}; {', '.join(f'{a}={n}' for a, n in wanted[k].sizes if a != 's')}",
+    )
+    for full in wanted:
         if ckpt.tensors[full].dtype not in FLOAT_DTYPES:
             raise CheckpointError(
                 f"{ckpt.tensors[full].file}: tensor {full!r} is {ckpt.tensors[full].dtype}, but a Gemma weight is a "
                 f"float ({', '.join(FLOAT_DTYPES)}); this is a quantized or damaged checkpoint, use the float one"
-            )
-        found = ckpt.tensors[full].shape
-        if found != entry.hf_shape:
-            raise ShapeMismatchError(
-                f"{ckpt.tensors[full].file}: tensor {full!r} has shape {list(found)}, but config.json implies "
-                f"{list(entry.hf_shape)} ({', '.join(f'{a}={n}' for a, n in entry.sizes if a != 's')}); the "
-                "config does not match the weights"
             )
     return prefix, entries
 
@@ -76,7 +65,7 @@ def load_hf(hf_dir: str | Path, *, spec: GemmaSpec | None = None, mesh=None, dty
       An ``nnx.State`` of ``nnx.Param`` with the Tunix model's paths, e.g. ``layers.0.attn.q_einsum.w``
       of shape (N, D, H). Vision/audio tensors are ignored (see ``save_hf(base_dir=...)`` to keep them).
     """
-    return _load(HFCheckpoint(hf_dir), base_spec(hf_dir, spec, "hf_dir"), mesh, dtype)[1]
+    return _load(HFCheckpoint(hf_dir), resolve_spec(hf_dir, spec, "hf_dir"), mesh, dtype)[1]
 
 
 def _load(ckpt: HFCheckpoint, spec: GemmaSpec, mesh, dtype) -> tuple[nnx.GraphDef, nnx.State]:
@@ -103,8 +92,7 @@ def _load(ckpt: HFCheckpoint, spec: GemmaSpec, mesh, dtype) -> tuple[nnx.GraphDe
 def _sharding(var, mesh):
     if mesh is None:
         return jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    spec = var.get_metadata().get("out_sharding") or ()
-    return NamedSharding(mesh, PartitionSpec(*spec))
+    return named_sharding(var, mesh)
 
 
 def _place(ckpt: HFCheckpoint, prefix: str, entry: names.Entry, shape, dtype, sharding) -> jax.Array:
@@ -132,4 +120,4 @@ def load_model(hf_dir: str | Path, *, spec: GemmaSpec | None = None, mesh=None, 
     Arguments and loading as in `load_hf`; the model's compute dtype equals its parameter dtype.
     """
     ckpt = HFCheckpoint(hf_dir)
-    return nnx.merge(*_load(ckpt, base_spec(hf_dir, spec, "hf_dir"), mesh, dtype))
+    return nnx.merge(*_load(ckpt, resolve_spec(hf_dir, spec, "hf_dir"), mesh, dtype))

@@ -7,18 +7,13 @@ from pathlib import Path
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
 from gemport.params import abstract_model, path_str
+from gemport.partition import named_sharding
 from gemport.checkpoint.output import atomic_dir, check_output
-from gemport.errors import (
-    CheckpointError,
-    CorruptFileError,
-    MissingTensorError,
-    ShapeMismatchError,
-    UnexpectedTensorError,
-)
+from gemport.errors import CheckpointError, CorruptFileError, ShapeMismatchError
 from gemport.specs import GemmaSpec
+from gemport.tensors import check_tensors
 
 
 def save_orbax(state_or_model, out_dir: str | Path) -> Path:
@@ -88,8 +83,7 @@ def load_orbax(path: str | Path, *, spec: GemmaSpec, mesh=None, dtype=None) -> n
         graphdef, abstract = nnx.split(abstract_model(spec, param_dtype=target_dtype))
         flat = []
         for p, var in nnx.to_flat_state(abstract):
-            annotation = var.get_metadata().get("out_sharding") or ()
-            sharding = (NamedSharding(mesh, PartitionSpec(*annotation)) if mesh is not None
+            sharding = (named_sharding(var, mesh) if mesh is not None
                         else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
             value = var.get_value()
             flat.append((p, var.replace(jax.ShapeDtypeStruct(value.shape, target_dtype, sharding=sharding))))
@@ -109,18 +103,9 @@ def _check_shapes(path: Path, stored, flat) -> None:
     for keys, leaf in jax.tree_util.tree_flatten_with_path(stored)[0]:
         parts = [str(getattr(k, "key", getattr(k, "idx", k))) for k in keys]
         found[".".join(parts[:-1] if parts[-1] == "value" else parts)] = tuple(getattr(leaf, "shape", ()))
-    wanted = {path_str(p): tuple(v.get_value().shape) for p, v in flat}
-    for name, shape in wanted.items():
-        if name not in found:
-            raise MissingTensorError(f"{path}: no parameter {name!r}; the checkpoint is of another model or spec")
-        if found[name] != shape:
-            raise ShapeMismatchError(
-                f"{path}: parameter {name!r} has shape {list(found[name])}, but the spec needs {list(shape)}; "
-                "the checkpoint is of another model"
-            )
-    extra = sorted(set(found) - set(wanted))
-    if extra:
-        raise UnexpectedTensorError(
-            f"{path}: parameter {extra[0]!r} (and {len(extra) - 1} more) is not part of this spec's model; the "
-            "checkpoint is of another model (or holds LoRA params: export those with export_merged)"
-        )
+    check_tensors(
+        found,
+        {path_str(p): tuple(v.get_value().shape) for p, v in flat},
+        source=str(path),
+        fix="the checkpoint is of another model or spec (LoRA params in it: export those with export_merged)",
+    )

@@ -22,14 +22,15 @@ import numpy as np
 
 from gemport import names
 from gemport.checkpoint.adapters import read_lora
-from gemport.checkpoint.hf_dir import HFCheckpoint, base_spec
+from gemport.checkpoint.hf_dir import HFCheckpoint, resolve_spec
 from gemport.checkpoint.load import matched_entries
 from gemport.checkpoint.output import atomic_dir, check_output
 from gemport.checkpoint.safetensors import SafetensorsFile, TensorSource, write_file
-from gemport.errors import CheckpointError, LoraError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError
+from gemport.errors import CheckpointError, LoraError, MissingTensorError
 from gemport.lora import VLLM_RANKS, LoraLayout, LoraParams, LoraSpec
 from gemport.params import flat_params, lora_state
 from gemport.specs import GemmaSpec
+from gemport.tensors import check_finite, check_tensors
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -64,7 +65,7 @@ def export_peft(lora, out_dir: str | Path, *, base_dir: str | Path | None = None
         ``base_dir``'s absolute path.
     """
     out = check_output(out_dir, base_dir, lora if isinstance(lora, (str, os.PathLike)) else None)
-    spec = base_spec(base_dir, spec)
+    spec = resolve_spec(base_dir, spec)
     text_prefix = "model." if base_dir is None else matched_entries(HFCheckpoint(base_dir), spec)[0]
     if base_model_name_or_path is None and base_dir is not None:
         base_model_name_or_path = str(Path(base_dir).resolve())
@@ -114,7 +115,7 @@ def vllm_misserved(adapter_dir: str | Path, *, base_dir: str | Path | None = Non
     e.g. ``["model.layers.5.self_attn.k_proj"]``; empty when vLLM serves it exactly. `peft_for_vllm` adds the
     copies."""
     directory = Path(adapter_dir)
-    layout = LoraLayout(base_spec(base_dir, spec), LoraSpec.from_peft(directory / ADAPTER_CONFIG))
+    layout = LoraLayout(resolve_spec(base_dir, spec), LoraSpec.from_peft(directory / ADAPTER_CONFIG))
     weights = SafetensorsFile(directory / ADAPTER_WEIGHTS)
     prefix = _text_prefix(weights)
     scaled = layout.lora_spec.scale_of
@@ -170,7 +171,7 @@ def import_peft(adapter_dir: str | Path, *, base_dir: str | Path | None = None,
       ShapeMismatchError: an adapter tensor's shape does not fit the base; names the tensor.
     """
     directory = Path(adapter_dir)
-    spec = base_spec(base_dir, spec)
+    spec = resolve_spec(base_dir, spec)
     for file in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
         if not (directory / file).is_file():
             raise CheckpointError(f"{directory}: no {file}; pass a PEFT adapter directory saved by save_pretrained")
@@ -179,35 +180,27 @@ def import_peft(adapter_dir: str | Path, *, base_dir: str | Path | None = None,
     prefix = _text_prefix(weights)
     layout = LoraLayout(spec, lora_spec)
 
-    flat, used = {}, set()
-    for adapter in layout:
+    keys = {adapter: [[f"{prefix}{m}.lora_{x}.weight" for x in "AB"] for m in adapter.hf_modules]
+            for adapter in layout}
+    wanted = {}
+    for adapter, pairs in keys.items():
         out_size, in_size = adapter.entry.hf_shape
-        pairs = []
-        for module, rank in zip(adapter.hf_modules, adapter.ranks):
-            keys = [f"{prefix}{module}.lora_{x}.weight" for x in "AB"]
-            A, B = (_tensor(weights, key) for key in keys)
-            used.update(keys)
-            r = A.shape[0]
-            if A.shape != (r, in_size) or B.shape != (out_size, r):
-                raise ShapeMismatchError(
-                    f"{weights.path}: {prefix}{module} has lora_A {list(A.shape)} and lora_B {list(B.shape)}, but "
-                    f"the model needs [r, {in_size}] and [{out_size}, r]; the adapter is for a different model"
-                )
-            if r != rank:
-                raise ShapeMismatchError(
-                    f"{weights.path}: {prefix}{module} has rank {r}, but adapter_config.json says {rank}"
-                )
-            pairs.append((A, B))
-        for name, value in zip((adapter.lora_a, adapter.lora_b), adapter.from_peft(pairs)):
+        for (key_a, key_b), rank in zip(pairs, adapter.ranks):
+            wanted |= {key_a: (rank, in_size), key_b: (out_size, rank)}
+    copies = _checked_copies(weights, prefix, layout)
+    check_tensors(
+        {k: info.shape for k, info in weights.tensors.items() if k not in copies},
+        wanted,
+        source=str(weights.path),
+        fix=f"the adapter is not for this {spec.family} text model with the targets and ranks of its "
+            f"adapter_config.json ({list(lora_spec.targets)}); Tunix cannot carry adapters on other modules "
+            "(vision/audio towers) or another model's layers",
+    )
+    flat = {}
+    for adapter, pairs in keys.items():
+        factors = [tuple(_tensor(weights, key) for key in pair) for pair in pairs]
+        for name, value in zip((adapter.lora_a, adapter.lora_b), adapter.from_peft(factors)):
             flat[name] = value
-    used.update(_checked_copies(weights, prefix, layout))
-    extra = sorted(set(weights.tensors) - used)
-    if extra:
-        raise UnexpectedTensorError(
-            f"{weights.path}: {extra[0]!r} (and {len(extra) - 1} more) has no place in this {spec.family} text "
-            f"model with targets {list(lora_spec.targets)}; Tunix cannot carry adapters on other modules "
-            "(vision/audio towers) or another model's layers"
-        )
     return LoraParams(lora_state(flat), lora_spec)
 
 
@@ -258,7 +251,7 @@ def peft_for_vllm(adapter_dir: str | Path, out_dir: str | Path, *, base_dir: str
     """
     directory = Path(adapter_dir)
     out = check_output(out_dir, directory, base_dir)
-    spec = base_spec(base_dir, spec)
+    spec = resolve_spec(base_dir, spec)
     import_peft(directory, spec=spec)
     weights = SafetensorsFile(directory / ADAPTER_WEIGHTS)
     prefix = _text_prefix(weights)
@@ -289,9 +282,6 @@ def _text_prefix(weights: SafetensorsFile) -> str:
 
 
 def _tensor(weights: SafetensorsFile, key: str) -> np.ndarray:
-    if key not in weights.tensors:
-        raise MissingTensorError(f"{weights.path}: no {key!r}; the adapter_config targets it but the weights lack it")
     array = weights.array(key)
-    if not np.isfinite(array.astype(np.float32)).all():
-        raise LoraError(f"{weights.path}: {key!r} holds NaN or Inf; the adapter is broken")
-    return np.asarray(array)
+    check_finite(key, array, source=str(weights.path), error=LoraError, fix="the adapter is broken")
+    return array

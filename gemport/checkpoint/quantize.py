@@ -24,7 +24,7 @@ from qwix._src.providers import ptq
 from tqdm.auto import tqdm
 
 from gemport import names
-from gemport.checkpoint.hf_dir import HFCheckpoint, base_spec
+from gemport.checkpoint.hf_dir import HFCheckpoint, resolve_spec
 from gemport.checkpoint.load import _place, _sharding, matched_entries
 from gemport.checkpoint.safetensors import DTYPES
 from gemport.errors import LoraError, MissingDependencyError
@@ -150,7 +150,7 @@ def load_qlora_model(hf_dir: str | Path, qlora: QLoraSpec, *, spec: GemmaSpec | 
         linears, which gemport does not), or widths that bitsandbytes' blocks do not tile (`tile_shape`).
     """
     ckpt = HFCheckpoint(hf_dir)
-    spec = base_spec(hf_dir, spec, "hf_dir")
+    spec = resolve_spec(hf_dir, spec, "hf_dir")
     if spec.per_layer_input_dim or spec.num_experts:
         raise LoraError(
             f"{hf_dir}: QLoRA on a Gemma 4 model with per-layer inputs or experts: bitsandbytes also quantizes "

@@ -27,6 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from gemport.errors import CheckpointError, CorruptFileError
+from gemport.tensors import finite
 
 DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64),
@@ -44,10 +45,6 @@ DTYPES: dict[str, np.dtype] = {
 }
 CODES: dict[np.dtype, str] = {v: k for k, v in DTYPES.items()}
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
-# The exponent bits of each float code: all set means Inf or NaN (F8_E4M3, without Inf: the NaN pattern). Testing
-# the raw integers is 3x faster than np.isfinite on bf16.
-_EXPONENT = {"F64": 0x7FF0000000000000, "F32": 0x7F800000, "F16": 0x7C00, "BF16": 0x7F80, "F8_E4M3": 0x7F,
-             "F8_E5M2": 0x7C}
 # The safetensors format's other dtypes: well-formed files, which gemport does not decode.
 _UNREAD = ("U16", "U32", "U64", "C64", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4")
 
@@ -56,15 +53,6 @@ _COPY_CHUNK = 64 * 2**20
 _ALIGN = 64
 _READ_CHUNK = 32 * 2**20
 _READERS = 2
-
-
-def finite(array: np.ndarray) -> bool:
-    """Whether a float array of a safetensors dtype holds no NaN or Inf (arrays of other dtypes: True)."""
-    mask = _EXPONENT.get(CODES.get(array.dtype))
-    if mask is None or not array.size:
-        return True
-    bits = np.ascontiguousarray(array).reshape(-1).view(f"u{array.itemsize}")
-    return int(np.bitwise_and(bits, np.array(mask, bits.dtype)).max()) != mask
 
 
 def dtype_code(dtype) -> str:

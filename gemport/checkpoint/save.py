@@ -9,13 +9,13 @@ import jax
 import numpy as np
 
 from gemport import names
-from gemport.checkpoint.hf_dir import HFCheckpoint, base_spec
+from gemport.checkpoint.hf_dir import HFCheckpoint, resolve_spec
 from gemport.checkpoint.load import matched_entries
 from gemport.checkpoint.output import atomic_dir, check_output, copy_side_files, write_sharded
 from gemport.checkpoint.safetensors import TensorSource
-from gemport.errors import MissingTensorError, UnexpectedTensorError
 from gemport.params import flat_params
 from gemport.specs import GemmaSpec
+from gemport.tensors import check_tensors
 
 
 def save_hf(state_or_model, out_dir: str | Path, *, base_dir: str | Path | None = None,
@@ -41,18 +41,17 @@ def save_hf(state_or_model, out_dir: str | Path, *, base_dir: str | Path | None 
     Returns:
       The output directory.
     """
-    spec = base_spec(base_dir, spec)
+    spec = resolve_spec(base_dir, spec)
     params = flat_params(state_or_model)
     entries = names.entries(spec)
-    known = {e.tunix for e in entries}
-    extra = sorted(set(params) - known)
-    if extra:
-        hint = "; LoRA params must be merged with export_merged" if any("lora" in p for p in extra) else ""
-        raise UnexpectedTensorError(f"state has {extra[0]!r} (and {len(extra) - 1} more), which a {spec.family} "
-                                    f"model with this spec does not have{hint}")
-    missing = sorted(known - set(params))
-    if missing:
-        raise MissingTensorError(f"state lacks {missing[0]!r} (and {len(missing) - 1} more) for this spec")
+    lora = any("lora" in p for p in params)
+    check_tensors(
+        {p: tuple(v.shape) for p, v in params.items()},
+        {e.tunix: e.tunix_shape for e in entries},
+        source="state",
+        fix=(f"the state is not of a {spec.family} model with this spec"
+             + ("; LoRA params must be merged with export_merged" if lora else "")),
+    )
     out = check_output(out_dir, base_dir)
     base = HFCheckpoint(base_dir) if base_dir is not None else None
     prefix = "model."

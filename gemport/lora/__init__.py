@@ -10,10 +10,22 @@
   (`gemport.checkpoint.quantize`).
 """
 
+import importlib
+
 from gemport.lora.config import PROJECTIONS, VLLM_RANKS, LoraParams, LoraSpec
+from gemport.lora.layout import Adapter, LoraLayout, factor_axes, factor_specs
 from gemport.lora.qlora import QLoraSpec
-from gemport.lora.layout import Adapter, LoraLayout, factor_specs
-from gemport.lora.qwix import Provider, apply_lora, provider
+
+# Qwix (and JAX with it) loads on first use of these, so that planning and configs do without it.
+_QWIX = ("Provider", "apply_lora", "provider")
+
+
+def __getattr__(name):
+    if name in _QWIX:
+        value = getattr(importlib.import_module("gemport.lora.qwix"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'gemport.lora' has no attribute {name!r}")
 
 __all__ = [
     "PROJECTIONS",
@@ -25,6 +37,7 @@ __all__ = [
     "Provider",
     "QLoraSpec",
     "apply_lora",
+    "factor_axes",
     "factor_specs",
     "provider",
 ]

@@ -105,10 +105,6 @@ class LoraSpec:
         """PEFT's scale of a rank-``rank`` adapter with ``lora_alpha`` ``alpha``."""
         return alpha / (math.sqrt(rank) if self.rslora else rank)
 
-    def alpha_at(self, rank: int) -> float:
-        """The ``lora_alpha`` that gives a rank-``rank`` adapter this spec's scale."""
-        return self.scale * (math.sqrt(rank) if self.rslora else rank)
-
     def rank_of(self, module: str) -> int:
         """PEFT's rank for HF module ``module`` (e.g. ``layers.0.self_attn.k_proj``): ``rank_pattern`` or r."""
         return _lookup(self.rank_pattern, module, self.rank)
@@ -209,7 +205,6 @@ class LoraSpec:
                           alpha_pattern=tuple(map(tuple, fields.get("alpha_pattern", ())))))
 
 
-# PEFT options that change what an adapter computes or how it trains; Qwix LoRA has none of them.
 class LoraParams(NamedTuple):
     """LoRA factors with the `LoraSpec` that shapes them: what `gemport.checkpoint.import_peft` and
     `gemport.checkpoint.read_lora` return, and what `apply_lora` and the exports take.
@@ -229,6 +224,7 @@ class LoraParams(NamedTuple):
         return {k: np.asarray(v) for k, v in flat_params(self.params).items()}
 
 
+# PEFT options that change what an adapter computes or how it trains; Qwix LoRA has none of them.
 _PEFT_VARIANTS = {
     "alora_invocation_tokens": "aLoRA turns the adapter on only after its invocation tokens; Qwix LoRA is always on",
     "exclude_modules": "gemport adapts every layer's target_modules; list the targets without exclusions",

@@ -16,7 +16,7 @@ projection keeps its own A and B, as in PEFT:
 | mlp.down_proj | ``d f -> f d`` | ``f r`` | ``r d`` |
 
 `LoraLayout` holds every adapter of a model and answers from them: targets, factor shapes and shardings,
-parameter counts, the Qwix provider (`gemport.lora.qwix`) and PEFT module names.
+parameter counts; `gemport.lora.provider` builds the Qwix rules from it.
 """
 
 from __future__ import annotations
@@ -30,12 +30,29 @@ import einops
 import numpy as np
 
 from gemport import names, pattern
-from gemport.errors import LoraError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError
+from gemport.errors import LoraError
 from gemport.lora.config import PROJECTIONS, LoraSpec
+from gemport.partition import Spec, padded
 from gemport.pattern import Pattern
 from gemport.specs import GemmaSpec
+from gemport.tensors import check_finite, check_tensors
 
-Spec = tuple  # a PartitionSpec as a tuple of entries (None, "tp", ("fsdp", "tp"), ...)
+def factor_axes(
+    weight_axes: Iterable[str], in_axes: Iterable[str], *, stack: str | None = None, rank: str = "r"
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Axes of (``lora_a``, ``lora_b``) for a weight with ``weight_axes`` contracted with an input over ``in_axes``.
+
+    Qwix's rule: the weight axes that appear in the input go to ``lora_a``, then the rank; ``lora_b`` is the
+    rank, then the remaining axes, both in the weight's order. With ``stack`` (separate factors per fused
+    projection) that axis leads both factors instead. Axes are names (``"d"``) or einsum letters (``"D"``):
+    ``factor_axes("skdh", "d")`` is ``(("d", "r"), ("r", "s", "k", "h"))``;
+    ``factor_axes("skdh", "d", stack="s")`` is ``(("s", "d", "r"), ("s", "r", "k", "h"))``.
+    """
+    weight_axes, in_axes = tuple(weight_axes), set(in_axes)
+    lead = (stack,) if stack is not None else ()
+    a = lead + tuple(x for x in weight_axes if x in in_axes and x != stack) + (rank,)
+    b = lead + (rank,) + tuple(x for x in weight_axes if x not in in_axes and x != stack)
+    return a, b
 
 
 def factor_specs(weight_axes: Iterable[str], base_spec: Spec, *factors: Iterable[str]) -> tuple[Spec, ...]:
@@ -45,7 +62,7 @@ def factor_specs(weight_axes: Iterable[str], base_spec: Spec, *factors: Iterable
     None) and ``s r k h`` (None, None, "tp", None). Axes are names (``"d"``) or einsum letters (``"D"``).
     """
     weight_axes = list(weight_axes)
-    base = dict(zip(weight_axes, tuple(base_spec) + (None,) * (len(weight_axes) - len(base_spec))))
+    base = dict(zip(weight_axes, padded(base_spec, len(weight_axes))))
     return tuple(tuple(base.get(x) for x in axes) for axes in factors)
 
 
@@ -176,13 +193,8 @@ def _projection(hf_name: str) -> str | None:
 
 def _adapter(entry: names.Entry, lora_spec: LoraSpec) -> Adapter:
     out_axes, in_axes = entry.pattern.left[-2:]  # an HF linear weight is [out, in], after the stacking axis s
-    axes = pattern.words(entry.pattern.right)
-    rest = [x for x in axes if x not in in_axes]
     separate = len(entry.hf) > 1 and lora_spec.fused == "separate"
-    a = [x for x in axes if x in in_axes] + ["r"]
-    b = ["r"] + rest
-    if separate:
-        a, b = ["s", *a], ["s", "r", *(x for x in rest if x != "s")]
+    a, b = factor_axes(pattern.words(entry.pattern.right), in_axes, stack="s" if separate else None)
     modules = [h.removesuffix(".weight") for h in entry.hf]
     return Adapter(
         entry=entry,
@@ -278,16 +290,6 @@ class LoraLayout:
             for name, spec in zip((a.lora_a, a.lora_b), a.specs(base_specs[a.entry.tunix]))
         }
 
-    def provider(self):
-        """The ``qwix.LoraProvider`` that creates exactly these factors (see `gemport.lora.qwix`)."""
-        from gemport.lora.qwix import provider
-
-        return provider(self)
-
-    def peft_modules(self, text_prefix: str = "model.") -> dict[str, int]:
-        """``{HF module name: PEFT rank}`` of every adapted projection, e.g. ``model.layers.0.self_attn.q_proj``."""
-        return {text_prefix + m: r for a in self.adapters for m, r in zip(a.hf_modules, a.ranks)}
-
     def match(self, params: dict, source: str = "adapter") -> list[tuple[Adapter, np.ndarray, np.ndarray]]:
         """Pair each adapter with its ``lora_a``, ``lora_b`` in ``params`` (``{"layers.0...w_lora_a": array}``).
 
@@ -297,32 +299,22 @@ class LoraLayout:
         NaN or Inf.
         """
         lora_spec = self.lora_spec
-        known = {name for a in self.adapters for name in (a.lora_a, a.lora_b)}
-        extra = sorted(set(params) - known)
-        if extra:
-            raise UnexpectedTensorError(
-                f"{source}: {extra[0]!r} (and {len(extra) - 1} more) is not a LoRA param of this {self.spec.family} "
-                f"model with targets {list(lora_spec.targets)}; the adapter is for a different model or the "
-                "LoraSpec's targets are wrong"
-            )
-        out = []
-        for t in self.adapters:
-            for name in (t.lora_a, t.lora_b):
-                if name not in params:
-                    raise MissingTensorError(
-                        f"{source}: no {name!r}, but targets {list(lora_spec.targets)} put LoRA on {t.module}; "
-                        "the LoraSpec does not match the training run"
-                    )
-            a, b = params[t.lora_a], params[t.lora_b]
-            for name, array, want, axes in ((t.lora_a, a, t.shapes[0], t.a), (t.lora_b, b, t.shapes[1], t.b)):
-                if tuple(array.shape) != want:
-                    raise ShapeMismatchError(
-                        f"{source}: {name!r} has shape {list(array.shape)}, but the model and LoraSpec need "
-                        f"{list(want)} ({axes}; {', '.join(f'{x}={n}' for x, n in t.entry.sizes if x in axes)}, "
-                        f"r={t.rank}, fused={lora_spec.fused!r}); the adapter is for a different model, rank or "
-                        "fused form"
-                    )
-                if not np.isfinite(np.asarray(array, np.float32)).all():
-                    raise LoraError(f"{source}: {name!r} holds NaN or Inf; the training diverged, export an earlier step")
-            out.append((t, a, b))
-        return out
+        factors = {name: (t, axes) for t in self.adapters for name, axes in ((t.lora_a, t.a), (t.lora_b, t.b))}
+
+        def about(name: str) -> str:
+            t, axes = factors[name]
+            sizes = ", ".join(f"{x}={n}" for x, n in t.entry.sizes if x in axes.split())
+            return f"{axes} of {t.module}; {sizes}, r={t.rank}, fused={lora_spec.fused!r}"
+
+        check_tensors(
+            {name: tuple(array.shape) for name, array in params.items()},
+            self.shapes(),
+            source=source,
+            fix=f"the adapter is for a different model, rank or fused form than this {self.spec.family} model "
+                f"with targets {list(lora_spec.targets)}; pass the LoraSpec of the training run",
+            about=about,
+        )
+        for name, array in params.items():
+            check_finite(name, array, source=source, error=LoraError,
+                         fix="the training diverged; export an earlier step")
+        return [(t, params[t.lora_a], params[t.lora_b]) for t in self.adapters]

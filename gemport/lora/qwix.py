@@ -28,8 +28,9 @@ from qwix._src.utils import flax_util
 
 from gemport.errors import LoraError
 from gemport.lora.config import LoraParams, LoraSpec
-from gemport.lora.layout import Adapter, LoraLayout
+from gemport.lora.layout import Adapter, LoraLayout, factor_axes
 from gemport.params import flat_params, path_str
+from gemport.pattern import Equation
 from gemport.specs import GemmaSpec
 
 
@@ -94,23 +95,22 @@ class Provider(qwix.LoraProvider):
             return result
         if "..." in einsum_str:
             raise LoraError(f"{einsum_str!r}: separate LoRA factors need an einsum without ellipsis")
-        x_axes, rest = einsum_str.replace(" ", "").split(",")
-        w_axes, out_axes = rest.split("->")
+        equation = Equation.parse(einsum_str)
+        (x_axes, w_axes), out_axes = equation.inputs, equation.output
         s = w_axes[rule.stack]
-        r = sorted(set(string.ascii_letters) - set(einsum_str))[0]
-        a_idx = [i for i, c in enumerate(w_axes) if c in x_axes]
-        b_idx = [i for i, c in enumerate(w_axes) if c not in x_axes and i != rule.stack]
-        a_axes = s + "".join(w_axes[i] for i in a_idx) + r
-        b_axes = s + r + "".join(w_axes[i] for i in b_idx)
-        stack = rhs.shape[rule.stack]
+        r = min(set(string.ascii_letters) - equation.letters)
+        a_axes, b_axes = ("".join(axes) for axes in factor_axes(w_axes, x_axes, stack=s, rank=r))
+        sizes = dict(zip(w_axes, rhs.shape), **{r: rule.rank})
+        transpose = {r: None} | {c: i for i, c in enumerate(w_axes)}
+        stack = sizes[s]
         flax_util.get_current_module().__setattr__(name + "_lora_einsum_str", f"{x_axes},{a_axes},{b_axes}->{out_axes}")
         lora_a, lora_b = qwix_lora._get_or_create_lora_params(
             name=name,
             rule=rule,
-            a_shape=(stack, *(rhs.shape[i] for i in a_idx), rule.rank),
-            b_shape=(stack, rule.rank, *(rhs.shape[i] for i in b_idx)),
-            a_sharding_transpose=(rule.stack, *a_idx, None),
-            b_sharding_transpose=(rule.stack, None, *b_idx),
+            a_shape=tuple(sizes[c] for c in a_axes),
+            b_shape=tuple(sizes[c] for c in b_axes),
+            a_sharding_transpose=tuple(transpose[c] for c in a_axes),
+            b_sharding_transpose=tuple(transpose[c] for c in b_axes),
         )
         if rule.dropout > 0:
             # PEFT drops out each projection's input independently.

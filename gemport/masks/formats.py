@@ -1,6 +1,6 @@
 """TRL's SFT dataset formats as masked examples, from the files and datasets they come in.
 
-TRL's ``SFTTrainer`` reads three kinds of record, and so does ``examples``:
+TRL's ``SFTTrainer`` reads three kinds of record, and so does `gemport.masks.dataset.examples`:
 
 - conversational language modelling: ``{"messages": [...]}`` (or ShareGPT-style
   ``{"conversations": [{"from", "value"}]}``), optional ``"tools"`` (a list, or its JSON text);
@@ -13,7 +13,6 @@ formats get the tokenizer's EOS appended and its own special tokens, as TRL toke
 """
 
 import dataclasses
-import itertools
 import json
 import os
 import typing
@@ -22,17 +21,15 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from gemport.errors import MaskError
 from gemport.extras import require
-from gemport.masks.pipeline import Rendered, fit
+from gemport.masks.pipeline import Rendered
 from gemport.masks.policies import MaskPolicy
 from gemport.masks.render import Segment
-from gemport.masks.tokenize import Example, check_tokenizer, text_of
-from gemport.masks.truncation import Truncation, TruncationReport
+from gemport.masks.tokenize import text_of
 from gemport.options import one_of
 
 if TYPE_CHECKING:
     from gemport.masks.gemma3 import Gemma3
     from gemport.masks.gemma4 import Gemma4
-    from gemport.masks.template import OnMismatch
 
 Format = Literal["messages", "prompt_completion", "text"]
 """A record format, as ``detect`` names it."""
@@ -150,46 +147,6 @@ def render(record: Mapping[str, Any], chat_format: "Gemma3 | Gemma4", *, policy:
     return Rendered(key, *_after(segments, trained, boundary))
 
 
-def examples(source: Any, tokenizer: Any, chat_format: "Gemma3 | Gemma4", truncation: Truncation, *,
-             policy: MaskPolicy | None = None, fmt: Format | None = None, completion_only_loss: bool | None = None,
-             text_field: str = "text", eos_token: str | None = None, check: "OnMismatch | None" = "warn",
-             check_sample: int = 16, batch_size: int = 512,
-             progress: bool = True) -> tuple[list[Example], TruncationReport]:
-    """Masked, fitted examples from every record of ``source``, as TRL's ``SFTTrainer`` would train them.
-
-    source: anything ``read`` takes (a .jsonl/.json/.parquet path, a ``datasets.Dataset``, a Grain
-        source, a list of dicts). tokenizer: a fast tokenizer (its ``eos_token`` is the default
-        ``eos_token``). chat_format: ``Gemma3()`` or ``Gemma4(...)``, e.g. from
-        ``gemport.masks.template.chat_format(tokenizer)``. truncation: ``Truncation``.
-    policy, fmt, completion_only_loss, text_field, eos_token: as ``render`` takes them.
-    check: "warn", "raise" or None: compare the rendering of the first ``check_sample``
-        conversations with the tokenizer's own ``apply_chat_template`` (``check_template``); a
-        tokenizer without a chat template is not checked.
-    Returns (examples, report): the kept ``Example``s in input order and the ``TruncationReport``,
-    which names records by their ``"id"`` field, else by their index in ``source``.
-    """
-    from gemport.masks.template import check_template  # template reads records through this module
-
-    check_tokenizer(tokenizer, chat_format)
-    if eos_token is None:
-        eos_token = getattr(tokenizer, "eos_token", None)
-    records = read(source)
-    if check and getattr(tokenizer, "chat_template", None):
-        head = list(itertools.islice(records, check_sample))
-        sample = [r for r in head if _conversational(r, fmt or detect(r, text_field))]
-        check_template(tokenizer, chat_format, sample, on_mismatch=check)
-        records = itertools.chain(head, records)
-
-    def rendered():
-        for index, record in enumerate(records):
-            key = record.get("id", index) if isinstance(record, Mapping) else index
-            yield render(record, chat_format, policy=policy, fmt=fmt, completion_only_loss=completion_only_loss,
-                         text_field=text_field, eos_token=eos_token, key=key)
-
-    total = len(source) if hasattr(source, "__len__") and not isinstance(source, (str, os.PathLike)) else None
-    return fit(rendered(), tokenizer, truncation, batch_size=batch_size, progress=progress, total=total)
-
-
 def conversation(record: Mapping[str, Any]) -> tuple[list[Any], Any]:
     """(messages, tools) of a conversational record, as the chat template receives them: the
     prompt and completion joined for prompt/completion records; tools parsed from JSON text."""
@@ -218,7 +175,8 @@ def for_record(chat_format: "Gemma3 | Gemma4", record: Any) -> "Gemma3 | Gemma4"
     return dataclasses.replace(chat_format, thinking="off") if chat_format.enable_thinking else chat_format
 
 
-def _conversational(record, fmt):
+def conversational(record: Any, fmt: Format) -> bool:
+    """Whether a record of format ``fmt`` is a conversation (what a chat template renders)."""
     return fmt == "messages" or (fmt == "prompt_completion" and not isinstance(record["prompt"], str))
 
 

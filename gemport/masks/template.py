@@ -9,22 +9,14 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
-from gemport.errors import MaskError
+from gemport.errors import MaskError, TemplateMismatchError, TemplateMismatchWarning
 from gemport.masks.formats import conversation, for_record
 from gemport.masks.gemma3 import Gemma3
 from gemport.masks.gemma4 import REVISIONS, Gemma4, Thinking
 from gemport.options import one_of
 
 OnMismatch = Literal["warn", "raise"]
-"""What ``check_template`` does on a mismatch: a ``TemplateMismatchWarning`` or a ``TemplateMismatch``."""
-
-
-class TemplateMismatch(MaskError):
-    """gemport's rendering of a conversation differs from the tokenizer's ``apply_chat_template``."""
-
-
-class TemplateMismatchWarning(UserWarning):
-    """The warning ``check_template`` gives for a mismatch with ``on_mismatch="warn"``."""
+"""What ``check_template`` does on a mismatch: a ``TemplateMismatchWarning`` or a ``TemplateMismatchError``."""
 
 
 _CALL = {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"a": None, "b": "x"}}}
@@ -89,7 +81,7 @@ def check_template(tokenizer: Any, chat_format: Gemma3 | Gemma4, sample: Iterabl
 
     sample: conversations, each a message list or a conversational record ({"messages"} or
         {"prompt", "completion"} lists, optional "tools"), as ``gemport.masks.formats`` reads them.
-    on_mismatch: "warn" (a ``TemplateMismatchWarning``) or "raise" (``TemplateMismatch``), for the
+    on_mismatch: "warn" (a ``TemplateMismatchWarning``) or "raise" (``TemplateMismatchError``), for the
         first conversation that differs; the message names its index in ``sample``, the character
         offset and the text on both sides.
     Returns None when every conversation renders alike, else (index, offset) of the first difference.
@@ -111,7 +103,7 @@ def check_template(tokenizer: Any, chat_format: Gemma3 | Gemma4, sample: Iterabl
             "tokenizer) or fix the data"
         )
         if on_mismatch == "raise":
-            raise TemplateMismatch(message)
+            raise TemplateMismatchError(message)
         warnings.warn(message, TemplateMismatchWarning, stacklevel=2)
         return index, at
     return None

@@ -20,13 +20,6 @@ from gemport.specs import GemmaSpec
 
 FSDP, TP = "fsdp", "tp"
 
-_DIM_NAMES = {
-    "d": "model width", "f": "MLP width", "n": "query heads", "k": "KV heads", "h": "head width",
-    "v": "vocabulary", "l": "layers", "p": "per-layer input width", "e": "experts", "i": "expert width",
-    "g": "gate/up", "s": "stacked projections", "o": "layer scalar",
-}  # fmt: skip
-
-
 @dataclasses.dataclass(frozen=True)
 class ShardedDim:
     """A dimension (size and meaning) that a mesh axis shards, and where it occurs.
@@ -96,7 +89,7 @@ def sharded_dims(spec: GemmaSpec) -> tuple[ShardedDim, ...]:
     for path, shape, ann, entry in annotated(spec):
         for size, letter, entry_axes in zip(shape, pattern.words(entry.pattern.right), ann):
             for axis in axes_of(entry_axes):
-                layers, params = groups.setdefault((axis, _DIM_NAMES.get(letter, letter), size), (set(), []))
+                layers, params = groups.setdefault((axis, names.AXES[letter], size), (set(), []))
                 layer = _layer_of(path)
                 if layer is not None:
                     layers.add(layer)

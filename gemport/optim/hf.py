@@ -4,6 +4,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple
 
+import jax
 import optax
 
 from gemport.errors import OptimizerConfigError
@@ -114,6 +115,22 @@ def _warmup_steps(fields: Mapping[str, Any], num_training_steps: int) -> int:
     return int(warmup) if warmup >= 1 else math.ceil(num_training_steps * warmup)
 
 
+def _fixed_mask(params: optax.Params):
+    """``decay_mask(params)``, computed now, refusing (typed) a tree of another structure at ``init``/``update``."""
+    mask, structure = decay_mask(params), jax.tree.structure(params)
+
+    def fixed(tree):
+        if jax.tree.structure(tree) != structure:
+            raise OptimizerConfigError(
+                f"the optimizer's weight-decay mask was fixed by from_hf(params=...) for {structure.num_leaves} "
+                f"params, but it is given a tree of {jax.tree.structure(tree).num_leaves} of another structure; "
+                "pass the same params to from_hf, or omit params= so the mask is computed from what init gets"
+            )
+        return mask
+
+    return fixed
+
+
 def from_hf(training_args_or_dict: Any, *, num_training_steps: int, params: optax.Params | None = None) -> HFOptimizer:
     """Map HF ``TrainingArguments`` to the Optax transformation of the HF Trainer's optimizer step.
 
@@ -183,7 +200,7 @@ def from_hf(training_args_or_dict: Any, *, num_training_steps: int, params: opta
         b2=fields["adam_beta2"],
         eps=fields["adam_epsilon"],
         weight_decay=fields["weight_decay"],
-        mask=decay_mask if params is None else decay_mask(params),
+        mask=decay_mask if params is None else _fixed_mask(params),
     )
     max_grad_norm = fields["max_grad_norm"]
     tx = optax.chain(clip_grad_norm(max_grad_norm), adamw) if max_grad_norm > 0 else adamw

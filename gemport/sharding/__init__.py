@@ -6,7 +6,7 @@
 """
 
 from gemport.sharding.audit import Audit, AuditRow, audit
-from gemport.sharding.lora import LoraChange, factor_axes, fix_lora
+from gemport.sharding.lora import LoraChange, fix_lora
 from gemport.sharding.optimizer import optimizer_shardings
 
 __all__ = [
@@ -14,7 +14,6 @@ __all__ = [
     "AuditRow",
     "LoraChange",
     "audit",
-    "factor_axes",
     "fix_lora",
     "optimizer_shardings",
 ]

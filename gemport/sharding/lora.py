@@ -15,11 +15,12 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from gemport.errors import MeshError
-from gemport.lora import factor_specs
+from gemport.lora import factor_axes, factor_specs
 from gemport.partition import Spec, axes_of, padded, shards, spec_of
+from gemport.pattern import Equation
 
 
-def factor_axes(module, base_name: str, path: str) -> tuple[str, str, str]:
+def _factor_axes(module, base_name: str, path: str) -> tuple[str, str, str]:
     """Axis letters of (base weight, ``lora_a``, ``lora_b``) on ``module``, e.g. ``("NDH", "Dr", "rNH")``."""
     if isinstance(module, nnx.Linear) and base_name == "kernel":
         return "io", "ir", "ro"
@@ -29,13 +30,13 @@ def factor_axes(module, base_name: str, path: str) -> tuple[str, str, str]:
             f"{path}: cannot tell which axes of {base_name!r} feed lora_a on a {type(module).__name__}; fix_lora "
             "knows Tunix Einsum modules (weight 'w', equation 'einsum_str') and nnx.Linear (weight 'kernel')"
         )
-    x, weight = equation.replace(" ", "").split("->")[0].split(",")
+    x, weight = Equation.parse(equation).inputs
     recorded = getattr(module, base_name + "_lora_einsum_str", None)
     if isinstance(recorded, str):
-        _, a, b = recorded.split("->")[0].split(",")
+        _, a, b = Equation.parse(recorded).inputs
         return weight, a, b
-    # Qwix's rule: weight axes also in the activation go to lora_a, then r; lora_b is r then the rest.
-    return weight, "".join(c for c in weight if c in x) + "r", "r" + "".join(c for c in weight if c not in x)
+    a, b = factor_axes(weight, x)
+    return weight, "".join(a), "".join(b)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +79,7 @@ def fix_lora(model: nnx.Module, mesh: jax.sharding.Mesh) -> tuple[LoraChange, ..
     """Repair the sharding annotations (and placement) of every Qwix LoRA param of ``model`` in place.
 
     For each ``<w>_lora_a`` / ``<w>_lora_b`` pair the wanted spec is derived from the base weight's
-    ``out_sharding`` and the factor's axes (`factor_axes`); any entry whose axes do not divide its
+    ``out_sharding`` and the factor's axes (`gemport.lora.factor_axes`, or the LoRA einsum the module records); any entry whose axes do not divide its
     dimension on ``mesh``, or that names an axis ``mesh`` lacks, is replicated (that dimension only). A
     param whose annotation differs is re-annotated and, when it holds a concrete array, moved to
     ``NamedSharding(mesh, new_spec)``.
@@ -105,7 +106,7 @@ def fix_lora(model: nnx.Module, mesh: jax.sharding.Mesh) -> tuple[LoraChange, ..
                     f"{prefix}.{base_name}: base weight of shape {list(shape)} is annotated {base_spec}, longer "
                     "than its rank; fix the base weight's annotation first (see gemport.sharding.audit)"
                 )
-            weight_axes, a_axes, b_axes = factor_axes(module, base_name, prefix)
+            weight_axes, a_axes, b_axes = _factor_axes(module, base_name, prefix)
             wanted = factor_specs(weight_axes, base_spec, a_axes, b_axes)
             for suffix, var, spec in (("_lora_a", lora_a, wanted[0]), ("_lora_b", lora_b, wanted[1])):
                 change = _apply(f"{prefix}.{base_name}{suffix}", var, spec, mesh)

@@ -8,6 +8,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from gemport.errors import MeshError
+from gemport.partition import named_sharding
 
 
 def optimizer_shardings(tx: optax.GradientTransformation, params, mesh: jax.sharding.Mesh | None = None):
@@ -61,7 +62,7 @@ def _values(params):
 def _param_shardings(params, mesh):
     def one(v):
         if isinstance(v, nnx.Variable):
-            return NamedSharding(mesh, PartitionSpec(*(v.get_metadata().get("out_sharding") or ())))
+            return named_sharding(v, mesh)
         sharding = getattr(v, "sharding", None)
         if isinstance(sharding, NamedSharding):
             return sharding

@@ -13,7 +13,7 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
-from gemport.errors import OptimizerConfigError
+from gemport.errors import RecipeError
 from gemport.optim.hf import fields_of
 from gemport.options import one_of
 
@@ -27,7 +27,7 @@ _RANDPERM_32BIT_LIMIT = (2**32 - 1) // 20
 def randperm(n: int, seed: int) -> np.ndarray:
     """``torch.randperm(n, generator=torch.Generator().manual_seed(seed))`` on CPU, as int64 [n]."""
     if not 0 <= n < _RANDPERM_32BIT_LIMIT:
-        raise OptimizerConfigError(f"randperm: n={n}; gemport reproduces torch's order for 0 <= n < {_RANDPERM_32BIT_LIMIT}")
+        raise RecipeError(f"randperm: n={n}; gemport reproduces torch's order for 0 <= n < {_RANDPERM_32BIT_LIMIT}")
     generator = np.random.MT19937()
     generator.state = np.random.RandomState(seed % 2**32).get_state(legacy=False)
     draws = generator.random_raw(max(n - 1, 0)).tolist()
@@ -44,7 +44,7 @@ def sample_order(num_samples: int, *, seed: int, epoch: int = 0, strategy: Sampl
     strategy: ``TrainingArguments.train_sampling_strategy``, ``"random"`` (seeded with ``seed + epoch``,
     where ``seed`` is ``data_seed`` if set, else ``seed``) or ``"sequential"``.
     """
-    if one_of(strategy, SamplingStrategy, "train_sampling_strategy", OptimizerConfigError) == "sequential":
+    if one_of(strategy, SamplingStrategy, "train_sampling_strategy", RecipeError) == "sequential":
         return np.arange(num_samples, dtype=np.int64)
     return randperm(num_samples, seed + epoch)
 
@@ -85,12 +85,12 @@ def optimizer_steps(training_args_or_dict: Any, num_samples: int) -> Iterator[Op
     batch_size, accumulation = f["per_device_train_batch_size"], f["gradient_accumulation_steps"]
     for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
         if not (isinstance(f[name], int) and f[name] >= 1):
-            raise OptimizerConfigError(f"{name} must be a positive int, got {f[name]!r}")
+            raise RecipeError(f"{name} must be a positive int, got {f[name]!r}")
     if num_samples < 1:
-        raise OptimizerConfigError(f"optimizer_steps: the dataset has {num_samples} rows")
+        raise RecipeError(f"optimizer_steps: the dataset has {num_samples} rows")
     micro_per_epoch = num_samples // batch_size if f["dataloader_drop_last"] else -(-num_samples // batch_size)
     if micro_per_epoch == 0:
-        raise OptimizerConfigError(
+        raise RecipeError(
             f"dataloader_drop_last with {num_samples} rows < per_device_train_batch_size {batch_size}: no batch"
         )
     steps_per_epoch = max(-(-micro_per_epoch // accumulation), 1)

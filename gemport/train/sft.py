@@ -8,8 +8,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from gemport.errors import OptimizerConfigError
-from gemport.masks import formats
+from gemport.errors import RecipeError
+from gemport.masks import dataset
 from gemport.masks.batching import pad, padding_free
 from gemport.masks.gemma3 import Gemma3
 from gemport.masks.gemma4 import Gemma4
@@ -54,7 +54,7 @@ class SFTPipeline:
 
     chat_format: ``Gemma3()`` / ``Gemma4(...)``; policy: ``MaskPolicy("assistant")`` for
     ``assistant_only_loss``, else None (every token trained, as TRL does); truncation: ``Truncation``
-    at ``max_length``; completion_only_loss, text_field, eos_token: ``formats.render``'s arguments;
+    at ``max_length``; completion_only_loss, text_field, eos_token: ``gemport.masks.formats.render``'s arguments;
     layout: one of ``LAYOUTS``; max_length, pad_to_multiple_of, pad_id: the row geometry;
     config: the ``SFTConfig`` (or dict) the sample order and batch sizes are read from;
     remat: Tunix's ``remat_config`` for ``gradient_checkpointing`` (``"decoder"``: every decoder layer
@@ -76,12 +76,12 @@ class SFTPipeline:
     remat: str = "none"
 
     def examples(self, source: Any, tokenizer: Any, **kwargs: Any) -> tuple[list[Example], TruncationReport]:
-        """``formats.examples`` of ``source`` with this pipeline's arguments: (examples, report).
+        """``gemport.masks.dataset.examples`` of ``source`` with this pipeline's arguments: (examples, report).
 
         ``source`` is a TRL dataset in any of its formats (messages, prompt/completion, text) or a
-        file of one; ``kwargs`` go to ``formats.examples`` (``check``, ``progress``, ...).
+        file of one; ``kwargs`` go to ``dataset.examples`` (``check``, ``progress``, ...).
         """
-        return formats.examples(
+        return dataset.examples(
             source, tokenizer, self.chat_format, self.truncation, policy=self.policy,
             completion_only_loss=self.completion_only_loss, text_field=self.text_field,
             eos_token=self.eos_token, **kwargs,
@@ -123,7 +123,7 @@ class SFTPipeline:
             width = math.ceil(longest / multiple) * multiple
         if rows is not None:
             if self.layout == "padding_free":
-                raise OptimizerConfigError(
+                raise RecipeError(
                     "SFTConfig.padding_free lays each micro-batch out as one row, which cannot be split over "
                     "processes; use packing or padding under jax.distributed"
                 )
@@ -169,7 +169,7 @@ def from_sft_config(config: Any, tokenizer: Any, *, chat_format: Gemma3 | Gemma4
     Where gemport deliberately differs from TRL: TRL truncates at ``max_length`` tokens wherever
     they fall; gemport cuts at turn boundaries (``Truncation(max_length, overflow="trim")``), so
     no trained turn loses its end, and reports what it cut. Identical for examples that fit.
-    Settings gemport does not reproduce raise ``OptimizerConfigError`` naming the field:
+    Settings gemport does not reproduce raise ``RecipeError`` naming the field:
     ``truncation_mode="keep_end"``, ``packing_strategy`` other than ``"bfd"``, ``loss_type="dft"``,
     ``shuffle_dataset=True`` (TRL shuffles the prepared dataset with ``datasets``' generator).
 
@@ -192,10 +192,10 @@ def from_sft_config(config: Any, tokenizer: Any, *, chat_format: Gemma3 | Gemma4
     }
     for name, (bad, fix) in refused.items():
         if bad:
-            raise OptimizerConfigError(f"SFTConfig.{name}={f[name]!r} is not reproduced by gemport; {fix}")
+            raise RecipeError(f"SFTConfig.{name}={f[name]!r} is not reproduced by gemport; {fix}")
     max_length = f["max_length"]
     if f["packing"] and max_length is None:
-        raise OptimizerConfigError("SFTConfig.packing needs max_length, as in TRL")
+        raise RecipeError("SFTConfig.packing needs max_length, as in TRL")
     if chat_format is None:
         from gemport.masks.template import chat_format as from_tokenizer
 

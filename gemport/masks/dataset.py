@@ -1,0 +1,63 @@
+"""A dataset's records -> masked, fitted examples, as TRL's ``SFTTrainer`` trains them.
+
+The orchestration over the pieces: records read and rendered per their format (`gemport.masks.formats`),
+the rendering checked against the tokenizer's own template (`gemport.masks.template`), then tokenized and
+fitted (`gemport.masks.pipeline`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from gemport.masks import formats
+from gemport.masks.gemma3 import Gemma3
+from gemport.masks.gemma4 import Gemma4
+from gemport.masks.pipeline import fit
+from gemport.masks.policies import MaskPolicy
+from gemport.masks.template import OnMismatch, check_template
+from gemport.masks.tokenize import Example, check_tokenizer
+from gemport.masks.truncation import Truncation, TruncationReport
+
+
+def examples(source: Any, tokenizer: Any, chat_format: Gemma3 | Gemma4, truncation: Truncation, *,
+             policy: MaskPolicy | None = None, fmt: formats.Format | None = None, completion_only_loss: bool | None = None,
+             text_field: str = "text", eos_token: str | None = None, check: OnMismatch | None = "warn",
+             check_sample: int = 16, batch_size: int = 512,
+             progress: bool = True) -> tuple[list[Example], TruncationReport]:
+    """Masked, fitted examples from every record of ``source``, as TRL's ``SFTTrainer`` would train them.
+
+    source: anything ``formats.read`` takes (a .jsonl/.json/.parquet path, a ``datasets.Dataset``, a Grain
+        source, a list of dicts). tokenizer: a fast tokenizer (its ``eos_token`` is the default
+        ``eos_token``). chat_format: ``Gemma3()`` or ``Gemma4(...)``, e.g. from
+        ``gemport.masks.template.chat_format(tokenizer)``. truncation: ``Truncation``.
+    policy, fmt, completion_only_loss, text_field, eos_token: as ``formats.render`` takes them.
+    check: "warn", "raise" or None: compare the rendering of the first ``check_sample``
+        conversations with the tokenizer's own ``apply_chat_template`` (``check_template``); a
+        tokenizer without a chat template is not checked.
+    Returns (examples, report): the kept ``Example``s in input order and the ``TruncationReport``,
+    which names records by their ``"id"`` field, else by their index in ``source``.
+    """
+    check_tokenizer(tokenizer, chat_format)
+    if eos_token is None:
+        eos_token = getattr(tokenizer, "eos_token", None)
+    records = formats.read(source)
+    if check and getattr(tokenizer, "chat_template", None):
+        head = list(itertools.islice(records, check_sample))
+        sample = [r for r in head if formats.conversational(r, fmt or formats.detect(r, text_field))]
+        check_template(tokenizer, chat_format, sample, on_mismatch=check)
+        records = itertools.chain(head, records)
+
+    def rendered():
+        for index, record in enumerate(records):
+            key = record.get("id", index) if isinstance(record, Mapping) else index
+            yield formats.render(record, chat_format, policy=policy, fmt=fmt, completion_only_loss=completion_only_loss,
+                         text_field=text_field, eos_token=eos_token, key=key)
+
+    total = len(source) if hasattr(source, "__len__") and not isinstance(source, (str, os.PathLike)) else None
+    return fit(rendered(), tokenizer, truncation, batch_size=batch_size, progress=progress, total=total)
+
+
+__all__ = ["examples"]
