@@ -19,7 +19,7 @@ from trl import SFTConfig, SFTTrainer
 from gemport import masks, train
 from gemport.checkpoint import import_peft, load_model
 from gemport.params import flat_params
-from gemport.errors import OptimizerConfigError
+from gemport.errors import BatchError, OptimizerConfigError
 from gemport.lora import apply_lora
 from gemport.specs import GemmaSpec
 
@@ -220,3 +220,16 @@ def test_an_accumulating_optimizer_is_refused(hf_checkpoint):
     batch = train.stack([masks.pad(list(zip(tokens[:2], loss_mask[:2])), SEQ)])
     with pytest.raises(OptimizerConfigError, match="hf_optimizer"):
         train.train_step(wrt=nnx.Param)(model, optimizer, batch)
+
+
+def test_stack_refuses_batches_that_do_not_fit_with_a_batch_error():
+    def micro(rows, width):
+        return {k: np.zeros((rows, width), np.int32) for k in train.BATCH_FIELDS}
+
+    with pytest.raises(BatchError, match="no micro-batch"):
+        train.stack([])
+    with pytest.raises(BatchError, match=r"different lengths \[8, 16\]"):
+        train.stack([micro(2, 8), micro(2, 16)])
+    with pytest.raises(BatchError, match="accumulation=1, rows=2"):
+        train.stack([micro(2, 8), micro(2, 8)], accumulation=1, rows=2)
+    assert train.stack([micro(2, 8), micro(1, 8)])["tokens"].shape == (2, 2, 8)

@@ -16,7 +16,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from gemport.errors import OptimizerConfigError
+from gemport.errors import BatchError, OptimizerConfigError
 from gemport.masks.loss import summed_cross_entropy
 from gemport.masks.packing import Rows, tunix_inputs
 from gemport.optim.accumulation import AccumulateTokensState
@@ -171,14 +171,14 @@ def stack(micro_batches: Sequence[Mapping[str, np.ndarray]], *, accumulation: in
     step of an epoch keeps the shape of the others and the step is not compiled again.
     """
     if not micro_batches:
-        raise OptimizerConfigError("stack: no micro-batch")
+        raise BatchError("stack: no micro-batch")
     widths = {np.shape(m["tokens"])[1] for m in micro_batches}
     if len(widths) != 1:
-        raise OptimizerConfigError(f"stack: micro-batches of different lengths {sorted(widths)}; pad them to one")
+        raise BatchError(f"stack: micro-batches of different lengths {sorted(widths)}; pad them to one")
     accumulation = len(micro_batches) if accumulation is None else accumulation
     rows = max(len(m["tokens"]) for m in micro_batches) if rows is None else rows
     if accumulation < len(micro_batches) or rows < max(len(m["tokens"]) for m in micro_batches):
-        raise OptimizerConfigError(
+        raise BatchError(
             f"stack: {len(micro_batches)} micro-batches of up to {max(len(m['tokens']) for m in micro_batches)} "
             f"rows do not fit accumulation={accumulation}, rows={rows}"
         )
