@@ -324,7 +324,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance on loss and grad_norm (default 1e-4)")
     c.add_argument("--adapter-rtol", type=float,
                    help="relative tolerance on each module's final s*B@A (default: 10x the float32 floor measured "
-                        "by training the port a second time on the same rows in another order)")
+                        "by training the recipe again with sdpa attention and the port again with more padding, "
+                        "at least 5e-4)")
     c.add_argument("--fast", action=argparse.BooleanOptionalAction, default=True,
                    help="the port's step: segment attention and chunked cross-entropy, as gemport trains (default); "
                         "--no-fast runs Tunix's own attention and logits")
