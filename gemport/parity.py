@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
 
-from gemport.errors import GemportError, LoraError, OptimizerConfigError, SpecError
+from gemport.errors import GemportError, LoraError, RecipeError, SpecError
 
 # What the comparison fixes on the GPU side whatever the recipe says: one process on CPU, float32, a log
 # line per step, nothing written.
@@ -171,7 +171,7 @@ def read_recipe(path):
     else:
         fields = json.loads(text)
     if not isinstance(fields, Mapping):
-        raise OptimizerConfigError(f"{path}: expected a mapping of SFTConfig fields")
+        raise RecipeError(f"{path}: expected a mapping of SFTConfig fields")
     from trl import SFTConfig
 
     from gemport.lora import QLoraSpec
@@ -207,7 +207,7 @@ def _lora_config(config):
         names = {f.name for f in dataclasses.fields(peft.LoraConfig)}
         config = peft.LoraConfig(**{k: v for k, v in config.items() if k in names and k != "peft_type"})
     if config.lora_dropout:
-        raise OptimizerConfigError(
+        raise RecipeError(
             f"LoraConfig.lora_dropout={config.lora_dropout}: dropout draws random masks that differ between "
             "torch and JAX; compare with lora_dropout=0 (the rest of the recipe unchanged)"
         )
@@ -334,7 +334,7 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
         gpu_config = _sft_config(sft_config, overrides)
         port_config = gpu_config if port_sft_config is None else _sft_config(port_sft_config, overrides)
         if gpu_config.max_steps is None or gpu_config.max_steps <= 0:
-            raise OptimizerConfigError("trajectory: set max_steps in the SFTConfig or pass steps=")
+            raise RecipeError("trajectory: set max_steps in the SFTConfig or pass steps=")
         tokenizer = tokenizer or transformers.AutoTokenizer.from_pretrained(base_dir)
         template = getattr(tokenizer, "chat_template", None) or ""
         if gpu_config.assistant_only_loss and "<|turn>" in template and not has_generation_markers(template):

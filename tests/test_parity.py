@@ -6,7 +6,7 @@ import shutil
 import pytest
 import yaml
 
-from gemport.errors import OptimizerConfigError
+from gemport.errors import RecipeError
 from gemport.parity import Tolerances, Trajectory, StepRow, trajectory
 from test_cli import gemport
 from test_train_sft import chats, tokenizer
@@ -42,7 +42,7 @@ def test_cli_broken_port_exits_1_naming_step_0_and_the_loss(recipe):
 
 
 def test_lora_dropout_and_missing_steps_are_refused(recipe):
-    with pytest.raises(OptimizerConfigError, match="lora_dropout"):
+    with pytest.raises(RecipeError, match="lora_dropout"):
         trajectory(recipe / "base", chats(), sft_config={}, lora_config={"r": 4, "lora_dropout": 0.1})
 
 
