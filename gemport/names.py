@@ -18,9 +18,9 @@ from collections.abc import Callable, Iterable
 import einops
 import numpy as np
 
-from gemport import pattern
+from gemport._src import pattern
 from gemport.errors import CheckpointError
-from gemport.pattern import Pattern
+from gemport._src.pattern import Pattern
 from gemport.specs import GemmaSpec
 
 AXES = {

@@ -230,7 +230,7 @@ def miniature(config, out_dir, *, num_layers=6, hidden_size=64, head_dim=16, sli
     import transformers
 
     from gemport.checkpoint.output import atomic_dir
-    from gemport.jsonfile import read_json
+    from gemport._src.jsonfile import read_json
     from gemport.specs import GemmaSpec
 
     if not isinstance(config, Mapping):
@@ -430,7 +430,7 @@ def _port_deltas(port, spec, lora_spec):
     from flax import nnx
 
     from gemport.lora import LoraLayout
-    from gemport.params import flat_params
+    from gemport._src.params import flat_params
 
     params = {k: np.asarray(v, np.float64) for k, v in flat_params(port, nnx.LoRAParam).items()}
     out = {}

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from gemport.engines import Served, serve_vllm
-from gemport.extras import require
+from gemport._src.extras import require
 from gemport.specs import GemmaSpec
 
 

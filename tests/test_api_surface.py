@@ -64,9 +64,6 @@ SUBPACKAGES = {
         "transformers_model", "tunix_logits",
     ],
     "gemport.names": ["AXES", "TEXT_PREFIXES", "Entry", "Rule", "detect_prefix", "entries", "owns"],
-    "gemport.params": ["abstract_model", "flat_params", "lora_state", "path_str"],
-    "gemport.pattern": ["Dim", "Equation", "Pattern", "shape", "words"],
-    "gemport.partition": ["Spec", "axes_of", "bytes_per_device", "named_sharding", "padded", "shards", "spec_of"],
 }  # fmt: skip
 
 

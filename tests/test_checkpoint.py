@@ -16,7 +16,7 @@ from tiny import TEXT_CONFIGS, hf_logits, token_ids
 
 from gemport import names
 from gemport.checkpoint import HFCheckpoint, load_hf, load_model, save_hf
-from gemport.params import abstract_model, path_str
+from gemport._src.params import abstract_model, path_str
 from gemport.specs import GemmaSpec
 from gemport.verify import tunix_logits
 

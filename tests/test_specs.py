@@ -203,7 +203,7 @@ def test_spec_is_frozen():
 
 def test_a_layout_string_is_parsed_into_dimensions():
     from gemport import names
-    from gemport.pattern import Pattern, shape, words
+    from gemport._src.pattern import Pattern, shape, words
 
     p = Pattern.parse("s (k h) d -> s k d h")
     assert p.left == (("s",), ("k", "h"), ("d",)) and p.right == (("s",), ("k",), ("d",), ("h",))
@@ -219,7 +219,7 @@ def test_a_layout_string_is_parsed_into_dimensions():
 
 
 def test_an_einsum_equation_is_parsed_once():
-    from gemport.pattern import Equation
+    from gemport._src.pattern import Equation
 
     e = Equation.parse("BTD, NDH -> BTNH")
     assert (e.inputs, e.output) == (("BTD", "NDH"), "BTNH") and Equation.parse("BTD, NDH -> BTNH") is e

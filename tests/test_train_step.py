@@ -18,7 +18,7 @@ from trl import SFTConfig, SFTTrainer
 
 from gemport import masks, train
 from gemport.checkpoint import import_peft, load_model
-from gemport.params import flat_params
+from gemport._src.params import flat_params
 from gemport.errors import BatchError, OptimizerConfigError
 from gemport.lora import apply_lora
 from gemport.specs import GemmaSpec

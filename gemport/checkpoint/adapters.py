@@ -18,7 +18,7 @@ from gemport.checkpoint.orbax import save_orbax, stored_tree
 from gemport.checkpoint.output import atomic_dir, check_output
 from gemport.errors import CheckpointError, CorruptFileError, LoraError
 from gemport.lora import LoraParams, LoraSpec
-from gemport.params import flat_params, lora_state
+from gemport._src.params import flat_params, lora_state
 
 LORA_SPEC_FILE = "gemport_lora.json"
 PARAMS_DIR = "model_params"

@@ -13,7 +13,7 @@ import numpy as np
 
 from gemport.checkpoint.safetensors import SafetensorsFile, TensorInfo, read_array
 from gemport.errors import CheckpointError, CorruptFileError, MissingTensorError, SpecError, UnsafePathError
-from gemport.jsonfile import Fields, read_json
+from gemport._src.jsonfile import Fields, read_json
 from gemport.specs import GemmaSpec
 
 INDEX = "model.safetensors.index.json"

@@ -14,10 +14,10 @@ from gemport import names
 from gemport.checkpoint.hf_dir import HFCheckpoint, resolve_spec
 from gemport.checkpoint.safetensors import DTYPES, FLOAT_DTYPES
 from gemport.errors import CheckpointError
-from gemport.params import abstract_model, path_str
-from gemport.partition import named_sharding
+from gemport._src.params import abstract_model, path_str
+from gemport._src.partition import named_sharding
 from gemport.specs import GemmaSpec
-from gemport.tensors import check_tensors
+from gemport._src.tensors import check_tensors
 
 
 def matched_entries(ckpt: HFCheckpoint, spec: GemmaSpec) -> tuple[str, tuple[names.Entry, ...]]:

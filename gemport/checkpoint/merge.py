@@ -18,7 +18,7 @@ from gemport.checkpoint.output import atomic_dir, check_output, copy_side_files,
 from gemport.checkpoint.safetensors import DTYPES, TensorInfo, TensorSource
 from gemport.errors import CorruptFileError
 from gemport.lora import LoraLayout, LoraSpec
-from gemport.params import flat_params
+from gemport._src.params import flat_params
 from gemport.specs import GemmaSpec
 
 # Float32 bytes of the rows merged at a time. Bounds memory whatever the tensor's size, and stays below glibc's

@@ -8,12 +8,12 @@ import jax
 import numpy as np
 from flax import nnx
 
-from gemport.params import abstract_model, path_str
-from gemport.partition import named_sharding
+from gemport._src.params import abstract_model, path_str
+from gemport._src.partition import named_sharding
 from gemport.checkpoint.output import atomic_dir, check_output
 from gemport.errors import CheckpointError, CorruptFileError, ShapeMismatchError
 from gemport.specs import GemmaSpec
-from gemport.tensors import check_tensors
+from gemport._src.tensors import check_tensors
 
 
 def save_orbax(state_or_model, out_dir: str | Path) -> Path:

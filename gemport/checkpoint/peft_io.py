@@ -28,9 +28,9 @@ from gemport.checkpoint.output import atomic_dir, check_output
 from gemport.checkpoint.safetensors import SafetensorsFile, TensorSource, write_file
 from gemport.errors import CheckpointError, LoraError, MissingTensorError
 from gemport.lora import VLLM_RANKS, LoraLayout, LoraParams, LoraSpec
-from gemport.params import flat_params, lora_state
+from gemport._src.params import flat_params, lora_state
 from gemport.specs import GemmaSpec
-from gemport.tensors import check_finite, check_tensors
+from gemport._src.tensors import check_finite, check_tensors
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

@@ -29,8 +29,8 @@ from gemport.checkpoint.load import _place, _sharding, matched_entries
 from gemport.checkpoint.safetensors import DTYPES
 from gemport.errors import LoraError, MissingDependencyError
 from gemport.lora.qlora import NESTED_BLOCK_SIZE, QLoraSpec, is_quantized
-from gemport.params import abstract_model, flat_params, path_str
-from gemport.partition import axes_of, padded
+from gemport._src.params import abstract_model, flat_params, path_str
+from gemport._src.partition import axes_of, padded
 from gemport.specs import GemmaSpec
 
 def nf4_values() -> np.ndarray:
@@ -193,7 +193,7 @@ def scale_spec(spec, shape, axis_sizes) -> tuple:
 def bytes_per_device(entry: names.Entry, spec, axis_sizes, qlora: QLoraSpec) -> int:
     """Bytes one device holds of ``entry``'s 4-bit weight placed with ``spec``: 4-bit codes (TPUs pack two per
     byte) and the float32 scales in `scale_spec`."""
-    from gemport.partition import bytes_per_device as per_device
+    from gemport._src.partition import bytes_per_device as per_device
 
     shape = entry.tunix_shape
     scale = tuple(n // t for n, t in zip(shape, tile_shape(entry, qlora.block_size)))

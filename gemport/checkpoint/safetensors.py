@@ -27,7 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from gemport.errors import CheckpointError, CorruptFileError
-from gemport.tensors import finite
+from gemport._src.tensors import finite
 
 DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64),

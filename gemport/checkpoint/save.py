@@ -13,9 +13,9 @@ from gemport.checkpoint.hf_dir import HFCheckpoint, resolve_spec
 from gemport.checkpoint.load import matched_entries
 from gemport.checkpoint.output import atomic_dir, check_output, copy_side_files, write_sharded
 from gemport.checkpoint.safetensors import TensorSource
-from gemport.params import flat_params
+from gemport._src.params import flat_params
 from gemport.specs import GemmaSpec
-from gemport.tensors import check_tensors
+from gemport._src.tensors import check_tensors
 
 
 def save_hf(state_or_model, out_dir: str | Path, *, base_dir: str | Path | None = None,

@@ -20,7 +20,7 @@ import numpy as np
 
 from gemport import names
 from gemport.errors import LoraError
-from gemport.jsonfile import Fields, read_json
+from gemport._src.jsonfile import Fields, read_json
 
 # HF linear modules of a Gemma text layer that gemport maps to Qwix, in PEFT's spelling.
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -219,7 +219,7 @@ class LoraParams(NamedTuple):
 
     def flat(self) -> dict[str, Any]:
         """The factors as ``{dotted path: numpy array}``, e.g. for ``np.savez`` or a comparison."""
-        from gemport.params import flat_params
+        from gemport._src.params import flat_params
 
         return {k: np.asarray(v) for k, v in flat_params(self.params).items()}
 

@@ -29,13 +29,14 @@ from collections.abc import Iterable
 import einops
 import numpy as np
 
-from gemport import names, pattern
+from gemport import names
+from gemport._src import pattern
 from gemport.errors import LoraError
 from gemport.lora.config import PROJECTIONS, LoraSpec
-from gemport.partition import Spec, padded
-from gemport.pattern import Pattern
+from gemport._src.partition import Spec, padded
+from gemport._src.pattern import Pattern
 from gemport.specs import GemmaSpec
-from gemport.tensors import check_finite, check_tensors
+from gemport._src.tensors import check_finite, check_tensors
 
 def factor_axes(
     weight_axes: Iterable[str], in_axes: Iterable[str], *, stack: str | None = None, rank: str = "r"

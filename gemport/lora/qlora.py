@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from gemport.errors import LoraError
-from gemport.jsonfile import Fields, read_json
+from gemport._src.jsonfile import Fields, read_json
 from gemport.lora.config import PROJECTIONS
 
 # bitsandbytes' block for 4-bit weights; transformers' BitsAndBytesConfig does not expose it.

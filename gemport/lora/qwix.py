@@ -29,8 +29,8 @@ from qwix._src.utils import flax_util
 from gemport.errors import LoraError
 from gemport.lora.config import LoraParams, LoraSpec
 from gemport.lora.layout import Adapter, LoraLayout, factor_axes
-from gemport.params import flat_params, path_str
-from gemport.pattern import Equation
+from gemport._src.params import flat_params, path_str
+from gemport._src.pattern import Equation
 from gemport.specs import GemmaSpec
 
 

@@ -20,12 +20,12 @@ from collections.abc import Hashable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from gemport.errors import MaskError
-from gemport.extras import require
+from gemport._src.extras import require
 from gemport.masks.pipeline import Rendered
 from gemport.masks.policies import MaskPolicy
 from gemport.masks.render import Segment
 from gemport.masks.tokenize import text_of
-from gemport.options import one_of
+from gemport._src.options import one_of
 
 if TYPE_CHECKING:
     from gemport.masks.gemma3 import Gemma3

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from gemport.errors import MaskError
 from gemport.masks.render import SYSTEM_ROLES, Segment, check_messages, check_plain, check_tools, text_parts
-from gemport.options import one_of
+from gemport._src.options import one_of
 
 _QUOTE = '<|"|>'
 Revision = Literal[1, 2, 3, 4, 5]

@@ -8,7 +8,7 @@ import numpy as np
 
 from gemport.errors import MaskError
 from gemport.masks.render import Segment
-from gemport.options import one_of
+from gemport._src.options import one_of
 
 Train = Literal["assistant", "all", "last_assistant", "all_tokens"]
 """What ``MaskPolicy.train`` trains (see ``MaskPolicy``)."""

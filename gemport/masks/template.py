@@ -13,7 +13,7 @@ from gemport.errors import MaskError, TemplateMismatchError, TemplateMismatchWar
 from gemport.masks.formats import conversation, for_record
 from gemport.masks.gemma3 import Gemma3
 from gemport.masks.gemma4 import REVISIONS, Gemma4, Thinking
-from gemport.options import one_of
+from gemport._src.options import one_of
 
 OnMismatch = Literal["warn", "raise"]
 """What ``check_template`` does on a mismatch: a ``TemplateMismatchWarning`` or a ``TemplateMismatchError``."""

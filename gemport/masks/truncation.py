@@ -10,7 +10,7 @@ import numpy as np
 
 from gemport.errors import MaskError
 from gemport.masks.tokenize import Example
-from gemport.options import one_of
+from gemport._src.options import one_of
 
 Overflow = Literal["drop", "trim"]
 """What ``Truncation`` does with an example whose targets run past ``max_len``."""

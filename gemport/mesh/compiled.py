@@ -25,8 +25,8 @@ from gemport.checkpoint.quantize import how_to_quantize
 from gemport.lora import LoraSpec, QLoraSpec, apply_lora
 from gemport.lora.qlora import is_quantized
 from gemport.masks.loss import masked_cross_entropy
-from gemport.params import path_str
-from gemport.partition import padded, spec_of
+from gemport._src.params import path_str
+from gemport._src.partition import padded, spec_of
 from gemport.sharding import optimizer_shardings
 from gemport.specs import GemmaSpec
 from gemport.train import fast_loss

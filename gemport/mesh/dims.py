@@ -13,9 +13,10 @@ import re
 
 from flax import nnx
 
-from gemport import names, pattern
-from gemport.params import abstract_model, path_str
-from gemport.partition import axes_of, spec_of
+from gemport import names
+from gemport._src import pattern
+from gemport._src.params import abstract_model, path_str
+from gemport._src.partition import axes_of, spec_of
 from gemport.specs import GemmaSpec
 
 FSDP, TP = "fsdp", "tp"

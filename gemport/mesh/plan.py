@@ -13,7 +13,7 @@ from gemport.mesh.factory import check, valid_tp
 from gemport.lora import LoraLayout, LoraSpec, QLoraSpec
 from gemport.checkpoint import quantize
 from gemport.lora.qlora import is_quantized
-from gemport.partition import bytes_per_device
+from gemport._src.partition import bytes_per_device
 from gemport.specs import GemmaSpec
 
 GiB = 2**30

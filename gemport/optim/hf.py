@@ -12,7 +12,7 @@ from gemport.optim.accumulation import accumulate_tokens
 from gemport.optim.clipping import clip_grad_norm
 from gemport.optim.decay import decay_mask
 from gemport.optim.schedules import hf_schedule
-from gemport.options import one_of
+from gemport._src.options import one_of
 
 # TrainingArguments fields from_hf reads, with their defaults in every transformers gemport supports (used for
 # dict keys that are absent). Note the pitfalls: weight decay 0.0 (optax.adamw: 1e-4, torch AdamW: 1e-2) and

@@ -17,7 +17,7 @@ import numpy as np
 import optax
 
 from gemport.errors import OptimizerConfigError
-from gemport.options import one_of
+from gemport._src.options import one_of
 
 ScheduleName = Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"]
 """The ``lr_scheduler_type`` values ``hf_schedule`` reproduces."""

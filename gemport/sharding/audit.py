@@ -8,7 +8,7 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from gemport.partition import Spec, axes_of, bytes_per_device, padded, shards, spec_of
+from gemport._src.partition import Spec, axes_of, bytes_per_device, padded, shards, spec_of
 
 LARGE_BYTES = 2**20
 

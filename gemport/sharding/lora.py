@@ -16,8 +16,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from gemport.errors import MeshError
 from gemport.lora import factor_axes, factor_specs
-from gemport.partition import Spec, axes_of, padded, shards, spec_of
-from gemport.pattern import Equation
+from gemport._src.partition import Spec, axes_of, padded, shards, spec_of
+from gemport._src.pattern import Equation
 
 
 def _factor_axes(module, base_name: str, path: str) -> tuple[str, str, str]:

@@ -8,7 +8,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from gemport.errors import MeshError
-from gemport.partition import named_sharding
+from gemport._src.partition import named_sharding
 
 
 def optimizer_shardings(tx: optax.GradientTransformation, params, mesh: jax.sharding.Mesh | None = None):

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from gemport.errors import SpecError
-from gemport.jsonfile import Fields, read_json
+from gemport._src.jsonfile import Fields, read_json
 from gemport.specs.spec import GLOBAL, SLIDING, GemmaSpec, layer_cycle
 
 _HF_LAYER_TYPES = {"sliding_attention": SLIDING, "full_attention": GLOBAL}

@@ -167,7 +167,7 @@ class GemmaSpec:
 
     def tunix_model_class(self):
         """The Tunix model class: ``Gemma3`` or ``Gemma4``."""
-        from gemport.extras import require
+        from gemport._src.extras import require
 
         module = require(f"tunix.models.{self.family}.model", "building a Tunix model")
         return module.Gemma3 if self.family == "gemma3" else module.Gemma4

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gemport.extras import require
+from gemport._src.extras import require
 from gemport.specs.spec import GLOBAL, SLIDING, GemmaSpec
 
 

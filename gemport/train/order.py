@@ -15,7 +15,7 @@ import numpy as np
 
 from gemport.errors import RecipeError
 from gemport.optim.hf import fields_of
-from gemport.options import one_of
+from gemport._src.options import one_of
 
 SamplingStrategy = Literal["random", "sequential"]
 """The ``train_sampling_strategy`` values whose order gemport reproduces."""

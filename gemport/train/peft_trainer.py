@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from gemport.checkpoint.adapters import save_lora_spec
 from gemport.errors import OptimizerConfigError
-from gemport.extras import require
+from gemport._src.extras import require
 from gemport.lora import LoraSpec
 from gemport.masks.loss import loss_scopes, nll_scopes
 from gemport.optim.accumulation import AccumulateTokensState
