@@ -169,7 +169,7 @@ def main():
     lora_spec = LoraSpec(rank=args.rank, alpha=2 * args.rank)
     dtype = jnp.dtype(args.dtype)
     backend = jax.default_backend()
-    plan = memory_plan(spec, args.fsdp, args.tp, lora=LoraSpec(args.rank, 2.0 * args.rank), param_dtype=dtype, batch=args.batch,
+    plan = memory_plan(spec, args.fsdp, args.tp, lora_spec=LoraSpec(args.rank, 2.0 * args.rank), param_dtype=dtype, batch=args.batch,
                        seq_len=args.seq_len, remat=args.remat, backend="cpu" if backend == "cpu" else "tpu")
     tokens = args.batch * args.seq_len
     kind = jax.devices()[0].device_kind

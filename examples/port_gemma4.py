@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     spec = gemport.GemmaSpec.from_hf(base)
     print(f"{base}: {spec.num_layers} layers, KV heads {spec.num_kv_heads} sliding / {spec.global_kv_heads} global "
           f"(k_eq_v={spec.k_eq_v}); valid meshes on {jax.device_count()} devices:")
-    for plan in gemport.valid_meshes(spec, jax.device_count(), lora=gemport.LoraSpec.from_peft(PEFT_CONFIG)):
+    for plan in gemport.valid_meshes(spec, jax.device_count(), lora_spec=gemport.LoraSpec.from_peft(PEFT_CONFIG)):
         print(f"  {plan}")
     run = gemport.SFTRun.create(
         {**SFT_CONFIG, "max_steps": args.steps, "output_dir": str(work / "run")}, base,

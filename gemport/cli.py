@@ -101,9 +101,9 @@ def plan(args) -> int:
         if "host_platform_device_count" not in flags:
             flags += f" --xla_force_host_platform_device_count={args.devices}"
         os.environ["XLA_FLAGS"] = f"{flags} {CPU_MEMORY_SCHEDULER}".strip()
-    plans = valid_meshes(spec, args.devices, hbm_bytes=hbm, lora=lora, param_dtype=args.dtype,
+    plans = valid_meshes(spec, args.devices, hbm_bytes=hbm, lora_spec=lora, param_dtype=args.param_dtype,
                          batch=args.batch, seq_len=args.seq_len, remat=args.remat, qlora=qlora)
-    base = "a 4-bit (nf4) base" if qlora else f"a {args.dtype} base"
+    base = "a 4-bit (nf4) base" if qlora else f"a {args.param_dtype} base"
     print(f"{args.model}: {len(plans)} valid (fsdp, tp) meshes on {args.devices} devices, {base}")
     for p in plans:
         print(f"  {p}")
@@ -123,7 +123,7 @@ def _compiled_peak(spec, lora, qlora, p, args) -> str:
                         "--seq-len")
     try:
         peak = compiled_peak(spec, lora, p.fsdp, p.tp, batch=args.batch, seq_len=args.seq_len, remat=args.remat,
-                             param_dtype=args.dtype, qlora=qlora)
+                             param_dtype=args.param_dtype, qlora=qlora)
     except MeshError as e:
         return f"not compiled: {e}"
     return f"compiled peak (XLA:CPU, the step gemport trains with): {peak / 2**30:.2f} GiB ({peak} bytes) per device"
@@ -135,12 +135,12 @@ def convert(args) -> int:
     src = Path(args.src)
     _check_out(args)
     if _kind(src) == "hf":
-        out = save_orbax(load_hf(src, dtype=args.dtype), args.out)
+        out = save_orbax(load_hf(src, param_dtype=args.param_dtype), args.out)
     else:
         if not (args.spec or args.base_dir):
             raise SpecError(f"{src} is an Orbax checkpoint: pass --spec (HF dir or preset) or --base-dir")
         spec = _spec(args.spec or args.base_dir)
-        out = save_hf(load_orbax(src, spec=spec, dtype=args.dtype), args.out, base_dir=args.base_dir,
+        out = save_hf(load_orbax(src, spec=spec, param_dtype=args.param_dtype), args.out, base_dir=args.base_dir,
                       spec=spec, **_given(args, max_shard_size="max_shard_size"))
     print(f"wrote {out}")
     return 0
@@ -264,7 +264,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--lora-rank", type=int, help="LoRA rank on all seven projections (omit both LoRA options for "
                                                  "full fine-tuning)")
     c.add_argument("--lora-config", help="a PEFT adapter_config.json or its directory: targets and per-module ranks")
-    c.add_argument("--dtype", default="bfloat16", help="parameter dtype (default bfloat16)")
+    c.add_argument("--param-dtype", default="bfloat16", help="parameter dtype (default bfloat16)")
     c.add_argument("--qlora", choices=("nf4",), help="QLoRA: the projections on a 4-bit base as load_qlora_model "
                                                      "places it (bitsandbytes' bnb_4bit_quant_type; nf4)")
     c.add_argument("--double-quant", action="store_true",
@@ -286,7 +286,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("out", help="the output directory (must not exist)")
     c.add_argument("--spec", help=f"for Orbax -> HF: {model_help}")
     c.add_argument("--base-dir", help="for Orbax -> HF: the original HF checkpoint (keeps its layout and files)")
-    c.add_argument("--dtype", help="parameter dtype, e.g. bfloat16 (default: keep)")
+    c.add_argument("--param-dtype", help="parameter dtype, e.g. bfloat16 (default: keep)")
     c.add_argument("--max-shard-size", default=Default("gemport.checkpoint.save_hf", "max_shard_size"),
                    help="HF shard size (default %(default)s)")
     c.set_defaults(run=convert)

@@ -150,7 +150,7 @@ def main(out, *jobs):
         spec = GemmaSpec.from_hf(hf_dir)
         mesh = make_mesh(spec, fsdp=jax.device_count(), tp=1)
         with jax.set_mesh(mesh):
-            model = apply_lora(load_model(hf_dir, mesh=mesh, dtype=jnp.float32), spec, LORA, seed=3)
+            model = apply_lora(load_model(hf_dir, mesh=mesh, param_dtype=jnp.float32), spec, LORA, seed=3)
             try:
                 {"nnx": nnx_loop, "peft": peft}[loop](model, mesh, packed_rows(spec.vocab), run,
                                                       int(term[0]) if term else None)

@@ -118,7 +118,7 @@ def main(hf_dir, *jobs):
         loop, out, *kill = job.split(":")
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
-        model = apply_lora(load_model(hf_dir, dtype=jnp.float32), spec, LORA, seed=3)
+        model = apply_lora(load_model(hf_dir, param_dtype=jnp.float32), spec, LORA, seed=3)
         {"peft": peft, "nnx": nnx_loop}[loop](model, steps, out, int(kill[0]) if kill else None)
         lora = {".".join(map(str, path)): np.asarray(v.get_value())
                 for path, v in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))}

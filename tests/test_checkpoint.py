@@ -135,7 +135,7 @@ def test_load_casts_to_the_requested_dtype(hf_checkpoint):
     import jax.numpy as jnp
 
     _, path = hf_checkpoint("gemma3_1b")
-    state = load_hf(path, dtype=jnp.bfloat16)
+    state = load_hf(path, param_dtype=jnp.bfloat16)
     assert {a.dtype for a in jax.tree.leaves(state)} == {jnp.dtype(jnp.bfloat16)}
 
 

@@ -104,7 +104,7 @@ def test_gradients_equal_peft_for_every_factor(case, monkeypatch):
     bound = 100 * floor
     with float64.tunix_float64(monkeypatch):
         state = jax.tree.map(lambda x: x.astype(jnp.float64), state)
-        tunix_model = apply_lora(load_model(path, dtype=jnp.float64), spec, LoraParams(state, lora_spec))
+        tunix_model = apply_lora(load_model(path, param_dtype=jnp.float64), spec, LoraParams(state, lora_spec))
         grad = nnx.jit(nnx.grad(jax_loss, argnums=nnx.DiffState(0, nnx.LoRAParam)))
         assert not float64.jax_float32_values(grad, tunix_model, jnp.asarray(tokens))
         grads = grad(tunix_model, jnp.asarray(tokens))

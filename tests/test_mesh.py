@@ -105,23 +105,23 @@ def _lora_elements(spec: GemmaSpec, rank: int) -> int:
 
 
 def test_31b_plan_on_one_device_counts_every_param_and_lora_factor():
-    plan = memory_plan(G31, 1, 1, lora=LoraSpec(16, 32.0), hbm_bytes="v6e")
+    plan = memory_plan(G31, 1, 1, lora_spec=LoraSpec(16, 32.0), hbm_bytes="v6e")
     params = sum(math.prod(e.tunix_shape) for e in names.entries(G31))
     assert params == 30_697_345_340
     assert plan.base_bytes == 2 * params
     assert plan.lora_bytes == 2 * _lora_elements(G31, 16)
     assert plan.optimizer_bytes == 2 * plan.lora_bytes
     assert plan.fits is False  # 57.2 GiB of bf16 weights on a 32 GiB v6e chip
-    assert memory_plan(G31, 1, 1, lora=LoraSpec(16, 32.0), moments_dtype="float32").optimizer_bytes == 4 * plan.lora_bytes
+    assert memory_plan(G31, 1, 1, lora_spec=LoraSpec(16, 32.0), moments_dtype="float32").optimizer_bytes == 4 * plan.lora_bytes
     full = memory_plan(G31, 1, 1)
     assert full.lora_bytes == 0 and full.optimizer_bytes == 2 * full.base_bytes
 
 
 def test_31b_lora_fits_a_v5p_8_at_every_valid_tp():
-    plans = valid_meshes(G31, 4, hbm_bytes="v5p", lora=LoraSpec(16, 32.0), batch=4, seq_len=1024, remat="decoder")
+    plans = valid_meshes(G31, 4, hbm_bytes="v5p", lora_spec=LoraSpec(16, 32.0), batch=4, seq_len=1024, remat="decoder")
     assert [(p.tp, p.fits) for p in plans] == [(1, True), (2, True), (4, True)]
     # Without a batch the plan does not claim the step fits.
-    assert [p.fits for p in valid_meshes(G31, 4, hbm_bytes="v5p", lora=LoraSpec(16, 32.0))] == [None, None, None]
+    assert [p.fits for p in valid_meshes(G31, 4, hbm_bytes="v5p", lora_spec=LoraSpec(16, 32.0))] == [None, None, None]
     tp4 = plans[-1]
     assert tp4.hbm_bytes == HBM["v5p"] == 95 * 2**30
     # tp=4 splits every weight 4 ways except the few vectors tp cannot reach (layer scalars).

@@ -74,7 +74,7 @@ def on_mesh(mesh):
 
 
 def lora_model(hf_dir, spec, lora_spec, mesh):
-    model = load_model(hf_dir, mesh=mesh, dtype=jnp.float32)
+    model = load_model(hf_dir, mesh=mesh, param_dtype=jnp.float32)
     return apply_lora(model, spec, lora_spec, seed=3)
 
 

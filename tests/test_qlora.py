@@ -299,9 +299,9 @@ def test_memory_plan_counts_the_4bit_base_as_loaded(base):
     for _, leaf in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         shard = leaf.get_value().addressable_shards[0].data
         held += shard.size * jnp.dtype(shard.dtype).itemsize if shard.dtype != jnp.uint4 else shard.size // 2
-    plan = memory_plan(spec, 4, 2, lora=LoraSpec(4, 8.0), param_dtype="float32", qlora=QLoraSpec())
+    plan = memory_plan(spec, 4, 2, lora_spec=LoraSpec(4, 8.0), param_dtype="float32", qlora=QLoraSpec())
     assert plan.base_bytes == held
-    full = memory_plan(spec, 4, 2, lora=LoraSpec(4, 8.0), param_dtype="float32")
+    full = memory_plan(spec, 4, 2, lora_spec=LoraSpec(4, 8.0), param_dtype="float32")
     assert plan.lora_bytes == full.lora_bytes and plan.base_bytes < full.base_bytes
 
 

@@ -266,7 +266,7 @@ def test_fix_lora_replicates_only_what_does_not_divide(mesh):
 
 def test_memory_plan_equals_bytes_of_sharded_arrays(trained, spec, mesh, builder):
     model, optimizer, _ = trained
-    plan = memory_plan(spec, 2, 4, lora=lora_spec_of(builder), param_dtype="float32")
+    plan = memory_plan(spec, 2, 4, lora_spec=lora_spec_of(builder), param_dtype="float32")
 
     def on_device0(state):
         device = mesh.devices.flat[0]
@@ -283,7 +283,7 @@ def test_memory_plan_equals_bytes_of_sharded_arrays(trained, spec, mesh, builder
     adam = optimizer.opt_state[0]
     assert plan.optimizer_bytes == on_device0(adam.mu) + on_device0(adam.nu)
     assert plan.lora_bytes > 0 and plan.optimizer_bytes == 2 * plan.lora_bytes
-    bf16_moments = memory_plan(spec, 2, 4, lora=lora_spec_of(builder), param_dtype="float32",
+    bf16_moments = memory_plan(spec, 2, 4, lora_spec=lora_spec_of(builder), param_dtype="float32",
                                moments_dtype="bfloat16")
     assert bf16_moments.optimizer_bytes == plan.lora_bytes
 
@@ -338,7 +338,7 @@ def test_memory_plan_skips_kv_shared_layers_as_qwix_does(tmp_path):
     model = nnx.eval_shape(build)
     lora = nnx.state(model, nnx.LoRAParam)
     assert not any("layers.6.attn.kv_einsum" in ".".join(map(str, p)) for p, _ in nnx.to_flat_state(lora))
-    plan = memory_plan(spec, 1, 1, lora=lora_spec_of("qwix"), param_dtype="float32")
+    plan = memory_plan(spec, 1, 1, lora_spec=lora_spec_of("qwix"), param_dtype="float32")
     nbytes = lambda state: sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state))  # noqa: E731
     assert plan.lora_bytes == nbytes(lora)
     assert plan.base_bytes == nbytes(nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))))

@@ -110,7 +110,7 @@ def peaks():
 
 def _plan(case, qlora=None):
     name, remat, fsdp, batch, seq_len = case
-    return memory_plan(_spec(name), fsdp, 1, lora=LoraSpec(4, 8.0), param_dtype="float32", batch=batch,
+    return memory_plan(_spec(name), fsdp, 1, lora_spec=LoraSpec(4, 8.0), param_dtype="float32", batch=batch,
                        seq_len=seq_len, remat=remat, backend="cpu", qlora=qlora)
 
 
@@ -142,21 +142,21 @@ def test_what_tunix_step_would_need_is_within_15_percent_of_its_compiled_peak(pe
 
 def test_remat_shrinks_the_plan_as_it_shrinks_the_compiled_step(peaks):
     for name, remat, batch, seq_len in (("gemma4_dense", "decoder", 8, 128), ("wide", "block", 1, 1024)):
-        plans = {r: memory_plan(_spec(name), 1, 1, lora=LoraSpec(4, 8.0), param_dtype="float32", batch=batch, seq_len=seq_len,
+        plans = {r: memory_plan(_spec(name), 1, 1, lora_spec=LoraSpec(4, 8.0), param_dtype="float32", batch=batch, seq_len=seq_len,
                                 remat=r).step.activation_bytes for r in ("none", remat)}
         assert plans[remat] < plans["none"]
         assert peaks[(True, (name, remat, 1, batch, seq_len))] < peaks[(True, (name, "none", 1, batch, seq_len))]
 
 
 def test_the_fast_step_needs_less_than_tunix_step_at_long_rows():
-    plan = memory_plan(G31, 2, 4, lora=LoraSpec(16, 32.0), batch=8, seq_len=8192, remat="decoder")
+    plan = memory_plan(G31, 2, 4, lora_spec=LoraSpec(16, 32.0), batch=8, seq_len=8192, remat="decoder")
     assert plan.step.logits_bytes * 100 < plan.tunix_step.logits_bytes
     assert plan.step.activation_bytes < plan.tunix_step.activation_bytes
     assert plan.tunix_total_bytes > plan.total_bytes
 
 
 def test_a_plan_without_a_batch_claims_no_fit():
-    plan = memory_plan(G31, 2, 4, lora=LoraSpec(16, 32.0), hbm_bytes="v6e")
+    plan = memory_plan(G31, 2, 4, lora_spec=LoraSpec(16, 32.0), hbm_bytes="v6e")
     assert plan.step is None and plan.fits is None
     assert "before the train step (no batch/seq_len given)" in str(plan)
     assert str(plan).endswith("state fits; plan a batch to know if the step does")
@@ -165,19 +165,19 @@ def test_a_plan_without_a_batch_claims_no_fit():
 
 
 def test_the_step_is_counted_and_named():
-    plan = memory_plan(G31, 2, 4, lora=LoraSpec(16, 32.0), hbm_bytes="v6e", batch=8, seq_len=2048)
+    plan = memory_plan(G31, 2, 4, lora_spec=LoraSpec(16, 32.0), hbm_bytes="v6e", batch=8, seq_len=2048)
     step = plan.step
     assert step.gradient_bytes == plan.lora_bytes  # one gradient per LoRA param, sharded alike
     assert plan.total_bytes == plan.base_bytes + plan.lora_bytes + plan.optimizer_bytes + step.total_bytes
     text = str(plan)
     for part in ("gradients", "activations", "logits and loss", "batch 8 x 2048 tokens, remat none, fast step"):
         assert part in text
-    remat = memory_plan(G31, 2, 4, lora=LoraSpec(16, 32.0), hbm_bytes="v6e", batch=8, seq_len=2048, remat="decoder")
+    remat = memory_plan(G31, 2, 4, lora_spec=LoraSpec(16, 32.0), hbm_bytes="v6e", batch=8, seq_len=2048, remat="decoder")
     assert remat.step.activation_bytes < step.activation_bytes / 10
     # Rows split over fsdp, widths over tp: four times the devices along either axis, a quarter the activations.
-    one = memory_plan(G31, 1, 1, lora=LoraSpec(16, 32.0), batch=8, seq_len=2048).step.activation_bytes
-    assert memory_plan(G31, 4, 1, lora=LoraSpec(16, 32.0), batch=8, seq_len=2048).step.activation_bytes == one // 4
-    assert abs(memory_plan(G31, 1, 4, lora=LoraSpec(16, 32.0), batch=8, seq_len=2048).step.activation_bytes * 4 / one - 1) < 1e-6
+    one = memory_plan(G31, 1, 1, lora_spec=LoraSpec(16, 32.0), batch=8, seq_len=2048).step.activation_bytes
+    assert memory_plan(G31, 4, 1, lora_spec=LoraSpec(16, 32.0), batch=8, seq_len=2048).step.activation_bytes == one // 4
+    assert abs(memory_plan(G31, 1, 4, lora_spec=LoraSpec(16, 32.0), batch=8, seq_len=2048).step.activation_bytes * 4 / one - 1) < 1e-6
 
 
 def test_bad_step_arguments_are_typed_errors():

@@ -22,9 +22,9 @@ def flat_params(state_or_model, kind=nnx.Param) -> dict[str, jax.Array]:
     return {path_str(p): v.get_value() if hasattr(v, "get_value") else v for p, v in nnx.to_flat_state(state)}
 
 
-def abstract_model(spec: GemmaSpec, *, param_dtype=None, dtype=None):
+def abstract_model(spec: GemmaSpec, *, param_dtype=None, compute_dtype=None):
     """The Tunix model of ``spec`` as shapes only (``nnx.eval_shape``): no memory, sharding annotations kept."""
-    cfg = spec.to_tunix(param_dtype=param_dtype, dtype=dtype)
+    cfg = spec.to_tunix(param_dtype=param_dtype, compute_dtype=compute_dtype)
     model_cls = spec.tunix_model_class()
 
     def build():

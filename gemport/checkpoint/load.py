@@ -47,7 +47,7 @@ def matched_entries(ckpt: HFCheckpoint, spec: GemmaSpec) -> tuple[str, tuple[nam
     return prefix, entries
 
 
-def load_hf(hf_dir: str | Path, *, spec: GemmaSpec | None = None, mesh=None, dtype=None) -> nnx.State:
+def load_hf(hf_dir: str | Path, *, spec: GemmaSpec | None = None, mesh=None, param_dtype=None) -> nnx.State:
     """Load an HF Gemma checkpoint as the Tunix parameter state, tensor by tensor.
 
     Each Tunix parameter is built from HF tensors read one at a time (renamed, transposed, fused per
@@ -59,16 +59,16 @@ def load_hf(hf_dir: str | Path, *, spec: GemmaSpec | None = None, mesh=None, dty
       hf_dir: directory with ``config.json`` and ``model.safetensors`` or sharded safetensors + index.
       spec: the architecture, if already at hand; default (and checked against) ``hf_dir/config.json``.
       mesh: a ``jax.sharding.Mesh`` with axes ``fsdp`` and ``tp`` (see ``gemport.mesh.make_mesh``).
-      dtype: parameter dtype (e.g. ``jnp.bfloat16``); default keeps the checkpoint's dtype.
+      param_dtype: parameter dtype (e.g. ``jnp.bfloat16``); default keeps the checkpoint's dtype.
 
     Returns:
       An ``nnx.State`` of ``nnx.Param`` with the Tunix model's paths, e.g. ``layers.0.attn.q_einsum.w``
       of shape (N, D, H). Vision/audio tensors are ignored (see ``save_hf(base_dir=...)`` to keep them).
     """
-    return _load(HFCheckpoint(hf_dir), resolve_spec(hf_dir, spec, "hf_dir"), mesh, dtype)[1]
+    return _load(HFCheckpoint(hf_dir), resolve_spec(hf_dir, spec, "hf_dir"), mesh, param_dtype)[1]
 
 
-def _load(ckpt: HFCheckpoint, spec: GemmaSpec, mesh, dtype) -> tuple[nnx.GraphDef, nnx.State]:
+def _load(ckpt: HFCheckpoint, spec: GemmaSpec, mesh, param_dtype) -> tuple[nnx.GraphDef, nnx.State]:
     prefix, entries = matched_entries(ckpt, spec)
     if spec.num_experts:
         warnings.warn(
@@ -77,7 +77,7 @@ def _load(ckpt: HFCheckpoint, spec: GemmaSpec, mesh, dtype) -> tuple[nnx.GraphDe
             stacklevel=3,
         )
     file_dtype = DTYPES[ckpt.info(prefix + "embed_tokens.weight").dtype]
-    target = np.dtype(dtype) if dtype is not None else file_dtype
+    target = np.dtype(param_dtype) if param_dtype is not None else file_dtype
     graphdef, abstract = nnx.split(abstract_model(spec, param_dtype=target))
     by_path = {e.tunix: e for e in entries}
     flat = []
@@ -114,10 +114,10 @@ def _place(ckpt: HFCheckpoint, prefix: str, entry: names.Entry, shape, dtype, sh
     return jax.make_array_from_callback(shape, sharding, read)
 
 
-def load_model(hf_dir: str | Path, *, spec: GemmaSpec | None = None, mesh=None, dtype=None):
+def load_model(hf_dir: str | Path, *, spec: GemmaSpec | None = None, mesh=None, param_dtype=None):
     """Load an HF Gemma checkpoint as a ready Tunix model (``tunix.models.gemma3.Gemma3`` or ``gemma4.Gemma4``).
 
     Arguments and loading as in `load_hf`; the model's compute dtype equals its parameter dtype.
     """
     ckpt = HFCheckpoint(hf_dir)
-    return nnx.merge(*_load(ckpt, resolve_spec(hf_dir, spec, "hf_dir"), mesh, dtype))
+    return nnx.merge(*_load(ckpt, resolve_spec(hf_dir, spec, "hf_dir"), mesh, param_dtype))

@@ -61,14 +61,14 @@ def stored_tree(checkpointer, path: Path):
     return tree
 
 
-def load_orbax(path: str | Path, *, spec: GemmaSpec, mesh=None, dtype=None) -> nnx.State:
+def load_orbax(path: str | Path, *, spec: GemmaSpec, mesh=None, param_dtype=None) -> nnx.State:
     """Restore a Tunix parameter state saved by ``save_orbax`` (or Tunix), checked against ``spec``.
 
     Args:
       path: the Orbax checkpoint directory.
       spec: the architecture; every stored parameter must have the shape the spec implies.
       mesh: place each parameter with Tunix's default annotation on this mesh; default the first device.
-      dtype: restore as this dtype; default the stored one.
+      param_dtype: restore as this dtype; default the stored one.
 
     Returns:
       An ``nnx.State`` of ``nnx.Param``, as from ``gemport.checkpoint.load_hf``.
@@ -79,7 +79,7 @@ def load_orbax(path: str | Path, *, spec: GemmaSpec, mesh=None, dtype=None) -> n
     with ocp.StandardCheckpointer() as checkpointer:
         stored = stored_tree(checkpointer, path)
         leaves = jax.tree.leaves(stored)
-        target_dtype = np.dtype(dtype) if dtype is not None else np.dtype(leaves[0].dtype)
+        target_dtype = np.dtype(param_dtype) if param_dtype is not None else np.dtype(leaves[0].dtype)
         graphdef, abstract = nnx.split(abstract_model(spec, param_dtype=target_dtype))
         flat = []
         for p, var in nnx.to_flat_state(abstract):

@@ -129,7 +129,7 @@ def how_to_quantize(entry: names.Entry, qlora: QLoraSpec) -> qarray.HowToQuantiz
 
 
 def load_qlora_model(hf_dir: str | Path, qlora: QLoraSpec, *, spec: GemmaSpec | None = None, mesh=None,
-                     dtype=None):
+                     compute_dtype=None):
     """Load an HF Gemma checkpoint as a Tunix model on a 4-bit base, quantizing each tensor as it is placed.
 
     Every projection weight (`gemport.lora.qlora.QUANTIZED`) becomes a Qwix ``WithAux(QArray)`` (uint4 codes, float32
@@ -142,7 +142,7 @@ def load_qlora_model(hf_dir: str | Path, qlora: QLoraSpec, *, spec: GemmaSpec | 
       hf_dir: an unquantized (bf16 / fp32) HF checkpoint, as bitsandbytes is given it.
       qlora: the 4-bit base (`QLoraSpec.from_config`).
       spec, mesh: as in `gemport.checkpoint.load_hf`.
-      dtype: the unquantized parameters' and the computation's dtype; default ``qlora.compute_dtype``, else
+      compute_dtype: the unquantized parameters' and the computation's dtype; default ``qlora.compute_dtype``, else
         the checkpoint's.
 
     Raises:
@@ -157,7 +157,7 @@ def load_qlora_model(hf_dir: str | Path, qlora: QLoraSpec, *, spec: GemmaSpec | 
             "their projections and router, which gemport's 4-bit base does not cover; use a dense model"
         )
     prefix, entries = matched_entries(ckpt, spec)
-    target = np.dtype(dtype or qlora.compute_dtype or DTYPES[ckpt.info(prefix + "embed_tokens.weight").dtype])
+    target = np.dtype(compute_dtype or qlora.compute_dtype or DTYPES[ckpt.info(prefix + "embed_tokens.weight").dtype])
     graphdef, abstract = nnx.split(abstract_model(spec, param_dtype=target))
     by_path = {e.tunix: e for e in entries}
     flat, quantized = [], []

@@ -98,7 +98,7 @@ def step_memory(
     seq_len: int,
     remat: str = "none",
     trainable_bytes: int,
-    dtype="bfloat16",
+    compute_dtype="bfloat16",
     step: str = "fast",
 ) -> StepMemory:
     """Per-device bytes of one train step of ``spec`` on an (fsdp, tp) mesh for ``batch`` rows of ``seq_len``.
@@ -108,7 +108,7 @@ def step_memory(
       seq_len: tokens per row T.
       remat: Tunix's ``remat_config``: ``"none"``, ``"block"`` or ``"decoder"``.
       trainable_bytes: per-device bytes of the trainable params (their gradients are as large).
-      dtype: the compute dtype of activations (Tunix Gemma 4's ``dtype``; Gemma 3 computes in its param
+      compute_dtype: the compute dtype of activations (Tunix Gemma 4's ``dtype``; Gemma 3 computes in its param
         dtype). Gemma 4 takes attention softmax in float32 whatever it is; logits are float32.
       step: ``"fast"``, the step ``train.train_step`` runs by default (segment attention in tiles, the loss in
         blocks of logits), or ``"tunix"``, Tunix's own attention ([B, T, N, S] scores) and [B, T, V] logits.
@@ -121,7 +121,7 @@ def step_memory(
         raise MeshError(f"batch={batch}, seq_len={seq_len}: both must be positive")
     if batch % fsdp:
         raise MeshError(f"batch={batch} does not divide over fsdp={fsdp}: each fsdp shard takes whole rows")
-    act = np.dtype(dtype).itemsize
+    act = np.dtype(compute_dtype).itemsize
     score = 4 if spec.family == "gemma4" or step == "fast" else act
     tokens = batch // fsdp * seq_len
     layers = [_layer_widths(spec, i, seq_len, tp, step) for i in range(spec.num_layers)]

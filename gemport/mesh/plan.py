@@ -126,7 +126,7 @@ def memory_plan(
     fsdp: int,
     tp: int,
     *,
-    lora: LoraSpec | None = None,
+    lora_spec: LoraSpec | None = None,
     hbm_bytes: int | str | None = None,
     param_dtype="bfloat16",
     lora_dtype=None,
@@ -134,7 +134,7 @@ def memory_plan(
     batch: int | None = None,
     seq_len: int | None = None,
     remat: str = "none",
-    dtype=None,
+    compute_dtype=None,
     backend: str = "tpu",
     qlora: QLoraSpec | None = None,
     step: str = "fast",
@@ -142,20 +142,20 @@ def memory_plan(
     """Per-device bytes of params, LoRA params and Adam moments on an (fsdp, tp) mesh.
 
     Every array counts ``prod(shape) / prod(sizes of the axes its spec shards)`` elements: base params
-    with their Tunix annotations, LoRA factors with the shapes and specs of ``LoraLayout(spec, lora)``
+    with their Tunix annotations, LoRA factors with the shapes and specs of ``LoraLayout(spec, lora_spec)``
     (Qwix creates them in the base weight's dtype; K/V of KV-shared layers never run, so they get none;
     separate factors on fused modules cost what PEFT's adapters cost, no more). Adam keeps
     mu and nu, each shaped and sharded like the trainable params, in ``moments_dtype`` (default: the
     trainable params' dtype, as ``optax.adamw`` does).
 
     Args:
-      lora: the LoRA config (targets, rank, per-module ranks, fused form); None plans full fine-tuning
+      lora_spec: the LoRA config (targets, rank, per-module ranks, fused form); None plans full fine-tuning
         (moments for every param, no LoRA).
       hbm_bytes: HBM per device in bytes, or a chip name from ``HBM`` (e.g. ``"v5p"``).
       batch, seq_len: rows per step (all devices) and tokens per row; with both, the plan adds the train
         step's gradients, activations (per ``remat``: ``"none"``, ``"block"``, ``"decoder"``, Tunix's
         ``remat_config``), logits and loss temporaries (``gemport.mesh.activations.step_memory``).
-      dtype: the compute dtype of activations (default ``param_dtype``).
+      compute_dtype: the compute dtype of activations (default ``param_dtype``).
       backend: ``"cpu"`` adds the weight copies XLA:CPU makes for its dots, to compare with a CPU compile.
       step: the train step planned: ``"fast"`` (``train.train_step``'s default: segment attention in tiles,
         the loss in blocks of logits) or ``"tunix"`` (Tunix's own attention and logits). With a batch the plan
@@ -178,21 +178,21 @@ def memory_plan(
         lora_dtype = lora_dtype or "float32"
     trainable_dtype = np.dtype(param_dtype)
     lora_elements = 0
-    if lora is not None:
+    if lora_spec is not None:
         trainable_dtype = np.dtype(lora_dtype or param_dtype)
-        layout = LoraLayout(spec, lora)
+        layout = LoraLayout(spec, lora_spec)
         lora_specs = layout.specs({path: ann for path, _, ann, _ in params})
         lora_elements = sum(bytes_per_device(shape, lora_specs[name], sizes, 1) for name, shape in layout.shapes().items())
-    trainable = lora_elements if lora is not None else base_elements
+    trainable = lora_elements if lora_spec is not None else base_elements
     moments_item = np.dtype(moments_dtype or trainable_dtype).itemsize
     planned = {}
     if batch is not None and seq_len is not None:
         for kind in {step, "tunix"}:
             planned[kind] = (
                 step_memory(spec, fsdp, tp, batch=batch, seq_len=seq_len, remat=remat,
-                            trainable_bytes=trainable * trainable_dtype.itemsize, dtype=dtype or param_dtype,
+                            trainable_bytes=trainable * trainable_dtype.itemsize, compute_dtype=compute_dtype or param_dtype,
                             step=kind),
-                _weight_copy(params, sizes, param_dtype, kind, qlora, dtype) if backend == "cpu" else 0,
+                _weight_copy(params, sizes, param_dtype, kind, qlora, compute_dtype) if backend == "cpu" else 0,
             )
     (step_plan, weight_copy), (tunix_plan, tunix_copy) = planned.get(step, (None, 0)), planned.get("tunix", (None, 0))
     return MemoryPlan(
@@ -209,7 +209,7 @@ def memory_plan(
     )
 
 
-def _weight_copy(params, sizes, param_dtype, step: str, qlora=None, dtype=None) -> int:
+def _weight_copy(params, sizes, param_dtype, step: str, qlora=None, compute_dtype=None) -> int:
     # XLA:CPU transposes q/kv/k einsum weights (D is not their leading axis) and, in Tunix's step, the
     # embedding (used as x @ E.T) into a temporary before each dot, one at a time: the largest one is live at
     # the peak. The fast step decodes slices of the embedding; XLA:CPU slices no bfloat16 array, so it holds
@@ -225,11 +225,11 @@ def _weight_copy(params, sizes, param_dtype, step: str, qlora=None, dtype=None) 
         return largest + view
     # On a 4-bit base XLA:CPU keeps every dequantized weight (in the compute dtype) from the forward pass to
     # the backward one, remat or not, instead of the transposed copy.
-    compute = np.dtype(qlora.compute_dtype or dtype or param_dtype).itemsize
+    compute = np.dtype(qlora.compute_dtype or compute_dtype or param_dtype).itemsize
     return view + sum(bytes_per_device(shape, ann, sizes, compute) for _, shape, ann, e in params if is_quantized(e))
 
 
-def compiled_peak(spec: GemmaSpec, lora: LoraSpec, fsdp: int, tp: int, *, batch: int, seq_len: int,
+def compiled_peak(spec: GemmaSpec, lora_spec: LoraSpec, fsdp: int, tp: int, *, batch: int, seq_len: int,
                   remat: str = "none", param_dtype="bfloat16", fast: bool = True,
                   qlora: QLoraSpec | None = None) -> int:
     """Per-device peak bytes XLA compiles the LoRA train step to on an (fsdp, tp) mesh of this host's CPU devices.
@@ -252,37 +252,17 @@ def compiled_peak(spec: GemmaSpec, lora: LoraSpec, fsdp: int, tp: int, *, batch:
     if len(devices) < fsdp * tp:
         raise MeshError(f"compiling for fsdp={fsdp} tp={tp} needs {fsdp * tp} CPU devices, the host has "
                         f"{len(devices)}: set XLA_FLAGS=--xla_force_host_platform_device_count={fsdp * tp}")
-    model = lora_model(spec, lora, remat=remat, param_dtype=np.dtype(param_dtype), qlora=qlora)
+    model = lora_model(spec, lora_spec, remat=remat, param_dtype=np.dtype(param_dtype), qlora=qlora)
     mesh = make_mesh(spec, fsdp=fsdp, tp=tp, devices=devices[: fsdp * tp])
     compiled, _ = compile_step(model, mesh, batch, seq_len, fast=fast)
     return compiled.peak_bytes
 
 
-def valid_meshes(
-    spec: GemmaSpec,
-    num_devices: int,
-    *,
-    hbm_bytes: int | str | None = None,
-    lora: LoraSpec | None = None,
-    param_dtype="bfloat16",
-    lora_dtype=None,
-    moments_dtype=None,
-    batch: int | None = None,
-    seq_len: int | None = None,
-    remat: str = "none",
-    step: str = "fast",
-    qlora: QLoraSpec | None = None,
-) -> tuple[MemoryPlan, ...]:
+def valid_meshes(spec: GemmaSpec, num_devices: int, **options) -> tuple[MemoryPlan, ...]:
     """A ``MemoryPlan`` for every (fsdp, tp) with fsdp * tp = ``num_devices`` that fits ``spec``, by tp.
 
-    E.g. ``valid_meshes(GemmaSpec.preset("gemma4-31b"), 4, hbm_bytes="v5p", lora=LoraSpec(16, 32.0))`` lists tp = 1, 2, 4
-    with what each v5p chip holds. See ``memory_plan`` for what is counted.
+    ``options`` are `memory_plan`'s keyword arguments (LoRA, HBM, dtypes, batch, remat, backend, QLoRA), which
+    says what is counted. E.g. ``valid_meshes(GemmaSpec.preset("gemma4-31b"), 4, hbm_bytes="v5p",
+    lora_spec=LoraSpec(16, 32.0))`` lists tp = 1, 2, 4 with what each v5p chip holds.
     """
-    return tuple(
-        memory_plan(
-            spec, num_devices // tp, tp, lora=lora, hbm_bytes=hbm_bytes, param_dtype=param_dtype,
-            lora_dtype=lora_dtype, moments_dtype=moments_dtype, batch=batch, seq_len=seq_len,
-            remat=remat, step=step, qlora=qlora,
-        )
-        for tp in valid_tp(spec, num_devices)
-    )  # fmt: skip
+    return tuple(memory_plan(spec, num_devices // tp, tp, **options) for tp in valid_tp(spec, num_devices))

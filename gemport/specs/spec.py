@@ -153,17 +153,17 @@ class GemmaSpec:
 
     # Conversions ----------------------------------------------------------------------------------------
 
-    def to_tunix(self, *, param_dtype=None, dtype=None, sharding=None):
+    def to_tunix(self, *, param_dtype=None, compute_dtype=None, sharding=None):
         """The Tunix ``ModelConfig`` of this architecture (``tunix.models.gemma3`` or ``gemma4``).
 
         Args:
           param_dtype: dtype of the parameters (default float32).
-          dtype: compute dtype (Gemma 4 only; Gemma 3 computes in ``param_dtype``).
+          compute_dtype: compute dtype (Gemma 4 only; Gemma 3 computes in ``param_dtype``).
           sharding: a Tunix ``ShardingConfig``; default is Tunix's default (axes ``fsdp`` and ``tp``).
         """
         from gemport.specs.tunix import tunix_config
 
-        return tunix_config(self, param_dtype=param_dtype, dtype=dtype, sharding=sharding)
+        return tunix_config(self, param_dtype=param_dtype, compute_dtype=compute_dtype, sharding=sharding)
 
     def tunix_model_class(self):
         """The Tunix model class: ``Gemma3`` or ``Gemma4``."""

@@ -8,14 +8,14 @@ from gemport._src.extras import require
 from gemport.specs.spec import GLOBAL, SLIDING, GemmaSpec
 
 
-def tunix_config(spec: GemmaSpec, *, param_dtype=None, dtype=None, sharding=None):
+def tunix_config(spec: GemmaSpec, *, param_dtype=None, compute_dtype=None, sharding=None):
     """See ``GemmaSpec.to_tunix``."""
     import jax.numpy as jnp
 
     param_dtype = jnp.float32 if param_dtype is None else param_dtype
     if spec.family == "gemma3":
         return _gemma3_to_tunix(spec, param_dtype, sharding)
-    return _gemma4_to_tunix(spec, param_dtype, dtype or param_dtype, sharding)
+    return _gemma4_to_tunix(spec, param_dtype, compute_dtype or param_dtype, sharding)
 
 
 def _sharding_or_default(module, sharding):

@@ -185,7 +185,7 @@ class SFTRun:
             dtype = jnp.bfloat16 if f["bf16"] else jnp.float32
         mesh = mesh if mesh is not None else make_mesh(spec, fsdp=fsdp, tp=tp)
         with use_mesh(mesh):
-            model = apply_lora(load_model(base_dir, spec=spec, mesh=mesh, dtype=dtype), spec, start, seed=f["seed"])
+            model = apply_lora(load_model(base_dir, spec=spec, mesh=mesh, param_dtype=dtype), spec, start, seed=f["seed"])
         if checkpoint_dir is None and f["output_dir"] is not None and f["save_strategy"] != "no":
             checkpoint_dir = Path(f["output_dir"]) / CHECKPOINTS
         evals = None
