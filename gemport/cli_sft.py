@@ -199,17 +199,17 @@ def run(args) -> int:
 
     from gemport.checkpoint import export_merged, export_peft
 
-    lora = sft_run.lora_params()  # on every process: gathered from all of them
+    trained = sft_run.lora_params()  # on every process: gathered from all of them
     if not primary:
         return 0
     staged = output_dir / ".adapter"
-    _put(lambda tmp: export_peft(lora, tmp, base_dir=sft_run.base_dir, base_model_name_or_path=str(base)), staged)
+    _put(lambda tmp: export_peft(trained, tmp, base_dir=sft_run.base_dir, base_model_name_or_path=str(base)), staged)
     for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
         os.replace(staged / name, output_dir / name)
     shutil.rmtree(staged)
     say(f"wrote {output_dir / ADAPTER_CONFIG}, {output_dir / ADAPTER_WEIGHTS}")
     if args.merge:
-        _put(lambda tmp: export_merged(lora, tmp, base_dir=sft_run.base_dir), output_dir / "merged")
+        _put(lambda tmp: export_merged(trained, tmp, base_dir=sft_run.base_dir), output_dir / "merged")
         say(f"wrote {output_dir / 'merged'}")
     return 0
 
