@@ -49,6 +49,7 @@ _READ = {
     "seed": 42,
     "bf16": None,
     "gradient_accumulation_steps": 1,
+    "per_device_train_batch_size": 8,
     "per_device_eval_batch_size": 8,
     "eval_strategy": "no",
     "eval_steps": None,
@@ -137,8 +138,9 @@ class SFTRun:
         """Build the run of ``sft_config`` on ``base_dir`` and ``train_dataset``.
 
         sft_config: ``SFTConfig``, a dict of its fields, or a ``trl sft --config`` YAML (read as ``trl sft``
-            reads it, ``gemport.train.recipe.read``; its ``use_peft`` + ``lora_*`` fields are the default ``lora``). base_dir: the HF Gemma checkpoint (with its tokenizer unless
-            ``tokenizer`` is given). train_dataset, eval_dataset: TRL SFT records in any format gemport reads
+            reads it, ``gemport.train.recipe.read``; its ``use_peft`` + ``lora_*`` fields are the default
+            ``lora``, its ``load_in_4bit`` fields the default ``qlora``). base_dir: the HF Gemma checkpoint
+            (with its tokenizer unless ``tokenizer`` is given). train_dataset, eval_dataset: TRL SFT records in any format gemport reads
             (``masks.formats.read``: a list, a ``datasets.Dataset``, a .jsonl/.json/.parquet file).
         lora: ``LoraSpec``, ``peft.LoraConfig`` or its dict, ``adapter_config.json`` or its directory, or TRL's
             ``lora_*`` fields; fresh factors from ``seed``. init_adapter: a PEFT adapter directory to start from
@@ -147,7 +149,8 @@ class SFTRun:
             default bfloat16 if ``bf16`` is set, else float32. checkpoint_dir: the Orbax root; default
             ``<output_dir>/checkpoints`` (none with ``save_strategy="no"`` or without ``output_dir``).
         qlora: a ``gemport.lora.QLoraSpec`` (a QLoRA recipe's 4-bit base, ``QLoraSpec.from_config``): the base
-            loads through ``checkpoint.quantize.load_qlora_model`` and LoRA trains on it; default, unquantized.
+            loads through ``checkpoint.quantize.load_qlora_model`` and LoRA trains on it; default unquantized
+            (or the YAML's).
 
         Raises OptimizerConfigError (a field gemport cannot honour, naming it), LoraError, MaskError.
         """
@@ -161,6 +164,7 @@ class SFTRun:
 
             recipe = read(sft_config)
             args, lora = recipe.sft, lora if lora is not None else recipe.lora()
+            qlora = qlora if qlora is not None else recipe.qlora()
         else:
             args = sft_fields(sft_config)
         f = fields_of(args, _READ)
