@@ -180,16 +180,17 @@ def run(args) -> int:
     report = sft_run.report
     dropped = report.dropped_too_long + report.dropped_no_target
     total = dropped + len(sft_run.examples)
+    lora_spec = sft_run.lora_spec
     say(f"data: {len(sft_run.examples)} of {total} examples kept ({report}); {sft_run.max_steps} optimizer steps "
-          f"of {sft['gradient_accumulation_steps']} x {sft['per_device_train_batch_size']} "
-          f"({sft_run.pipeline.layout}); mesh {dict(sft_run.mesh.shape)}; LoRA r={sft_run.lora_spec.rank} alpha={sft_run.lora_spec.alpha} "
-          f"on {', '.join(sft_run.lora_spec.targets)}"
+        f"of {sft['gradient_accumulation_steps']} x {sft['per_device_train_batch_size']} "
+        f"({sft_run.pipeline.layout}); mesh {dict(sft_run.mesh.shape)}; LoRA r={lora_spec.rank} "
+        f"alpha={lora_spec.alpha} on {', '.join(lora_spec.targets)}"
         + (f"; {qlora.qtype} 4-bit base{' (double quantization)' if qlora.double_quant else ''}" if qlora else "")
         + (f"; {jax.process_count()} processes" if jax.process_count() > 1 else ""))
     if dropped or report.trimmed:
         say(f"warning: max_length {sft_run.pipeline.max_length} drops {dropped} of {total} examples "
-              f"({dropped / total:.0%}) and trims {report.trimmed}, losing {report.targets_lost} trained targets; "
-              "raise max_length to keep them")
+            f"({dropped / total:.0%}) and trims {report.trimmed}, losing {report.targets_lost} trained targets; "
+            "raise max_length to keep them")
     try:
         trainer = sft_run.train()  # with HFOutputs in output_dir
     except Preempted as e:

@@ -140,8 +140,9 @@ class SFTRun:
         sft_config: ``SFTConfig``, a dict of its fields, or a ``trl sft --config`` YAML (read as ``trl sft``
             reads it, ``gemport.train.recipe.read``; its ``use_peft`` + ``lora_*`` fields are the default
             ``lora``, its ``load_in_4bit`` fields the default ``qlora``). base_dir: the HF Gemma checkpoint
-            (with its tokenizer unless ``tokenizer`` is given). train_dataset, eval_dataset: TRL SFT records in any format gemport reads
-            (``masks.formats.read``: a list, a ``datasets.Dataset``, a .jsonl/.json/.parquet file).
+            (with its tokenizer unless ``tokenizer`` is given). train_dataset, eval_dataset: TRL SFT records in
+            any format gemport reads (``masks.formats.read``: a list, a ``datasets.Dataset``, a
+            .jsonl/.json/.parquet file).
         lora: ``LoraSpec``, ``peft.LoraConfig`` or its dict, ``adapter_config.json`` or its directory, or TRL's
             ``lora_*`` fields; fresh factors from ``seed``. init_adapter: a PEFT adapter directory to start from
             (its factors and spec; ``lora``, if also given, must describe the same adapter).
