@@ -160,7 +160,8 @@ def test_gemport_sft_equals_trl_through_a_sigterm_a_sigkill_and_resumes(workdir,
 def test_help_speaks_trl():
     done = gemport("sft", "--help")
     for words in ("trl sft --config", "--key value", "trainer_state.json", "resume_from_checkpoint", "--init-adapter",
-                  "--merge", "save_total_limit", "bf16"):
+                  "--merge", "save_total_limit", "bf16", "SIGTERM", "143", "--coordinator-address", "--num-processes",
+                  "--process-id", "--distributed", "load_in_4bit"):
         assert words in done.stdout, words
 
 
