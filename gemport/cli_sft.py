@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from gemport.errors import CheckpointError, LoraError
@@ -25,6 +26,15 @@ it) and at the end adapter_config.json + adapter_model.safetensors, as trainer.s
 --merge adds merged/, the base with the adapter merged in (for vLLM). Running the command again resumes
 from the last complete checkpoint, exactly (resume_from_checkpoint too).
 
+On SIGTERM (a spot / preemptible VM being reclaimed) the run saves the checkpoint of the step it reaches
+and exits with status 143; the same command then resumes from it. A QLoRA recipe (load_in_4bit with
+bnb_4bit_quant_type: nf4) trains on the 4-bit base, quantized as bitsandbytes does.
+
+Past one host, run the same command on every host with --coordinator-address HOST0:PORT --num-processes N
+--process-id I (or JAX_COORDINATOR_ADDRESS, or --distributed where JAX finds them itself: TPU pod slices,
+SLURM). Every host needs the base, the data and the YAML at the same paths and output_dir on shared
+storage; each lays out only its devices' rows, checkpoints are written by all, logs and exports by process 0.
+
 Fields without a TPU counterpart (bf16, gradient_checkpointing, dataloader_num_workers, ...) are accepted
 and said; a field gemport does not reproduce, set away from TRL's default, is an error naming it.
 docs/sft.md lists every field."""
@@ -34,14 +44,16 @@ examples:
   gemport sft --config sft.yaml
   gemport sft --config sft.yaml --learning_rate 1e-4 --max_steps 200 --output_dir out
   gemport sft --config sft.yaml --init-adapter gpu_adapter/ --merge
-  gemport sft --config sft.yaml --fsdp 1 --tp 4"""
+  gemport sft --config sft.yaml --fsdp 1 --tp 4
+  gemport sft --config sft.yaml --coordinator-address 10.0.0.2:8476 --num-processes 2 --process-id 0"""
 
 
 def add_parser(sub) -> None:
     """Register ``gemport sft`` on the ``gemport`` subparsers."""
     c = sub.add_parser("sft", help="run a `trl sft --config` recipe (YAML + --key value overrides) on JAX devices",
                        usage="gemport sft [--config sft.yaml] [--key value ...] [--init-adapter DIR] [--merge] "
-                             "[--fsdp N] [--tp N]",
+                             "[--fsdp N] [--tp N] [--coordinator-address HOST:PORT --num-processes N "
+                             "--process-id I | --distributed]",
                        description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
                        allow_abbrev=False)
     c.add_argument("--config", help="the recipe YAML, as `trl sft --config` takes it")
@@ -52,6 +64,13 @@ def add_parser(sub) -> None:
                                                         "merged in")
     c.add_argument("--fsdp", type=int, help="mesh fsdp size (default: from the plan)")
     c.add_argument("--tp", type=int, help="mesh tp size (default: the largest that fits)")
+    d = c.add_argument_group("several hosts (jax.distributed.initialize; one process per host)")
+    d.add_argument("--coordinator-address", metavar="HOST:PORT",
+                   help="process 0's address, the same on every host (default: $JAX_COORDINATOR_ADDRESS)")
+    d.add_argument("--num-processes", type=int, metavar="N", help="the number of processes (hosts)")
+    d.add_argument("--process-id", type=int, metavar="I", help="this process's index, 0 to N-1")
+    d.add_argument("--distributed", action="store_true",
+                   help="join a multi-process run whose settings JAX detects (TPU pod slices, SLURM, k8s)")
     c.set_defaults(run=run, overrides=True)
 
 
@@ -62,6 +81,17 @@ def _dtype(model: dict, sft: dict):
     if name not in (None, "auto"):
         return jnp.dtype(name)
     return jnp.bfloat16 if sft["bf16"] else jnp.float32
+
+
+def _initialize(args) -> None:
+    """Join the other processes (``jax.distributed.initialize``) when the command line or the environment asks,
+    before anything touches the devices."""
+    wanted = (args.distributed or args.coordinator_address or args.num_processes is not None
+              or args.process_id is not None or os.environ.get("JAX_COORDINATOR_ADDRESS"))
+    if wanted:
+        import jax
+
+        jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
 
 
 def _tokenizer(base: str, chat_template_path: str | None):
@@ -103,11 +133,21 @@ def _put(build, target: Path) -> None:
 
 
 def run(args) -> int:
+    _initialize(args)
+    import jax
+
     from gemport.checkpoint.peft_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS
     from gemport.train import recipe as trl_recipe
     from gemport.train.data import load_splits
     from gemport.train.outputs import TRAINER_STATE
+    from gemport.train.preemption import Preempted
     from gemport.train.run import CHECKPOINTS, SFTRun
+
+    primary = jax.process_index() == 0
+
+    def say(line: str) -> None:
+        if primary:
+            print(line, flush=True)
 
     recipe = trl_recipe.read(args.config, trl_recipe.parse_overrides(args.extra))
     sft, model, script = recipe.sft, recipe.model, recipe.script
@@ -125,43 +165,53 @@ def run(args) -> int:
     output_dir = Path(sft["output_dir"] or "trainer_output")  # HF's default
     sft["output_dir"] = str(output_dir)
     _resume_point(sft["resume_from_checkpoint"], output_dir / CHECKPOINTS)
+    qlora = recipe.qlora()
     for note in recipe.notes:
-        print(f"  {note}")
+        say(f"  {note}")
 
     train_data, test_data = load_splits(
         script["dataset_name"], script.get("dataset_config"),
         train_split=script.get("dataset_train_split", "train"), test_split=script.get("dataset_test_split", "test"),
         with_test=sft["eval_strategy"] != "no")
     sft_run = SFTRun.create(sft, base, train_data, lora=lora, eval_dataset=test_data, init_adapter=args.init_adapter,
-                            fsdp=args.fsdp, tp=args.tp, dtype=_dtype(model, sft),
+                            fsdp=args.fsdp, tp=args.tp, dtype=_dtype(model, sft), qlora=qlora,
                             tokenizer=_tokenizer(base, sft["chat_template_path"]),
                             progress=not sft["disable_tqdm"])
     report = sft_run.report
     dropped = report.dropped_too_long + report.dropped_no_target
     total = dropped + len(sft_run.examples)
-    print(f"data: {len(sft_run.examples)} of {total} examples kept ({report}); {sft_run.max_steps} optimizer steps "
-          f"of {sft['gradient_accumulation_steps']} x {sft['per_device_train_batch_size']} "
-          f"({sft_run.pipeline.layout}); mesh {dict(sft_run.mesh.shape)}; LoRA r={sft_run.lora_spec.rank} alpha={sft_run.lora_spec.alpha} "
-          f"on {', '.join(sft_run.lora_spec.targets)}")
+    lora_spec = sft_run.lora_spec
+    say(f"data: {len(sft_run.examples)} of {total} examples kept ({report}); {sft_run.max_steps} optimizer steps "
+        f"of {sft['gradient_accumulation_steps']} x {sft['per_device_train_batch_size']} "
+        f"({sft_run.pipeline.layout}); mesh {dict(sft_run.mesh.shape)}; LoRA r={lora_spec.rank} "
+        f"alpha={lora_spec.alpha} on {', '.join(lora_spec.targets)}"
+        + (f"; {qlora.qtype} 4-bit base{' (double quantization)' if qlora.double_quant else ''}" if qlora else "")
+        + (f"; {jax.process_count()} processes" if jax.process_count() > 1 else ""))
     if dropped or report.trimmed:
-        print(f"warning: max_length {sft_run.pipeline.max_length} drops {dropped} of {total} examples "
-              f"({dropped / total:.0%}) and trims {report.trimmed}, losing {report.targets_lost} trained targets; "
-              "raise max_length to keep them")
-    trainer = sft_run.train()  # with HFOutputs in output_dir
-    print(f"trained to step {trainer.train_steps}; {output_dir / TRAINER_STATE}")
+        say(f"warning: max_length {sft_run.pipeline.max_length} drops {dropped} of {total} examples "
+            f"({dropped / total:.0%}) and trims {report.trimmed}, losing {report.targets_lost} trained targets; "
+            "raise max_length to keep them")
+    try:
+        trainer = sft_run.train()  # with HFOutputs in output_dir
+    except Preempted as e:
+        print(f"gemport sft: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+    say(f"trained to step {trainer.train_steps}; {output_dir / TRAINER_STATE}")
 
-    def adapter(tmp: Path) -> None:
-        sft_run.export_peft(tmp, base_model_name_or_path=str(base))
+    from gemport.checkpoint import export_merged, export_peft
 
+    trained = sft_run.lora_params()  # on every process: gathered from all of them
+    if not primary:
+        return 0
     staged = output_dir / ".adapter"
-    _put(adapter, staged)
+    _put(lambda tmp: export_peft(trained, tmp, base_dir=sft_run.base_dir, base_model_name_or_path=str(base)), staged)
     for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
         os.replace(staged / name, output_dir / name)
     shutil.rmtree(staged)
-    print(f"wrote {output_dir / ADAPTER_CONFIG}, {output_dir / ADAPTER_WEIGHTS}")
+    say(f"wrote {output_dir / ADAPTER_CONFIG}, {output_dir / ADAPTER_WEIGHTS}")
     if args.merge:
-        _put(lambda tmp: sft_run.export_merged(tmp), output_dir / "merged")
-        print(f"wrote {output_dir / 'merged'}")
+        _put(lambda tmp: export_merged(trained, tmp, base_dir=sft_run.base_dir), output_dir / "merged")
+        say(f"wrote {output_dir / 'merged'}")
     return 0
 
 

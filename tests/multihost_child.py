@@ -1,14 +1,20 @@
 """One process of a training run for tests/test_multihost.py, alone (8 devices) or under jax.distributed (4 each).
 
-    python multihost_child.py PORT PROCESS_ID NUM_PROCESSES OUT JOB [JOB ...]      JOB = LOOP:HF_DIR:NAME[:TERM_AFTER]
+    python multihost_child.py PORT PROCESS_ID NUM_PROCESSES OUT JOB [JOB ...]      JOB = LOOP:PATH:NAME[:TERM_AFTER]
 
-LOOP is ``nnx`` (the user's loop: train.train_step, Tunix's CheckpointManager, train.preemption.Preemption) or
-``peft`` (HFPeftTrainer with ``preemption=``). Each job trains the tiny Gemma at HF_DIR with LoRA for STEPS
-optimizer steps of 2 micro-batches of 8 packed rows on an 8-device fsdp mesh; every process lays out only its
-own rows of HF's batches (train.distributed). It checkpoints every 2 steps into OUT/NAME/checkpoints and
-resumes from there. Process 0 appends one line per trained step to OUT/NAME/log.jsonl (step, loss, grad_norm,
-the micro-batches by index) and at the end writes OUT/NAME/lora.npz. With TERM_AFTER every process sends
-itself SIGTERM after that step: the run saves at the step all processes agree on and exits with status 143.
+LOOP is ``nnx`` (the user's loop: train.train_step, Tunix's CheckpointManager, train.preemption.Preemption;
+PATH the tiny Gemma's HF directory) or ``sft`` (``gemport sft --config PATH --output_dir OUT/NAME --merge`` on
+the same 8-device fsdp mesh, run in this process; as the first job of a multi-process launch it is given
+``--coordinator-address``, ``--num-processes`` and ``--process-id`` and joins the processes itself, for the
+jobs after it too).
+
+An ``nnx`` job trains the tiny Gemma with LoRA for STEPS optimizer steps of 2 micro-batches of 8 packed rows
+on an 8-device fsdp mesh; every process lays out only its own rows of HF's batches (train.distributed). It
+checkpoints every 2 steps into OUT/NAME/checkpoints and resumes from there. Process 0 appends one line per
+trained step to OUT/NAME/log.jsonl (step, loss, grad_norm, the micro-batches by index) and at the end writes
+OUT/NAME/lora.npz. An ``sft`` job leaves what ``gemport sft`` leaves in OUT/NAME. With TERM_AFTER every
+process sends itself SIGTERM after that step: the run saves at the step all processes agree on and exits
+with status 143.
 """
 
 import json
@@ -16,14 +22,14 @@ import os
 import signal
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import jax
 
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 port, process_id, num_processes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-if num_processes > 1:
+SFT_FIRST = sys.argv[5].startswith("sft:")
+if num_processes > 1 and not SFT_FIRST:
     jax.distributed.initialize(f"localhost:{port}", num_processes=num_processes, process_id=process_id)
 
 import jax.numpy as jnp  # noqa: E402
@@ -31,8 +37,7 @@ import numpy as np  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
-from tunix.sft import checkpoint_manager, hooks  # noqa: E402
-from tunix.sft.peft_trainer import TrainingConfig  # noqa: E402
+from tunix.sft import checkpoint_manager  # noqa: E402
 
 from gemport import masks, train  # noqa: E402
 from gemport.checkpoint import load_model, save_lora_spec  # noqa: E402
@@ -40,9 +45,7 @@ from gemport.lora import LoraSpec, apply_lora  # noqa: E402
 from gemport.mesh import make_mesh  # noqa: E402
 from gemport.specs import GemmaSpec  # noqa: E402
 from gemport.train.distributed import batch_sharding, global_batch, process_rows, process_step  # noqa: E402
-from gemport.train.peft_trainer import micro_batches  # noqa: E402
 from gemport.train.preemption import Preempted, Preemption  # noqa: E402
-from resume_child import RecordingTrainer  # noqa: E402
 
 STEPS, EVERY, ROWS, ACCUMULATION, SEQ = 5, 2, 8, 2, 12
 # adam_epsilon: Adam moves an element whose gradient is fp32 noise by ~lr (lr * sign(g)); a larger epsilon
@@ -107,53 +110,34 @@ def nnx_loop(model, mesh, rows, out, term_after):
     manager.close()
 
 
-class Recorder(hooks.TrainingHooks):
-    def __init__(self, out, term_after):
-        self.out, self.term_after, self.consumed = out, term_after, {}
+def sft(config, run, term_after, first):
+    from gemport.cli import main as gemport
+    from sft_child import signal_after
 
-    def on_train_step_end(self, trainer, train_step, train_loss):
-        log(self.out, {"step": int(train_step), "loss": float(train_loss),
-                       "micro_batches": self.consumed.pop(int(train_step))})
-        if train_step == self.term_after:
-            term_self()
-
-    def on_train_step_start(self, trainer): ...
-
-    def on_train_start(self, trainer): ...
-    def on_train_end(self, trainer): ...
-    def on_eval_step_start(self, trainer): ...
-    def on_eval_step_end(self, trainer, eval_loss): ...
-
-
-
-
-def peft(model, mesh, rows, out, term_after):
-    _, batches, _ = local_steps(rows, batch_sharding(mesh))
-    config = TrainingConfig(eval_every_n_steps=STEPS + 1, max_steps=STEPS, gradient_accumulation_steps=ACCUMULATION,
-                            checkpoint_root_directory=str(out / "checkpoints"), checkpointing_options=OPTIONS,
-                            max_inflight_computations=1, pbar_description=None)
-    trainer = RecordingTrainer(model, train.hf_optimizer(ARGS, num_training_steps=STEPS).tx, config, lora_spec=LORA,
-                               preemption=Preemption())
-    trainer.with_training_hooks(Recorder(out, term_after))
-    dataset = micro_batches(batches).map_with_index(lambda i, b: {**b, "index": np.full(len(b["tokens"]), i, np.int32)})
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # `with mesh:` is PeftTrainer's way to find it
-        with mesh:
-            trainer.train(dataset)
+    if term_after:
+        signal_after("term", term_after)
+    join = ["--coordinator-address", f"localhost:{port}", "--num-processes", str(num_processes),
+            "--process-id", str(process_id)] if first and num_processes > 1 else []
+    code = gemport(["sft", "--config", config, "--output_dir", str(run), "--merge", "--fsdp", "8", "--tp", "1",
+                    *join])
+    if code:
+        sys.exit(code)
 
 
 def main(out, *jobs):
-    for job in jobs:
+    for index, job in enumerate(jobs):
         loop, hf_dir, name, *term = job.split(":")
         run = Path(out) / name
+        if loop == "sft":
+            sft(hf_dir, run, int(term[0]) if term else None, index == 0)
+            continue
         run.mkdir(parents=True, exist_ok=True)
         spec = GemmaSpec.from_hf(hf_dir)
         mesh = make_mesh(spec, fsdp=jax.device_count(), tp=1)
         with jax.set_mesh(mesh):
             model = apply_lora(load_model(hf_dir, mesh=mesh, param_dtype=jnp.float32), spec, LORA, seed=3)
             try:
-                {"nnx": nnx_loop, "peft": peft}[loop](model, mesh, packed_rows(spec.vocab), run,
-                                                      int(term[0]) if term else None)
+                nnx_loop(model, mesh, packed_rows(spec.vocab), run, int(term[0]) if term else None)
             except Preempted as e:
                 print(e, file=sys.stderr, flush=True)
                 sys.exit(e.exit_code)

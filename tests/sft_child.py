@@ -1,28 +1,40 @@
-"""``gemport sft`` in a process that SIGKILLs itself, for tests/test_sft_cli.py.
+"""``gemport sft`` in a process that signals itself, for tests/test_sft_cli.py and tests/multihost_child.py.
 
-    python sft_child.py KILL_AFTER [gemport sft arguments]
+    python sft_child.py SIGNAL:AFTER [gemport sft arguments]        SIGNAL = kill | term
 
-Once the log entry of step KILL_AFTER is written and the checkpoint before it is complete, the process kills
-itself with SIGKILL: no exit handler, no flush, no final checkpoint or adapter.
+Once the log entry of step AFTER is written, the process sends itself SIGKILL (``kill``, after the checkpoint
+before it is complete: no exit handler, no flush, no final checkpoint or adapter) or SIGTERM (``term``, as a
+spot VM is told it is reclaimed; ``gemport sft`` saves at the next step boundary and exits with 143).
 """
 
 import os
 import signal
 import sys
+import time
 
-from gemport.cli import main
 from gemport.train.outputs import HFOutputs
 
-KILL_AFTER = int(sys.argv[1])
-logged = HFOutputs.on_train_step_end
+
+def signal_after(kind: str, after: int) -> None:
+    """Make ``gemport sft`` send itself ``kind`` (kill / term) once step ``after`` is logged."""
+    logged = HFOutputs.on_train_step_end
+
+    def on_train_step_end(self, trainer, train_step, train_loss):
+        logged(self, trainer, train_step, train_loss)
+        if train_step != after:
+            return
+        if kind == "kill":
+            trainer.checkpoint_manager._checkpoint_manager.wait_until_finished()
+            os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1)  # under jax.distributed: lets JAX's preemption service tell the other processes
+
+    HFOutputs.on_train_step_end = on_train_step_end
 
 
-def on_train_step_end(self, trainer, train_step, train_loss):
-    logged(self, trainer, train_step, train_loss)
-    if train_step == KILL_AFTER:
-        trainer.checkpoint_manager._checkpoint_manager.wait_until_finished()
-        os.kill(os.getpid(), signal.SIGKILL)
+if __name__ == "__main__":
+    from gemport.cli import main
 
-
-HFOutputs.on_train_step_end = on_train_step_end
-sys.exit(main(["sft", *sys.argv[2:]]))
+    kind, after = sys.argv[1].split(":")
+    signal_after(kind, int(after))
+    sys.exit(main(["sft", *sys.argv[2:]]))

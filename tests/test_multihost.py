@@ -4,11 +4,13 @@ The split is tested in-process on the 8 simulated devices, grouped into two "hos
 groups them: the hosts' rows are disjoint, contiguous, and together the single-process batch, row for row.
 
 Then 2 processes of 4 CPU devices (gloo collectives on localhost, as test_sharding_multiprocess) train a tiny
-Gemma 4 (the user's nnx loop with train.train_step) and Gemma 3 (HFPeftTrainer) with LoRA, 5 steps of 2
-micro-batches of 8 rows, and 1 process of 8 devices runs the same: per-step losses and final LoRA agree within
-1e-5. Both processes then get SIGTERM mid-run; they save at one step, exit with 143, and the rerun's
-trajectory is the uninterrupted 2-process run's exactly, each sample once. The exports of the 2-process
-checkpoint, written on one host, are those of its own LoRA exactly and the single-process run's within 1e-5.
+Gemma 4 (the user's nnx loop with train.train_step) and Gemma 3 (`gemport sft` on a TRL recipe, which drives
+HFPeftTrainer, joining the processes with --coordinator-address/--num-processes/--process-id) with LoRA, 5
+steps of 2 micro-batches of 8 rows, and 1 process of 8 devices runs the same: per-step losses and final LoRA
+agree within 1e-5. Both processes then get SIGTERM mid-run; they save at one step, exit with 143, and the
+rerun's trajectory is the uninterrupted 2-process run's exactly, each sample once. The exports of the 2-process
+checkpoint, written on one host, are those the 2-process run wrote itself (process 0) exactly and the
+single-process run's within 1e-5.
 """
 
 import json
@@ -23,6 +25,7 @@ import jax
 import numpy as np
 import pytest
 import safetensors.numpy
+import yaml
 from jax.sharding import NamedSharding, PartitionSpec
 
 from gemport import masks, train
@@ -161,16 +164,39 @@ def launch(out, jobs, processes):
     return [proc.returncode for proc in procs], [err.read_text() for err in logs]
 
 
+# The `gemport sft` recipe: the nnx loop's steps (multihost_child.ARGS) on chats, evaluated at the start and end.
+SFT = dict(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0,
+           lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"], assistant_only_loss=True,
+           packing=True, max_length=96, per_device_train_batch_size=8, gradient_accumulation_steps=2, max_steps=STEPS,
+           learning_rate=5e-3, weight_decay=0.1, max_grad_norm=0.5, lr_scheduler_type="cosine", warmup_steps=1, seed=7,
+           adam_epsilon=1e-3, bf16=False, logging_steps=1, save_steps=2, save_total_limit=2, eval_strategy="steps",
+           eval_steps=STEPS, per_device_eval_batch_size=8, disable_tqdm=True)
+
+
+def sft_recipe(hf_checkpoint, root):
+    """A tiny Gemma 3 (its vocabulary fits the test tokenizer) with that tokenizer, train/test chats, the YAML."""
+    base = root / "gemma3"
+    hf_checkpoint("gemma3_vllm")[0].save_pretrained(base)
+    tokenizer().save_pretrained(base)
+    data = root / "chats"
+    data.mkdir()
+    (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chats(24)))
+    (data / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chats(12, seed=1)))
+    config = root / "sft.yaml"
+    config.write_text(yaml.safe_dump({"model_name_or_path": str(base), "dataset_name": str(data), **SFT}))
+    return base, config
+
+
 @pytest.fixture(scope="module")
 def runs(hf_checkpoint, tmp_path_factory):
     """The runs' output root: one-NAME (1 process), two-NAME (2 processes), term-NAME (2, SIGTERMed, rerun)."""
-    g4, g3 = hf_checkpoint("gemma4_dense")[1], hf_checkpoint("gemma3_1b")[1]
     out = tmp_path_factory.mktemp("multihost")
-    # Each 2-process launch ends with the job its SIGTERM stops.
-    first = launch(out, [f"nnx:{g4}:two-g4", f"peft:{g3}:two-g3", f"nnx:{g4}:term-g4:{TERM_AFTER}"], 2)
-    second = launch(out, [f"nnx:{g4}:term-g4", f"peft:{g3}:term-g3:{TERM_AFTER}"], 2)
-    third = launch(out, [f"peft:{g3}:term-g3"], 2)
-    one = launch(out, [f"nnx:{g4}:one-g4", f"peft:{g3}:one-g3"], 1)
+    g4, (g3, config) = hf_checkpoint("gemma4_dense")[1], sft_recipe(hf_checkpoint, out)
+    # Each 2-process launch ends with the job its SIGTERM stops; `gemport sft`, joining the processes, starts it.
+    first = launch(out, [f"sft:{config}:two-g3", f"nnx:{g4}:two-g4", f"nnx:{g4}:term-g4:{TERM_AFTER}"], 2)
+    second = launch(out, [f"sft:{config}:term-g3:{TERM_AFTER}"], 2)
+    third = launch(out, [f"sft:{config}:term-g3", f"nnx:{g4}:term-g4"], 2)
+    one = launch(out, [f"sft:{config}:one-g3", f"nnx:{g4}:one-g4"], 1)
     stops = {}
     for name, (codes, errors) in (("g4", first), ("g3", second)):
         assert codes == [128 + signal.SIGTERM] * 2, [e[-3000:] for e in errors]
@@ -181,10 +207,17 @@ def runs(hf_checkpoint, tmp_path_factory):
 
 
 def log(run):
+    """Each trained step's record: the nnx loop's log.jsonl, or `gemport sft`'s log_history (train entries)."""
+    if (run / "trainer_state.json").is_file():
+        history = json.loads((run / "trainer_state.json").read_text())["log_history"]
+        return [e for e in history if "loss" in e]
     return [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
 
 
 def lora(run):
+    """The final LoRA factors: the nnx loop's lora.npz, or the PEFT adapter `gemport sft` left."""
+    if (run / "adapter_model.safetensors").is_file():
+        return safetensors.numpy.load_file(run / "adapter_model.safetensors")
     with np.load(run / "lora.npz") as f:
         return dict(f)
 
@@ -194,8 +227,9 @@ def test_two_processes_train_as_one(runs, name):
     out, _, _ = runs
     one, two = log(out / f"one-{name}"), log(out / f"two-{name}")
     assert [r["step"] for r in two] == list(range(1, STEPS + 1))
-    assert [{k: v for k, v in r.items() if k not in ("loss", "grad_norm")} for r in two] == \
-        [{k: v for k, v in r.items() if k not in ("loss", "grad_norm")} for r in one]  # the same samples
+    floats = ("loss", "grad_norm", "masked_loss", "full_sequence_loss")
+    assert [{k: v for k, v in r.items() if k not in floats} for r in two] == \
+        [{k: v for k, v in r.items() if k not in floats} for r in one]  # the same samples (epochs, schedule)
     # The same arithmetic with the sums over rows and devices reduced in another order: float32 rounding.
     np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in one], rtol=0, atol=1e-5)
     a, b = lora(out / f"one-{name}"), lora(out / f"two-{name}")
@@ -225,15 +259,23 @@ def tensors(directory):
     return out
 
 
-@pytest.mark.parametrize("export", [export_merged, export_peft])
-def test_exports_of_a_two_process_checkpoint(runs, tmp_path, export):
+def test_sft_across_processes_evaluates_on_every_row(runs):
+    out, _, _ = runs
+    evals = [[e for e in json.loads((out / f"{n}-g3" / "trainer_state.json").read_text())["log_history"]
+              if "eval_loss" in e] for n in ("one", "two")]
+    assert [e["step"] for e in evals[1]] == [STEPS]
+    np.testing.assert_allclose(evals[1][0]["eval_loss"], evals[0][0]["eval_loss"], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("export, written", [(export_merged, "merged"), (export_peft, ".")])
+def test_exports_of_a_two_process_checkpoint(runs, tmp_path, export, written):
     out, base, _ = runs
     root = out / "two-g3" / "checkpoints"
+    assert LoraSpec.from_json((root / LORA_SPEC_FILE).read_text()).rank == 4  # recorded once, by process 0
     two = tensors(export(root, tmp_path / "two", base_dir=base["g3"]))
-    spec = LoraSpec.from_json((root / LORA_SPEC_FILE).read_text())  # recorded once, by process 0
-    from_lora = tensors(export(lora(out / "two-g3"), tmp_path / "lora", base_dir=base["g3"], lora_spec=spec))
+    by_run = tensors(out / "two-g3" / written)  # what `gemport sft` wrote at the end, from process 0
     one = tensors(export(out / "one-g3" / "checkpoints", tmp_path / "one", base_dir=base["g3"]))
-    assert sorted(two) == sorted(from_lora) == sorted(one)
+    assert sorted(two) == sorted(by_run) == sorted(one)
     for k in two:
-        np.testing.assert_array_equal(two[k], from_lora[k], err_msg=k)  # the checkpoint holds every shard
+        np.testing.assert_array_equal(two[k], by_run[k], err_msg=k)  # the checkpoint holds every shard
         np.testing.assert_allclose(two[k], one[k], rtol=0, atol=1e-5, err_msg=k)

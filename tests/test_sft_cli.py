@@ -1,9 +1,11 @@
 """`gemport sft --config sft.yaml`: a `trl sft` recipe run unchanged, equal to TRL's SFTTrainer + PEFT step for step.
 
 The end-to-end test trains a tiny Gemma 4 for 4 steps from one PEFT adapter (random A and B) with TRL on torch
-and with `gemport sft --init-adapter` on JAX, the gemport run SIGKILLed after step 3 (checkpoint 2 complete)
-and run again, which resumes from step 2. Both in float32 on CPU: loss, grad_norm and learning rate of every step, and the eval
-loss, agree within 1e-4 relative; the adapter left in output_dir loads in PEFT and gives TRL's model's logits.
+and with `gemport sft --init-adapter` on JAX. The gemport run gets SIGTERM once step 1 is logged: it saves the
+checkpoint of step 2 and exits with 143 (a spot VM's preemption). Run again, it resumes from step 2 and is
+SIGKILLed after step 3; run a third time, it resumes from step 2 again, and its step 3 is the second run's
+exactly. Both in float32 on CPU: loss, grad_norm and learning rate of every step, and the eval loss, agree
+within 1e-4 relative; the adapter left in output_dir loads in PEFT and gives TRL's model's logits.
 """
 
 import json
@@ -86,7 +88,7 @@ def relative(a, b):
     return abs(a - b) / max(abs(a), 1e-12)
 
 
-def test_gemport_sft_equals_trl_through_a_sigkill_and_a_resume(workdir, tmp_path):
+def test_gemport_sft_equals_trl_through_a_sigterm_a_sigkill_and_resumes(workdir, tmp_path):
     import peft
     import torch
     import transformers
@@ -98,17 +100,31 @@ def test_gemport_sft_equals_trl_through_a_sigkill_and_a_resume(workdir, tmp_path
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
                # The rerun loads the first process's executables instead of compiling again.
                JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax-cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
-    killed = subprocess.run([sys.executable, str(CHILD), "3", *map(str, args)], env=env, cwd=CHILD.parent,
-                            capture_output=True, text=True, timeout=300)
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+
+    def child(how):
+        return subprocess.run([sys.executable, str(CHILD), how, *map(str, args)], env=env, cwd=CHILD.parent,
+                              capture_output=True, text=True, timeout=300)
+
+    def steps_saved():
+        return sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+
+    termed = child("term:1")  # the hooks of step 1 run while step 2 trains: the next boundary is step 2
+    assert termed.returncode == 143, termed.stderr[-3000:]
+    assert "gemport sft: SIGTERM received: saved the checkpoint of step 2 in" in termed.stderr
+    assert "Traceback" not in termed.stderr and steps_saved() == ["2"]
     state = json.loads((out / "trainer_state.json").read_text())
-    assert state["global_step"] == 3 and not (out / "adapter_config.json").exists()
+    assert state["global_step"] == 2 and not (out / "adapter_config.json").exists()
+    killed = child("kill:3")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    before_kill = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    assert [e["step"] for e in before_kill if "loss" in e] == [1, 2, 3] and steps_saved() == ["2"]
     resumed = subprocess.run([sys.executable, "-m", "gemport", "sft", *map(str, args)], env=env, cwd=CHILD.parent,
                              capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "dataloader_num_workers=2: " in resumed.stdout  # a mapped field is said
 
     state = json.loads((out / "trainer_state.json").read_text())
+    assert state["log_history"][:len(before_kill)] == before_kill  # step 3 again from checkpoint 2: the same
     expected, trl_model = trl_run(workdir, tmp_path / "trl")
     train = [e for e in state["log_history"] if "loss" in e]
     trl_train = [e for e in expected if "loss" in e and "grad_norm" in e]
@@ -124,8 +140,7 @@ def test_gemport_sft_equals_trl_through_a_sigkill_and_a_resume(workdir, tmp_path
     for ours, theirs in zip(evals, trl_evals):
         assert relative(theirs["eval_loss"], ours["eval_loss"]) < 1e-4, (ours, theirs)
 
-    steps = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit())
-    assert steps == ["4"] and (out / "checkpoints" / "gemport_lora.json").is_file()  # save_total_limit 1
+    assert steps_saved() == ["4"] and (out / "checkpoints" / "gemport_lora.json").is_file()  # save_total_limit 1
     assert list((out / "runs").glob("events.out.tfevents.*"))
 
     def logits(adapter):
@@ -145,7 +160,8 @@ def test_gemport_sft_equals_trl_through_a_sigkill_and_a_resume(workdir, tmp_path
 def test_help_speaks_trl():
     done = gemport("sft", "--help")
     for words in ("trl sft --config", "--key value", "trainer_state.json", "resume_from_checkpoint", "--init-adapter",
-                  "--merge", "save_total_limit", "bf16"):
+                  "--merge", "save_total_limit", "bf16", "SIGTERM", "143", "--coordinator-address", "--num-processes",
+                  "--process-id", "--distributed", "load_in_4bit"):
         assert words in done.stdout, words
 
 

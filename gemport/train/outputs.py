@@ -5,7 +5,8 @@
 ``learning_rate``: the step's; ``epoch``; ``step``; and gemport's two loss scopes, ``masked_loss`` and
 ``full_sequence_loss``) and rewrites ``trainer_state.json`` atomically; after each evaluation at ``eval_steps``
 it appends ``eval_loss`` and the scopes as ``eval_*``. On a resumed run it keeps the entries up to the restored
-step, so the file reads as an uninterrupted run's.
+step, so the file reads as an uninterrupted run's. Under ``jax.distributed`` every process runs the hooks
+(the tokens/s count sums every process's rows) and process 0 alone writes the file, the events and the bar.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from tunix.sft import hooks
 
 from gemport.errors import OptimizerConfigError
@@ -65,7 +68,11 @@ class HFOutputs(hooks.TrainingHooks):
         for s in run.plan:
             done[s.epoch] = done.get(s.epoch, 0) + len(s.micro_batches)
             self.epochs.append(s.epoch + done[s.epoch] / per_epoch)
-        self.tokens = [int((b["segment_ids"] > 0).sum()) for b in run.train_batches]
+        tokens = np.array([int((b["segment_ids"] > 0).sum()) for b in run.train_batches], np.int64)
+        if jax.process_count() > 1:  # each process holds its own rows of every step
+            tokens = multihost_utils.process_allgather(tokens).sum(axis=0)
+        self.tokens = tokens.tolist()
+        self.primary = jax.process_index() == 0
         self.history: list[dict[str, Any]] = []
         self.window: list[float] = []
         self.pending: list[dict[str, Any]] = []  # eval entries wait for their step's train entry, as HF orders them
@@ -85,8 +92,8 @@ class HFOutputs(hooks.TrainingHooks):
             self.history = [e for e in json.loads(state.read_text()).get("log_history", [])
                             if e.get("step", 0) <= self.start_step]
         self.bar = tqdm(total=self.max_steps, initial=self.start_step, desc="gemport sft", unit="step",
-                        disable=bool(self.fields["disable_tqdm"]))
-        if _reports_to_tensorboard(self.fields["report_to"]):
+                        disable=bool(self.fields["disable_tqdm"]) or not self.primary)
+        if self.primary and _reports_to_tensorboard(self.fields["report_to"]):
             from tensorboardX import SummaryWriter
 
             self.writer = SummaryWriter(str(self.fields["logging_dir"] or self.out / "runs"),
@@ -150,6 +157,8 @@ class HFOutputs(hooks.TrainingHooks):
             self.writer.flush()
 
     def _write_state(self) -> None:
+        if not self.primary:
+            return
         step = max((e["step"] for e in self.history), default=self.start_step)
         state = {
             "best_global_step": None, "best_metric": None, "best_model_checkpoint": None,

@@ -24,9 +24,13 @@ from gemport.errors import OptimizerConfigError
 SCRIPT = ("dataset_name", "dataset_config", "dataset_train_split", "dataset_test_split")
 """ScriptArguments fields gemport uses (``gemport.train.data.load_splits``)."""
 
+QLORA = ("load_in_4bit", "bnb_4bit_quant_type", "use_bnb_nested_quant")
+"""ModelConfig fields of a QLoRA recipe's 4-bit base (``gemport.lora.QLoraSpec.from_config``, with ``dtype``)."""
+
 MODEL = ("model_name_or_path", "dtype", "use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
-         "use_rslora", "lora_task_type")
-"""ModelConfig fields gemport uses: the base checkpoint, its dtype and the LoRA."""
+         "use_rslora", "lora_task_type") + QLORA
+"""ModelConfig fields gemport uses: the base checkpoint, its dtype (QLoRA's compute dtype), the LoRA and the
+4-bit base."""
 
 SFT = (
     # data (gemport.train.from_sft_config)
@@ -88,14 +92,13 @@ MAPPED = {
     "project": "a name for trackio/W&B, which gemport does not report to",
     "full_determinism": "XLA on one device set is deterministic; the sample order is HF's",
     "include_num_input_tokens_seen": "tokens/s is shown in the progress bar",
+    "bnb_4bit_quant_storage": "Qwix stores the 4-bit codes as uint4; the storage dtype changes no value",
 }
 """Fields accepted without a counterpart, with what gemport does instead."""
 
 _REFUSED_WHEN_SET = {
     "push_to_hub": "gemport has no network access to the Hub here; upload output_dir yourself",
     "dataset_streaming": "gemport lays out every step's batch ahead (HF's order needs the dataset's length)",
-    "load_in_4bit": ("gemport sft does not run QLoRA yet: train on the bfloat16 base, or in Python on the 4-bit "
-                     "base with gemport.lora.QLoraSpec and gemport.checkpoint.load_qlora_model (docs: QLoRA)"),
     "load_in_8bit": "8-bit bases are not ported (Qwix QLoRA here is NF4); train on the bfloat16 base",
     "fp16": "TPUs compute in bfloat16, not float16: set bf16 instead",
 }
@@ -126,6 +129,14 @@ class Recipe:
         defaults = {name: _default("ModelConfig", name) for name in _TRL_LORA}
         fields = {**defaults, **{k: v for k, v in self.model.items() if k in _TRL_LORA}}
         return {"peft_type": "LORA", **{_TRL_LORA[k]: v for k, v in fields.items()}}
+
+    def qlora(self):
+        """The ``gemport.lora.QLoraSpec`` of the recipe's 4-bit base (``load_in_4bit`` with ``bnb_4bit_quant_type``,
+        ``use_bnb_nested_quant`` and ``dtype`` as the compute dtype, as TRL passes them to bitsandbytes), or None.
+        Raises ``LoraError`` naming a field gemport cannot reproduce (``bnb_4bit_quant_type: fp4``...)."""
+        from gemport.lora import QLoraSpec
+
+        return QLoraSpec.from_config({k: v for k, v in self.model.items() if k in (*QLORA, "dtype")})
 
 
 def _classes():
@@ -224,8 +235,8 @@ def read(config: str | os.PathLike | Mapping[str, Any] | None, overrides: Mappin
         default = defaults[owner][name]
         if name in _REFUSED_WHEN_SET and val and val != default:
             raise OptimizerConfigError(f"{where}{name}={val!r}: {_REFUSED_WHEN_SET[name]}")
-        # hub_* and bnb_* only act with push_to_hub and load_in_4bit, which are refused above.
-        if name in USED or val == default or name.startswith(("hub_", "bnb_")):
+        # hub_* only act with push_to_hub, which is refused above.
+        if name in USED or val == default or name.startswith("hub_"):
             continue
         if MAPPED.get(name):
             notes.append(f"{name}={val!r}: {MAPPED[name]}")
@@ -243,4 +254,4 @@ def read(config: str | os.PathLike | Mapping[str, Any] | None, overrides: Mappin
     return Recipe(parts["ScriptArguments"], model, sft, tuple(notes), source)
 
 
-__all__ = ["MAPPED", "MODEL", "SCRIPT", "SFT", "USED", "Recipe", "parse_overrides", "read"]
+__all__ = ["MAPPED", "MODEL", "QLORA", "SCRIPT", "SFT", "USED", "Recipe", "parse_overrides", "read"]

@@ -10,6 +10,11 @@ existing primitives, each an attribute that can be read or replaced before ``tra
 - ``train_batches``: one [A, B, T] batch per optimizer step in HF's order; ``eval_batches``: [1, B, T],
 - ``optimizer``: ``hf_optimizer`` (its ``schedule`` gives each step's learning rate),
 - ``training_config``: Tunix's ``TrainingConfig``; ``trainer``: the ``HFPeftTrainer`` ``train()`` builds.
+
+Under ``jax.distributed`` (one process per host, ``jax.distributed.initialize`` called first) every process
+builds the same run on a mesh spanning all of them: each lays out only the rows of every batch its own
+devices hold (``train.distributed``), the trainer assembles the global batches, Orbax writes each checkpoint
+from every process, and ``lora_params`` gathers the trained factors for process 0 to export.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from gemport.masks.truncation import TruncationReport
 from gemport.mesh import make_mesh, use_mesh
 from gemport.optim.hf import HFOptimizer, fields_of
 from gemport.specs import GemmaSpec
+from gemport.train.distributed import batch_sharding, process_rows
 from gemport.train.order import OptimizerStep
 from gemport.train.sft import SFTPipeline, from_sft_config
 from gemport.train.step import hf_optimizer, stack
@@ -43,6 +49,7 @@ _READ = {
     "seed": 42,
     "bf16": None,
     "gradient_accumulation_steps": 1,
+    "per_device_train_batch_size": 8,
     "per_device_eval_batch_size": 8,
     "eval_strategy": "no",
     "eval_steps": None,
@@ -126,20 +133,25 @@ class SFTRun:
     def create(cls, sft_config: Any, base_dir: str | os.PathLike, train_dataset: Any, *, lora: Any = None,
                eval_dataset: Any = None, init_adapter: str | os.PathLike | None = None, mesh=None,
                fsdp: int | None = None, tp: int | None = None, dtype: Any = None, tokenizer: Any = None,
-               chat_format: Any = None, checkpoint_dir: str | os.PathLike | None = None,
+               chat_format: Any = None, checkpoint_dir: str | os.PathLike | None = None, qlora: Any = None,
                progress: bool = True) -> SFTRun:
         """Build the run of ``sft_config`` on ``base_dir`` and ``train_dataset``.
 
         sft_config: ``SFTConfig``, a dict of its fields, or a ``trl sft --config`` YAML (read as ``trl sft``
-            reads it, ``gemport.train.recipe.read``; its ``use_peft`` + ``lora_*`` fields are the default ``lora``). base_dir: the HF Gemma checkpoint (with its tokenizer unless
-            ``tokenizer`` is given). train_dataset, eval_dataset: TRL SFT records in any format gemport reads
-            (``masks.formats.read``: a list, a ``datasets.Dataset``, a .jsonl/.json/.parquet file).
+            reads it, ``gemport.train.recipe.read``; its ``use_peft`` + ``lora_*`` fields are the default
+            ``lora``, its ``load_in_4bit`` fields the default ``qlora``). base_dir: the HF Gemma checkpoint
+            (with its tokenizer unless ``tokenizer`` is given). train_dataset, eval_dataset: TRL SFT records in
+            any format gemport reads (``masks.formats.read``: a list, a ``datasets.Dataset``, a
+            .jsonl/.json/.parquet file).
         lora: ``LoraSpec``, ``peft.LoraConfig`` or its dict, ``adapter_config.json`` or its directory, or TRL's
             ``lora_*`` fields; fresh factors from ``seed``. init_adapter: a PEFT adapter directory to start from
             (its factors and spec; ``lora``, if also given, must describe the same adapter).
         mesh: default ``make_mesh(spec, fsdp=fsdp, tp=tp)`` over all devices. dtype: the base weights' dtype;
             default bfloat16 if ``bf16`` is set, else float32. checkpoint_dir: the Orbax root; default
             ``<output_dir>/checkpoints`` (none with ``save_strategy="no"`` or without ``output_dir``).
+        qlora: a ``gemport.lora.QLoraSpec`` (a QLoRA recipe's 4-bit base, ``QLoraSpec.from_config``): the base
+            loads through ``checkpoint.quantize.load_qlora_model`` and LoRA trains on it; default unquantized
+            (or the YAML's).
 
         Raises OptimizerConfigError (a field gemport cannot honour, naming it), LoraError, MaskError.
         """
@@ -153,6 +165,7 @@ class SFTRun:
 
             recipe = read(sft_config)
             args, lora = recipe.sft, lora if lora is not None else recipe.lora()
+            qlora = qlora if qlora is not None else recipe.qlora()
         else:
             args = sft_fields(sft_config)
         f = fields_of(args, _READ)
@@ -178,20 +191,33 @@ class SFTRun:
         held_out = None
         if eval_dataset is not None:
             held_out, _ = pipeline.examples(eval_dataset, tokenizer, progress=progress)
-        steps = list(pipeline.batches(examples))
+        mesh = mesh if mesh is not None else make_mesh(spec, fsdp=fsdp, tp=tp)
+        rows = None
+        if jax.process_count() > 1:  # this process's rows of each batch [A, B, T]
+            rows = process_rows(batch_sharding(mesh),
+                                (f["gradient_accumulation_steps"], f["per_device_train_batch_size"], 1))
+        steps = list(pipeline.batches(examples, rows=rows))
         plan, batches = [s for s, _ in steps], [b for _, b in steps]
         num_steps = len(plan)
         if dtype is None:
             dtype = jnp.bfloat16 if f["bf16"] else jnp.float32
-        mesh = mesh if mesh is not None else make_mesh(spec, fsdp=fsdp, tp=tp)
         with use_mesh(mesh):
-            model = apply_lora(load_model(base_dir, spec=spec, mesh=mesh, param_dtype=dtype), spec, start, seed=f["seed"])
+            if qlora is None:
+                base = load_model(base_dir, spec=spec, mesh=mesh, param_dtype=dtype)
+            else:
+                from gemport.checkpoint.quantize import load_qlora_model
+
+                base = load_qlora_model(base_dir, qlora, spec=spec, mesh=mesh, compute_dtype=dtype)
+            model = apply_lora(base, spec, start, seed=f["seed"], qlora=qlora)
         if checkpoint_dir is None and f["output_dir"] is not None and f["save_strategy"] != "no":
             checkpoint_dir = Path(f["output_dir"]) / CHECKPOINTS
         evals = None
         if held_out:
             evals = eval_batches(held_out, f["per_device_eval_batch_size"], pad_id=pipeline.pad_id,
                                  pad_to_multiple_of=pipeline.pad_to_multiple_of)
+            if jax.process_count() > 1:  # the eval set is small: laid out whole, each process keeps its rows
+                mine = process_rows(batch_sharding(mesh), evals[0]["tokens"].shape)
+                evals = [{k: v[:, mine] for k, v in b.items()} for b in evals]
         return cls(args=args, base_dir=base_dir, spec=spec, mesh=mesh, model=model, tokenizer=tokenizer,
                    pipeline=pipeline, examples=examples, report=report, plan=plan, train_batches=batches,
                    eval_examples=held_out, eval_batches=evals,
@@ -228,18 +254,24 @@ class SFTRun:
         """Train on ``train_batches`` (evaluating on ``eval_batches``) inside the mesh context; returns the trainer.
 
         hooks: Tunix ``TrainingHooks``; default, with an ``output_dir``, ``gemport.train.outputs.HFOutputs``
-        (``trainer_state.json``, TensorBoard per ``report_to``, a progress bar). Builds ``trainer`` first if
-        unset. Resumes from the latest checkpoint in the checkpoint root, exactly (Tunix skips the consumed
-        micro-batches, and the data is the same in the same order).
+        (``trainer_state.json``, TensorBoard per ``report_to``, a progress bar; process 0 writes them). Builds
+        ``trainer`` first if unset, with checkpoints watching for SIGTERM (``train.preemption.Preemption``):
+        then the run saves the checkpoint of the step it reaches and raises ``Preempted``. Resumes from the
+        latest checkpoint in the checkpoint root, exactly (Tunix skips the consumed micro-batches, and the data
+        is the same in the same order).
         """
         from gemport.train.outputs import HFOutputs
         from gemport.train.peft_trainer import micro_batches
+        from gemport.train.preemption import Preemption
 
         output_dir = fields_of(self.args, _READ)["output_dir"]
         if hooks is None and output_dir is not None:
             hooks = HFOutputs(self, output_dir)
+        preemption = None
         if self.trainer is None:
-            self.trainer = self.make_trainer()
+            if self.training_config.checkpoint_root_directory is not None:
+                preemption = Preemption()
+            self.trainer = self.make_trainer(preemption=preemption)
         if hooks is not None:
             self.trainer.with_training_hooks(hooks)
         train_ds = micro_batches(self.train_batches)
@@ -250,19 +282,41 @@ class SFTRun:
         finally:
             if isinstance(hooks, HFOutputs):
                 hooks.finish()
+            if preemption is not None:
+                preemption.close()
         return self.trainer
 
+    def lora_params(self) -> LoraParams:
+        """The trained factors on the host, with their spec. Under ``jax.distributed`` every process must call
+        it (the factors are gathered from all of them)."""
+        from flax import nnx
+        from jax.experimental import multihost_utils
+
+        from gemport.checkpoint import read_lora
+        from gemport.params import flat_params
+
+        flat = flat_params(self.model, nnx.LoRAParam)
+        if jax.process_count() > 1:
+            flat = multihost_utils.process_allgather(flat, tiled=True)
+        return read_lora(flat, lora_spec=self.lora_spec)
+
     def export_peft(self, out_dir: str | os.PathLike, **kwargs: Any) -> Path:
-        """The trained adapter as PEFT files (``checkpoint.export_peft`` of ``model`` on ``base_dir``)."""
+        """The trained adapter as PEFT files (``checkpoint.export_peft`` of ``lora_params()`` on ``base_dir``).
+        Under ``jax.distributed`` every process calls it and process 0 writes."""
         from gemport.checkpoint import export_peft
 
-        return export_peft(self.model, out_dir, base_dir=self.base_dir, **kwargs)
+        lora = self.lora_params()
+        return export_peft(lora, out_dir, base_dir=self.base_dir, **kwargs) if jax.process_index() == 0 \
+            else Path(out_dir)
 
     def export_merged(self, out_dir: str | os.PathLike, **kwargs: Any) -> Path:
-        """The base with the trained adapter merged in (``checkpoint.export_merged``), for vLLM."""
+        """The base with the trained adapter merged in (``checkpoint.export_merged``), for vLLM; under
+        ``jax.distributed`` as ``export_peft``."""
         from gemport.checkpoint import export_merged
 
-        return export_merged(self.model, out_dir, base_dir=self.base_dir, **kwargs)
+        lora = self.lora_params()
+        return export_merged(lora, out_dir, base_dir=self.base_dir, **kwargs) if jax.process_index() == 0 \
+            else Path(out_dir)
 
 
 def training_config(args: Any, max_steps: int, *, checkpoint_dir: str | os.PathLike | None = None,
