@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from gemport import masks, train
 from gemport.checkpoint import export_merged, export_peft
 from gemport.checkpoint.adapters import LORA_SPEC_FILE
-from gemport.errors import OptimizerConfigError
+from gemport.errors import BatchError, RecipeError
 from gemport.lora import LoraSpec
 from gemport.train.distributed import batch_sharding, device_rows, global_batch, process_rows, process_step
 from gemport.train.preemption import Preempted, Preemption
@@ -67,7 +67,7 @@ def test_rows_that_are_not_one_range_are_refused():
     mesh = meshes()[1]
     # Rows over (tp, fsdp): the first host's devices (fsdp 0, every tp) hold rows 0, 2, 4, 6.
     sharding = NamedSharding(mesh, PartitionSpec(None, ("tp", "fsdp"), None))
-    with pytest.raises(OptimizerConfigError, match=r"rows \[0, 2, 4, 6\] of 8"):
+    with pytest.raises(BatchError, match=r"rows \[0, 2, 4, 6\] of 8"):
         device_rows(sharding, (2, 8, 12), hosts(mesh)[0])
 
 
@@ -116,7 +116,7 @@ def test_sft_pipeline_lays_out_only_a_hosts_rows(layout):
         for k in batch:
             np.testing.assert_array_equal(np.concatenate([part0[k], part1[k]], axis=1), batch[k], err_msg=k)
     free = train.from_sft_config({**config, "packing": False, "padding_free": True}, tokenizer())
-    with pytest.raises(OptimizerConfigError, match="padding_free"):
+    with pytest.raises(RecipeError, match="padding_free"):
         next(free.batches(examples, rows=slice(0, 1)))
 
 

@@ -18,7 +18,7 @@ from tunix.sft.peft_trainer import TrainingConfig
 
 from gemport import masks, train
 from gemport.checkpoint import export_merged, export_peft, load_model, read_lora
-from gemport.errors import OptimizerConfigError
+from gemport.errors import BatchError, OptimizerConfigError
 from gemport.lora import LoraSpec, apply_lora
 from gemport.mesh import make_mesh
 from gemport.optim import from_hf
@@ -149,7 +149,7 @@ def test_micro_batches_carry_the_step_target_count():
             element = data[2 * s + a]
             np.testing.assert_array_equal(element["tokens"], batch["tokens"][a])
             assert element[NUM_ITEMS].tolist() == [count, count]
-    with pytest.raises(OptimizerConfigError, match=r"\[A, B, T\]"):
+    with pytest.raises(BatchError, match=r"\[A, B, T\]"):
         micro_batches([steps[0], {k: v[0] for k, v in steps[1].items()}])
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import yaml
 
-from gemport.errors import OptimizerConfigError
+from gemport.errors import RecipeError
 from gemport.train import recipe
 from test_cli import gemport, one_line_error
 from test_train_sft import chats, tokenizer
@@ -166,11 +166,11 @@ def test_help_speaks_trl():
 
 
 @pytest.mark.parametrize("fields, error, words", [
-    ({"fsdp": "full_shard"}, OptimizerConfigError, "fsdp='full_shard': gemport sft does not reproduce"),
-    ({"learning_rat": 1e-4}, OptimizerConfigError, "learning_rat: not a field"),
-    ({"fp16": True}, OptimizerConfigError, "fp16=True: TPUs compute in bfloat16"),
-    ({"dataset_streaming": True}, OptimizerConfigError, "dataset_streaming=True"),
-    ({"lora_task_type": "SEQ_CLS"}, OptimizerConfigError, "lora_task_type"),
+    ({"fsdp": "full_shard"}, RecipeError, "fsdp='full_shard': gemport sft does not reproduce"),
+    ({"learning_rat": 1e-4}, RecipeError, "learning_rat: not a field"),
+    ({"fp16": True}, RecipeError, "fp16=True: TPUs compute in bfloat16"),
+    ({"dataset_streaming": True}, RecipeError, "dataset_streaming=True"),
+    ({"lora_task_type": "SEQ_CLS"}, RecipeError, "lora_task_type"),
 ])
 def test_fields_gemport_does_not_reproduce_are_refused_by_name(fields, error, words):
     with pytest.raises(error, match=words.replace("(", r"\(").replace("[", r"\[")):

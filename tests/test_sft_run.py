@@ -8,7 +8,7 @@ import pytest
 
 from gemport import SFTRun
 from gemport.checkpoint import read_lora
-from gemport.errors import OptimizerConfigError
+from gemport.errors import BatchError, RecipeError
 from gemport.mesh import make_mesh
 from gemport.specs import GemmaSpec
 from gemport.train.peft_trainer import HFPeftTrainer
@@ -42,14 +42,14 @@ def test_eval_batches_keep_the_odd_last_example(run):
     assert len(run.eval_examples) == 5 and len(run.eval_batches) == 3
     rows = np.concatenate([b["loss_mask"][0] for b in run.eval_batches])
     assert rows.shape[0] == 6 and rows.any(axis=1).sum() == 5  # five examples, one empty padding row
-    with pytest.raises(OptimizerConfigError, match="no eval example"):
+    with pytest.raises(RecipeError, match="no eval example"):
         eval_batches([], 2)
 
 
 def test_trainer_refuses_batches_laid_out_for_another_accumulation(run):
     config = dataclasses.replace(run.training_config, gradient_accumulation_steps=1)
     other = dataclasses.replace(run, training_config=config, trainer=None)
-    with pytest.raises(OptimizerConfigError, match="gradient_accumulation_steps=2 but TrainingConfig"):
+    with pytest.raises(BatchError, match="gradient_accumulation_steps=2 but TrainingConfig"):
         other.train()
     assert isinstance(other.trainer, HFPeftTrainer)
 
@@ -65,5 +65,5 @@ def test_a_trl_yaml_is_read_as_trl_sft_reads_it(tmp_path):
     assert fields["max_steps"] == 3 and fields["learning_rate"] == 5e-3
     assert fields["logging_steps"] == 10 and fields["num_train_epochs"] == 3.0  # TRL's defaults for the rest
     path.write_text(yaml.safe_dump({**ARGS, "fsdp": "full_shard"}))
-    with pytest.raises(OptimizerConfigError, match="fsdp='full_shard'"):
+    with pytest.raises(RecipeError, match="fsdp='full_shard'"):
         sft_fields(path)

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
-from gemport.errors import OptimizerConfigError
+from gemport.errors import BatchError
 from gemport.mesh.dims import FSDP
 from gemport.train.order import OptimizerStep
 
@@ -35,7 +35,7 @@ def device_rows(sharding: Sharding, shape: tuple[int, ...], devices: Iterable[ja
     which ``make_mesh`` and ``jax.make_mesh`` give); other dimensions may be sharded too.
 
     Raises:
-      OptimizerConfigError: the devices hold no rows, or rows that are not one range.
+      BatchError: the devices hold no rows, or rows that are not one range.
     """
     size = shape[axis]
     held = set()
@@ -44,7 +44,7 @@ def device_rows(sharding: Sharding, shape: tuple[int, ...], devices: Iterable[ja
         start, stop, _ = indices[device][axis].indices(size)
         held.update(range(start, stop))
     if not held or len(held) != max(held) - min(held) + 1:
-        raise OptimizerConfigError(
+        raise BatchError(
             f"the devices {sorted(d.id for d in devices)} hold rows {sorted(held)} of {size}; a process must hold "
             "one contiguous range of the batch's rows: shard the rows over the mesh's leading (data) axes"
         )

@@ -23,7 +23,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tunix.sft import hooks
 
-from gemport.errors import OptimizerConfigError
+from gemport.errors import RecipeError
 from gemport.optim.hf import fields_of
 from gemport.train.peft_trainer import SCOPES
 
@@ -47,7 +47,7 @@ class HFOutputs(hooks.TrainingHooks):
     def __init__(self, run: Any, output_dir: str | os.PathLike):
         f = fields_of(run.args, _READ)
         if f["logging_strategy"] != "steps":
-            raise OptimizerConfigError(f"SFTConfig.logging_strategy={f['logging_strategy']!r}: gemport logs by "
+            raise RecipeError(f"SFTConfig.logging_strategy={f['logging_strategy']!r}: gemport logs by "
                                        "'steps' (logging_steps)")
         from gemport.train.run import steps_of
 

@@ -28,7 +28,7 @@ from jax.interpreters import pxla
 from jax.sharding import NamedSharding, PartitionSpec
 
 from gemport.checkpoint.adapters import save_lora_spec
-from gemport.errors import OptimizerConfigError
+from gemport.errors import BatchError, OptimizerConfigError
 from gemport._src.extras import require
 from gemport.lora import LoraSpec
 from gemport.masks.loss import loss_scopes, nll_scopes
@@ -70,10 +70,10 @@ def micro_batches(steps: Iterable[Mapping[str, np.ndarray]]) -> grain.MapDataset
     """
     steps = [{k: np.asarray(batch[k]) for k in BATCH_FIELDS} for batch in steps]
     if not steps:
-        raise OptimizerConfigError("micro_batches: no optimizer step")
+        raise BatchError("micro_batches: no optimizer step")
     shapes = {batch["tokens"].shape for batch in steps}
     if len(shapes) != 1 or len(next(iter(shapes))) != 3:
-        raise OptimizerConfigError(
+        raise BatchError(
             f"micro_batches: step batches must all be [A, B, T]; got shapes {sorted(shapes)} (train.stack them "
             "with one accumulation and rows)"
         )
@@ -218,7 +218,7 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
         expected = self.config.get_with_default("gradient_accumulation_steps", 1)
         laid_out = None if given is None else int(np.asarray(given).flat[0])
         if self._mode == "train" and laid_out not in (None, expected):
-            raise OptimizerConfigError(
+            raise BatchError(
                 f"HFPeftTrainer: the batches were laid out for gradient_accumulation_steps={laid_out} but "
                 f"TrainingConfig.gradient_accumulation_steps={expected}; build both from one SFTConfig "
                 "(gemport.SFTRun), or give micro_batches(...) steps of that many micro-batches"

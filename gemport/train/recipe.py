@@ -7,7 +7,7 @@ data fields). ``read`` does the same and sorts every field the recipe sets into 
 - used: gemport reads it and reproduces what TRL does with it (``USED``);
 - mapped: it has no TPU/JAX counterpart or is TRL's own bookkeeping; gemport accepts it and says what it
   does instead (``MAPPED``, one sentence each, in ``Recipe.notes``);
-- refused: any other field set to a value other than TRL's default, with an ``OptimizerConfigError`` naming
+- refused: any other field set to a value other than TRL's default, with an ``RecipeError`` naming
   it (also a name that is no field of the three).
 """
 
@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from gemport.errors import OptimizerConfigError
+from gemport.errors import RecipeError
 
 SCRIPT = ("dataset_name", "dataset_config", "dataset_train_split", "dataset_test_split")
 """ScriptArguments fields gemport uses (``gemport.train.data.load_splits``)."""
@@ -178,7 +178,7 @@ def parse_overrides(argv: Sequence[str]) -> dict[str, Any]:
     while i < len(argv):
         token = argv[i]
         if not token.startswith("--") or len(token) == 2:
-            raise OptimizerConfigError(f"override {token!r}: give recipe fields as --name value")
+            raise RecipeError(f"override {token!r}: give recipe fields as --name value")
         name, eq, text = token[2:].partition("=")
         name = name.replace("-", "_")
         i += 1
@@ -196,7 +196,7 @@ def parse_overrides(argv: Sequence[str]) -> dict[str, Any]:
 def read(config: str | os.PathLike | Mapping[str, Any] | None, overrides: Mapping[str, Any] = ()) -> Recipe:
     """The recipe of a ``trl sft --config`` YAML (or a dict of its fields) with ``overrides`` on top.
 
-    ``env`` (a mapping) is set in ``os.environ``, as ``trl sft`` does. Raises ``OptimizerConfigError`` naming
+    ``env`` (a mapping) is set in ``os.environ``, as ``trl sft`` does. Raises ``RecipeError`` naming
     a field that is no field of ScriptArguments, ModelConfig or SFTConfig, or one gemport does not reproduce
     set to a value other than TRL's default, with the reason.
     """
@@ -209,16 +209,16 @@ def read(config: str | os.PathLike | Mapping[str, Any] | None, overrides: Mappin
         try:
             fields = yaml.safe_load(source.read_text())
         except yaml.YAMLError as e:
-            raise OptimizerConfigError(f"{source}: not YAML ({e})") from None
+            raise RecipeError(f"{source}: not YAML ({e})") from None
         if not isinstance(fields, Mapping):
-            raise OptimizerConfigError(f"{source}: expected a YAML mapping of trl sft fields")
+            raise RecipeError(f"{source}: expected a YAML mapping of trl sft fields")
     elif config is not None:
         fields = dict(config)
     fields = {**fields, **dict(overrides)}
     where = f"{source}: " if source else ""
     env = fields.pop("env", None) or {}
     if not isinstance(env, Mapping):
-        raise OptimizerConfigError(f"{where}env must be a mapping of environment variables")
+        raise RecipeError(f"{where}env must be a mapping of environment variables")
     for key, val in env.items():
         os.environ[str(key)] = str(val)
 
@@ -229,23 +229,23 @@ def read(config: str | os.PathLike | Mapping[str, Any] | None, overrides: Mappin
     for name, val in fields.items():
         owner = next((c for c in ("ScriptArguments", "ModelConfig", "SFTConfig") if name in defaults[c]), None)
         if owner is None:
-            raise OptimizerConfigError(f"{where}{name}: not a field of trl sft's ScriptArguments, ModelConfig or "
+            raise RecipeError(f"{where}{name}: not a field of trl sft's ScriptArguments, ModelConfig or "
                                        "SFTConfig; check its spelling")
         parts[owner][name] = val
         default = defaults[owner][name]
         if name in _REFUSED_WHEN_SET and val and val != default:
-            raise OptimizerConfigError(f"{where}{name}={val!r}: {_REFUSED_WHEN_SET[name]}")
+            raise RecipeError(f"{where}{name}={val!r}: {_REFUSED_WHEN_SET[name]}")
         # hub_* only act with push_to_hub, which is refused above.
         if name in USED or val == default or name.startswith("hub_"):
             continue
         if MAPPED.get(name):
             notes.append(f"{name}={val!r}: {MAPPED[name]}")
             continue
-        raise OptimizerConfigError(f"{where}{name}={val!r}: gemport sft does not reproduce this field; leave it at "
+        raise RecipeError(f"{where}{name}={val!r}: gemport sft does not reproduce this field; leave it at "
                                    f"TRL's default {default!r} (docs/sft.md lists every field)")
     model = parts["ModelConfig"]
     if model.get("lora_task_type", "CAUSAL_LM") != "CAUSAL_LM":
-        raise OptimizerConfigError(f"{where}lora_task_type={model['lora_task_type']!r}: gemport trains causal LMs")
+        raise RecipeError(f"{where}lora_task_type={model['lora_task_type']!r}: gemport trains causal LMs")
     sft = {**defaults["SFTConfig"], **parts["SFTConfig"]}
     if sft["pad_to_multiple_of"] == "auto":  # TRL: 128 on Neuron, else None
         sft["pad_to_multiple_of"] = None

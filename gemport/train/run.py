@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemport.errors import LoraError, OptimizerConfigError
+from gemport.errors import LoraError, RecipeError
 from gemport.lora import LoraParams, LoraSpec
 from gemport.masks.batching import pad
 from gemport.masks.tokenize import Example
@@ -66,7 +66,7 @@ CHECKPOINTS = "checkpoints"
 def steps_of(value: float | int, max_steps: int, name: str) -> int:
     """HF's reading of ``logging_steps`` / ``eval_steps`` / ``save_steps``: below 1 a ratio of ``max_steps``."""
     if not value or value <= 0:
-        raise OptimizerConfigError(f"SFTConfig.{name}={value!r}: give a positive number of steps (or a ratio < 1)")
+        raise RecipeError(f"SFTConfig.{name}={value!r}: give a positive number of steps (or a ratio < 1)")
     return math.ceil(value * max_steps) if value < 1 else int(value)
 
 
@@ -81,7 +81,7 @@ def sft_fields(config: Any) -> dict[str, Any]:
         return dict(config)
     if hasattr(config, "to_dict"):
         return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
-    raise OptimizerConfigError(f"{config!r:.80} is not an SFTConfig, a dict of its fields or a YAML path")
+    raise RecipeError(f"{config!r:.80} is not an SFTConfig, a dict of its fields or a YAML path")
 
 
 def lora_spec_of(lora: Any) -> LoraSpec:
@@ -95,7 +95,7 @@ def eval_batches(examples: Sequence[Example], batch_size: int, *, pad_id: int = 
     """Eval batches [1, batch_size, T] of ``examples`` in order, one padded example a row; the last batch keeps
     its odd examples (its missing rows are empty: no target). T is the longest example, rounded up."""
     if not examples:
-        raise OptimizerConfigError("eval_batches: no eval example")
+        raise RecipeError("eval_batches: no eval example")
     multiple = pad_to_multiple_of or 1
     width = math.ceil(max(len(e.tokens) for e in examples) / multiple) * multiple
     return [stack([pad(examples[i:i + batch_size], width, pad_id=pad_id)], accumulation=1, rows=batch_size)
@@ -153,7 +153,7 @@ class SFTRun:
             loads through ``checkpoint.quantize.load_qlora_model`` and LoRA trains on it; default unquantized
             (or the YAML's).
 
-        Raises OptimizerConfigError (a field gemport cannot honour, naming it), LoraError, MaskError.
+        Raises RecipeError (a field gemport cannot honour, naming it), LoraError, MaskError.
         """
         import transformers
 
@@ -186,7 +186,7 @@ class SFTRun:
         pipeline = from_sft_config(args, tokenizer, chat_format=chat_format)
         examples, report = pipeline.examples(train_dataset, tokenizer, progress=progress)
         if not examples:
-            raise OptimizerConfigError(f"no training example is left after truncation at max_length "
+            raise RecipeError(f"no training example is left after truncation at max_length "
                                        f"{pipeline.max_length} ({report}); raise max_length")
         held_out = None
         if eval_dataset is not None:
@@ -293,7 +293,7 @@ class SFTRun:
         from jax.experimental import multihost_utils
 
         from gemport.checkpoint import read_lora
-        from gemport.params import flat_params
+        from gemport._src.params import flat_params
 
         flat = flat_params(self.model, nnx.LoRAParam)
         if jax.process_count() > 1:
@@ -333,7 +333,7 @@ def training_config(args: Any, max_steps: int, *, checkpoint_dir: str | os.PathL
     f = fields_of(args, _READ)
     for name in ("eval_strategy", "save_strategy"):
         if f[name] not in ("no", "steps"):
-            raise OptimizerConfigError(f"SFTConfig.{name}={f[name]!r}: gemport runs 'steps' or 'no'; give "
+            raise RecipeError(f"SFTConfig.{name}={f[name]!r}: gemport runs 'steps' or 'no'; give "
                                        f"'steps' with {name.split('_')[0]}_steps")
     eval_every = max_steps + 1
     if evaluate and f["eval_strategy"] == "steps":
