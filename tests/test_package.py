@@ -18,3 +18,8 @@ def test_import_gemport_does_not_load_jax_and_submodules_load_on_first_use():
 def test_an_unknown_name_is_an_attribute_error_naming_it():
     with pytest.raises(AttributeError, match="nonesuch"):
         gemport.nonesuch
+
+
+def test_planning_and_configs_load_without_qwix():
+    code = "import sys, gemport.mesh, gemport.lora; print('qwix' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"

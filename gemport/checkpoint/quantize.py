@@ -11,7 +11,6 @@ computes. See `gemport.lora.QLoraSpec` for the config side and double quantizati
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import jax
@@ -28,9 +27,8 @@ from gemport.checkpoint.hf_dir import HFCheckpoint, resolve_spec
 from gemport.checkpoint.load import _place, _sharding, matched_entries
 from gemport.checkpoint.safetensors import DTYPES
 from gemport.errors import LoraError, MissingDependencyError
-from gemport.lora.qlora import NESTED_BLOCK_SIZE, QLoraSpec, is_quantized
+from gemport.lora.qlora import NESTED_BLOCK_SIZE, QLoraSpec, is_quantized, scale_spec, tile_shape
 from gemport._src.params import abstract_model, flat_params, path_str
-from gemport._src.partition import axes_of, padded
 from gemport.specs import GemmaSpec
 
 def nf4_values() -> np.ndarray:
@@ -71,31 +69,6 @@ def nested_absmax(absmax: np.ndarray) -> np.ndarray:
     offset = scales.mean()
     quantized, state = bnb_f.quantize_blockwise(scales - offset, blocksize=NESTED_BLOCK_SIZE)
     return (bnb_f.dequantize_blockwise(quantized, state) + offset).numpy()
-
-
-def tile_shape(entry: names.Entry, block_size: int) -> tuple[int, ...]:
-    """The Tunix-axis shape of one bitsandbytes block of ``entry``'s weight, e.g. (1, 64, 1) for
-    ``attn_vec_einsum`` ``d (n h) -> n h d`` with h = 256.
-
-    A block runs along the HF input dimension (the last HF group), over its trailing axes. Raises
-    ``LoraError`` when blocks would straddle rows or heads unevenly (an input width or head width neither a
-    multiple nor a divisor of the block), which Qwix's per-axis tiles cannot express.
-    """
-    pattern, sizes = entry.pattern, dict(entry.sizes)
-    tile, remaining = {}, block_size
-    for axis in reversed(pattern.left[-1]):
-        size = sizes[axis]
-        take = min(size, remaining)
-        if size % take or remaining % take:
-            break
-        tile[axis], remaining = take, remaining // take
-    if remaining != 1:
-        widths = ", ".join(f"{a}={sizes[a]}" for a in pattern.left[-1])
-        raise LoraError(
-            f"{entry.hf[0]}: input dimension ({widths}) does not split into bitsandbytes' {block_size}-element "
-            "blocks along its axes; Qwix scale tiles cannot hold them. Use a model whose widths are multiples of 64"
-        )
-    return tuple(math.prod(tile.get(a, 1) for a in dim) for dim in pattern.right)
 
 
 def to_qarray(entry: names.Entry, arrays: list[np.ndarray], qlora: QLoraSpec) -> qarray.QArray:
@@ -183,22 +156,6 @@ def load_qlora_model(hf_dir: str | Path, qlora: QLoraSpec, *, spec: GemmaSpec | 
     return model
 
 
-def scale_spec(spec, shape, axis_sizes) -> tuple:
-    """The partition spec of a scale of ``shape`` from its weight's ``spec``: an axis the mesh does not divide
-    (a tile spanning the whole axis, or D/64 blocks over fsdp) is replicated, since JAX places no uneven shards."""
-    return tuple(e if size % math.prod(axis_sizes[a] for a in axes_of(e)) == 0 else None
-                 for e, size in zip(padded(tuple(spec), len(shape)), shape))
-
-
-def bytes_per_device(entry: names.Entry, spec, axis_sizes, qlora: QLoraSpec) -> int:
-    """Bytes one device holds of ``entry``'s 4-bit weight placed with ``spec``: 4-bit codes (TPUs pack two per
-    byte) and the float32 scales in `scale_spec`."""
-    from gemport._src.partition import bytes_per_device as per_device
-
-    shape = entry.tunix_shape
-    scale = tuple(n // t for n, t in zip(shape, tile_shape(entry, qlora.block_size)))
-    return per_device(shape, spec, axis_sizes, 1) // 2 + per_device(scale, scale_spec(spec, scale, axis_sizes),
-                                                                    axis_sizes, 4)
 
 
 def _scale_sharding(sharding, shape):

@@ -18,13 +18,17 @@ but keeps them as float32, so it does not have the 0.37 bit/parameter that nesti
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from os import PathLike
 from pathlib import Path
 from typing import Any
 
-from gemport.errors import LoraError
+from gemport import names
 from gemport._src.jsonfile import Fields, read_json
+from gemport._src.partition import axes_of, padded
+from gemport._src.partition import bytes_per_device as per_device
+from gemport.errors import LoraError
 from gemport.lora.config import PROJECTIONS
 
 # bitsandbytes' block for 4-bit weights; transformers' BitsAndBytesConfig does not expose it.
@@ -160,3 +164,44 @@ def _dtype_name(value: Any, source: str) -> str | None:
     if name not in COMPUTE_DTYPES:
         raise LoraError(f"{source}: compute dtype {value!r}: expected one of {COMPUTE_DTYPES}")
     return name
+
+
+def tile_shape(entry: names.Entry, block_size: int) -> tuple[int, ...]:
+    """The Tunix-axis shape of one bitsandbytes block of ``entry``'s weight, e.g. (1, 64, 1) for
+    ``attn_vec_einsum`` ``d (n h) -> n h d`` with h = 256.
+
+    A block runs along the HF input dimension (the last HF group), over its trailing axes. Raises
+    ``LoraError`` when blocks would straddle rows or heads unevenly (an input width or head width neither a
+    multiple nor a divisor of the block), which Qwix's per-axis tiles cannot express.
+    """
+    pattern, sizes = entry.pattern, dict(entry.sizes)
+    tile, remaining = {}, block_size
+    for axis in reversed(pattern.left[-1]):
+        size = sizes[axis]
+        take = min(size, remaining)
+        if size % take or remaining % take:
+            break
+        tile[axis], remaining = take, remaining // take
+    if remaining != 1:
+        widths = ", ".join(f"{a}={sizes[a]}" for a in pattern.left[-1])
+        raise LoraError(
+            f"{entry.hf[0]}: input dimension ({widths}) does not split into bitsandbytes' {block_size}-element "
+            "blocks along its axes; Qwix scale tiles cannot hold them. Use a model whose widths are multiples of 64"
+        )
+    return tuple(math.prod(tile.get(a, 1) for a in dim) for dim in pattern.right)
+
+
+def scale_spec(spec, shape, axis_sizes) -> tuple:
+    """The partition spec of a scale of ``shape`` from its weight's ``spec``: an axis the mesh does not divide
+    (a tile spanning the whole axis, or D/64 blocks over fsdp) is replicated, since JAX places no uneven shards."""
+    return tuple(e if size % math.prod(axis_sizes[a] for a in axes_of(e)) == 0 else None
+                 for e, size in zip(padded(tuple(spec), len(shape)), shape))
+
+
+def bytes_per_device(entry: names.Entry, spec, axis_sizes, qlora: QLoraSpec) -> int:
+    """Bytes one device holds of ``entry``'s 4-bit weight placed with ``spec``: 4-bit codes (TPUs pack two per
+    byte) and the float32 scales in `scale_spec`."""
+    shape = entry.tunix_shape
+    scale = tuple(n // t for n, t in zip(shape, tile_shape(entry, qlora.block_size)))
+    return per_device(shape, spec, axis_sizes, 1) // 2 + per_device(scale, scale_spec(spec, scale, axis_sizes),
+                                                                    axis_sizes, 4)

@@ -11,7 +11,7 @@ from gemport.mesh.activations import StepMemory, step_memory
 from gemport.mesh.dims import FSDP, TP, annotated
 from gemport.mesh.factory import check, valid_tp
 from gemport.lora import LoraLayout, LoraSpec, QLoraSpec
-from gemport.checkpoint import quantize
+from gemport.lora.qlora import bytes_per_device as qlora_bytes_per_device
 from gemport.lora.qlora import is_quantized
 from gemport._src.partition import bytes_per_device
 from gemport.specs import GemmaSpec
@@ -172,7 +172,7 @@ def memory_plan(
     base_elements = sum(bytes_per_device(shape, ann, sizes, 1) for _, shape, ann, _ in params)
     base_bytes = base_elements * np.dtype(param_dtype).itemsize
     if qlora is not None:
-        base_bytes = sum(quantize.bytes_per_device(e, ann, sizes, qlora) if is_quantized(e)
+        base_bytes = sum(qlora_bytes_per_device(e, ann, sizes, qlora) if is_quantized(e)
                          else bytes_per_device(shape, ann, sizes, np.dtype(param_dtype).itemsize)
                          for _, shape, ann, e in params)
         lora_dtype = lora_dtype or "float32"
