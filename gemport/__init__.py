@@ -63,7 +63,7 @@ _LAZY = {
     "load_orbax": "gemport.checkpoint",
     "save_orbax": "gemport.checkpoint",
     "import_peft": "gemport.checkpoint",
-    "read_lora": "gemport.checkpoint",
+    "load_lora": "gemport.checkpoint",
     "save_lora": "gemport.checkpoint",
     "export_merged": "gemport.checkpoint",
     "export_peft": "gemport.checkpoint",

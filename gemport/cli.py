@@ -174,7 +174,7 @@ def import_peft(args) -> int:
 
 
 def verify(args) -> int:
-    from gemport.checkpoint import load_model, read_lora
+    from gemport.checkpoint import load_model, load_lora
     from gemport.lora import apply_lora
     from gemport.verify import compare_logits
 
@@ -186,7 +186,7 @@ def verify(args) -> int:
     if args.lora:
         base = Path(args.base or hf_dir)
         spec = _spec(str(base))
-        lora = read_lora(args.lora, lora_spec=_lora_spec(args.lora_config), step=args.step)
+        lora = load_lora(args.lora, lora_spec=_lora_spec(args.lora_config), step=args.step)
         model = apply_lora(load_model(base, spec=spec), spec, lora)
     elif args.engine == "vllm":
         model = None

@@ -18,14 +18,14 @@ TOP_LEVEL = [
     "TemplateMismatchWarning", "UnexpectedTensorError", "UnsafePathError",
     "apply_lora", "audit", "compare_logits", "export_merged", "export_peft", "fix_lora", "from_sft_config",
     "hf_optimizer", "import_peft", "load_hf", "load_model", "load_orbax", "make_mesh", "memory_plan",
-    "micro_batches", "optimizer_shardings", "optimizer_steps", "read_lora", "save_hf", "save_lora", "save_orbax",
+    "micro_batches", "optimizer_shardings", "optimizer_steps", "load_lora", "save_hf", "save_lora", "save_orbax",
     "train_step", "trajectory", "valid_meshes",
 ]  # fmt: skip
 
 SUBPACKAGES = {
     "gemport.checkpoint": [
         "HFCheckpoint", "check_output", "export_merged", "export_peft", "import_peft", "load_hf", "load_model",
-        "load_orbax", "load_qlora_model", "peft_for_vllm", "read_lora", "save_hf", "save_lora", "save_lora_spec",
+        "load_orbax", "load_qlora_model", "peft_for_vllm", "load_lora", "save_hf", "save_lora", "save_lora_spec",
         "save_orbax", "vllm_misserved",
     ],
     "gemport.engines": ["PYTHON_ENV", "Served", "max_lora_rank", "serve_vllm", "vllm_python"],

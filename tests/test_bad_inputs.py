@@ -36,7 +36,7 @@ from gemport.checkpoint import (
     import_peft,
     load_hf,
     load_orbax,
-    read_lora,
+    load_lora,
     save_hf,
     save_orbax,
 )
@@ -291,7 +291,7 @@ def test_damaged_orbax_checkpoints_are_named(plain, orbax_checkpoint, tmp_path):
     lora_root = tmp_path / "lora"
     shutil.copytree(no_metadata, lora_root / "3" / "model_params")
     with pytest.raises(CorruptFileError, match="_METADATA"):
-        read_lora(lora_root, lora_spec=LORA)
+        load_lora(lora_root, lora_spec=LORA)
     garbled = tmp_path / "garbled"
     shutil.copytree(orbax_checkpoint, garbled)
     for path in garbled.rglob("*"):
@@ -306,7 +306,7 @@ def test_a_broken_lora_spec_file_is_named(tmp_path):
     for text in ("{broken", "[]", json.dumps({"rank": 4}), json.dumps({"rank": -1, "alpha": 1, "targets": []})):
         (tmp_path / "gemport_lora.json").write_text(text)
         with pytest.raises(LoraError, match=r"gemport_lora\.json.*save_lora_spec"):
-            read_lora(tmp_path / "0")
+            load_lora(tmp_path / "0")
 
 
 # 7. JSON, safetensors, meshes, optimizer ----------------------------------------------------------------------

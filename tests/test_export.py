@@ -20,7 +20,7 @@ from gemport.checkpoint import (
     export_peft,
     import_peft,
     load_model,
-    read_lora,
+    load_lora,
     vllm_misserved,
 )
 from gemport.checkpoint.safetensors import SafetensorsFile, TensorSource, write_file
@@ -71,7 +71,7 @@ def run(request, tmp_path_factory):
 
 def test_family_has_what_the_acceptance_needs(run):
     assert run.spec.family == "gemma3" or any(run.spec.layer_k_eq_v(i) for i in range(run.spec.num_layers))
-    params = read_lora(run.model, lora_spec=run.lora_spec).flat()
+    params = load_lora(run.model, lora_spec=run.lora_spec).flat()
     assert all(np.abs(v).max() > 0 for v in params.values())
 
 
@@ -123,7 +123,7 @@ def test_peft_ignores_the_v_proj_copies(run, tmp_path):
 def test_import_of_export_reproduces_the_deltas(run):
     lora = import_peft(run.root / "peft", base_dir=run.root / "base")
     assert lora.lora_spec.fused == "separate" and lora.lora_spec.scale == run.lora_spec.scale
-    ours = hf_deltas(read_lora(run.model, lora_spec=run.lora_spec).flat(), run.spec, run.lora_spec)
+    ours = hf_deltas(load_lora(run.model, lora_spec=run.lora_spec).flat(), run.spec, run.lora_spec)
     back = hf_deltas(lora.flat(), run.spec, lora.lora_spec)
     assert ours.keys() == back.keys()
     for m in ours:

@@ -18,7 +18,7 @@ from gemport.checkpoint import (
     export_peft,
     import_peft,
     load_model,
-    read_lora,
+    load_lora,
     save_lora_spec,
 )
 from gemport.checkpoint.output import write_sharded
@@ -60,7 +60,7 @@ def run(tmp_path_factory):
             for p, v in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))]
     nnx.update(model, nnx.from_flat_state(flat))
     export_merged(model, root / "merged", base_dir=root / "base", lora_spec=LORA)
-    return SimpleNamespace(root=root, spec=spec, model=model, params=read_lora(model, lora_spec=LORA).flat())
+    return SimpleNamespace(root=root, spec=spec, model=model, params=load_lora(model, lora_spec=LORA).flat())
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,7 @@ def test_orbax_checkpoint_exports_like_the_in_memory_model(run):
     export_merged(root, run.root / "from_orbax", base_dir=run.root / "base")
     for name in ("model.safetensors", "config.json"):
         assert (run.root / "from_orbax" / name).read_bytes() == (run.root / "merged" / name).read_bytes()
-    np.testing.assert_array_equal(read_lora(root, step=1).flat()[LORA_KEY], 0)
+    np.testing.assert_array_equal(load_lora(root, step=1).flat()[LORA_KEY], 0)
 
 
 def test_sharded_multimodal_base_keeps_untouched_tensors_byte_identical(run, multimodal):

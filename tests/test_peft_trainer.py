@@ -17,7 +17,7 @@ from flax import nnx
 from tunix.sft.peft_trainer import TrainingConfig
 
 from gemport import masks, train
-from gemport.checkpoint import export_merged, export_peft, load_model, read_lora
+from gemport.checkpoint import export_merged, export_peft, load_model, load_lora
 from gemport.errors import BatchError, OptimizerConfigError
 from gemport.lora import LoraSpec, apply_lora
 from gemport.mesh import make_mesh
@@ -130,7 +130,7 @@ def test_peft_trainer_takes_hf_steps(hf_checkpoint, tmp_path, name, mesh_shape):
         np.testing.assert_allclose(np.asarray(a.get_value()), np.asarray(b.get_value()), rtol=0, atol=1e-5,
                                    err_msg=str(path))
 
-    assert read_lora(root).lora_spec == lora_spec
+    assert load_lora(root).lora_spec == lora_spec
     merged, adapter = tmp_path / "merged", tmp_path / "adapter"
     export_merged(root, merged, base_dir=hf_dir)
     export_peft(root, adapter, base_dir=hf_dir)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from gemport import SFTRun
-from gemport.checkpoint import read_lora
+from gemport.checkpoint import load_lora
 from gemport.errors import BatchError, RecipeError
 from gemport.mesh import make_mesh
 from gemport.specs import GemmaSpec
@@ -35,7 +35,7 @@ def test_every_fact_comes_from_the_sft_config(run):
     assert {b["tokens"].shape for b in run.train_batches} == {(2, 2, 64)}
     assert float(run.optimizer.schedule(0)) == pytest.approx(5e-3 * (1 - 0 / 3))  # HF's linear decay from 0
     assert run.lora_spec.rank == 4 and run.model.lora_spec == run.lora_spec
-    assert read_lora(run.model).lora_spec == run.lora_spec  # the exports' reader needs no lora_spec=
+    assert load_lora(run.model).lora_spec == run.lora_spec  # the exports' reader needs no lora_spec=
 
 
 def test_eval_batches_keep_the_odd_last_example(run):

@@ -5,7 +5,7 @@ belongs to is ``base_dir=`` (it gives the architecture, the key prefix and the s
 needed only where no HF folder is at hand. LoRA travels as `gemport.lora.LoraParams` (factors and spec).
 """
 
-from gemport.checkpoint.adapters import read_lora, save_lora, save_lora_spec
+from gemport.checkpoint.adapters import load_lora, save_lora, save_lora_spec
 from gemport.checkpoint.hf_dir import HFCheckpoint
 from gemport.checkpoint.load import load_hf, load_model
 from gemport.checkpoint.merge import export_merged
@@ -22,11 +22,11 @@ __all__ = [
     "export_peft",
     "import_peft",
     "load_hf",
+    "load_lora",
     "load_model",
     "load_orbax",
     "load_qlora_model",
     "peft_for_vllm",
-    "read_lora",
     "save_hf",
     "save_lora",
     "save_lora_spec",

@@ -3,7 +3,7 @@
 Sources: an nnx model or state (``nnx.LoRAParam``), a flat ``{path: array}`` dict, `LoraParams`, or an Orbax
 checkpoint written by Tunix's PeftTrainer with ``save_only_lora_params`` (``<root>/<step>/model_params``).
 Tunix does not record rank, alpha or targets; `save_lora_spec` writes them beside the checkpoint root so that
-`read_lora` and the exports can find them.
+`load_lora` and the exports can find them.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def _find_lora_spec(path: str | os.PathLike) -> LoraSpec | None:
     return None
 
 
-def read_lora(source, *, lora_spec: LoraSpec | None = None, step: int | None = None) -> LoraParams:
+def load_lora(source, *, lora_spec: LoraSpec | None = None, step: int | None = None) -> LoraParams:
     """LoRA factors and their spec from wherever they are.
 
     Args:
@@ -145,7 +145,7 @@ def save_lora(lora: LoraParams, out_dir: str | os.PathLike, *, step: int = 0) ->
     """Write ``lora`` as a PeftTrainer checkpoint root: ``<out_dir>/<step>/model_params`` and its spec.
 
     Tunix's ``PeftTrainer`` (``CheckpointManager.maybe_restore(..., restore_only_lora_params=True)``) resumes
-    from it, and `read_lora` and the exports read it back. The directory appears atomically when complete;
+    from it, and `load_lora` and the exports read it back. The directory appears atomically when complete;
     ``out_dir`` must not exist or be empty.
     """
     out = check_output(out_dir)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemport.checkpoint.adapters import read_lora
+from gemport.checkpoint.adapters import load_lora
 from gemport.checkpoint.hf_dir import HFCheckpoint
 from gemport.checkpoint.load import matched_entries
 from gemport.checkpoint.output import atomic_dir, check_output, copy_side_files, write_sharded
@@ -37,7 +37,7 @@ def export_merged(lora, out_dir: str | Path, *, base_dir: str | Path, lora_spec:
     independent of model size. The directory appears atomically when complete.
 
     Args:
-      lora: the LoRA factors, anything `read_lora` reads: `LoraParams`, an nnx model or state, a flat dict, or
+      lora: the LoRA factors, anything `load_lora` reads: `LoraParams`, an nnx model or state, a flat dict, or
         a PeftTrainer Orbax checkpoint path (root, step or ``model_params`` directory).
       out_dir: the output directory; must not exist or be empty, nor lie inside an input.
       base_dir: the HF checkpoint the adapter was trained on (single file or sharded, any text prefix); gives
@@ -52,7 +52,7 @@ def export_merged(lora, out_dir: str | Path, *, base_dir: str | Path, lora_spec:
     """
     base = Path(base_dir)
     out = check_output(out_dir, base, lora if isinstance(lora, (str, os.PathLike)) else None)
-    params, lora_spec = read_lora(lora, lora_spec=lora_spec, step=step)
+    params, lora_spec = load_lora(lora, lora_spec=lora_spec, step=step)
     params = flat_params(params)
     spec = GemmaSpec.from_hf(base)
     ckpt = HFCheckpoint(base)

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from gemport import names
-from gemport.checkpoint.adapters import read_lora
+from gemport.checkpoint.adapters import load_lora
 from gemport.checkpoint.hf_dir import HFCheckpoint, resolve_spec
 from gemport.checkpoint.load import matched_entries
 from gemport.checkpoint.output import atomic_dir, check_output
@@ -52,7 +52,7 @@ def export_peft(lora, out_dir: str | Path, *, base_dir: str | Path | None = None
     v_proj of a k_eq_v layer different scales: no copy can be exact there). Tensors keep the adapter's dtype.
 
     Args:
-      lora: the LoRA factors, anything `read_lora` reads: `LoraParams`, an nnx model or state, a flat dict, or
+      lora: the LoRA factors, anything `load_lora` reads: `LoraParams`, an nnx model or state, a flat dict, or
         a PeftTrainer Orbax checkpoint path.
       out_dir: the adapter directory to create; must not exist or be empty.
       base_dir: the HF checkpoint the adapter was trained on. Gives the architecture, the module path of its
@@ -69,7 +69,7 @@ def export_peft(lora, out_dir: str | Path, *, base_dir: str | Path | None = None
     text_prefix = "model." if base_dir is None else matched_entries(HFCheckpoint(base_dir), spec)[0]
     if base_model_name_or_path is None and base_dir is not None:
         base_model_name_or_path = str(Path(base_dir).resolve())
-    params, lora_spec = read_lora(lora, lora_spec=lora_spec, step=step)
+    params, lora_spec = load_lora(lora, lora_spec=lora_spec, step=step)
     params = flat_params(params)
     layout = LoraLayout(spec, lora_spec)
     copies = _servable_copies(layout, stacklevel=3)

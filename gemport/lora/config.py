@@ -207,7 +207,7 @@ class LoraSpec:
 
 class LoraParams(NamedTuple):
     """LoRA factors with the `LoraSpec` that shapes them: what `gemport.checkpoint.import_peft` and
-    `gemport.checkpoint.read_lora` return, and what `apply_lora` and the exports take.
+    `gemport.checkpoint.load_lora` return, and what `apply_lora` and the exports take.
 
     ``params`` is an ``nnx.State`` of ``nnx.LoRAParam`` with the Tunix model's paths, e.g. kv_einsum's
     ``w_lora_a`` of shape (2, D, r) and ``w_lora_b`` of shape (2, r, K, H); ``lora_spec`` is the rank, alpha,

@@ -176,7 +176,7 @@ def apply_lora(model, spec: GemmaSpec, lora: LoraSpec | LoraParams, *, seed: int
     """LoRA on a Tunix Gemma model; returns the new model (the input is not modified).
 
     The new model carries its spec as ``model.lora_spec`` (static, kept through ``nnx.split``/``merge``), so
-    `gemport.checkpoint.read_lora` and the exports read its factors without ``lora_spec=``.
+    `gemport.checkpoint.load_lora` and the exports read its factors without ``lora_spec=``.
 
     Runs ``qwix.apply_lora_to_model`` with `provider` on a dummy batch. Each factor carries its base weight's
     sharding annotation with the rank axis unsharded (`LoraLayout.specs`) and, on a mesh, is placed
@@ -186,7 +186,7 @@ def apply_lora(model, spec: GemmaSpec, lora: LoraSpec | LoraParams, *, seed: int
       model: a Tunix Gemma model of ``spec`` (e.g. from `gemport.checkpoint.load_model`), on a mesh or not.
       spec: its architecture.
       lora: a `LoraSpec`, for fresh factors started per ``lora.init`` from ``seed`` (B zero, as PEFT); or
-        `LoraParams` (e.g. from `gemport.checkpoint.import_peft` or `read_lora`), whose factors are placed into
+        `LoraParams` (e.g. from `gemport.checkpoint.import_peft` or `load_lora`), whose factors are placed into
         the new model's shardings.
       qlora: the `gemport.lora.QLoraSpec` of a 4-bit base from `gemport.checkpoint.quantize.load_qlora_model`
         (QLoRA); the factors are then float32, the dtype of the base's scales, as Qwix makes them.

@@ -292,13 +292,13 @@ class SFTRun:
         from flax import nnx
         from jax.experimental import multihost_utils
 
-        from gemport.checkpoint import read_lora
+        from gemport.checkpoint import load_lora
         from gemport._src.params import flat_params
 
         flat = flat_params(self.model, nnx.LoRAParam)
         if jax.process_count() > 1:
             flat = multihost_utils.process_allgather(flat, tiled=True)
-        return read_lora(flat, lora_spec=self.lora_spec)
+        return load_lora(flat, lora_spec=self.lora_spec)
 
     def export_peft(self, out_dir: str | os.PathLike, **kwargs: Any) -> Path:
         """The trained adapter as PEFT files (``checkpoint.export_peft`` of ``lora_params()`` on ``base_dir``).
