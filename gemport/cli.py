@@ -85,7 +85,7 @@ def plan(args) -> int:
     if lora is None and args.lora_rank is not None:
         from gemport.lora import LoraSpec
 
-        lora = LoraSpec(args.lora_rank, 2.0 * args.lora_rank)
+        lora = LoraSpec(args.lora_rank)  # alpha scales the delta, not its memory
     qlora = None
     if args.qlora:
         from gemport.lora import QLoraSpec
@@ -245,7 +245,8 @@ def parity(args) -> int:
             print(f"miniature of {args.base}: {base}")
         report = trajectory(base, args.data, sft_config=sft, lora_config=lora, steps=args.steps, tokenizer=tokenizer,
                             port_sft_config=port, fast=args.fast,
-                            tolerances=Tolerances(loss=args.rtol, grad_norm=args.rtol, adapter=args.adapter_rtol))
+                            tolerances=Tolerances(**_given(args, loss="rtol", grad_norm="rtol"),
+                                                  adapter=args.adapter_rtol))
     print(report.table())
     return 0 if report.ok else 1
 
@@ -364,7 +365,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--lora-config", help="PEFT adapter_config.json (default: lora_* fields of --config)")
     c.add_argument("--port-config", help="the port's SFTConfig, if it differs from --config")
     c.add_argument("--steps", type=int, help="optimizer steps (default: max_steps of --config)")
-    c.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance on loss and grad_norm (default 1e-4)")
+    c.add_argument("--rtol", type=float, default=Default("gemport.parity.Tolerances", "loss"),
+                   help="relative tolerance on loss and grad_norm (default %(default)s)")
     c.add_argument("--adapter-rtol", type=float,
                    help="relative tolerance on each module's final s*B@A (default: 10x the float32 floor measured "
                         "by training the recipe again with sdpa attention and the port again with more padding, "

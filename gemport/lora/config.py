@@ -35,7 +35,7 @@ class LoraSpec:
 
     Attributes:
       rank: r.
-      alpha: PEFT's ``lora_alpha``. The delta is ``B @ A * scale`` with ``scale = alpha / rank``, or
+      alpha: PEFT's ``lora_alpha`` (default PEFT's, 8). The delta is ``B @ A * scale`` with ``scale = alpha / rank``, or
         ``alpha / sqrt(rank)`` with rsLoRA.
       targets: PEFT target module names, a subset of ``PROJECTIONS``.
       rslora: PEFT's ``use_rslora``.
@@ -58,7 +58,7 @@ class LoraSpec:
     """
 
     rank: int
-    alpha: float
+    alpha: float = 8.0
     targets: tuple[str, ...] = PROJECTIONS
     rslora: bool = False
     dropout: float = 0.0
