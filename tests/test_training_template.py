@@ -1,6 +1,8 @@
 """gemport's Gemma 4 training template: the text of TRL's shipped Gemma 4 template, and TRL's
 assistant_only_loss masks with it equal to gemport's masks (thinking off and on)."""
 
+import copy
+
 import datasets
 import numpy as np
 import pytest
@@ -93,7 +95,8 @@ def test_train_reasoning_marks_reasoning_too():
 @pytest.mark.parametrize("thinking", [False, True])
 def test_trl_sft_trainer_trains_gemports_tokens(hf_checkpoint, tmp_path, thinking):
     """TRL 1.16 refuses assistant_only_loss with its own Gemma 4 template; with this one its labels are gemport's."""
-    model, _ = hf_checkpoint("gemma4_dense")
+    # SFTTrainer sets its model's config.pad_token_id; the session's model is shared with other modules.
+    model = copy.deepcopy(hf_checkpoint("gemma4_dense")[0])
     tokenizer = char_tokenizer(GEMMA4_CONTROL)
     chats = [CHAT, CHAT[1:], SHAPES["tools"][0], SHAPES["assistant after assistant"][0]]
     rows = [{"messages": chat, "chat_template_kwargs": {"enable_thinking": thinking}} for chat in chats]
