@@ -147,13 +147,18 @@ def load_qlora_model(hf_dir: str | Path, qlora: QLoraSpec, *, spec: GemmaSpec | 
         quantized.append((path, qarray.QArray(qvalue, scale, qtype=q.qtype), how_to_quantize(entry, qlora)))
     model = nnx.merge(graphdef, nnx.from_flat_state(flat))
     for path, q, how in quantized:
-        module = model
-        for key in path[:-1]:
-            module = module[key] if isinstance(key, int) else getattr(module, key)
-        param = getattr(module, path[-1])
-        # As Qwix's PTQ stores a quantized weight: the QArray's leaves boxed like the original Param.
-        setattr(module, path[-1], jax.tree.map(param.replace, ptq.WithAux(q, how)))
+        set_quantized(model, path, q, how)
     return model
+
+
+def set_quantized(model, path, q, how) -> None:
+    """Replace the Param at ``path`` of ``model`` (in place) by the 4-bit weight ``q`` (a Qwix ``QArray``) as
+    Qwix's PTQ stores one: ``WithAux(q, how)`` with its leaves boxed like the original Param."""
+    module = model
+    for key in path[:-1]:
+        module = module[key] if isinstance(key, int) else getattr(module, key)
+    param = getattr(module, path[-1])
+    setattr(module, path[-1], jax.tree.map(param.replace, ptq.WithAux(q, how)))
 
 
 

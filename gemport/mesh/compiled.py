@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from gemport import names
-from gemport.checkpoint.quantize import how_to_quantize
+from gemport.checkpoint.quantize import how_to_quantize, set_quantized
 from gemport.lora import LoraSpec, QLoraSpec, apply_lora
 from gemport.lora.qlora import is_quantized
 from gemport.masks.loss import masked_cross_entropy
@@ -57,7 +57,6 @@ def quantize_base(model, spec: GemmaSpec, qlora: QLoraSpec):
     codes are Qwix's quantization of the weights the model holds; shapes, dtypes and shardings are the
     loader's, which is what a compile measures."""
     from qwix._src.core import qarray
-    from qwix._src.providers import ptq
 
     by_path = {e.tunix: e for e in names.entries(spec)}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
@@ -66,11 +65,7 @@ def quantize_base(model, spec: GemmaSpec, qlora: QLoraSpec):
             continue
         how = how_to_quantize(entry, qlora)
         q = qarray.quantize(var.get_value(), how)
-        q = qarray.QArray(q.qvalue, q.scale.astype(jnp.float32), qtype=q.qtype)
-        module = model
-        for key in path[:-1]:
-            module = module[key] if isinstance(key, int) else getattr(module, key)
-        setattr(module, path[-1], jax.tree.map(var.replace, ptq.WithAux(q, how)))
+        set_quantized(model, path, qarray.QArray(q.qvalue, q.scale.astype(jnp.float32), qtype=q.qtype), how)
 
 
 def lora_model(spec: GemmaSpec, lora_spec: LoraSpec, *, param_dtype=jnp.bfloat16, remat: str = "none",
