@@ -33,8 +33,12 @@ vllm: $(VLLM_STAMP)
 demo: $(STAMP)
 	$(PY) examples/port_gemma4.py
 
+# Two workers, one per core of the machine CI runs on (tests pin their math to one thread); a test module's
+# tests stay on one worker, so module fixtures are built once.
+PYTEST_WORKERS = -n 2 --dist loadscope
+
 test: $(STAMP) $(VLLM_STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PYTEST_WORKERS)
 	$(VENV)/bin/mkdocs build --strict --quiet --site-dir build/site
 
 # The newest versions pyproject's ranges allow, in a second venv (not in CI). Tunix 0.1.7 declares
@@ -49,7 +53,7 @@ $(LATEST_STAMP): pyproject.toml
 
 test-latest: $(LATEST_STAMP)
 	$(LATEST)/bin/python -m pip list --format=freeze | grep -iE '^(transformers|peft|trl|safetensors|tokenizers|huggingface.hub|jax|flax|google.tunix)=='
-	$(LATEST)/bin/python -m pytest -q
+	$(LATEST)/bin/python -m pytest -q $(PYTEST_WORKERS)
 	$(LATEST)/bin/mkdocs build --strict --quiet --site-dir build/site-latest
 
 bench: $(STAMP)
