@@ -25,6 +25,7 @@ from flax import nnx  # noqa: E402
 from tunix.models.gemma4 import model as gemma4  # noqa: E402
 
 from gemport import masks, train  # noqa: E402
+from gemport.optim import hf_optimizer  # noqa: E402
 
 CONFIG = dict(num_layers=6, num_embed=4096, embed_dim=256, hidden_dim=1024, num_heads=8, head_dim=32,
               num_kv_heads=4, global_key_size=64, num_global_kv_heads=2, k_eq_v_global=True,
@@ -65,7 +66,7 @@ def baseline_step():
 
 def timed(step, batch, steps):
     model = lora_model()
-    optimizer = nnx.Optimizer(model, train.hf_optimizer(ARGS, num_training_steps=1000).tx, wrt=nnx.LoRAParam)
+    optimizer = nnx.Optimizer(model, hf_optimizer(ARGS, num_training_steps=1000).tx, wrt=nnx.LoRAParam)
     start = time.perf_counter()
     jax.block_until_ready(step(model, optimizer, batch))
     compile_seconds = time.perf_counter() - start

@@ -76,7 +76,7 @@ _LAZY = {
     "optimizer_shardings": "gemport.sharding",
     "from_sft_config": "gemport.train",
     "SFTRun": "gemport.train",
-    "hf_optimizer": "gemport.train",
+    "hf_optimizer": "gemport.optim",
     "optimizer_steps": "gemport.train",
     "train_step": "gemport.train",
     "HFPeftTrainer": "gemport.train.peft_trainer",

@@ -101,9 +101,9 @@ def plan(args) -> int:
         if "host_platform_device_count" not in flags:
             flags += f" --xla_force_host_platform_device_count={args.devices}"
         os.environ["XLA_FLAGS"] = f"{flags} {CPU_MEMORY_SCHEDULER}".strip()
-    plans = valid_meshes(spec, args.devices, hbm_bytes=hbm, lora_spec=lora, param_dtype=args.param_dtype,
-                         batch=args.batch, seq_len=args.seq_len, remat=args.remat, qlora=qlora)
-    base = "a 4-bit (nf4) base" if qlora else f"a {args.param_dtype} base"
+    plans = valid_meshes(spec, args.devices, hbm_bytes=hbm, lora_spec=lora, batch=args.batch, seq_len=args.seq_len,
+                         qlora=qlora, **_given(args, param_dtype="param_dtype", remat="remat"))
+    base = f"a 4-bit ({qlora.qtype}) base" if qlora else f"a {args.param_dtype} base"
     print(f"{args.model}: {len(plans)} valid (fsdp, tp) meshes on {args.devices} devices, {base}")
     for p in plans:
         print(f"  {p}")
@@ -122,8 +122,8 @@ def _compiled_peak(spec, lora, qlora, p, args) -> str:
         raise MeshError("--compile compiles the LoRA train step: give --lora-rank or --lora-config, --batch and "
                         "--seq-len")
     try:
-        peak = compiled_peak(spec, lora, p.fsdp, p.tp, batch=args.batch, seq_len=args.seq_len, remat=args.remat,
-                             param_dtype=args.param_dtype, qlora=qlora)
+        peak = compiled_peak(spec, lora, p.fsdp, p.tp, batch=args.batch, seq_len=args.seq_len, qlora=qlora,
+                             **_given(args, param_dtype="param_dtype", remat="remat"))
     except MeshError as e:
         return f"not compiled: {e}"
     return f"compiled peak (XLA:CPU, the step gemport trains with): {peak / 2**30:.2f} GiB ({peak} bytes) per device"
@@ -265,16 +265,17 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--lora-rank", type=int, help="LoRA rank on all seven projections (omit both LoRA options for "
                                                  "full fine-tuning)")
     c.add_argument("--lora-config", help="a PEFT adapter_config.json or its directory: targets and per-module ranks")
-    c.add_argument("--param-dtype", default="bfloat16", help="parameter dtype (default bfloat16)")
-    c.add_argument("--qlora", choices=("nf4",), help="QLoRA: the projections on a 4-bit base as load_qlora_model "
-                                                     "places it (bitsandbytes' bnb_4bit_quant_type; nf4)")
+    c.add_argument("--param-dtype", default=Default("gemport.mesh.memory_plan", "param_dtype"),
+                   help="parameter dtype (default %(default)s)")
+    c.add_argument("--qlora", metavar="QTYPE", help="QLoRA: the projections on a 4-bit base as load_qlora_model "
+                                                   "places it (bitsandbytes' bnb_4bit_quant_type: nf4)")
     c.add_argument("--double-quant", action="store_true",
                    help="with --qlora: bitsandbytes' bnb_4bit_use_double_quant (same memory: scales stay float32)")
     c.add_argument("--batch", type=int, help="rows per train step, all devices together (with --seq-len: add the "
                                              "step's gradients, activations, logits)")
     c.add_argument("--seq-len", type=int, help="tokens per row")
-    c.add_argument("--remat", choices=("none", "block", "decoder"), default="none",
-                   help="Tunix remat_config of the step (default none)")
+    c.add_argument("--remat", default=Default("gemport.mesh.memory_plan", "remat"),
+                   help="Tunix remat_config of the step, a RematConfig name in lower case (default %(default)s)")
     c.add_argument("--compile", action="store_true",
                    help="also lower and compile the LoRA train step for abstract inputs on this host's CPU (nothing "
                         "allocated; minutes at real widths) and print its compiled peak per device")

@@ -292,7 +292,7 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
 
     The GPU side is TRL's ``SFTTrainer`` on a ``get_peft_model`` of ``base_dir`` (PEFT's initialisation
     under ``torch.manual_seed(seed)``); that adapter is imported into Tunix (``import_peft``) and trained
-    with ``train.from_sft_config`` batches, ``train.hf_optimizer`` and ``train.train_step``. Unless
+    with ``train.from_sft_config`` batches, ``optim.hf_optimizer`` and ``train.train_step``. Unless
     ``tolerances.adapter`` is set, the GPU side trains again from that adapter with sdpa attention instead of
     eager, and the port with ``FLOOR_PADDING`` more padding columns per row; the final adapters are held to
     ``FLOOR_MULTIPLE`` times the farthest either pair ends apart (``Trajectory.adapter_floor``).
@@ -317,6 +317,7 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
     from trl.chat_template_utils import has_generation_markers
 
     from gemport import train
+    from gemport.optim import hf_optimizer
     from gemport.checkpoint import import_peft, load_model
     from gemport.checkpoint.quantize import load_qlora_model
     from gemport.lora import apply_lora
@@ -378,7 +379,7 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
         base = load_model(base_dir, spec=spec) if qlora is None else load_qlora_model(base_dir, qlora, spec=spec)
         pipeline = train.from_sft_config(port_config, tokenizer, chat_format=chat_format)
         examples, _ = pipeline.examples(records, tokenizer, progress=False)
-        hf = train.hf_optimizer(port_config, num_training_steps=port_config.max_steps)
+        hf = hf_optimizer(port_config, num_training_steps=port_config.max_steps)
         step = train.train_step(wrt=nnx.LoRAParam, loss_fn=train.fast_loss if fast else train.tunix_loss)
         batches = [batch for batch, _ in zip(pipeline.batches(examples), logs)]
 

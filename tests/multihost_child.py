@@ -43,6 +43,7 @@ from gemport import masks, train  # noqa: E402
 from gemport.checkpoint import load_model, save_lora_spec  # noqa: E402
 from gemport.lora import LoraSpec, apply_lora  # noqa: E402
 from gemport.mesh import make_mesh  # noqa: E402
+from gemport.optim import hf_optimizer  # noqa: E402
 from gemport.specs import GemmaSpec  # noqa: E402
 from gemport.train.distributed import batch_sharding, global_batch, process_rows, process_step  # noqa: E402
 from gemport.train.preemption import Preempted, Preemption  # noqa: E402
@@ -91,7 +92,7 @@ def term_self():
 def nnx_loop(model, mesh, rows, out, term_after):
     sharding = batch_sharding(mesh)
     plan, batches, _ = local_steps(rows, sharding)
-    optimizer = nnx.Optimizer(model, train.hf_optimizer(ARGS, num_training_steps=STEPS).tx, wrt=nnx.LoRAParam)
+    optimizer = nnx.Optimizer(model, hf_optimizer(ARGS, num_training_steps=STEPS).tx, wrt=nnx.LoRAParam)
     manager = checkpoint_manager.CheckpointManager(str(out / "checkpoints"), OPTIONS)
     save_lora_spec(out / "checkpoints", LORA)
     start, _ = manager.maybe_restore(model, optimizer, restore_only_lora_params=True)

@@ -27,6 +27,7 @@ from tunix.sft.peft_trainer import TrainingConfig
 from gemport import masks, train
 from gemport.checkpoint import load_model
 from gemport.lora import LoraSpec, apply_lora
+from gemport.optim import hf_optimizer
 from gemport.specs import GemmaSpec
 from gemport.train.peft_trainer import HFPeftTrainer, micro_batches
 
@@ -90,14 +91,14 @@ def peft(model, steps, out, kill_after):
     config = TrainingConfig(eval_every_n_steps=STEPS + 1, max_steps=STEPS, gradient_accumulation_steps=2,
                             checkpoint_root_directory=str(out / "checkpoints"), checkpointing_options=OPTIONS,
                             pbar_description=None)
-    trainer = RecordingTrainer(model, train.hf_optimizer(ARGS, num_training_steps=STEPS).tx, config, lora_spec=LORA)
+    trainer = RecordingTrainer(model, hf_optimizer(ARGS, num_training_steps=STEPS).tx, config, lora_spec=LORA)
     trainer.with_training_hooks(Recorder(out, kill_after))
     dataset = micro_batches(steps).map_with_index(lambda i, b: {**b, "index": np.full(2, i, np.int32)})
     trainer.train(dataset)
 
 
 def nnx_loop(model, steps, out, kill_after):
-    optimizer = nnx.Optimizer(model, train.hf_optimizer(ARGS, num_training_steps=STEPS).tx, wrt=nnx.LoRAParam)
+    optimizer = nnx.Optimizer(model, hf_optimizer(ARGS, num_training_steps=STEPS).tx, wrt=nnx.LoRAParam)
     manager = checkpoint_manager.CheckpointManager(str(out / "checkpoints"), OPTIONS)
     start, _ = manager.maybe_restore(model, optimizer, restore_only_lora_params=True)
     step_fn = train.train_step(wrt=nnx.LoRAParam)

@@ -41,7 +41,7 @@ SUBPACKAGES = {
     "gemport.specs": ["GLOBAL", "SLIDING", "GemmaSpec"],
     "gemport.train": [
         "BATCH_FIELDS", "LAYOUTS", "Layout", "OptimizerStep", "SFTPipeline", "SFTRun", "SamplingStrategy", "StepMetrics",
-        "fast_loss", "from_sft_config", "hf_optimizer", "optimizer_steps", "randperm", "sample_order", "stack",
+        "fast_loss", "from_sft_config", "optimizer_steps", "randperm", "sample_order", "stack",
         "train_step",
         "tunix_loss",
     ],
@@ -53,7 +53,7 @@ SUBPACKAGES = {
     ],
     "gemport.optim": [
         "AccumulateTokensState", "HFOptimizer", "Optim", "ScheduleName", "accumulate_tokens", "clip_grad_norm",
-        "decay_mask", "decays", "from_hf", "hf_schedule",
+        "decay_mask", "decays", "hf_optimizer", "hf_schedule",
     ],
     "gemport.train.peft_trainer": ["ACCUMULATION", "NUM_ITEMS", "SCOPES", "HFPeftTrainer", "eval_loss", "hf_loss", "micro_batches"],
     "gemport.train.distributed": ["batch_sharding", "device_rows", "global_batch", "process_rows", "process_step"],

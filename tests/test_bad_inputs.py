@@ -43,7 +43,7 @@ from gemport.checkpoint import (
 from gemport.checkpoint import output as output_module
 from gemport.lora import LoraLayout, LoraSpec
 from gemport.mesh import make_mesh
-from gemport.optim import from_hf
+from gemport.optim import hf_optimizer
 from gemport.specs import GemmaSpec
 
 LORA = LoraSpec(rank=4, alpha=8.0)
@@ -435,16 +435,16 @@ def test_mesh_sizes_are_checked():
 ])
 def test_optimizer_values_torch_refuses(args, match):
     with pytest.raises(OptimizerConfigError, match=match):
-        from_hf(args, num_training_steps=100)
+        hf_optimizer(args, num_training_steps=100)
 
 
 def test_optimizer_arguments_of_the_wrong_kind():
     for bad in ("2e-4", ["learning_rate", 1e-4], None):
         with pytest.raises(OptimizerConfigError, match="neither TrainingArguments nor a dict"):
-            from_hf(bad, num_training_steps=100)
+            hf_optimizer(bad, num_training_steps=100)
     for steps in ("100", 0, 2.5, True):
         with pytest.raises(OptimizerConfigError, match="num_training_steps"):
-            from_hf({}, num_training_steps=steps)
+            hf_optimizer({}, num_training_steps=steps)
 
 
 # 7, 10. Writing: full disks, races, killed runs -----------------------------------------------------------------

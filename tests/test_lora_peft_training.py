@@ -23,7 +23,7 @@ from flax import nnx
 from gemport.checkpoint import import_peft, load_model
 from gemport.errors import LoraError
 from gemport.lora import PROJECTIONS, LoraLayout, LoraParams, LoraSpec, apply_lora
-from gemport.optim import from_hf
+from gemport.optim import hf_optimizer
 from gemport.specs import GemmaSpec
 
 CASES = ["gemma4_dense", "gemma3_1b", "gemma3_qkv"]
@@ -153,7 +153,7 @@ def test_ten_optimizer_steps_follow_torch(case):
         model64.load_state_dict(model.state_dict())
         exact = torch_steps(model64, spec.vocab)
     tunix_model = apply_lora(load_model(path), spec, LoraParams(state, lora_spec))
-    optimizer = nnx.Optimizer(tunix_model, from_hf(RECIPE, num_training_steps=STEPS).tx, wrt=nnx.LoRAParam)
+    optimizer = nnx.Optimizer(tunix_model, hf_optimizer(RECIPE, num_training_steps=STEPS).tx, wrt=nnx.LoRAParam)
     value_and_grad = nnx.jit(nnx.value_and_grad(jax_loss, argnums=nnx.DiffState(0, nnx.LoRAParam)))
     jax_losses = []
     for step in range(STEPS):

@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 
-from gemport.optim import accumulate_tokens, from_hf
+from gemport.optim import accumulate_tokens, hf_optimizer
 
 VOCAB, DIM, LENGTH = 11, 6, 16
 TOKEN_COUNTS = (3, 16, 9)  # micro-batches of different sizes
@@ -87,7 +87,7 @@ def test_accumulated_gradient_is_the_whole_batch_token_mean(params):
     assert relative_error(mean_of_means, expected) > 0.05
 
 
-def test_from_hf_accumulation_equals_single_batch_steps(params):
+def test_per_micro_batch_accumulation_equals_single_batch_steps(params):
     recipe = dict(
         learning_rate=1e-2,
         weight_decay=0.1,
@@ -96,8 +96,9 @@ def test_from_hf_accumulation_equals_single_batch_steps(params):
         max_grad_norm=0.5,
         optim="adamw_torch",
     )
-    single = from_hf(recipe, num_training_steps=4).tx
-    accumulating = from_hf({**recipe, "gradient_accumulation_steps": len(TOKEN_COUNTS)}, num_training_steps=4).tx
+    single = hf_optimizer(recipe, num_training_steps=4).tx
+    accumulating = hf_optimizer({**recipe, "gradient_accumulation_steps": len(TOKEN_COUNTS)},
+                                 num_training_steps=4).per_micro_batch
 
     reference, reference_state = params, single.init(params)
     ported, ported_state = params, accumulating.init(params)
@@ -128,6 +129,6 @@ def test_state_keeps_the_parameters_dtype_under_scan():
 
 
 def test_num_tokens_is_required(params):
-    tx = from_hf({"gradient_accumulation_steps": 2}, num_training_steps=4).tx
+    tx = hf_optimizer({"gradient_accumulation_steps": 2}, num_training_steps=4).per_micro_batch
     with pytest.raises(TypeError, match="num_tokens"):
         tx.update(params, tx.init(params), params)

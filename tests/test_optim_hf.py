@@ -1,4 +1,4 @@
-"""from_hf reads TrainingArguments and plain dicts alike, and refuses what it cannot reproduce."""
+"""hf_optimizer reads TrainingArguments and plain dicts alike, and refuses what it cannot reproduce."""
 
 import dataclasses
 import subprocess
@@ -12,7 +12,7 @@ import pytest
 from transformers import TrainingArguments
 
 from gemport.errors import GemportError, OptimizerConfigError
-from gemport.optim import from_hf
+from gemport.optim import hf_optimizer
 from gemport.optim.hf import _MUST_BE_DEFAULT, _OLDER, _READ
 
 STEPS = 30
@@ -43,8 +43,8 @@ def test_defaults_are_transformers_defaults():
 
 
 def test_an_empty_dict_is_default_training_arguments(tmp_path):
-    from_dict = from_hf({}, num_training_steps=STEPS)
-    from_args = from_hf(training_args(tmp_path), num_training_steps=STEPS)
+    from_dict = hf_optimizer({}, num_training_steps=STEPS)
+    from_args = hf_optimizer(training_args(tmp_path), num_training_steps=STEPS)
     np.testing.assert_array_equal(from_dict.schedule(jnp.arange(STEPS)), from_args.schedule(jnp.arange(STEPS)))
     jax.tree.map(np.testing.assert_array_equal, run(from_dict.tx), run(from_args.tx))
 
@@ -64,36 +64,53 @@ RECIPE = dict(
 
 
 def test_a_dict_of_fields_is_the_same_training_arguments(tmp_path):
-    from_dict = from_hf(RECIPE, num_training_steps=STEPS)
-    from_args = from_hf(training_args(tmp_path, **RECIPE), num_training_steps=STEPS)
+    from_dict = hf_optimizer(RECIPE, num_training_steps=STEPS)
+    from_args = hf_optimizer(training_args(tmp_path, **RECIPE), num_training_steps=STEPS)
     np.testing.assert_array_equal(from_dict.schedule(jnp.arange(STEPS)), from_args.schedule(jnp.arange(STEPS)))
     jax.tree.map(np.testing.assert_array_equal, run(from_dict.tx), run(from_args.tx))
     assert float(from_dict.schedule(2)) == pytest.approx(2e-4 * 2 / 3)  # ceil(0.1 * 30) = 3 warmup steps
     # Every field counts: the recipe differs from the defaults in its result.
-    default = run(from_hf({}, num_training_steps=STEPS).tx)
+    default = run(hf_optimizer({}, num_training_steps=STEPS).tx)
     assert not np.allclose(run(from_dict.tx)["layer.weight"], default["layer.weight"])
+
+
+def test_accumulation_is_carried_not_folded_into_the_step():
+    single = hf_optimizer(RECIPE, num_training_steps=STEPS)
+    accumulating = hf_optimizer(dict(RECIPE, gradient_accumulation_steps=4), num_training_steps=STEPS)
+    assert (single.accumulation, accumulating.accumulation) == (1, 4)
+    # One optimizer step per accumulated batch whatever A is: train_step and PeftTrainer take either tx.
+    jax.tree.map(np.testing.assert_array_equal, run(single.tx), run(accumulating.tx))
+    params = {"layer.weight": jnp.ones(4)}
+    per_micro_batch = hf_optimizer({"lr_scheduler_type": "constant", "gradient_accumulation_steps": 4},
+                                   num_training_steps=STEPS).per_micro_batch
+    state = per_micro_batch.init(params)
+    for _ in range(3):
+        held, state = per_micro_batch.update(params, state, params, num_tokens=2)
+        np.testing.assert_array_equal(held["layer.weight"], 0.0)
+    stepped, _ = per_micro_batch.update(params, state, params, num_tokens=2)
+    assert np.all(np.asarray(stepped["layer.weight"]) != 0.0)
 
 
 def test_warmup_ratio_of_older_recipes_is_a_fractional_warmup_steps():
     # transformers 5.15 removed warmup_ratio (warmup_steps below 1 is the ratio): recipes of both generations read.
     older = dict(RECIPE, warmup_steps=7, warmup_ratio=0.1)
-    schedules = [from_hf(fields, num_training_steps=STEPS).schedule(jnp.arange(STEPS)) for fields in (older, RECIPE)]
+    schedules = [hf_optimizer(fields, num_training_steps=STEPS).schedule(jnp.arange(STEPS)) for fields in (older, RECIPE)]
     np.testing.assert_array_equal(*schedules)
-    assert not np.array_equal(schedules[0], from_hf(dict(RECIPE, warmup_steps=7), num_training_steps=STEPS)
+    assert not np.array_equal(schedules[0], hf_optimizer(dict(RECIPE, warmup_steps=7), num_training_steps=STEPS)
                               .schedule(jnp.arange(STEPS)))
 
 
 @pytest.mark.skipif("warmup_ratio" not in {f.name for f in dataclasses.fields(TrainingArguments)},
                     reason="this transformers has no TrainingArguments.warmup_ratio (removed in 5.15)")
 def test_training_arguments_warmup_ratio_where_transformers_has_it(tmp_path):
-    ratio = from_hf(training_args(tmp_path, warmup_ratio=0.1), num_training_steps=STEPS)
-    steps = from_hf(training_args(tmp_path, warmup_steps=0.1), num_training_steps=STEPS)
+    ratio = hf_optimizer(training_args(tmp_path, warmup_ratio=0.1), num_training_steps=STEPS)
+    steps = hf_optimizer(training_args(tmp_path, warmup_steps=0.1), num_training_steps=STEPS)
     np.testing.assert_array_equal(ratio.schedule(jnp.arange(STEPS)), steps.schedule(jnp.arange(STEPS)))
 
 
 def test_weight_decay_spares_norms():
     recipe = {"weight_decay": 0.5, "learning_rate": 0.1, "lr_scheduler_type": "constant"}
-    tx = from_hf(recipe, num_training_steps=STEPS).tx
+    tx = hf_optimizer(recipe, num_training_steps=STEPS).tx
     params = {"layer.weight": jnp.ones(4), "layer.norm.weight": jnp.ones(4)}
     zeros = jax.tree.map(jnp.zeros_like, params)
     updates, _ = tx.update(zeros, tx.init(params), params)
@@ -103,8 +120,8 @@ def test_weight_decay_spares_norms():
 
 def test_params_fix_the_mask_now():
     params = {"layer.weight": jnp.ones(8), "layer.norm.weight": jnp.ones(8)}
-    eager = from_hf({"weight_decay": 0.1}, num_training_steps=STEPS, params=params).tx
-    lazy = from_hf({"weight_decay": 0.1}, num_training_steps=STEPS).tx
+    eager = hf_optimizer({"weight_decay": 0.1}, num_training_steps=STEPS, params=params).tx
+    lazy = hf_optimizer({"weight_decay": 0.1}, num_training_steps=STEPS).tx
     jax.tree.map(np.testing.assert_array_equal, run(eager), run(lazy))
     with pytest.raises(OptimizerConfigError, match="omit params"):
         eager.init({"other.weight": jnp.ones(8)})
@@ -131,20 +148,20 @@ def test_params_fix_the_mask_now():
 )
 def test_what_it_cannot_reproduce_is_an_error(fields, match):
     with pytest.raises(OptimizerConfigError, match=match) as error:
-        from_hf(fields, num_training_steps=STEPS)
+        hf_optimizer(fields, num_training_steps=STEPS)
     assert isinstance(error.value, GemportError)
 
 
 def test_a_trl_sft_config_is_read_with_its_own_defaults(tmp_path):
     trl = pytest.importorskip("trl")
     config = trl.SFTConfig(output_dir=str(tmp_path), bf16=False, lr_scheduler_type="constant")
-    assert float(from_hf(config, num_training_steps=STEPS).schedule(0)) == np.float32(2e-5)
+    assert float(hf_optimizer(config, num_training_steps=STEPS).schedule(0)) == np.float32(2e-5)
 
 
 def test_enum_fields_of_training_arguments_are_read(tmp_path):
     args = training_args(tmp_path, optim="sgd")
     with pytest.raises(OptimizerConfigError, match="'sgd'"):
-        from_hf(args, num_training_steps=STEPS)
+        hf_optimizer(args, num_training_steps=STEPS)
 
 
 def test_importing_gemport_optim_needs_neither_torch_nor_transformers():

@@ -1,4 +1,4 @@
-"""from_hf against the HF Trainer's own optimizer and scheduler on a tiny Gemma 4 with real parameter names.
+"""hf_optimizer against the HF Trainer's own optimizer and scheduler on a tiny Gemma 4 with real parameter names.
 
 The reference is built by ``Trainer.create_optimizer_and_scheduler`` (torch AdamW with HF's
 weight-decay groups, ``get_scheduler``) and stepped as the Trainer steps it, with
@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import Gemma4ForCausalLM, Gemma4TextConfig, Trainer, TrainingArguments
 
-from gemport.optim import clip_grad_norm, decays, from_hf
+from gemport.optim import clip_grad_norm, decays, hf_optimizer
 
 STEPS = 200
 
@@ -158,7 +158,7 @@ def test_200_steps_match_hf_trainer(model, gradients, tmp_path, case, max_grad_n
     )
     expected, hf_lrs = hf_run(model, args, gradients)
     start = initial(model)
-    tx, schedule = from_hf(args, num_training_steps=STEPS, params=start if max_grad_norm else None)
+    tx, schedule, _ = hf_optimizer(args, num_training_steps=STEPS, params=start if max_grad_norm else None)
 
     np.testing.assert_array_equal(np.asarray(schedule(jnp.arange(STEPS))), hf_lrs.astype(np.float32))
     bound = tolerance(model, args, gradients, expected)
@@ -176,7 +176,7 @@ def test_decaying_norms_and_biases_too_misses_the_tolerance(model, gradients, tm
     )
     expected, _ = hf_run(model, args, gradients)
     start = initial(model)
-    _, schedule = from_hf(args, num_training_steps=STEPS)
+    schedule = hf_optimizer(args, num_training_steps=STEPS).schedule
     decay_everything = optax.chain(clip_grad_norm(1.0), optax.adamw(schedule, weight_decay=0.1))
     assert relative_error(optax_run(decay_everything, start, gradients), expected) > 100 * tolerance(
         model, args, gradients, expected)

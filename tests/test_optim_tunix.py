@@ -1,4 +1,4 @@
-"""The decay rule on Tunix Gemma 4 parameter paths, and from_hf on a Qwix LoRA-only parameter set."""
+"""The decay rule on Tunix Gemma 4 parameter paths, and hf_optimizer on a Qwix LoRA-only parameter set."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +9,7 @@ import qwix
 from flax import nnx
 from tunix.models.gemma4 import model as gemma4
 
-from gemport.optim import decay_mask, from_hf
+from gemport.optim import decay_mask, hf_optimizer
 
 TINY = dict(
     num_layers=2,
@@ -85,7 +85,7 @@ def test_lora_factors_are_decayed(lora_model):
 def test_nnx_optimizer_over_lora_params_steps_like_the_transformation(lora_model):
     model = nnx.clone(lora_model)
     recipe = {"learning_rate": 1e-2, "weight_decay": 0.1, "warmup_steps": 1, "lr_scheduler_type": "linear"}
-    tx = from_hf(recipe, num_training_steps=10).tx
+    tx = hf_optimizer(recipe, num_training_steps=10).tx
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)  # as tunix's PeftTrainer builds it
     base_before, lora_before = pure(model, BASE), pure(model, nnx.LoRAParam)
     expected_params, expected_state = lora_before, tx.init(lora_before)
@@ -107,7 +107,7 @@ def test_decay_reaches_lora_params_through_nnx_optimizer(lora_model):
     """With zero gradients Adam's step is 0, so one step is pure decay: p * (1 - lr * weight_decay)."""
     model = nnx.clone(lora_model)
     recipe = {"learning_rate": 1e-2, "weight_decay": 0.1, "lr_scheduler_type": "constant"}
-    optimizer = nnx.Optimizer(model, from_hf(recipe, num_training_steps=10).tx, wrt=nnx.LoRAParam)
+    optimizer = nnx.Optimizer(model, hf_optimizer(recipe, num_training_steps=10).tx, wrt=nnx.LoRAParam)
     before = pure(model, nnx.LoRAParam)
     optimizer.update(model, jax.tree.map(jnp.zeros_like, nnx.state(model, nnx.LoRAParam)))
     decayed = pure(model, nnx.LoRAParam)
@@ -116,7 +116,7 @@ def test_decay_reaches_lora_params_through_nnx_optimizer(lora_model):
 
 def test_accumulation_passes_num_tokens_through_nnx_optimizer(lora_model):
     model = nnx.clone(lora_model)
-    tx = from_hf({"learning_rate": 1e-2, "gradient_accumulation_steps": 2}, num_training_steps=10).tx
+    tx = hf_optimizer({"learning_rate": 1e-2, "gradient_accumulation_steps": 2}, num_training_steps=10).per_micro_batch
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)
     before = pure(model, nnx.LoRAParam)
     grads = grad_fn(model, TOKENS)

@@ -18,10 +18,10 @@ from tunix.sft.peft_trainer import TrainingConfig
 
 from gemport import masks, train
 from gemport.checkpoint import export_merged, export_peft, load_model, load_lora
-from gemport.errors import BatchError, OptimizerConfigError
+from gemport.errors import BatchError
 from gemport.lora import LoraSpec, apply_lora
 from gemport.mesh import make_mesh
-from gemport.optim import from_hf
+from gemport.optim import hf_optimizer
 from gemport.specs import GemmaSpec
 from gemport.train.peft_trainer import NUM_ITEMS, HFPeftTrainer, micro_batches
 from gemport.verify import compare_logits
@@ -93,7 +93,7 @@ def test_peft_trainer_takes_hf_steps(hf_checkpoint, tmp_path, name, mesh_shape):
         checkpoint_root_directory=str(root), max_inflight_computations=1, pbar_description=None,
         checkpointing_options=ocp.CheckpointManagerOptions(save_interval_steps=1, max_to_keep=1),
     )
-    hf = train.hf_optimizer(ARGS, num_training_steps=STEPS)
+    hf = hf_optimizer(ARGS, num_training_steps=STEPS)
 
     with on_mesh(mesh):
         model = lora_model(hf_dir, spec, lora_spec, mesh)
@@ -152,11 +152,3 @@ def test_micro_batches_carry_the_step_target_count():
     with pytest.raises(BatchError, match=r"\[A, B, T\]"):
         micro_batches([steps[0], {k: v[0] for k, v in steps[1].items()}])
 
-
-def test_token_accumulating_optimizer_is_refused(hf_checkpoint):
-    _, hf_dir = hf_checkpoint("gemma3_1b")
-    spec = GemmaSpec.from_hf(hf_dir)
-    model = lora_model(hf_dir, spec, LoraSpec.from_peft(PEFT_CONFIG), None)
-    tx = from_hf(ARGS, num_training_steps=STEPS).tx  # accumulates by tokens itself: twice with PeftTrainer
-    with pytest.raises(OptimizerConfigError, match="hf_optimizer"):
-        HFPeftTrainer(model, tx, TrainingConfig(eval_every_n_steps=1, max_steps=STEPS, gradient_accumulation_steps=2))

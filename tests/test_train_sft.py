@@ -16,6 +16,7 @@ from gemport.checkpoint import import_peft, load_model
 from gemport.errors import RecipeError
 from gemport.lora import apply_lora
 from gemport.masks.training_template import gemma4_training_template
+from gemport.optim import hf_optimizer
 from gemport.specs import GemmaSpec
 from test_masks_tokenizers import GEMMA4_CONTROL, char_tokenizer
 
@@ -116,7 +117,7 @@ def test_packed_run_matches_trl(hf_checkpoint, tmp_path):
 
     spec = GemmaSpec.from_hf(base)
     port = apply_lora(load_model(base), spec, import_peft(tmp_path / "adapter0", base_dir=base))
-    hf = train.hf_optimizer(args, num_training_steps=args.max_steps)
+    hf = hf_optimizer(args, num_training_steps=args.max_steps)
     optimizer = nnx.Optimizer(port, hf.tx, wrt=nnx.LoRAParam)
     step = train.train_step()
     metrics = [jax.device_get(step(port, optimizer, batch)) for _, batch in pipeline.batches(examples)]

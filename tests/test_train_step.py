@@ -19,8 +19,9 @@ from trl import SFTConfig, SFTTrainer
 from gemport import masks, train
 from gemport.checkpoint import import_peft, load_model
 from gemport._src.params import flat_params
-from gemport.errors import BatchError, OptimizerConfigError
+from gemport.errors import BatchError
 from gemport.lora import apply_lora
+from gemport.optim import hf_optimizer
 from gemport.specs import GemmaSpec
 
 # All seven projections: k_proj and v_proj land on Tunix's fused kv_einsum (k_einsum on k_eq_v layers).
@@ -108,7 +109,7 @@ def port_run(base, adapter, tokens, loss_mask, args, layout="pad"):
     spec = GemmaSpec.from_hf(base)
     lora = import_peft(adapter, base_dir=base)
     model = apply_lora(load_model(base), spec, lora)
-    hf = train.hf_optimizer(args, num_training_steps=STEPS)
+    hf = hf_optimizer(args, num_training_steps=STEPS)
     optimizer = nnx.Optimizer(model, hf.tx, wrt=nnx.LoRAParam)
     step = train.train_step()
     metrics, fed = [], []
@@ -207,19 +208,6 @@ def test_trained_adapters_agree(runs):
 def test_padding_free_rows_give_the_same_steps(runs):
     port = port_run(runs.base, runs.out / "adapter0-eager", runs.tokens, runs.loss_mask, runs.hf.args, "padding_free")
     assert_steps_agree(runs, port.metrics)
-
-
-def test_an_accumulating_optimizer_is_refused(hf_checkpoint):
-    _, base = hf_checkpoint("gemma3_1b")
-    from gemport.optim import from_hf
-
-    model = load_model(base)
-    optimizer = nnx.Optimizer(model, from_hf({"gradient_accumulation_steps": 2}, num_training_steps=2).tx,
-                              wrt=nnx.Param)
-    tokens, loss_mask = dataset(96)
-    batch = train.stack([masks.pad(list(zip(tokens[:2], loss_mask[:2])), SEQ)])
-    with pytest.raises(OptimizerConfigError, match="hf_optimizer"):
-        train.train_step(wrt=nnx.Param)(model, optimizer, batch)
 
 
 def test_stack_refuses_batches_that_do_not_fit_with_a_batch_error():

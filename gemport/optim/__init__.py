@@ -3,7 +3,7 @@
 from gemport.optim.accumulation import AccumulateTokensState, accumulate_tokens
 from gemport.optim.clipping import clip_grad_norm
 from gemport.optim.decay import decay_mask, decays
-from gemport.optim.hf import HFOptimizer, Optim, from_hf
+from gemport.optim.hf import HFOptimizer, Optim, hf_optimizer
 from gemport.optim.schedules import ScheduleName, hf_schedule
 
 __all__ = [
@@ -15,6 +15,6 @@ __all__ = [
     "clip_grad_norm",
     "decay_mask",
     "decays",
-    "from_hf",
+    "hf_optimizer",
     "hf_schedule",
 ]

@@ -1,4 +1,4 @@
-"""``from_hf``: the HF Trainer's optimizer step, read from TrainingArguments, as one Optax transformation."""
+"""``hf_optimizer``: the HF Trainer's optimizer step, read from TrainingArguments, as one Optax transformation."""
 
 import math
 from collections.abc import Mapping
@@ -14,7 +14,7 @@ from gemport.optim.decay import decay_mask
 from gemport.optim.schedules import hf_schedule
 from gemport._src.options import one_of
 
-# TrainingArguments fields from_hf reads, with their defaults in every transformers gemport supports (used for
+# TrainingArguments fields hf_optimizer reads, with their defaults in every transformers gemport supports (used for
 # dict keys that are absent). Note the pitfalls: weight decay 0.0 (optax.adamw: 1e-4, torch AdamW: 1e-2) and
 # clipping on at 1.0 (optax.adamw: none).
 _READ = {
@@ -68,15 +68,30 @@ _RANGES = (
 )
 
 Optim = Literal["adamw_torch", "adamw_torch_fused"]
-"""The ``optim`` values ``from_hf`` reproduces: torch.optim.AdamW under both names (Optax's adamw computes
+"""The ``optim`` values ``hf_optimizer`` reproduces: torch.optim.AdamW under both names (Optax's adamw computes
 the same update)."""
 
 
 class HFOptimizer(NamedTuple):
-    """What ``from_hf`` returns: the transformation and its learning-rate schedule."""
+    """What ``hf_optimizer`` returns.
+
+    tx: the optimizer step, applied once per accumulated batch to the gradient of the batch's mean token loss
+        (the mean over the targets of all its micro-batches): what ``train.train_step`` and
+        ``train.peft_trainer.HFPeftTrainer`` take, whatever ``gradient_accumulation_steps`` is.
+    schedule: the learning rate of each optimizer step.
+    accumulation: ``gradient_accumulation_steps``, the micro-batches A of one optimizer step.
+    """
 
     tx: optax.GradientTransformationExtraArgs
     schedule: optax.Schedule
+    accumulation: int
+
+    @property
+    def per_micro_batch(self) -> optax.GradientTransformationExtraArgs:
+        """``tx`` for a loop that calls ``update`` once per micro-batch: ``accumulate_tokens(tx, accumulation)``,
+        whose ``update`` takes the gradient of each micro-batch's summed token loss and ``num_tokens=``, and
+        steps ``tx`` on every ``accumulation``-th call."""
+        return accumulate_tokens(self.tx, self.accumulation)
 
 
 def _plain(value: Any) -> Any:
@@ -122,16 +137,17 @@ def _fixed_mask(params: optax.Params):
     def fixed(tree):
         if jax.tree.structure(tree) != structure:
             raise OptimizerConfigError(
-                f"the optimizer's weight-decay mask was fixed by from_hf(params=...) for {structure.num_leaves} "
+                f"the optimizer's weight-decay mask was fixed by hf_optimizer(params=...) for {structure.num_leaves} "
                 f"params, but it is given a tree of {jax.tree.structure(tree).num_leaves} of another structure; "
-                "pass the same params to from_hf, or omit params= so the mask is computed from what init gets"
+                "pass the same params to hf_optimizer, or omit params= so the mask is computed from what init gets"
             )
         return mask
 
     return fixed
 
 
-def from_hf(training_args_or_dict: Any, *, num_training_steps: int, params: optax.Params | None = None) -> HFOptimizer:
+def hf_optimizer(training_args_or_dict: Any, *, num_training_steps: int,
+                 params: optax.Params | None = None) -> HFOptimizer:
     """Map HF ``TrainingArguments`` to the Optax transformation of the HF Trainer's optimizer step.
 
     ``training_args_or_dict`` is a ``transformers.TrainingArguments`` (or a subclass such as TRL's
@@ -139,7 +155,7 @@ def from_hf(training_args_or_dict: Any, *, num_training_steps: int, params: opta
     keys that do not bear on the optimizer step are ignored. ``num_training_steps`` is the number
     of optimizer steps, as passed to ``Trainer.create_scheduler``.
 
-    The transformation reproduces, in order:
+    ``tx`` reproduces, in order:
 
     - ``max_grad_norm > 0``: ``clip_grad_norm`` (torch's rule, with its 1e-6) on the gradient.
     - ``optim`` in ``adamw_torch``/``adamw_torch_fused``: ``optax.adamw`` with ``adam_beta1``,
@@ -149,9 +165,10 @@ def from_hf(training_args_or_dict: Any, *, num_training_steps: int, params: opta
       is computed from the params given to ``init``, so it fits any tree (a LoRA-only state too).
     - ``lr_scheduler_type``, ``lr_scheduler_kwargs`` and ``warmup_steps`` (a value below 1 is a ratio,
       rounded up to steps; an older recipe's ``warmup_ratio``, where set, replaces it): ``hf_schedule``.
-    - ``gradient_accumulation_steps > 1``: ``accumulate_tokens``; then ``update`` takes gradients
-      of each micro-batch's summed token loss and ``num_tokens=``. With 1, ``update`` takes the
-      gradient of the batch's mean token loss, which is HF's loss normalisation for one batch.
+
+    ``gradient_accumulation_steps`` does not change ``tx``: it is one update per optimizer step with the
+    gradient of the accumulated batch's mean token loss, which is HF's loss normalisation. It is returned as
+    ``accumulation``; ``per_micro_batch`` is the transformation for a loop that updates once per micro-batch.
 
     Another ``optim``, a schedule or ``lr_scheduler_kwargs`` outside ``hf_schedule``, or a set
     ``optim_args``, ``optim_target_modules``, ``deepspeed`` or ``average_tokens_across_devices=False``
@@ -204,6 +221,4 @@ def from_hf(training_args_or_dict: Any, *, num_training_steps: int, params: opta
     )
     max_grad_norm = fields["max_grad_norm"]
     tx = optax.chain(clip_grad_norm(max_grad_norm), adamw) if max_grad_norm > 0 else adamw
-    if accumulation > 1:
-        tx = accumulate_tokens(tx, accumulation)
-    return HFOptimizer(tx, schedule)
+    return HFOptimizer(tx, schedule, accumulation)

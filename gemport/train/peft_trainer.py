@@ -28,11 +28,10 @@ from jax.interpreters import pxla
 from jax.sharding import NamedSharding, PartitionSpec
 
 from gemport.checkpoint.adapters import save_lora_spec
-from gemport.errors import BatchError, OptimizerConfigError
+from gemport.errors import BatchError
 from gemport._src.extras import require
 from gemport.lora import LoraSpec
 from gemport.masks.loss import loss_scopes, nll_scopes
-from gemport.optim.accumulation import AccumulateTokensState
 from gemport.train.attention import check_segments
 from gemport.train.preemption import Preemption
 from gemport.train.step import BATCH_FIELDS, micro_batch_logits, micro_batch_nll
@@ -152,7 +151,7 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
     """``tunix.sft.PeftTrainer`` whose gradient accumulation is HF's and whose metrics have both loss scopes.
 
     model: a Tunix Gemma with LoRA (``lora.apply_lora``) or without (full fine-tune).
-    optimizer: ``train.hf_optimizer(args, num_training_steps=...).tx`` (accumulation is the trainer's:
+    optimizer: ``optim.hf_optimizer(args, num_training_steps=...).tx`` (accumulation is the trainer's:
         ``training_config.gradient_accumulation_steps``).
     training_config: ``tunix.sft.peft_trainer.TrainingConfig``.
     lora_spec: recorded beside the checkpoints (``checkpoint.save_lora_spec``) when
@@ -173,12 +172,6 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
                  preemption: Preemption | None = None, fast: bool = True, **kwargs: Any) -> None:
         super().__init__(model, optimizer, training_config, **kwargs)
         self._preemption = preemption
-        state = self.optimizer.opt_state
-        if isinstance(getattr(state, "inner_opt_state", state), AccumulateTokensState):
-            raise OptimizerConfigError(
-                "HFPeftTrainer accumulates through PeftTrainer's gradient_accumulation_steps; build the optimizer "
-                "with gemport.train.hf_optimizer, not optim.from_hf with gradient_accumulation_steps > 1"
-            )
         accumulation = training_config.get_with_default("gradient_accumulation_steps", 1)
         self.fast = fast
         self.with_loss_fn(hf_loss(accumulation, fast=fast), has_aux=True)

@@ -40,7 +40,7 @@ SFT = (
     # sample order and steps (gemport.train.optimizer_steps)
     "per_device_train_batch_size", "gradient_accumulation_steps", "seed", "data_seed", "train_sampling_strategy",
     "max_steps", "num_train_epochs", "dataloader_drop_last",
-    # optimizer and schedule (gemport.optim.from_hf)
+    # optimizer and schedule (gemport.optim.hf_optimizer)
     "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "lr_scheduler_type",
     "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio", "optim", "average_tokens_across_devices",
     # run: evaluation, logging, checkpoints, outputs (gemport.train.run, gemport.train.outputs)

@@ -8,7 +8,7 @@ existing primitives, each an attribute that can be read or replaced before ``tra
 - ``model``: the Tunix Gemma on ``mesh`` with LoRA (``apply_lora``; it carries ``lora_spec``),
 - ``pipeline``, ``examples``, ``report``: ``from_sft_config`` and its masked, fitted examples,
 - ``train_batches``: one [A, B, T] batch per optimizer step in HF's order; ``eval_batches``: [1, B, T],
-- ``optimizer``: ``hf_optimizer`` (its ``schedule`` gives each step's learning rate),
+- ``optimizer``: ``optim.hf_optimizer`` (its ``schedule`` gives each step's learning rate),
 - ``training_config``: Tunix's ``TrainingConfig``; ``trainer``: the ``HFPeftTrainer`` ``train()`` builds.
 
 Under ``jax.distributed`` (one process per host, ``jax.distributed.initialize`` called first) every process
@@ -36,12 +36,12 @@ from gemport.masks.batching import pad
 from gemport.masks.tokenize import Example
 from gemport.masks.truncation import TruncationReport
 from gemport.mesh import make_mesh, use_mesh
-from gemport.optim.hf import HFOptimizer, fields_of
+from gemport.optim.hf import HFOptimizer, fields_of, hf_optimizer
 from gemport.specs import GemmaSpec
 from gemport.train.distributed import batch_sharding, process_rows
 from gemport.train.order import OptimizerStep
 from gemport.train.sft import SFTPipeline, from_sft_config
-from gemport.train.step import hf_optimizer, stack
+from gemport.train.step import stack
 
 # SFTConfig fields the run reads beyond the pipeline's and the optimizer's, with TRL 1.16's defaults.
 _READ = {

@@ -16,11 +16,9 @@ import numpy as np
 import optax
 from flax import nnx
 
-from gemport.errors import BatchError, OptimizerConfigError
+from gemport.errors import BatchError
 from gemport.masks.loss import summed_cross_entropy
 from gemport.masks.packing import Rows, tunix_inputs
-from gemport.optim.accumulation import AccumulateTokensState
-from gemport.optim.hf import HFOptimizer, from_hf
 from gemport.train.attention import check_segments, segment_attention_model
 from gemport.train.chunked_loss import hidden_states, target_nll
 
@@ -39,27 +37,6 @@ class StepMetrics(NamedTuple):
     loss: jax.Array
     grad_norm: jax.Array
     num_tokens: jax.Array
-
-
-def _as_dict(training_args_or_dict: Any) -> dict[str, Any]:
-    if isinstance(training_args_or_dict, Mapping):
-        return dict(training_args_or_dict)
-    return training_args_or_dict.to_dict()
-
-
-def hf_optimizer(training_args_or_dict: Any, *, num_training_steps: int, params: Any = None) -> HFOptimizer:
-    """``optim.from_hf`` for ``train_step``: the HF optimizer step, applied once per accumulated batch.
-
-    ``train_step`` accumulates the micro-batches itself (a batch carries all of them), so the
-    transformation is ``from_hf`` of the same arguments with ``gradient_accumulation_steps`` 1: clipping,
-    AdamW with HF's decay mask and the schedule, updated with the mean gradient over the batch's targets.
-    ``num_training_steps`` counts optimizer steps. Returns an ``optim.HFOptimizer``. Also the optimizer to
-    give Tunix's ``PeftTrainer`` (without its ``gradient_accumulation_steps``) when it is fed whole
-    accumulated batches: the mean over all their targets is HF's loss, and its logged ``grad_norm`` is HF's.
-    """
-    fields = _as_dict(training_args_or_dict)
-    fields["gradient_accumulation_steps"] = 1
-    return from_hf(fields, num_training_steps=num_training_steps, params=params)
 
 
 def micro_batch_logits(model: nnx.Module, micro_batch: Mapping[str, jax.typing.ArrayLike]) -> jax.Array:
@@ -121,18 +98,13 @@ def train_step(*, wrt: Any = nnx.LoRAParam,
     array [A, B, T] (``stack`` builds it): the A micro-batches of one optimizer step, run one after the
     other (``lax.scan``, so memory holds one micro-batch's activations and one summed gradient). The
     gradient of the summed loss is accumulated in the parameters' dtype, divided by the batch's target
-    count, its norm taken, and ``optimizer`` (an ``nnx.Optimizer`` over ``hf_optimizer``'s ``tx``)
+    count, its norm taken, and ``optimizer`` (an ``nnx.Optimizer`` over ``optim.hf_optimizer``'s ``tx``)
     updated once. Empty micro-batches and rows (no target) contribute nothing, so a short last step can
     be padded to the same shape. A batch without any target leaves the parameters' gradient at zero.
     """
 
     @nnx.jit
     def jitted(model: nnx.Module, optimizer: nnx.Optimizer, batch: Mapping[str, Any]) -> StepMetrics:
-        if isinstance(optimizer.opt_state, AccumulateTokensState):
-            raise OptimizerConfigError(
-                "train_step accumulates micro-batches itself; build the optimizer with "
-                "gemport.train.hf_optimizer, not optim.from_hf with gradient_accumulation_steps > 1"
-            )
         graphdef, params, rest = nnx.split(model, wrt, ...)
 
         def micro(carry, micro_batch):
