@@ -18,8 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from gemport.errors import GemportError
+from gemport.mesh.dims import FSDP, TP
 
 BLOCK = 512
 """Query and key tile length of the blockwise attention (rows are padded up to a multiple of it)."""
@@ -214,10 +216,26 @@ def _splash(q, k, v, segment_ids, window, interpret=False):
     return jnp.moveaxis(out, 3, 1).reshape(q.shape).astype(q.dtype)
 
 
+def _splash_on_mesh(q, k, v, segment_ids, window, interpret=False):
+    # A Pallas kernel is opaque to XLA's partitioner, which would gather every input onto every device: under
+    # a mesh each device runs the kernel on its own rows (fsdp) and KV heads with their query groups (tp), as
+    # Tunix shards heads. An axis that does not divide rows or KV heads is left whole.
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return _splash(q, k, v, segment_ids, window, interpret)
+    fsdp = FSDP if FSDP in mesh.axis_names and q.shape[0] % mesh.shape[FSDP] == 0 else None
+    tp = TP if TP in mesh.axis_names and k.shape[2] % mesh.shape[TP] == 0 else None
+    heads = P(fsdp, None, tp, None)
+    local = jax.shard_map(functools.partial(_splash, window=window, interpret=interpret), mesh=mesh,
+                          in_specs=(heads, heads, heads, P(fsdp, None)), out_specs=heads, check_vma=False)
+    return local(q, k, v, segment_ids)
+
+
 def attend(q, k, v, segment_ids, window, block=BLOCK):
-    """``segment_attention`` on CPU/GPU, splash attention with the same mask on TPU; shapes as there."""
+    """``segment_attention`` on CPU/GPU, splash attention with the same mask on TPU (on each device's rows and
+    KV heads under a mesh); shapes as there."""
     if jax.default_backend() == "tpu":
-        return _splash(q, k, v, segment_ids, window)
+        return _splash_on_mesh(q, k, v, segment_ids, window)
     return segment_attention(q, k, v, segment_ids, window=window, block=block)
 
 
