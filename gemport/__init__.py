@@ -70,6 +70,8 @@ _LAZY = {
     "LoraSpec": "gemport.lora",
     "LoraParams": "gemport.lora",
     "LoraLayout": "gemport.lora",
+    "QLoraSpec": "gemport.lora",
+    "load_qlora_model": "gemport.checkpoint",
     "apply_lora": "gemport.lora",
     "audit": "gemport.sharding",
     "fix_lora": "gemport.sharding",

@@ -63,7 +63,7 @@ class TemplateMismatchWarning(UserWarning):
 
 class OptimizerConfigError(GemportError, ValueError):
     """HF TrainingArguments' optimizer and schedule fields ask for something gemport cannot reproduce in Optax,
-    or an optimizer built for one step is given to another."""
+    or an optimizer whose decay mask was fixed for one params tree is given another."""
 
 
 class RecipeError(GemportError, ValueError):

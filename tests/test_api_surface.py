@@ -5,6 +5,7 @@ A change here is an API change: update CHANGELOG.md and docs/api.md with it.
 
 import ast
 import importlib
+import re
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,8 @@ TOP_LEVEL = [
     "LoraParams", "LoraSpec", "MaskError", "MeshError", "MissingDependencyError", "MissingTensorError",
     "OptimizerConfigError", "RecipeError", "SFTRun", "ShapeMismatchError", "SpecError", "TemplateMismatchError",
     "TemplateMismatchWarning", "UnexpectedTensorError", "UnsafePathError",
-    "apply_lora", "audit", "compare_logits", "export_merged", "export_peft", "fix_lora", "from_sft_config",
-    "hf_optimizer", "import_peft", "load_hf", "load_model", "load_orbax", "make_mesh", "memory_plan",
+    "QLoraSpec", "apply_lora", "audit", "compare_logits", "export_merged", "export_peft", "fix_lora", "from_sft_config",
+    "hf_optimizer", "import_peft", "load_hf", "load_model", "load_orbax", "load_qlora_model", "make_mesh", "memory_plan",
     "micro_batches", "optimizer_shardings", "optimizer_steps", "load_lora", "save_hf", "save_lora", "save_orbax",
     "train_step", "trajectory", "valid_meshes",
 ]  # fmt: skip
@@ -85,6 +86,28 @@ def test_subpackage_namespace_is_pinned(module):
     assert sorted(m.__all__) == sorted(SUBPACKAGES[module])
     for name in m.__all__:
         assert hasattr(m, name), f"{module}.{name}"
+
+
+def _api_table_rows(heading):
+    """The rows of the first table under ``heading`` in docs/api.md, as lists of cells."""
+    text = (Path(__file__).parents[1] / "docs" / "api.md").read_text().split(f"\n{heading}\n", 1)[1]
+    lines = [line for line in text.split("\n\n## ")[0].splitlines() if line.startswith("| ")]
+    return [[cell.strip() for cell in line.strip("|").split(" | ")] for line in lines[1:]]
+
+
+def test_the_api_reference_tables_are_the_top_level_namespace():
+    """docs/api.md's table of the common flow and its table of errors name exactly ``gemport.__all__``, each in
+    a module the row gives."""
+    documented = set()
+    for _, names, _, homes in _api_table_rows("## The top-level namespace"):
+        for name in re.findall(r"`(\w+)`", names):
+            modules = re.findall(r"`([\w.]+)`", homes)
+            assert any(hasattr(importlib.import_module(m), name) for m in modules), (name, modules)
+            documented.add(name)
+    for names, _ in _api_table_rows("## Errors"):
+        documented.update(n for n in re.findall(r"`(\w+)`", names) if hasattr(gemport.errors, n))
+    documented.add("TemplateMismatchWarning")  # a warning, named in TemplateMismatchError's row
+    assert documented == set(gemport.__all__)
 
 
 def test_every_submodule_of_the_top_level_is_pinned():
