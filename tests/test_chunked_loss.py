@@ -14,7 +14,7 @@ from test_fast_attention import lora_model, rel_err, rows
 from gemport import train
 from gemport.masks import attention_mask
 from gemport.masks.loss import loss_scopes, nll_scopes
-from gemport.train.chunked_loss import hidden_states, target_nll
+from gemport.train.chunked_loss import hidden_states, slice_rows, target_nll
 
 
 @pytest.mark.parametrize("name", ["gemma4_dense", "gemma3_1b"])
@@ -73,3 +73,14 @@ def test_fast_step_trains_as_tunix_step(hf_checkpoint):
     for g, r in zip(jax.tree.leaves(got_lora), jax.tree.leaves(ref_lora)):
         assert float(jnp.max(jnp.abs(g - r))) < 3 * 2 * lr
         assert float(jnp.mean(jnp.abs(g - r))) < 1e-2 * lr
+
+
+@pytest.mark.parametrize("bits", [True, False], ids=["bit-pattern", "in-place"])
+def test_slice_rows_are_the_interleaved_rows_either_way(bits):
+    """Both ways of slicing a bfloat16 embedding (its bit pattern, for XLA:CPU; in place, for accelerators)
+    give rows b, b + s, ... exactly, under jit with a traced slice index."""
+    w = jax.random.normal(jax.random.key(0), (48, 8)).astype(jnp.bfloat16)
+    rows = jax.jit(lambda b: slice_rows(w, 4, b, bits=bits))
+    for b in range(4):
+        np.testing.assert_array_equal(np.asarray(rows(b), np.float32), np.asarray(w[b::4], np.float32))
+        assert rows(b).dtype == jnp.bfloat16

@@ -5,8 +5,8 @@ and as much again for their gradient). Here the logits of ``CHUNK`` tokens again
 rows at a time are computed from the hidden states (Tunix's ``embedder.decode`` on those rows, then Gemma 4's
 final softcap) and folded into each token's log-sum-exp (an online softmax, as flash attention takes it); the
 backward pass (`jax.custom_vjp`) recomputes each block from the saved log-sum-exp. Memory holds one block of
-logits, never a chunk's or the row's, and no transient copy of the whole embedding: a compiler that computes a
-bfloat16 dot in float32 (XLA:CPU) converts one slice of rows at a time, not 262144 x D.
+logits, never a chunk's or the row's, and no float32 copy of the whole embedding: a compiler that computes a
+bfloat16 dot in float32 (XLA:CPU) converts one slice of rows at a time, not 262144 x D (``slice_rows``).
 
 The slices interleave (slice b holds tokens b, b + s, b + 2s, ...), so on a mesh whose tp axis splits the
 vocabulary each device reads its own rows of every slice, without communication.
@@ -60,12 +60,7 @@ def _slice_logits(graphdef, state, softcap, slices, h_c, b):
     # Slice b's raw logits [C, V / s] as Tunix's decode computes them, its rows [V / s, D], and the softcap's
     # tanh (None without one) and the float32 logits the loss reads.
     embedder = nnx.merge(graphdef, state)
-    w = embedder.input_embedding.get_value()
-    # XLA:CPU slices no bfloat16 array: it would convert the whole embedding to float32 to slice it (5 GiB at
-    # Gemma's vocabulary). Its 16-bit pattern slices as is, and is the same bfloat16 again.
-    bits = jax.lax.bitcast_convert_type(w, jnp.uint16) if w.dtype == jnp.bfloat16 else w
-    w_b = jax.lax.dynamic_index_in_dim(bits.reshape(-1, slices, w.shape[-1]), b, axis=1, keepdims=False)
-    w_b = jax.lax.bitcast_convert_type(w_b, w.dtype)
+    w_b = slice_rows(embedder.input_embedding.get_value(), slices, b)
     embedder.input_embedding = nnx.Param(w_b)
     raw = embedder.decode(h_c)
     z = raw.astype(jnp.float32)
@@ -73,6 +68,21 @@ def _slice_logits(graphdef, state, softcap, slices, h_c, b):
         return raw, w_b, None, z
     tanh = jnp.tanh(z / softcap)
     return raw, w_b, tanh, tanh * softcap
+
+
+def slice_rows(w: jax.Array, slices: int, b: jax.Array, *, bits: bool | None = None) -> jax.Array:
+    """Rows b, b + s, b + 2s, ... [V / s, D] of the embedding ``w`` [V, D], for ``s = slices`` and a traced b.
+
+    bits: slice a bfloat16 ``w`` as its 16-bit pattern (default: on XLA:CPU only). XLA:CPU moves no bfloat16
+    data as such: it would convert the whole embedding to float32 to slice it (5 GiB at Gemma's vocabulary),
+    where the bit pattern costs one 16-bit copy. Accelerators slice bfloat16 in place. Both give the same rows.
+    """
+    if bits is None:
+        bits = jax.default_backend() == "cpu"
+    if not (bits and w.dtype == jnp.bfloat16):
+        return jax.lax.dynamic_index_in_dim(w.reshape(-1, slices, w.shape[-1]), b, axis=1, keepdims=False)
+    pattern = jax.lax.bitcast_convert_type(w, jnp.uint16).reshape(-1, slices, w.shape[-1])
+    return jax.lax.bitcast_convert_type(jax.lax.dynamic_index_in_dim(pattern, b, axis=1, keepdims=False), w.dtype)
 
 
 def _split_targets(t_c, slices):
