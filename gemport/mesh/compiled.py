@@ -25,6 +25,7 @@ from gemport.checkpoint.quantize import how_to_quantize, set_quantized
 from gemport.lora import LoraSpec, QLoraSpec, apply_lora
 from gemport.lora.qlora import is_quantized
 from gemport.masks.loss import masked_cross_entropy
+from gemport.mesh.dims import FSDP
 from gemport._src.params import path_str
 from gemport._src.partition import padded, spec_of
 from gemport.sharding import optimizer_shardings
@@ -165,7 +166,7 @@ def compile_step(model, mesh, batch: int, seq_len: int, tx: optax.GradientTransf
     opt_shardings = optimizer_shardings(tx, nnx.as_pure(lora_in), mesh)
     opt_in = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                           jax.eval_shape(tx.init, nnx.as_pure(lora_in)), opt_shardings)
-    rows = NamedSharding(mesh, PartitionSpec("fsdp"))
+    rows = NamedSharding(mesh, PartitionSpec(FSDP))
     batch_in = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rows) for k, v in batch_shapes(batch, seq_len, fast).items()}
     args = (lora_in, opt_in, rest_in, batch_in)
     with jax.set_mesh(mesh):
