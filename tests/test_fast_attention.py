@@ -3,6 +3,7 @@ and Gemma 3 models on packed rows, a sliding window reaching across example boun
 the blockwise kernel against a dense softmax over several tile sizes; the refusal of segment-blind attention."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,7 @@ from gemport.checkpoint import load_model
 from gemport.lora import LoraSpec, apply_lora
 from gemport.masks import attention_mask
 from gemport.specs import GemmaSpec
+from gemport.train import attention
 from gemport.train.attention import (SegmentAttentionError, check_segments, segment_attention,
                                      segment_attention_model, segment_blind)
 
@@ -152,37 +154,14 @@ def test_segment_blind_attention_refuses_packed_rows(hf_checkpoint):
     assert not segment_blind(segment_attention_model(model))
 
 
-@pytest.mark.parametrize("window", [None, 16])
-def test_splash_path_matches_blockwise_in_interpret_mode(window):
-    """The TPU path (Pallas splash attention with SegmentIds, a LocalMask on sliding layers) on CPU in interpret
-    mode, small shapes: two examples and padding in a 128-token row, GQA; outputs and gradients."""
-    from gemport.train.attention import _splash
-
-    kq, kk, kv, kd = jax.random.split(jax.random.key(0), 4)
-    q = jax.random.normal(kq, (1, 128, 4, 64))
-    k = jax.random.normal(kk, (1, 128, 2, 64))
-    v = jax.random.normal(kv, (1, 128, 2, 64))
-    d_out = jax.random.normal(kd, q.shape)
-    segment_ids = jnp.array([[1] * 50 + [2] * 60 + [0] * 18])
-
-    def pull(f):
-        out, vjp = jax.vjp(f, q, k, v)
-        return (out, *vjp(d_out))
-
-    got = pull(lambda q, k, v: _splash(q, k, v, segment_ids, window, interpret=True))
-    ref = pull(lambda q, k, v: segment_attention(q, k, v, segment_ids, window=window, block=32))
-    for a, r in zip(got, ref):
-        assert rel_err(a, r) < 1e-5
-
-
-@pytest.mark.parametrize("fsdp, tp, window", [(2, 2, None), (1, 4, 16)], ids=["fsdp2-tp2", "tp4-heads-whole"])
-def test_splash_on_a_mesh_runs_per_device_and_matches_blockwise(fsdp, tp, window):
-    """Under a mesh the splash kernel runs on each device's rows and KV heads (with their query groups), in
-    interpret mode on CPU devices: outputs and gradients equal blockwise attention. With tp=4 over 2 KV heads
-    the heads stay whole on each device (gemport's meshes: axes of type Auto)."""
+@pytest.mark.parametrize("kernel, window, fsdp, tp", [("splash", None, 2, 2), ("splash", 16, 1, 4), ("splash", 16, 1, 1),
+                                                      ("pallas-gpu", None, 1, 1), ("pallas-gpu", None, 2, 2)])
+def test_kernels_run_per_device_and_match_blockwise(kernel, window, fsdp, tp):
+    """The TPU kernel (splash, a LocalMask on sliding layers) and the GPU kernel (JAX's Pallas flash attention,
+    global layers) in interpret mode on CPU devices, under a mesh: each device runs the kernel on its own rows and KV heads (with their query
+    groups; with tp=4 over 2 KV heads the heads stay whole), and outputs and gradients equal blockwise
+    attention on rows of two examples and padding, GQA. gemport's meshes have axes of type Auto."""
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-
-    from gemport.train.attention import _splash_on_mesh
 
     kq, kk, kv, kd = jax.random.split(jax.random.key(1), 4)
     q = jax.random.normal(kq, (2, 128, 4, 64))
@@ -196,10 +175,20 @@ def test_splash_on_a_mesh_runs_per_device_and_matches_blockwise(fsdp, tp, window
         out, vjp = jax.vjp(f, q, k, v)
         return (out, *vjp(d_out))
 
+    if kernel == "splash":
+        local = functools.partial(attention._splash, window=window, interpret=True)
+    else:
+        local = functools.partial(attention._pallas_gpu, interpret=True)
     with jax.set_mesh(mesh):
-        got = jax.jit(lambda: pull(lambda q, k, v: _splash_on_mesh(q, k, v, segment_ids, window, interpret=True)))()
+        got = jax.jit(lambda: pull(lambda q, k, v: attention._on_mesh(local, q, k, v, segment_ids)))()
     ref = pull(lambda q, k, v: segment_attention(q, k, v, segment_ids, window=window, block=32))
     expected = NamedSharding(mesh, P("fsdp" if fsdp > 1 else None, None, "tp" if tp == 2 else None, None))
     assert got[0].sharding.is_equivalent_to(expected, q.ndim)
     for a, r in zip(got, ref):
         assert rel_err(a, r) < 1e-5
+
+
+def test_the_gpu_kernel_takes_global_layers_its_blocks_divide():
+    assert attention._gpu_kernel_takes(128, None) and attention._gpu_kernel_takes(4096, None)
+    assert not attention._gpu_kernel_takes(128, 16)  # sliding layers: blockwise
+    assert not attention._gpu_kernel_takes(100, None)  # 100 tokens: not a multiple of its 32-token blocks

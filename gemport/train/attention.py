@@ -8,10 +8,12 @@ sees key s when both carry the same segment id and s <= t (and t - s < window on
 ``segment_attention`` is a blockwise (flash-style, online softmax) attention in pure JAX with its own backward
 pass, holding one [block, block] tile of scores per head at a time; on TPU the same mask runs on splash
 attention (``jax.experimental.pallas.ops.tpu.splash_attention`` with ``SegmentIds``, a ``LocalMask`` on
-sliding layers). ``segment_attention_model`` returns a copy of a Tunix model whose attention layers compute it;
+sliding layers), on GPU's global layers on JAX's Pallas flash attention (``pallas.ops.gpu.attention`` with
+segment ids, causal), each inside ``shard_map`` under a mesh (``attend``). ``segment_attention_model`` returns a copy of a Tunix model whose attention layers compute it;
 the copy takes ``segment_ids`` [B, T] where Tunix takes ``attention_mask``.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -216,26 +218,51 @@ def _splash(q, k, v, segment_ids, window, interpret=False):
     return jnp.moveaxis(out, 3, 1).reshape(q.shape).astype(q.dtype)
 
 
-def _splash_on_mesh(q, k, v, segment_ids, window, interpret=False):
+def _pallas_gpu(q, k, v, segment_ids, interpret=False):
+    # JAX's Pallas GPU flash attention (Triton) takes segment ids and a causal mask, with as many KV heads as
+    # query heads: GQA's KV heads are repeated for their query groups.
+    from jax.experimental.pallas.ops.gpu import attention as gpu_attention
+
+    groups = q.shape[2] // k.shape[2]
+    k, v = (jnp.repeat(x, groups, axis=2) for x in (k, v))
+    out = gpu_attention.mha(q, k, v, jnp.asarray(segment_ids, jnp.int32), sm_scale=1.0, causal=True,
+                            interpret=interpret)
+    return out.astype(q.dtype)
+
+
+def _gpu_kernel_takes(t: int, window: int | None) -> bool:
+    """Whether ``_pallas_gpu`` computes this layer: a global (causal) layer whose length every block of the
+    kernel divides. It has no sliding window."""
+    from jax.experimental.pallas.ops.gpu import attention as gpu_attention
+
+    blocks = [b for b in dataclasses.astuple(gpu_attention.BlockSizes.get_default()) if b]
+    return window is None and all(t % min(b, t) == 0 for b in blocks)
+
+
+def _on_mesh(kernel, q, k, v, segment_ids):
     # A Pallas kernel is opaque to XLA's partitioner, which would gather every input onto every device: under
     # a mesh each device runs the kernel on its own rows (fsdp) and KV heads with their query groups (tp), as
     # Tunix shards heads. An axis that does not divide rows or KV heads is left whole.
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
-        return _splash(q, k, v, segment_ids, window, interpret)
+        return kernel(q, k, v, segment_ids)
     fsdp = FSDP if FSDP in mesh.axis_names and q.shape[0] % mesh.shape[FSDP] == 0 else None
     tp = TP if TP in mesh.axis_names and k.shape[2] % mesh.shape[TP] == 0 else None
     heads = P(fsdp, None, tp, None)
-    local = jax.shard_map(functools.partial(_splash, window=window, interpret=interpret), mesh=mesh,
-                          in_specs=(heads, heads, heads, P(fsdp, None)), out_specs=heads, check_vma=False)
+    local = jax.shard_map(kernel, mesh=mesh, in_specs=(heads, heads, heads, P(fsdp, None)), out_specs=heads,
+                          check_vma=False)
     return local(q, k, v, segment_ids)
 
 
 def attend(q, k, v, segment_ids, window, block=BLOCK):
-    """``segment_attention`` on CPU/GPU, splash attention with the same mask on TPU (on each device's rows and
-    KV heads under a mesh); shapes as there."""
-    if jax.default_backend() == "tpu":
-        return _splash_on_mesh(q, k, v, segment_ids, window)
+    """Segment attention on the device's fast kernel, shapes as ``segment_attention``: splash attention on TPU;
+    on GPU, JAX's Pallas flash attention on global layers whose length its blocks divide; both on each
+    device's rows and KV heads under a mesh. ``segment_attention`` everywhere else (CPU, GPU sliding layers)."""
+    backend = jax.default_backend()
+    if backend == "tpu":
+        return _on_mesh(functools.partial(_splash, window=window), q, k, v, segment_ids)
+    if backend == "gpu" and _gpu_kernel_takes(q.shape[1], window):
+        return _on_mesh(_pallas_gpu, q, k, v, segment_ids)
     return segment_attention(q, k, v, segment_ids, window=window, block=block)
 
 
