@@ -8,8 +8,8 @@ width x heads per layer for attention) times tokens/s over the device's bf16 pea
 there is no accelerator figure. On CPU (default: tiny widths, under a minute) the peak is what XLA's
 compiled memory analysis reserves (arguments + outputs + temporaries, donated buffers once), since the CPU
 reports no allocator statistics; on an accelerator it is the device's ``peak_bytes_in_use``. Where torch sees
-a CUDA device, PEFT's step on the same model (HF Gemma 4, the same LoRA targets, torch AdamW) runs as the
-baseline and the ratio is printed. Usage:
+a CUDA device, PEFT's step on the same model (HF Gemma 4, the same LoRA targets, torch AdamW; sdpa attention,
+and FlashAttention-2 where ``flash_attn`` is installed) runs as the baseline and the fast step's ratio is printed. Usage:
 
     python bench/bench_train.py                      # CPU, tiny widths
     python bench/bench_train.py --widths 31b --layers 2 --vocab 262144 --batch 8 --seq-len 2048 \\
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import os
 import sys
 import time
@@ -40,6 +41,7 @@ from gemport.mesh.compiled import compile_step, lora_model, make_step  # noqa: E
 
 from gemport.lora import LoraSpec  # noqa: E402
 from gemport.mesh import make_mesh, memory_plan  # noqa: E402
+from gemport.mesh.activations import REMAT  # noqa: E402
 from gemport.specs import GemmaSpec  # noqa: E402
 
 GiB = 2**30
@@ -120,16 +122,13 @@ def jax_step(args, spec, lora_spec, dtype, fast):
     return min(times), peak, compiled, float(loss)
 
 
-def torch_step(args, spec, lora_spec):
-    """PEFT's step on CUDA: HF Gemma 4 with LoRA on the same projections, torch AdamW. None without CUDA."""
+def torch_step(args, spec, lora_spec, attn_implementation):
+    """PEFT's step on CUDA: HF Gemma 4 with LoRA on the same projections, torch AdamW, the given attention."""
     import torch
-
-    if not torch.cuda.is_available():
-        return None
     import transformers as tf
     from peft import LoraConfig, get_peft_model
 
-    cfg = tf.Gemma4TextConfig(**spec.to_hf_config())
+    cfg = tf.Gemma4TextConfig(**spec.to_hf_config(), attn_implementation=attn_implementation)
     model = tf.Gemma4ForCausalLM(cfg).to("cuda", dtype=getattr(torch, args.dtype))
     model = get_peft_model(model, LoraConfig(r=lora_spec.rank, lora_alpha=lora_spec.alpha,
                                              target_modules=list(lora_spec.targets)))
@@ -159,7 +158,7 @@ def main():
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--fsdp", type=int, default=1)
     p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--remat", choices=("none", "block", "decoder"), default="none")
+    p.add_argument("--remat", choices=REMAT, default="none")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--dtype", default="float32", help="param and compute dtype (XLA:CPU computes bf16 in f32)")
     p.add_argument("--steps", type=int, default=5)
@@ -169,14 +168,16 @@ def main():
     lora_spec = LoraSpec(rank=args.rank, alpha=2 * args.rank)
     dtype = jnp.dtype(args.dtype)
     backend = jax.default_backend()
-    plan = memory_plan(spec, args.fsdp, args.tp, lora_spec=LoraSpec(args.rank, 2.0 * args.rank), param_dtype=dtype, batch=args.batch,
+    plan = memory_plan(spec, args.fsdp, args.tp, lora_spec=lora_spec, param_dtype=dtype, batch=args.batch,
                        seq_len=args.seq_len, remat=args.remat, backend="cpu" if backend == "cpu" else "tpu")
     tokens = args.batch * args.seq_len
     kind = jax.devices()[0].device_kind
     peak_flops = peak_tflops(kind) if backend != "cpu" else None
     print(f"{backend} ({kind}): {args.widths} widths, {args.layers} layers, vocab {args.vocab}, mesh fsdp={args.fsdp} "
           f"tp={args.tp}, batch {args.batch} x {args.seq_len}, remat {args.remat}, LoRA r={args.rank}, {args.dtype}")
-    print(f"  plan (Tunix's step): {plan}")
+    print(f"  plan (the fast step): {plan}")
+    print(f"    {plan.tunix_line}")
+    step_seconds = {}
     for name, fast in (("Tunix step", False), ("fast step", True)):
         seconds, peak, compiled, loss = jax_step(args, spec, lora_spec, dtype, fast)
         measured, how = (peak, "peak_bytes_in_use") if peak else (compiled.peak_bytes, "compiled memory analysis")
@@ -185,15 +186,19 @@ def main():
             mfu = "MFU: no accelerator figure (CPU)" if backend == "cpu" else f"MFU: no bf16 peak known for {kind}"
         else:
             mfu = f"MFU {rate * flops_per_token(spec, args.seq_len) / (peak_flops * 1e12 * args.fsdp * args.tp):.1%}"
+        step_seconds[name] = seconds
         print(f"  {name}: {seconds * 1e3:.1f} ms, {rate:,.0f} tokens/s, {mfu} (loss {loss:.3f}); peak per device "
               f"({how}) {measured / GiB:.3f} GiB")
-    baseline = torch_step(args, spec, lora_spec)
-    if baseline is None:
+    import torch
+
+    if not torch.cuda.is_available():
         print("  PEFT baseline: skipped (torch sees no CUDA device)")
-    else:
-        t_seconds, t_peak = baseline
-        print(f"  PEFT step (CUDA): {t_seconds * 1e3:.1f} ms, {tokens / t_seconds:,.0f} tokens/s, peak {t_peak / GiB:.3f} "
-              f"GiB; gemport/PEFT tokens/s: {t_seconds / seconds:.2f}x")
+        return
+    attentions = ["sdpa"] + (["flash_attention_2"] if importlib.util.find_spec("flash_attn") else [])
+    for attn_implementation in attentions:
+        t_seconds, t_peak = torch_step(args, spec, lora_spec, attn_implementation)
+        print(f"  PEFT step (CUDA, {attn_implementation}): {t_seconds * 1e3:.1f} ms, {tokens / t_seconds:,.0f} tokens/s, "
+              f"peak {t_peak / GiB:.3f} GiB; gemport's fast step / PEFT tokens/s: {t_seconds / step_seconds['fast step']:.2f}x")
 
 
 if __name__ == "__main__":
