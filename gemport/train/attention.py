@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, PartitionSpec as P
 
 from gemport.errors import GemportError
 from gemport.mesh.dims import FSDP, TP
@@ -249,9 +249,13 @@ def _on_mesh(kernel, q, k, v, segment_ids):
     fsdp = FSDP if FSDP in mesh.axis_names and q.shape[0] % mesh.shape[FSDP] == 0 else None
     tp = TP if TP in mesh.axis_names and k.shape[2] % mesh.shape[TP] == 0 else None
     heads = P(fsdp, None, tp, None)
-    local = jax.shard_map(kernel, mesh=mesh, in_specs=(heads, heads, heads, P(fsdp, None)), out_specs=heads,
-                          check_vma=False)
-    return local(q, k, v, segment_ids)
+    specs = (heads, heads, heads, P(fsdp, None))
+    args = (q, k, v, segment_ids)
+    if all(t == AxisType.Explicit for t in mesh.axis_types):
+        # On Explicit axes shard_map takes its inputs only as laid out by its specs (Auto ones it lays out).
+        args = tuple(jax.reshard(x, spec) for x, spec in zip(args, specs))
+    local = jax.shard_map(kernel, mesh=mesh, in_specs=specs, out_specs=heads, check_vma=False)
+    return local(*args)
 
 
 def attend(q, k, v, segment_ids, window, block=BLOCK):
