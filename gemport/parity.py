@@ -317,12 +317,12 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
     from trl.chat_template_utils import has_generation_markers
 
     from gemport import train
-    from gemport.optim import hf_optimizer
     from gemport.checkpoint import import_peft, load_model
     from gemport.checkpoint.quantize import load_qlora_model
     from gemport.lora import apply_lora
     from gemport.masks import formats
     from gemport.masks.training_template import gemma4_training_template
+    from gemport.optim import hf_optimizer
     from gemport.specs import GemmaSpec
 
     records = list(formats.read(data)) if isinstance(data, (str, Path)) else list(data)
@@ -395,8 +395,8 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
         rows = [StepRow(s.step, float(log["learning_rate"]), float(hf.schedule(s.step)), float(log["loss"]),
                         float(m.loss), float(log["grad_norm"]), float(m.grad_norm))
                 for (s, _), log, m in zip(batches, logs, metrics)]
-        gpu = _gpu_deltas(model)
-        adapters = _distances(_port_deltas(port, spec, lora_spec), gpu)
+        gpu, trained = _gpu_deltas(model), _port_deltas(port, spec, lora_spec)
+        adapters = _distances(trained, gpu)
         floor = None
         if tolerances.adapter is None and rows:
             # Pairs of correct float32 runs, each pair computing the same loss and gradient with other float32
@@ -404,7 +404,7 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
             # padding columns (no target, seen by no real token; every contraction over tokens changes length).
             sdpa = _distances(_gpu_deltas(gpu_run("sdpa")[0]), gpu)
             padded = _distances(_port_deltas(port_run(FLOOR_PADDING, "port, padded")[0], spec, lora_spec), gpu,
-                                _port_deltas(port, spec, lora_spec))
+                                trained)
             floor = max(*sdpa.values(), *padded.values(), float(np.finfo(np.float32).eps))
     if not rows:
         raise GemportError("trajectory: the GPU recipe logged no step; is the data empty?")

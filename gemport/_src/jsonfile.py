@@ -99,39 +99,29 @@ class Fields:
             self.fail(key, value, f"a number {bounds}")
         return float(value)
 
-    def boolean(self, key: str, default: Any = _REQUIRED) -> Any:
+    def _typed(self, key: str, default: Any, ok: Any, expected: str, convert: Any = None) -> Any:
+        # The field (``convert``ed), or the default where absent; ``expected`` names what fails ``ok``.
         value = self._get(key, default)
         if value is None:
             return default
-        if not isinstance(value, bool):
-            self.fail(key, value, "true or false")
-        return value
+        if not ok(value):
+            self.fail(key, value, expected)
+        return value if convert is None else convert(value)
+
+    def boolean(self, key: str, default: Any = _REQUIRED) -> Any:
+        return self._typed(key, default, lambda v: isinstance(v, bool), "true or false")
 
     def string(self, key: str, default: Any = _REQUIRED) -> Any:
-        value = self._get(key, default)
-        if value is None:
-            return default
-        if not isinstance(value, str):
-            self.fail(key, value, "a string")
-        return value
+        return self._typed(key, default, lambda v: isinstance(v, str), "a string")
 
     def strings(self, key: str, default: Any = _REQUIRED) -> Any:
         """A list of strings."""
-        value = self._get(key, default)
-        if value is None:
-            return default
-        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-            self.fail(key, value, "a list of strings")
-        return list(value)
+        return self._typed(key, default, lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v),
+                           "a list of strings", list)
 
     def mapping(self, key: str, default: Any = _REQUIRED) -> Any:
         """A JSON object, as a plain dict."""
-        value = self._get(key, default)
-        if value is None:
-            return default
-        if not isinstance(value, Mapping):
-            self.fail(key, value, "a JSON object")
-        return dict(value)
+        return self._typed(key, default, lambda v: isinstance(v, Mapping), "a JSON object", dict)
 
     def fields(self, key: str) -> Fields:
         """The object in field ``key`` (absent: empty), with ``source`` extended by the key."""

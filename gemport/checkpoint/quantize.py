@@ -161,8 +161,6 @@ def set_quantized(model, path, q, how) -> None:
     setattr(module, path[-1], jax.tree.map(param.replace, ptq.WithAux(q, how)))
 
 
-
-
 def _scale_sharding(sharding, shape):
     if not isinstance(sharding, NamedSharding):
         return sharding

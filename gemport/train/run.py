@@ -187,7 +187,7 @@ class SFTRun:
         examples, report = pipeline.examples(train_dataset, tokenizer, progress=progress)
         if not examples:
             raise RecipeError(f"no training example is left after truncation at max_length "
-                                       f"{pipeline.max_length} ({report}); raise max_length")
+                              f"{pipeline.max_length} ({report}); raise max_length")
         held_out = None
         if eval_dataset is not None:
             held_out, _ = pipeline.examples(eval_dataset, tokenizer, progress=progress)
