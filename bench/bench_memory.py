@@ -1,8 +1,10 @@
 """Compiled peak per device of the LoRA step at Gemma 4 31B's widths, Tunix's step against gemport's fast step.
 
 Two layers (one sliding, one global), vocabulary 262144, LoRA r=16 on all seven projections, bf16, decoder
-remat, one row: lowered for abstract arguments and compiled on the host's CPU (nothing allocated), XLA's
-memory analysis read. Minutes per case on CPU. ``python bench/bench_memory.py [seq_len ...] [--vocab V]``.
+remat, one row per device: lowered for abstract arguments and compiled on this host (nothing allocated), XLA's
+memory analysis read. For the host's CPU (one device), or with ``--tpu SLICE`` for a TPU slice's chips by
+libtpu's compiler (fsdp over all of them, one row each; ``pip install 'gemport[tpu]'``). A minute or so per
+case. ``python bench/bench_memory.py [seq_len ...] [--vocab V] [--tpu v5p-8]``.
 """
 
 import argparse
@@ -23,6 +25,7 @@ from gemport.mesh.compiled import compile_step, lora_model  # noqa: E402
 
 from gemport.lora import LoraSpec  # noqa: E402
 from gemport.mesh import make_mesh  # noqa: E402
+from gemport.mesh.tpu import slice_devices  # noqa: E402
 from gemport.specs import GemmaSpec  # noqa: E402
 
 GiB = 2**30
@@ -35,18 +38,24 @@ def main():
     parser.add_argument("--vocab", type=int, default=262144)
     parser.add_argument("--remat", default="decoder")
     parser.add_argument("--steps", nargs="+", default=["fast", "tunix"], choices=["fast", "tunix"])
+    parser.add_argument("--tpu", metavar="SLICE", help="compile for this TPU slice's chips (e.g. v5p-8)")
     args = parser.parse_args()
+    if args.tpu and "JAX_PLATFORMS" not in os.environ:
+        jax.config.update("jax_platforms", "cpu")  # the slice's compiler needs no TPU here
     spec = dataclasses.replace(GemmaSpec.preset("gemma4-31b"), num_layers=2, layer_types=("sliding", "global"),
                                vocab=args.vocab)
     model = lora_model(spec, LoraSpec(rank=16, alpha=32, targets=TARGETS), remat=args.remat,
                        param_dtype=jnp.bfloat16)
-    mesh = make_mesh(spec, fsdp=1, tp=1, devices=jax.devices()[:1])
-    print(f"Gemma 4 31B widths, 2 layers, vocab {args.vocab}, LoRA r=16 x 7, bf16, remat {args.remat}, 1 row; "
-          f"XLA:{jax.default_backend().upper()} compiled memory analysis")
+    devices = slice_devices(args.tpu) if args.tpu else jax.devices()[:1]
+    mesh = make_mesh(spec, fsdp=len(devices), tp=1, devices=devices)
+    compiler = f"TPU {args.tpu} (libtpu, {len(devices)} chips, fsdp={len(devices)})" if args.tpu else \
+        f"XLA:{jax.default_backend().upper()}"
+    print(f"Gemma 4 31B widths, 2 layers, vocab {args.vocab}, LoRA r=16 x 7, bf16, remat {args.remat}, one row per "
+          f"device; {compiler} compiled memory analysis, per device")
     for seq_len in args.seq_len:
         for name in args.steps:
             start = time.perf_counter()
-            compiled, _ = compile_step(model, mesh, 1, seq_len, fast=name == "fast")
+            compiled, _ = compile_step(model, mesh, len(devices), seq_len, fast=name == "fast")
             print(f"{seq_len:6d} tokens  {name:5s} step: peak {compiled.peak_bytes / GiB:6.2f} GiB "
                   f"(arguments {compiled.argument_bytes / GiB:.2f}, temporaries {compiled.temp_bytes / GiB:.2f}) "
                   f"compiled in {time.perf_counter() - start:.0f} s", flush=True)

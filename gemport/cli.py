@@ -79,6 +79,17 @@ def plan(args) -> int:
                         "fine-tuning)")
     spec = _spec(args.model)
     hbm = int(args.hbm) if args.hbm and args.hbm.isdigit() else args.hbm
+    devices = args.devices
+    if args.tpu:
+        from gemport.mesh import TpuSlice
+
+        tpu = TpuSlice.parse(args.tpu)
+        if args.devices not in (None, tpu.chips):
+            raise MeshError(f"--devices {args.devices} disagrees with --tpu {tpu.name}, which has {tpu.chips} chips; "
+                            "give one of them")
+        devices, hbm = tpu.chips, hbm or tpu.generation
+    elif devices is None:
+        raise MeshError("give the slice: --tpu (e.g. v5p-8) or --devices (its chip count)")
     if (args.batch is None) != (args.seq_len is None):
         raise MeshError("plan the train step with both --batch and --seq-len, or neither")
     lora = _lora_spec(args.lora_config)
@@ -93,18 +104,24 @@ def plan(args) -> int:
         qlora = QLoraSpec(qtype=args.qlora, double_quant=args.double_quant)
         if lora is None:
             raise LoraError("--qlora trains LoRA on the 4-bit base: give --lora-rank or --lora-config")
-    if args.compile:
+    if args.compile and "JAX_PLATFORMS" not in os.environ:
+        import jax
+
+        # Compiling needs no accelerator, and a plan must not take (or wait for) the one a run may hold.
+        jax.config.update("jax_platforms", "cpu")
+    if args.compile and not args.tpu:
         from gemport.mesh.compiled import CPU_MEMORY_SCHEDULER
 
         # Read when JAX's CPU backend starts: in a fresh process, before anything has run.
         flags = os.environ.get("XLA_FLAGS", "")
         if "host_platform_device_count" not in flags:
-            flags += f" --xla_force_host_platform_device_count={args.devices}"
+            flags += f" --xla_force_host_platform_device_count={devices}"
         os.environ["XLA_FLAGS"] = f"{flags} {CPU_MEMORY_SCHEDULER}".strip()
-    plans = valid_meshes(spec, args.devices, hbm_bytes=hbm, lora_spec=lora, batch=args.batch, seq_len=args.seq_len,
+    plans = valid_meshes(spec, devices, hbm_bytes=hbm, lora_spec=lora, batch=args.batch, seq_len=args.seq_len,
                          qlora=qlora, **_given(args, param_dtype="param_dtype", remat="remat"))
     base = f"a 4-bit ({qlora.qtype}) base" if qlora else f"a {args.param_dtype} base"
-    print(f"{args.model}: {len(plans)} valid (fsdp, tp) meshes on {args.devices} devices, {base}")
+    where = f"a {args.tpu} ({devices} chips)" if args.tpu else f"{devices} devices"
+    print(f"{args.model}: {len(plans)} valid (fsdp, tp) meshes on {where}, {base}")
     for p in plans:
         print(f"  {p}")
         if p.tunix_line:
@@ -115,7 +132,8 @@ def plan(args) -> int:
 
 
 def _compiled_peak(spec, lora, qlora, p, args) -> str:
-    """The compiled peak per device of the train step on plan ``p``'s mesh, on this host's CPU devices."""
+    """The compiled peak per device of the train step on plan ``p``'s mesh: of the TPU slice's chips (libtpu's
+    compiler) with --tpu, else of this host's CPU devices."""
     from gemport.mesh import compiled_peak
 
     if lora is None or args.batch is None:
@@ -123,10 +141,11 @@ def _compiled_peak(spec, lora, qlora, p, args) -> str:
                         "--seq-len")
     try:
         peak = compiled_peak(spec, lora, p.fsdp, p.tp, batch=args.batch, seq_len=args.seq_len, qlora=qlora,
-                             **_given(args, param_dtype="param_dtype", remat="remat"))
+                             tpu=args.tpu, **_given(args, param_dtype="param_dtype", remat="remat"))
     except MeshError as e:
         return f"not compiled: {e}"
-    return f"compiled peak (XLA:CPU, the step gemport trains with): {peak / 2**30:.2f} GiB ({peak} bytes) per device"
+    compiler = f"TPU {args.tpu}, libtpu's compiler" if args.tpu else "XLA:CPU"
+    return f"compiled peak ({compiler}, the step gemport trains with): {peak / 2**30:.2f} GiB ({peak} bytes) per device"
 
 
 def convert(args) -> int:
@@ -260,8 +279,11 @@ def parser() -> argparse.ArgumentParser:
                        description="List every valid (fsdp, tp) mesh for a model on N devices with what each "
                                    "device holds: base params, LoRA params, Adam moments.")
     c.add_argument("model", help=model_help)
-    c.add_argument("--devices", type=int, required=True, help="number of chips (v5p-8: 4, v6e-8: 8)")
-    c.add_argument("--hbm", help="HBM per chip: a chip name (v4, v5e, v5p, v6e) or bytes")
+    c.add_argument("--tpu", metavar="SLICE", help="a Cloud TPU slice (v5p-8, v6e-8, v5litepod-16, ...): its chips and "
+                                                  "their HBM; with --compile, compile for its chips (libtpu's "
+                                                  "compiler, on this host: pip install 'gemport[tpu]')")
+    c.add_argument("--devices", type=int, help="number of chips (v5p-8: 4, v6e-8: 8), when not given by --tpu")
+    c.add_argument("--hbm", help="HBM per chip: a chip name (v4, v5e, v5p, v6e) or bytes (default: --tpu's chip)")
     c.add_argument("--lora-rank", type=int, help="LoRA rank on all seven projections (omit both LoRA options for "
                                                  "full fine-tuning)")
     c.add_argument("--lora-config", help="a PEFT adapter_config.json or its directory: targets and per-module ranks")
@@ -277,8 +299,9 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--remat", default=Default("gemport.mesh.memory_plan", "remat"),
                    help="Tunix remat_config of the step, a RematConfig name in lower case (default %(default)s)")
     c.add_argument("--compile", action="store_true",
-                   help="also lower and compile the LoRA train step for abstract inputs on this host's CPU (nothing "
-                        "allocated; minutes at real widths) and print its compiled peak per device")
+                   help="also lower and compile the LoRA train step for abstract inputs, for --tpu's chips or else "
+                        "this host's CPU (nothing allocated; a minute or more at real widths), and print its "
+                        "compiled peak per device")
     c.set_defaults(run=plan)
 
     c = sub.add_parser("convert", help="HF safetensors <-> Orbax Tunix parameters",

@@ -35,8 +35,8 @@ SUBPACKAGES = {
         "apply_lora", "factor_axes", "factor_specs", "provider",
     ],
     "gemport.mesh": [
-        "HBM", "MemoryPlan", "MeshError", "ShardedDim", "compiled_peak", "make_mesh", "memory_plan", "sharded_dims",
-        "use_mesh", "valid_meshes", "valid_tp",
+        "HBM", "MemoryPlan", "MeshError", "ShardedDim", "TpuSlice", "compiled_peak", "make_mesh", "memory_plan",
+        "sharded_dims", "slice_devices", "use_mesh", "valid_meshes", "valid_tp",
     ],
     "gemport.sharding": ["Audit", "AuditRow", "LoraChange", "audit", "fix_lora", "optimizer_shardings"],
     "gemport.specs": ["GLOBAL", "SLIDING", "GemmaSpec"],

@@ -154,23 +154,27 @@ def test_segment_blind_attention_refuses_packed_rows(hf_checkpoint):
     assert not segment_blind(segment_attention_model(model))
 
 
-@pytest.mark.parametrize("kernel, window, fsdp, tp, axes", [
-    ("splash", None, 2, 2, "Auto"), ("splash", 16, 1, 4, "Auto"), ("splash", 16, 1, 1, "Auto"),
-    ("pallas-gpu", None, 1, 1, "Auto"), ("pallas-gpu", None, 2, 2, "Auto"), ("pallas-gpu", None, 2, 2, "Explicit"),
+@pytest.mark.parametrize("kernel, window, fsdp, tp, axes, length", [
+    ("splash", None, 2, 2, "Auto", 128), ("splash", 16, 1, 4, "Auto", 128), ("splash", 16, 1, 1, "Auto", 128),
+    ("splash", None, 2, 1, "Auto", 100), ("splash", 16, 1, 1, "Auto", 100),
+    ("pallas-gpu", None, 1, 1, "Auto", 128), ("pallas-gpu", None, 2, 2, "Auto", 128),
+    ("pallas-gpu", None, 2, 2, "Explicit", 128),
 ])
-def test_kernels_run_per_device_and_match_blockwise(kernel, window, fsdp, tp, axes):
+def test_kernels_run_per_device_and_match_blockwise(kernel, window, fsdp, tp, axes, length):
     """The TPU kernel (splash, a LocalMask on sliding layers) and the GPU kernel (JAX's Pallas flash attention,
-    global layers) in interpret mode on CPU devices, under a mesh: each device runs the kernel on its own rows and KV heads (with their query
-    groups; with tp=4 over 2 KV heads the heads stay whole), and outputs and gradients equal blockwise
-    attention on rows of two examples and padding, GQA. gemport's meshes have Auto axes; Explicit ones work too."""
+    global layers) in interpret mode on CPU devices, under a mesh: each device runs the kernel on its own rows
+    and KV heads (with their query groups; with tp=4 over 2 KV heads the heads stay whole), and outputs and
+    gradients equal blockwise attention on rows of two examples and padding, GQA. gemport's meshes have Auto
+    axes; Explicit ones work too. Rows of 100 tokens are not a multiple of splash's 128-token blocks."""
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
     kq, kk, kv, kd = jax.random.split(jax.random.key(1), 4)
-    q = jax.random.normal(kq, (2, 128, 4, 64))
-    k = jax.random.normal(kk, (2, 128, 2, 64))
-    v = jax.random.normal(kv, (2, 128, 2, 64))
+    q = jax.random.normal(kq, (2, length, 4, 64))
+    k = jax.random.normal(kk, (2, length, 2, 64))
+    v = jax.random.normal(kv, (2, length, 2, 64))
     d_out = jax.random.normal(kd, q.shape)
-    segment_ids = jnp.array([[1] * 50 + [2] * 60 + [0] * 18, [1] * 128])
+    first, second = length * 2 // 5, length // 2
+    segment_ids = jnp.array([[1] * first + [2] * second + [0] * (length - first - second), [1] * length])
     mesh = jax.make_mesh((fsdp, tp), ("fsdp", "tp"), (AxisType[axes],) * 2, devices=jax.devices()[:fsdp * tp])
 
     def pull(f):

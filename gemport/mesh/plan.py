@@ -231,27 +231,36 @@ def _weight_copy(params, sizes, param_dtype, fast: bool, qlora=None, compute_dty
 
 def compiled_peak(spec: GemmaSpec, lora_spec: LoraSpec, fsdp: int, tp: int, *, batch: int, seq_len: int,
                   remat: str = "none", param_dtype="bfloat16", fast: bool = True,
-                  qlora: QLoraSpec | None = None) -> int:
-    """Per-device peak bytes XLA compiles the LoRA train step to on an (fsdp, tp) mesh of this host's CPU devices.
+                  qlora: QLoraSpec | None = None, tpu: str | None = None) -> int:
+    """Per-device peak bytes XLA compiles the LoRA train step to on an (fsdp, tp) mesh: of this host's CPU
+    devices, or of TPU slice ``tpu``'s chips (e.g. "v5p-8", ``gemport.mesh.tpu.slice_devices``: libtpu's
+    compiler, on this host).
 
     The step (``gemport.mesh.compiled``: forward, ``train.fast_loss`` or, with ``fast=False``, Tunix's attention
     and logits, LoRA gradients, AdamW, state donated) is lowered for abstract inputs and compiled, never run:
-    nothing is allocated. XLA:CPU computes bfloat16 in float32, so for a bf16 model the figure includes
-    float32 copies of weights and activations a TPU would not make: an upper bound for the TPU's. With
-    ``qlora`` the base is 4-bit as ``load_qlora_model`` places it (``gemport.mesh.compiled.quantize_base``). Give XLA
-    ``gemport.mesh.compiled.CPU_MEMORY_SCHEDULER`` before JAX starts, or remat saves nothing on CPU.
+    nothing is allocated. For a TPU slice it is the program the slice would run, splash attention included.
+    XLA:CPU computes bfloat16 in float32, so its figure for a bf16 model includes float32 copies of weights
+    and activations a TPU would not make: an upper bound for the TPU's. With ``qlora`` the base is 4-bit as
+    ``load_qlora_model`` places it (``gemport.mesh.compiled.quantize_base``). On CPU, give XLA
+    ``gemport.mesh.compiled.CPU_MEMORY_SCHEDULER`` before JAX starts, or remat saves nothing.
     Raises MeshError when the host has fewer than fsdp * tp CPU devices
-    (``--xla_force_host_platform_device_count``).
+    (``--xla_force_host_platform_device_count``), or fsdp * tp is not the TPU slice's chip count.
     """
     import jax
 
     from gemport.mesh.compiled import compile_step, lora_model
     from gemport.mesh.factory import make_mesh
+    from gemport.mesh.tpu import slice_devices
 
-    devices = jax.devices("cpu")
-    if len(devices) < fsdp * tp:
-        raise MeshError(f"compiling for fsdp={fsdp} tp={tp} needs {fsdp * tp} CPU devices, the host has "
-                        f"{len(devices)}: set XLA_FLAGS=--xla_force_host_platform_device_count={fsdp * tp}")
+    if tpu is not None:
+        devices = slice_devices(tpu)
+        if len(devices) != fsdp * tp:
+            raise MeshError(f"fsdp={fsdp} tp={tp} is {fsdp * tp} devices; TPU slice {tpu} has {len(devices)} chips")
+    else:
+        devices = jax.devices("cpu")
+        if len(devices) < fsdp * tp:
+            raise MeshError(f"compiling for fsdp={fsdp} tp={tp} needs {fsdp * tp} CPU devices, the host has "
+                            f"{len(devices)}: set XLA_FLAGS=--xla_force_host_platform_device_count={fsdp * tp}")
     model = lora_model(spec, lora_spec, remat=remat, param_dtype=np.dtype(param_dtype), qlora=qlora)
     mesh = make_mesh(spec, fsdp=fsdp, tp=tp, devices=devices[: fsdp * tp])
     compiled, _ = compile_step(model, mesh, batch, seq_len, fast=fast)

@@ -24,6 +24,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 from gemport.errors import GemportError
 from gemport.mesh.dims import FSDP, TP
+from gemport.mesh.tpu import platform
 
 BLOCK = 512
 """Query and key tile length of the blockwise attention (rows are padded up to a multiple of it)."""
@@ -197,15 +198,21 @@ def _splash(q, k, v, segment_ids, window, interpret=False):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
 
-    _, t, n, _ = q.shape
+    _, length, n, _ = q.shape
     kv_heads = k.shape[2]
+    # The kernel's blocks must divide the row: pad it at the end. Causality keeps the padding out of every real
+    # query's view, whatever its segment id, and the padded queries' outputs are dropped.
+    block = max(b for b in dataclasses.astuple(splash.BlockSizes.get_default()) if b)
+    pad = -length % block
+    q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+    seg = jnp.pad(jnp.asarray(segment_ids, jnp.int32), ((0, 0), (0, pad)))
+    t = length + pad
     if window is None:
         mask = mask_lib.CausalMask((t, t))
     else:
         mask = mask_lib.LocalMask((t, t), window_size=(window - 1, 0), offset=0)
     kernel = splash.make_splash_mqa_single_device(mask_lib.MultiHeadMask([mask] * (n // kv_heads)),
                                                     interpret=interpret)
-    seg = jnp.asarray(segment_ids, jnp.int32)
     # [B, T, K, G, H] -> [B, K, G, T, H]: one MQA kernel per KV head and its query group.
     qg = jnp.moveaxis(q.reshape(*q.shape[:2], kv_heads, n // kv_heads, q.shape[-1]), 1, 3)
     kt, vt = jnp.moveaxis(k, 1, 2), jnp.moveaxis(v, 1, 2)
@@ -215,7 +222,7 @@ def _splash(q, k, v, segment_ids, window, interpret=False):
         return jax.vmap(lambda qh, kh, vh: kernel(qh, kh, vh, segment_ids=ids))(q_r, k_r, v_r)
 
     out = jax.vmap(row)(qg, kt, vt, seg)  # [B, K, G, T, H]
-    return jnp.moveaxis(out, 3, 1).reshape(q.shape).astype(q.dtype)
+    return jnp.moveaxis(out, 3, 1).reshape(q.shape)[:, :length].astype(q.dtype)
 
 
 def _pallas_gpu(q, k, v, segment_ids, interpret=False):
@@ -259,10 +266,11 @@ def _on_mesh(kernel, q, k, v, segment_ids):
 
 
 def attend(q, k, v, segment_ids, window, block=BLOCK):
-    """Segment attention on the device's fast kernel, shapes as ``segment_attention``: splash attention on TPU;
+    """Segment attention on the fast kernel of the platform the trace compiles for (``gemport.mesh.tpu.platform``:
+    the mesh's devices), shapes as ``segment_attention``: splash attention on TPU;
     on GPU, JAX's Pallas flash attention on global layers whose length its blocks divide; both on each
     device's rows and KV heads under a mesh. ``segment_attention`` everywhere else (CPU, GPU sliding layers)."""
-    backend = jax.default_backend()
+    backend = platform()
     if backend == "tpu":
         return _on_mesh(functools.partial(_splash, window=window), q, k, v, segment_ids)
     if backend == "gpu" and _gpu_kernel_takes(q.shape[1], window):

@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from gemport.mesh.tpu import platform
+
 CHUNK = 512
 """Tokens of each row per block of logits (and per float32 cotangent [B, CHUNK, D] of the backward pass)."""
 
@@ -73,12 +75,12 @@ def _slice_logits(graphdef, state, softcap, slices, h_c, b):
 def slice_rows(w: jax.Array, slices: int, b: jax.Array, *, bits: bool | None = None) -> jax.Array:
     """Rows b, b + s, b + 2s, ... [V / s, D] of the embedding ``w`` [V, D], for ``s = slices`` and a traced b.
 
-    bits: slice a bfloat16 ``w`` as its 16-bit pattern (default: on XLA:CPU only). XLA:CPU moves no bfloat16
-    data as such: it would convert the whole embedding to float32 to slice it (5 GiB at Gemma's vocabulary),
-    where the bit pattern costs one 16-bit copy. Accelerators slice bfloat16 in place. Both give the same rows.
+    bits: slice a bfloat16 ``w`` as its 16-bit pattern (default: when the trace compiles for CPU,
+    ``gemport.mesh.tpu.platform``). XLA:CPU moves no bfloat16 data as such: it would convert the whole
+    embedding to float32 to slice it (5 GiB at Gemma's vocabulary), where the bit pattern costs one 16-bit copy. Accelerators slice bfloat16 in place. Both give the same rows.
     """
     if bits is None:
-        bits = jax.default_backend() == "cpu"
+        bits = platform() == "cpu"
     if not (bits and w.dtype == jnp.bfloat16):
         return jax.lax.dynamic_index_in_dim(w.reshape(-1, slices, w.shape[-1]), b, axis=1, keepdims=False)
     pattern = jax.lax.bitcast_convert_type(w, jnp.uint16).reshape(-1, slices, w.shape[-1])
