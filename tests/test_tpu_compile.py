@@ -5,6 +5,7 @@ topology; the step gemport trains with, lowered on a mesh of them, compiles as t
 attention through Mosaic (``tpu_custom_call``), not in interpret mode, sharded per device under ``shard_map``.
 """
 
+import contextlib
 import dataclasses
 import re
 import subprocess
@@ -126,3 +127,35 @@ def test_plan_compiles_the_step_for_the_slice(hf_checkpoint):
     one_line_error(gemport("plan", base, "--tpu", "v5p-6", ok=False), "v5p-6", "not a slice's size")
     one_line_error(gemport("plan", base, "--tpu", "v5p-8", "--devices", "8", ok=False), "--devices 8", "4 chips")
     one_line_error(gemport("plan", base, ok=False), "--tpu", "--devices")
+
+
+def test_tunix_constrains_activations_in_a_step_compiled_for_the_slice():
+    """Tunix applies its activation constraints only on a process whose own devices are accelerators: a step
+    traced on this CPU host for the slice's chips gets them as the slice's run does, and Tunix is left as it
+    was afterwards."""
+    import jax
+    from flax import nnx
+    from tunix.utils import sharding_utils
+
+    from gemport.mesh.compiled import _tunix_constraints, lora_model
+    from gemport.mesh.context import use_mesh
+
+    spec = _spec()
+    graphdef, state = nnx.split(lora_model(spec, LoraSpec(4, 8.0)))
+    rows = jax.ShapeDtypeStruct((4, 16), jnp.int32)
+    mask = jax.ShapeDtypeStruct((4, 16, 16), jnp.bool_)
+
+    def constraints(mesh, patched):
+        def forward(state, tokens, mask):  # a new function each time: JAX reuses the trace of a function it has seen
+            return nnx.merge(graphdef, state)(tokens, tokens, None, mask)[0]
+
+        with use_mesh(mesh), (_tunix_constraints(mesh) if patched else contextlib.nullcontext()):
+            return jax.jit(forward).lower(state, rows, mask).as_text().count("sharding_constraint")
+
+    shard = sharding_utils.shard
+    slice_mesh = make_mesh(spec, fsdp=2, tp=2, devices=slice_devices("v5p-8"))
+    assert constraints(slice_mesh, False) == 0  # what Tunix alone would trace here
+    assert constraints(slice_mesh, True) >= 2 * spec.num_layers
+    assert sharding_utils.shard is shard
+    host_mesh = make_mesh(spec, fsdp=2, tp=2, devices=jax.devices()[:4])
+    assert constraints(host_mesh, True) == 0  # on the host's own devices, Tunix decides as it does in training

@@ -11,6 +11,7 @@ figure for a bf16 model includes float32 copies of weights a TPU would not make.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -25,6 +26,7 @@ from gemport.checkpoint.quantize import how_to_quantize, set_quantized
 from gemport.lora import LoraSpec, QLoraSpec, apply_lora
 from gemport.lora.qlora import is_quantized
 from gemport.masks.loss import masked_cross_entropy
+from gemport.mesh.context import use_mesh
 from gemport.mesh.dims import FSDP
 from gemport._src.params import path_str
 from gemport._src.partition import padded, spec_of
@@ -137,6 +139,30 @@ def _placed(state, mesh):
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+@contextlib.contextmanager
+def _tunix_constraints(mesh):
+    # Tunix constrains activations to its layouts (``tunix.utils.sharding_utils.shard``) only when the process's
+    # own devices are accelerators. Traced on a CPU host for a TPU slice's compile-only devices, the step would
+    # lack the constraints the slice's run has, and XLA would reshard activations between rows and widths
+    # (all-to-alls of [B, T, D]) where the slice gathers weights. While it is traced, Tunix's models constrain
+    # on ``mesh`` as they do on the slice; a mesh of the host's own devices keeps Tunix's behaviour.
+    if mesh.devices.flat[0].platform == jax.devices()[0].platform:
+        yield
+        return
+    from tunix.models.gemma4 import model as gemma4
+    from tunix.utils import sharding_utils
+
+    def shard(x, spec, eager=False):
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
+
+    saved = sharding_utils.shard, gemma4.shard
+    sharding_utils.shard = gemma4.shard = shard
+    try:
+        yield
+    finally:
+        sharding_utils.shard, gemma4.shard = saved
+
+
 @dataclasses.dataclass(frozen=True)
 class Compiled:
     """Per-device bytes of a compiled step (XLA's ``memory_analysis``) and the step itself."""
@@ -158,7 +184,9 @@ def compile_step(model, mesh, batch: int, seq_len: int, tx: optax.GradientTransf
     """Lower and compile the LoRA step of ``model`` (abstract or concrete) for one batch shape on ``mesh``.
 
     The batch is sharded over fsdp (rows), params by their Tunix/Qwix annotations, Adam state like the
-    LoRA params; ``fast`` as ``make_step``'s. Returns ``(Compiled, args)``: ``args`` are the abstract arguments, in call order.
+    LoRA params; ``fast`` as ``make_step``'s. The step is traced under ``use_mesh(mesh)``, as training runs
+    it; for a TPU slice's compile-only devices (``mesh.tpu.slice_devices``) with Tunix's activation
+    constraints, as on the slice. Returns ``(Compiled, args)``: ``args`` are the abstract arguments, in call order.
     """
     tx = tx or optax.adamw(1e-4)
     graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
@@ -169,7 +197,7 @@ def compile_step(model, mesh, batch: int, seq_len: int, tx: optax.GradientTransf
     rows = NamedSharding(mesh, PartitionSpec(FSDP))
     batch_in = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rows) for k, v in batch_shapes(batch, seq_len, fast).items()}
     args = (lora_in, opt_in, rest_in, batch_in)
-    with jax.set_mesh(mesh):
+    with use_mesh(mesh), _tunix_constraints(mesh):
         executable = make_step(graphdef, tx, fast).lower(*args).compile()
     m = executable.memory_analysis()
     return Compiled(m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes,
