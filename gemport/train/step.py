@@ -21,6 +21,7 @@ from gemport.masks.loss import summed_cross_entropy
 from gemport.masks.packing import Rows, tunix_inputs
 from gemport.train.attention import check_segments, segment_attention_model
 from gemport.train.chunked_loss import hidden_states, target_nll
+from gemport.train.remat import tied_remat_model
 
 BATCH_FIELDS: tuple[str, ...] = tuple(Rows.__annotations__)
 """The fields of a step's batch, each [A, B, T]: A micro-batches of B rows of T tokens (``masks.Rows``' keys)."""
@@ -60,13 +61,14 @@ def tunix_loss(model: nnx.Module, micro_batch: Mapping[str, jax.typing.ArrayLike
 def micro_batch_nll(model: nnx.Module, micro_batch: Mapping[str, jax.typing.ArrayLike]) -> jax.Array:
     """Per-target losses float32 [B, T - 1] of a Tunix Gemma on one micro-batch of ``BATCH_FIELDS`` [B, T],
     the fast way: attention from ``segment_ids`` (``attention.segment_attention_model``: blockwise, splash on
-    TPU; no [T, S] scores) and the cross-entropy in chunks of tokens (``chunked_loss``: never [B, T, V] logits).
+    TPU; no [T, S] scores), decoder remat that recomputes one layer at a time (``remat.tied_remat_model``) and
+    the cross-entropy in chunks of tokens (``chunked_loss``: never [B, T, V] logits).
     Position t's loss of token t + 1, equal to ``masks.loss``' on ``micro_batch_logits``.
     """
     tokens = jnp.asarray(micro_batch["tokens"], jnp.int32)
     segment_ids = jnp.asarray(micro_batch["segment_ids"], jnp.int32)
     positions = jnp.asarray(micro_batch["positions"], jnp.int32)
-    hidden = hidden_states(segment_attention_model(model), tokens, positions, segment_ids)
+    hidden = hidden_states(tied_remat_model(segment_attention_model(model)), tokens, positions, segment_ids)
     return target_nll(model, hidden, tokens)
 
 

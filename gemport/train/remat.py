@@ -1,0 +1,81 @@
+"""Decoder-layer remat whose backward pass runs one layer at a time (Tunix Gemma 4).
+
+Tunix rematerialises each decoder layer under ``RematConfig.DECODER`` with ``nnx.remat``. Nothing orders a layer's
+backward work against the other layers', and TPU's scheduler keeps two [T, F] MLP products of every layer live
+until the end of the backward pass, where the LoRA factors' gradient dots it delays read them. At Gemma 4 31B's
+60 layers on a v5p-8 that is 54 GiB per chip, where 22 GiB are planned (docs/mesh.md). Here each layer's
+backward pass is bracketed by two ``optimization_barrier``s:
+- its saved inputs pass through one with its output's cotangent, so the recomputation cannot start early;
+- all its cotangents (input and params) leave through another, so none is computed after the layer's
+  backward pass has moved on.
+One layer's backward temporaries are then live at a time. The arithmetic is ``nnx.remat``'s: the same forward,
+differentiated by ``jax.vjp`` of the same function.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import jax
+from flax import nnx
+
+
+def rematerialize(f):
+    """``f`` with the same values and derivatives, differentiated by recomputing ``f`` in the backward pass once
+    the cotangent of its output exists, all of its input cotangents computed together.
+
+    f: a function of pytrees of arrays (integer arrays get float0 cotangents). The forward pass keeps only
+    the arguments.
+    """
+
+    @jax.custom_vjp
+    def g(*args):
+        return f(*args)
+
+    def forward(*args):
+        return f(*args), args
+
+    def backward(args, cotangent):
+        args, cotangent = jax.lax.optimization_barrier((args, cotangent))
+        return jax.lax.optimization_barrier(jax.vjp(f, *args)[1](cotangent))
+
+    g.defvjp(forward, backward)
+    return g
+
+
+@functools.cache
+def _tied(layer_cls: type) -> type:
+    decoder = sys.modules[layer_cls.__module__].RematConfig.DECODER
+
+    def __call__(self, x, segment_pos, cache, attn_mask, *args, **kwargs):
+        # Tunix's layers take the enum or its value.
+        if cache is not None or self.config.remat_config not in (decoder, decoder.value):
+            return layer_cls.__call__(self, x, segment_pos, cache, attn_mask, *args, **kwargs)
+        graphdef, state = nnx.split(self)
+
+        def layer(state, x, segment_pos, attn_mask, args, kwargs):
+            return nnx.merge(graphdef, state).block(x, segment_pos, None, attn_mask, *args, **kwargs)
+
+        primal = (nnx.as_pure(state), x, segment_pos, attn_mask, args, kwargs)
+        # custom_vjp differentiates its arguments only, and a layer with Qwix's LoRA also reads traced values
+        # it closes over (without this their gradients were zero): closure_convert makes them arguments.
+        converted, consts = jax.closure_convert(layer, *primal)
+        return rematerialize(converted)(*primal, *consts)
+
+    return type(f"Tied{layer_cls.__name__}", (layer_cls,), {"__call__": __call__, "__module__": __name__})
+
+
+def tied_remat_model(model: nnx.Module) -> nnx.Module:
+    """A copy of a Tunix Gemma 4 model whose decoder layers, under ``RematConfig.DECODER``, are rematerialised
+    by ``rematerialize``: the same values and gradients as Tunix's ``nnx.remat``, one layer's backward
+    temporaries live at a time. Other remat configs, a KV cache and other models (Gemma 3, whose layers run
+    nnx transforms of their own inside) run as Tunix runs them. The copy shares the arrays of ``model``;
+    ``model`` is not changed."""
+    from tunix.models.gemma4 import model as gemma4
+
+    copy = nnx.merge(*nnx.split(model))
+    for _, module in nnx.iter_modules(copy):
+        if type(module) is gemma4.DecoderLayer:
+            module.__class__ = _tied(type(module))
+    return copy
