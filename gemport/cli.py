@@ -247,6 +247,7 @@ def peft_for_vllm(args) -> int:
 
 def parity(args) -> int:
     from gemport.parity import Tolerances, miniature, read_recipe, trajectory
+    from gemport.plots import write_parity
 
     sft, lora = read_recipe(args.config)
     if args.lora_config:
@@ -266,6 +267,9 @@ def parity(args) -> int:
                             port_sft_config=port, fast=args.fast,
                             tolerances=Tolerances(**_given(args, loss="rtol", grad_norm="rtol"),
                                                   adapter=args.adapter_rtol))
+    numbers, picture = write_parity(report, args.out)
+    print(f"wrote {numbers}" + (f", {picture}" if picture else
+                                 " (parity.png needs matplotlib: pip install 'gemport[plot]')"))
     print(report.table())
     return 0 if report.ok else 1
 
@@ -402,6 +406,9 @@ def parser() -> argparse.ArgumentParser:
                    help="run on a random miniature of BASE's architecture (6 layers, narrow, same heads and "
                         "pattern) instead of its weights; BASE needs only config.json and the tokenizer")
     c.add_argument("--vocab-size", type=int, help="the miniature's vocabulary (default: BASE's, so its tokenizer fits)")
+    c.add_argument("--out", default="gemport-parity", metavar="DIR",
+                   help="where parity.json (every figure) and parity.png (loss and grad_norm per step of both sides, "
+                        "their relative differences against the tolerances) go (default %(default)s)")
     c.set_defaults(run=parity)
 
     add_sft_parser(sub)

@@ -8,6 +8,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from gemport._src.extras import require
 from gemport.errors import CheckpointError, LoraError
 
 DESCRIPTION = """\
@@ -23,7 +24,10 @@ eval_steps, logging every logging_steps, checkpoints every save_steps (save_tota
 output_dir receives what a TRL user expects: trainer_state.json (HF's log_history, rewritten at every
 logging step), checkpoints/<step> (Orbax, with the LoRA spec), runs/ (TensorBoard, when report_to names
 it) and at the end adapter_config.json + adapter_model.safetensors, as trainer.save_model() leaves them;
---merge adds merged/, the base with the adapter merged in (for vLLM). Running the command again resumes
+--merge adds merged/, the base with the adapter merged in (for vLLM); --plot adds loss.png, the training
+and eval loss curves. report_to: tensorboard, wandb, trackio, all (those installed) or none, under HF's
+metric names (train/loss, eval/loss, ...) with run_name and project; W&B reads WANDB_PROJECT, WANDB_MODE
+(offline: no network), trackio TRACKIO_DIR. Running the command again resumes
 from the last complete checkpoint, exactly (resume_from_checkpoint too).
 
 On SIGTERM (a spot / preemptible VM being reclaimed) the run saves the checkpoint of the step it reaches
@@ -52,7 +56,7 @@ def add_parser(sub) -> None:
     """Register ``gemport sft`` on the ``gemport`` subparsers."""
     c = sub.add_parser("sft", help="run a `trl sft --config` recipe (YAML + --key value overrides) on JAX devices",
                        usage="gemport sft [--config sft.yaml] [--key value ...] [--init-adapter DIR] [--merge] "
-                             "[--fsdp N] [--tp N] [--coordinator-address HOST:PORT --num-processes N "
+                             "[--plot] [--fsdp N] [--tp N] [--coordinator-address HOST:PORT --num-processes N "
                              "--process-id I | --distributed]",
                        description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
                        allow_abbrev=False)
@@ -62,6 +66,8 @@ def add_parser(sub) -> None:
                         "its adapter_config.json replaces the recipe's lora_* fields")
     c.add_argument("--merge", action="store_true", help="also write output_dir/merged: the base with the adapter "
                                                         "merged in")
+    c.add_argument("--plot", action="store_true", help="also write output_dir/loss.png: the training and eval loss "
+                                                       "of trainer_state.json (pip install 'gemport[plot]')")
     c.add_argument("--fsdp", type=int, help="mesh fsdp size (default: from the plan)")
     c.add_argument("--tp", type=int, help="mesh tp size (default: the largest that fits)")
     d = c.add_argument_group("several hosts (jax.distributed.initialize; one process per host)")
@@ -142,6 +148,7 @@ def run(args) -> int:
     from gemport.train.outputs import TRAINER_STATE
     from gemport.train.preemption import Preempted
     from gemport.train.run import CHECKPOINTS, SFTRun
+    from gemport.train.trackers import names
 
     primary = jax.process_index() == 0
 
@@ -151,6 +158,9 @@ def run(args) -> int:
 
     recipe = trl_recipe.read(args.config, trl_recipe.parse_overrides(args.extra))
     sft, model, script = recipe.sft, recipe.model, recipe.script
+    names(sft["report_to"])  # each tracker named is installed, before anything loads
+    if args.plot:
+        require("matplotlib", "gemport sft --plot")
     base = model.get("model_name_or_path")
     if not base:
         raise CheckpointError("model_name_or_path: not set; give the HF Gemma checkpoint directory")
@@ -212,6 +222,10 @@ def run(args) -> int:
     if args.merge:
         _put(lambda tmp: export_merged(trained, tmp, base_dir=sft_run.base_dir), output_dir / "merged")
         say(f"wrote {output_dir / 'merged'}")
+    if args.plot:
+        from gemport.plots import loss_curves
+
+        say(f"wrote {loss_curves(output_dir / TRAINER_STATE, output_dir / 'loss.png')}")
     return 0
 
 

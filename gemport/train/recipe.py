@@ -45,7 +45,7 @@ SFT = (
     "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio", "optim", "average_tokens_across_devices",
     # run: evaluation, logging, checkpoints, outputs (gemport.train.run, gemport.train.outputs)
     "output_dir", "bf16", "eval_strategy", "eval_steps", "per_device_eval_batch_size", "eval_on_start",
-    "logging_strategy", "logging_steps", "logging_first_step", "logging_dir", "report_to", "run_name",
+    "logging_strategy", "logging_steps", "logging_first_step", "logging_dir", "report_to", "run_name", "project",
     "save_strategy", "save_steps", "save_total_limit", "resume_from_checkpoint", "disable_tqdm",
 )
 """SFTConfig fields gemport uses."""
@@ -89,7 +89,6 @@ MAPPED = {
     "do_train": "`gemport sft` always trains",
     "do_eval": "evaluation follows eval_strategy",
     "prediction_loss_only": "evaluation computes losses only",
-    "project": "a name for trackio/W&B, which gemport does not report to",
     "full_determinism": "XLA on one device set is deterministic; the sample order is HF's",
     "include_num_input_tokens_seen": "tokens/s is shown in the progress bar",
     "bnb_4bit_quant_storage": "Qwix stores the 4-bit codes as uint4; the storage dtype changes no value",

@@ -41,6 +41,7 @@ from gemport.specs import GemmaSpec
 from gemport.train.distributed import batch_sharding, process_rows
 from gemport.train.order import OptimizerStep
 from gemport.train.sft import SFTPipeline, from_sft_config
+from gemport.train import trackers
 from gemport.train.step import stack
 
 # SFTConfig fields the run reads beyond the pipeline's and the optimizer's, with TRL 1.16's defaults.
@@ -169,6 +170,7 @@ class SFTRun:
         else:
             args = sft_fields(sft_config)
         f = fields_of(args, _READ)
+        trackers.names(fields_of(args, {"report_to": "none"})["report_to"])  # a missing tracker fails before the load
         base_dir = Path(base_dir)
         spec = GemmaSpec.from_hf(base_dir)
         start: LoraSpec | LoraParams
@@ -234,6 +236,13 @@ class SFTRun:
     def max_steps(self) -> int:
         """Optimizer steps of the run (HF's ``max_steps``, or its epochs over the data)."""
         return len(self.train_batches)
+
+    @property
+    def num_parameters(self) -> int:
+        """The model's parameters, LoRA factors included (what HF's ``model.num_parameters()`` counts)."""
+        from flax import nnx
+
+        return sum(int(np.size(v)) for v in jax.tree.leaves(nnx.state(self.model, nnx.Param)))
 
     @property
     def num_units(self) -> int:
