@@ -121,10 +121,13 @@ def parity_figure(trajectory: Any, out: str | os.PathLike) -> Path:
         top.set_title(name)
         top.grid(alpha=0.3)
         top.legend(fontsize="small")
-        # A relative difference of exactly 0 has no place on a log axis: drawn at the axis' floor.
-        floor = data["tolerances"][name] * 1e-4
-        bottom.semilogy(steps, [max(r[f"{name}_relative"], floor) for r in data["steps"]], "-o", markersize=3,
-                        label="|port - GPU| / |GPU|")
+        relative = [r[f"{name}_relative"] for r in data["steps"]]
+        bottom.semilogy([s for s, v in zip(steps, relative) if v > 0], [v for v in relative if v > 0], "-o",
+                        markersize=3, label="|port - GPU| / |GPU|")
+        equal = [s for s, v in zip(steps, relative) if v == 0]
+        if equal:  # no place on a log axis: marked at its bottom
+            bottom.plot(equal, [data["tolerances"][name] * 1e-4] * len(equal), "v", color="tab:green",
+                        label="equal (0)")
         bottom.axhline(data["tolerances"][name], color="tab:red", linestyle=":", label="tolerance")
         bottom.set_xlabel("step")
         bottom.grid(alpha=0.3, which="both")

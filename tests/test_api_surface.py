@@ -60,6 +60,11 @@ SUBPACKAGES = {
     "gemport.train.distributed": ["batch_sharding", "device_rows", "global_batch", "process_rows", "process_step"],
     "gemport.train.preemption": ["Preempted", "Preemption"],
     "gemport.parity": ["StepRow", "Tolerances", "Trajectory", "miniature", "read_recipe", "trajectory"],
+    "gemport.plots": ["loss_curves", "parity_dict", "parity_figure", "write_parity"],
+    "gemport.train.trackers": [
+        "MODULES", "TensorBoard", "Tracker", "Trackio", "Wandb", "hf_names", "installed", "names", "open_trackers",
+        "run_config", "sft_config_dict",
+    ],
     "gemport.verify": [
         "ContinuationReport", "LogitReport", "compare_continuations", "compare_logits", "compare_vllm", "log_softmax",
         "transformers_model", "tunix_logits",

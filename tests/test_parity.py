@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import yaml
@@ -9,6 +10,7 @@ import yaml
 from gemport.errors import RecipeError
 from gemport.parity import Tolerances, Trajectory, StepRow, trajectory
 from test_cli import gemport
+from test_trackers import assert_picture
 from test_train_sft import chats, tokenizer
 
 RECIPE = dict(assistant_only_loss=True, max_length=128, per_device_train_batch_size=2, gradient_accumulation_steps=2,
@@ -34,11 +36,19 @@ def run_cli(*args):
     return gemport("parity", *args, ok=False)
 
 
+@pytest.fixture(autouse=True)
+def in_tmp_path(tmp_path, monkeypatch):
+    """`gemport parity` writes gemport-parity/ (parity.json, parity.png) into the working directory."""
+    monkeypatch.chdir(tmp_path)
+
+
 def test_cli_broken_port_exits_1_naming_step_0_and_the_loss(recipe):
     done = run_cli(recipe / "base", recipe / "data.jsonl", "--config", recipe / "recipe.yaml",
                    "--port-config", recipe / "broken.yaml")
     assert done.returncode == 1, done.stderr[-3000:]
     assert "DISAGREE at step 0: loss" in done.stdout.splitlines()[-1]
+    report = json.loads(Path("gemport-parity/parity.json").read_text())
+    assert not report["ok"] and report["first_disagreement"].startswith("step 0: loss")
 
 
 def test_lora_dropout_and_missing_steps_are_refused(recipe):
@@ -75,6 +85,13 @@ def test_cli_on_a_miniature_of_the_31b_config(recipe, tmp_path):
     lines = done.stdout.splitlines()
     assert lines[-1].startswith("agree within loss 0.0001")
     assert [line.split()[0] for line in lines[-5:-2]] == ["0", "1", "2"] and lines[-2].startswith("final adapters")
+    # Beside the table: every figure as JSON, and the curves as a PNG.
+    report = json.loads((tmp_path / "gemport-parity" / "parity.json").read_text())
+    assert report["ok"] and [r["step"] for r in report["steps"]] == [0, 1, 2]
+    for r, line in zip(report["steps"], lines[-5:-2]):
+        assert f"{r['loss_gpu']:.6f}" == line.split()[2] and f"{r['grad_norm_port']:.6f}" == line.split()[6]
+    assert report["adapter_tolerance"] == 1e-2 and max(report["adapters"].values()) <= 1e-2
+    assert_picture(tmp_path / "gemport-parity" / "parity.png", (560, 480))
 
 
 def test_miniature_keeps_the_head_structure_and_pattern(tmp_path):

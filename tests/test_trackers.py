@@ -177,3 +177,20 @@ def assert_picture(png, size):
 def test_sft_plot_draws_the_loss_curves(tracked):
     root, _ = tracked
     assert_picture(root / "out" / "loss.png", (560, 360))
+
+
+def test_parity_json_holds_every_figure_and_the_picture_draws_them(tmp_path):
+    from gemport.parity import StepRow, Tolerances, Trajectory
+    from gemport.plots import write_parity
+
+    rows = (StepRow(0, 0.0, 0.0, 2.0, 2.0, 1.0, 1.0), StepRow(1, 1e-3, 1e-3, 1.9, 1.9 * (1 + 3e-5), 1.0, 1.01))
+    report = Trajectory(rows, Tolerances(), {"layers.0.mlp.up_proj": 2e-4}, adapter_floor=1e-5)
+    numbers, picture = write_parity(report, tmp_path / "report")
+    written = json.loads(numbers.read_text())
+    assert not written["ok"] and written["first_disagreement"] == report.first_disagreement()
+    assert written["steps"][1]["loss_port"] == rows[1].loss_port
+    assert written["steps"][1]["loss_relative"] == pytest.approx(3e-5)
+    assert written["steps"][1]["grad_norm_relative"] == pytest.approx(1e-2) and written["steps"][0]["loss_relative"] == 0
+    assert written["tolerances"]["loss"] == 1e-4 and written["adapter_tolerance"] == report.adapter_tolerance == 5e-4
+    assert written["adapters"] == {"layers.0.mlp.up_proj": 2e-4} and written["adapter_floor"] == 1e-5
+    assert_picture(picture, (560, 480))

@@ -95,8 +95,9 @@ class HFOutputs(hooks.TrainingHooks):
         self.bar = tqdm(total=self.max_steps, initial=self.start_step, desc="gemport sft", unit="step",
                         disable=bool(self.fields["disable_tqdm"]) or not self.primary)
         if self.primary:
+            base = self.run.base_dir
             self.trackers = trackers.open_trackers(
-                self.run.args, base_dir=self.run.base_dir, lora_config=self.run.lora_spec.to_peft(),
+                self.run.args, base_dir=base, lora_config=self.run.lora_spec.to_peft(str(base)),
                 num_parameters=self.run.num_parameters, output_dir=self.out, start_step=self.start_step)
         self.clock = time.perf_counter()
 

@@ -229,12 +229,16 @@ def open_trackers(args: Mapping[str, Any], *, base_dir: str | os.PathLike, lora_
     config = run_config(args, base_dir, lora_config)
     out: list[Tracker] = []
     for name in chosen:
-        if name == "tensorboard":
-            out.append(TensorBoard(args, config, Path(output_dir), start_step))
-        elif name == "wandb":
-            out.append(Wandb(args, config, num_parameters))
-        else:
-            out.append(Trackio(args, config, num_parameters))
+        try:
+            if name == "tensorboard":
+                out.append(TensorBoard(args, config, Path(output_dir), start_step))
+            elif name == "wandb":
+                out.append(Wandb(args, config, num_parameters))
+            else:
+                out.append(Trackio(args, config, num_parameters))
+        except Exception as e:  # the tracker's own error (no API key, no network): said with what to do
+            hint = "; WANDB_MODE=offline logs without network (wandb sync uploads later)" if name == "wandb" else ""
+            raise RecipeError(f"report_to: {name} could not start its run ({type(e).__name__}: {e}){hint}") from e
     return out
 
 
