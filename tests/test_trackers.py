@@ -1,9 +1,10 @@
-"""`report_to` as HF's Trainer reads it, W&B (offline) and trackio (local store) read back after `gemport sft`,
-and the pictures: `gemport sft --plot`'s loss curves.
+"""`report_to` as HF's Trainer reads it, W&B (offline), TensorBoard and trackio (local store) read back after
+`gemport sft`, and the pictures: `gemport sft --plot`'s loss curves, `gemport parity`'s report.
 
 One `gemport sft` run of the tiny Gemma 4 of tests/test_sft_cli.py (4 steps, an eval every 2) reports to W&B in
-offline mode and to trackio's local store (when installed), with `run_name`: each tracker's local files then
-hold HF's metric names with exactly the values of trainer_state.json, and the run config HF uploads.
+offline mode, to TensorBoard and to trackio's local store (when installed), with `run_name`: each tracker's
+local files then hold HF's metric names with exactly the values of trainer_state.json, and the run config HF
+uploads.
 """
 
 import glob
@@ -23,7 +24,7 @@ from test_cli import gemport, one_line_error
 from test_sft_cli import workdir, write_recipe  # noqa: F401  (the module's fixture)
 
 RUN_NAME, WANDB_PROJECT, PROJECT = "tiny-run", "gemport-tests", "gemport-trackers"
-REPORT_TO = ["wandb", "trackio"] if trackers.installed("trackio") else ["wandb"]
+REPORT_TO = ["wandb", "tensorboard"] + (["trackio"] if trackers.installed("trackio") else [])
 
 
 def test_report_to_is_read_as_hf_reads_it(monkeypatch):
@@ -149,6 +150,27 @@ def test_wandb_offline_run_holds_trainer_states_metrics_and_hfs_config(tracked):
     assert config["report_to"] == REPORT_TO and config["eos_token"] == "<EOS_TOKEN>"
     assert config["model_type"] == "gemma4_text" and config["peft_config"]["default"]["r"] == 4
     assert config["model/num_parameters"] > 0
+
+
+def test_tensorboard_events_hold_trainer_states_metrics(tracked):
+    """As HF's TensorBoardCallback writes them: rewrite_logs' names at the global step, float32 scalars."""
+    from tensorboardX.proto import event_pb2
+
+    root, state = tracked
+    (path,) = (root / "out" / "runs").glob("events.out.tfevents.*")
+    data, pos, scalars, texts = path.read_bytes(), 0, [], set()
+    while pos < len(data):  # TFRecords: uint64 length, crc, the Event, crc
+        (length,) = struct.unpack("<Q", data[pos:pos + 8])
+        event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
+        pos += 16 + length
+        for v in event.summary.value:
+            if v.WhichOneof("value") == "simple_value":
+                scalars.append((event.step, v.tag, v.simple_value))
+            else:
+                texts.add(v.tag)
+    want = [(e["train/global_step"], k, np.float32(v)) for e in expected_logs(state) for k, v in e.items()
+            if k != "train/global_step"]
+    assert scalars == want and {"args/text_summary", "model_config/text_summary"} <= texts
 
 
 def test_trackio_local_store_holds_trainer_states_metrics(tracked):
