@@ -69,9 +69,26 @@ def test_a_tracker_or_matplotlib_missing_fails_before_anything_loads(tmp_path, m
                       "use_peft: true\nlora_target_modules: [q_proj]\nreport_to: wandb\n")
     monkeypatch.setattr(trackers, "installed", lambda name: name != "wandb")
     one_line_error(gemport("sft", "--config", config, ok=False), "wandb is not installed", "gemport[wandb]")
+    from gemport import SFTRun
+
+    with pytest.raises(MissingDependencyError, match="wandb is not installed"):  # before reading the base
+        SFTRun.create({"report_to": ["wandb"]}, tmp_path / "nowhere", [], lora={"r": 4, "target_modules": ["q_proj"]})
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
     one_line_error(gemport("sft", "--config", config, "--report_to", "none", "--plot", ok=False),
                    "--plot needs matplotlib", "gemport[plot]")
+
+
+def test_a_tracker_that_cannot_start_says_what_to_do(hf_checkpoint, tmp_path, monkeypatch):
+    import wandb
+
+    def refuse(**kwargs):
+        raise wandb.errors.UsageError("api_key not configured (no-tty)")
+
+    monkeypatch.setattr(wandb, "init", refuse)
+    _, base = hf_checkpoint("gemma4_mesh")
+    with pytest.raises(RecipeError, match=r"wandb could not start its run \(UsageError: api_key.*WANDB_MODE=offline"):
+        trackers.open_trackers({"report_to": "wandb"}, base_dir=base, lora_config=None, num_parameters=1,
+                               output_dir=tmp_path)
 
 
 def wandb_records(path):
