@@ -191,7 +191,6 @@ def test_tensorboard_events_hold_trainer_states_metrics(tracked):
 
 
 def test_trackio_local_store_holds_trainer_states_metrics(tracked):
-    pytest.importorskip("trackio")
     root, state = tracked
     read = ("import json; from trackio.sqlite_storage import SQLiteStorage as S; "
             f"print(json.dumps([S.get_logs({PROJECT!r}, {RUN_NAME!r}), S.get_run_config({PROJECT!r}, {RUN_NAME!r})]))")
