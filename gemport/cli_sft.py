@@ -24,7 +24,9 @@ output_dir receives what a TRL user expects: trainer_state.json (HF's log_histor
 logging step), checkpoints/<step> (Orbax, with the LoRA spec), runs/ (TensorBoard, when report_to names
 it) and at the end adapter_config.json + adapter_model.safetensors, as trainer.save_model() leaves them;
 --merge adds merged/, the base with the adapter merged in (for vLLM). Running the command again resumes
-from the last complete checkpoint, exactly (resume_from_checkpoint too).
+from the last complete checkpoint, exactly, when the recipe is the one they trained (checkpoints/
+gemport_recipe.json); a changed recipe is refused, naming what changed, unless resume_from_checkpoint is set.
+output_dir must lie outside every input (model, data, --init-adapter, chat_template_path).
 
 On SIGTERM (a spot / preemptible VM being reclaimed) the run saves the checkpoint of the step it reaches
 and exits with status 143; the same command then resumes from it. A QLoRA recipe (load_in_4bit with
