@@ -259,3 +259,33 @@ def test_a_rerun_resumes_only_the_same_recipe(run, work, tmp_path):
     with pytest.raises(RecipeError, match="trained another recipe"):
         changed.train()
     assert changed.trainer is None
+
+
+def test_port_gemma4_runs_on_the_devices_present_in_the_recipes_dtype(tmp_path):
+    """The demo simulates 8 CPU devices only for the host platform (used when no accelerator is there) or on
+    --cpu; a real checkpoint trains in the recipe's dtype (TRL's bf16), the miniature in float32."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "examples" / "port_gemma4.py"
+    loader = importlib.util.spec_from_file_location("port_gemma4", path)
+    demo = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(demo)
+
+    env = demo.jax_environment(False, {})
+    assert "JAX_PLATFORMS" not in env and "--xla_force_host_platform_device_count=8" in env["XLA_FLAGS"]
+    assert demo.jax_environment(True, {})["JAX_PLATFORMS"] == "cpu"
+    assert demo.jax_environment(False, {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}) == {}
+    child = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    code = "import jax; print(jax.default_backend(), jax.device_count(), jax.devices('cpu')[0].platform)"
+    seen = subprocess.run([sys.executable, "-c", code], env={**child, **env}, capture_output=True, text=True,
+                          check=True).stdout.split()
+    # JAX's own choice of platform: an accelerator where one is present (not forced to CPU), else 8 CPU devices.
+    assert seen[2] == "cpu" and (seen[:2] == ["cpu", "8"] or seen[0] != "cpu")
+
+    real = recipe.read(demo.sft_config(Path("gemma-4-31b-it"), 3, tmp_path))
+    assert real.dtype() == np.dtype("bfloat16") and real.sft["max_steps"] == 3
+    assert recipe.read(demo.sft_config(None, 3, tmp_path)).dtype() == np.dtype("float32")

@@ -152,7 +152,7 @@ class Recipe:
                 return jnp.dtype(name)
             except TypeError:
                 raise RecipeError(f"dtype={name!r}: not a dtype; give bfloat16, float32 or auto") from None
-        return jnp.bfloat16 if self.sft["bf16"] else jnp.float32
+        return jnp.dtype(jnp.bfloat16 if self.sft["bf16"] else jnp.float32)
 
 
 def _classes():

@@ -240,8 +240,8 @@ class SFTRun:
 
                 base = load_qlora_model(base_dir, qlora, spec=spec, mesh=mesh, compute_dtype=dtype)
             model = apply_lora(base, spec, start, seed=f["seed"], qlora=qlora)
-        if checkpoint_dir is None and f["output_dir"] is not None and f["save_strategy"] != "no":
-            checkpoint_dir = Path(f["output_dir"]) / CHECKPOINTS
+        if checkpoint_dir is None:
+            checkpoint_dir = checkpoint_root(args)
         evals = None
         if held_out:
             evals = eval_batches(held_out, f["per_device_eval_batch_size"], pad_id=pipeline.pad_id,
@@ -363,6 +363,13 @@ class SFTRun:
             else Path(out_dir)
 
 
+def checkpoint_root(args: Any) -> Path | None:
+    """The Orbax checkpoint root of the ``SFTConfig`` ``args``: ``<output_dir>/checkpoints``, or None without
+    ``output_dir`` or with ``save_strategy="no"``."""
+    f = fields_of(args, _READ)
+    return None if f["output_dir"] is None or f["save_strategy"] == "no" else Path(f["output_dir"]) / CHECKPOINTS
+
+
 def _with_peft_targets(lora: Any, base_dir: Path, spec: GemmaSpec) -> Any:
     """``lora`` with PEFT's per-architecture ``target_modules`` (``lora.peft_default_targets`` of the base's
     ``model_type``) where a LoraConfig or its dict leaves them unset. Raises ``LoraError`` naming
@@ -422,4 +429,5 @@ def training_config(args: Any, max_steps: int, *, checkpoint_dir: str | os.PathL
                           checkpointing_options=options, pbar_description=None, max_inflight_computations=1)
 
 
-__all__ = ["CHECKPOINTS", "SFTRun", "eval_batches", "lora_spec_of", "sft_fields", "steps_of", "training_config"]
+__all__ = ["CHECKPOINTS", "SFTRun", "checkpoint_root", "eval_batches", "lora_spec_of", "sft_fields", "steps_of",
+           "training_config"]
