@@ -289,3 +289,21 @@ def test_port_gemma4_runs_on_the_devices_present_in_the_recipes_dtype(tmp_path):
     real = recipe.read(demo.sft_config(Path("gemma-4-31b-it"), 3, tmp_path))
     assert real.dtype() == np.dtype("bfloat16") and real.sft["max_steps"] == 3
     assert recipe.read(demo.sft_config(None, 3, tmp_path)).dtype() == np.dtype("float32")
+
+
+def test_chat_template_path_checks_where_the_completion_mask_starts(tmp_path):
+    """Prompt/completion conversations: TRL's completion mask starts where the prompt rendered with the generation
+    prompt ends; a template whose generation prompt differs from gemport's is refused, naming the field."""
+    from gemport.train.chat_template import check_records, with_chat_template
+    from gemport.train.sft import from_sft_config
+
+    records = [{"prompt": r["messages"][:-1], "completion": r["messages"][-1:]} for r in chats(6)]
+    fmt = from_sft_config({}, tokenizer()).chat_format
+    (tmp_path / "same.jinja").write_text(gemma4_training_template())
+    assert check_records(records, with_chat_template(tokenizer(), tmp_path / "same.jinja", 128), fmt) == 6
+    text = gemma4_training_template()
+    prompt = "{{- '<|turn>model\\n' -}}"
+    assert text.count(prompt) == 1
+    (tmp_path / "other.jinja").write_text(text.replace(prompt, "{{- '<|turn>model\\n\\n' -}}"))
+    with pytest.raises(RecipeError, match="chat_template_path: record 0: its prompt with the generation prompt"):
+        check_records(records, with_chat_template(tokenizer(), tmp_path / "other.jinja", 128), fmt)

@@ -69,7 +69,8 @@ def check_records(records: Iterable[Any], tokenizer: Any, chat_format: Any, *, p
     """Refuse a custom chat template that gemport's ``chat_format`` does not follow on ``records``.
 
     Every conversational record (a ``messages`` list, or conversational prompt/completion) is rendered by
-    ``tokenizer.chat_template`` and by ``chat_format``: the texts must be equal, and with ``policy`` (TRL's
+    ``tokenizer.chat_template`` and by ``chat_format``: the texts must be equal (for prompt/completion records
+    the prompt with its generation prompt too, where TRL's completion mask starts), and with ``policy`` (TRL's
     ``assistant_only_loss``) the characters it trains must be the template's ``{% generation %}`` spans. Returns
     the number of records checked. Raises ``RecipeError`` naming ``chat_template_path`` and the record.
     """
@@ -109,6 +110,21 @@ def check_records(records: Iterable[Any], tokenizer: Any, chat_format: Any, *, p
                               f"gemport's {chat_format!r} from character {at}: template {theirs[max(0, at - 30):at + 30]!r}, "
                               f"gemport {ours[max(0, at - 30):at + 30]!r}; gemport trains only on text TRL would "
                               "train on: use a template that renders like the base's")
+        if "prompt" in record and "messages" not in record:  # where TRL's completion mask starts
+            prompt = formats.conversation({"messages": record["prompt"]})[0]
+            head = "".join(s.text for s in fmt.render(prompt, tools, add_generation_prompt=True))
+            try:
+                theirs_head = render_jinja_template([prompt], tools=tools, chat_template=template,
+                                                    add_generation_prompt=True,
+                                                    enable_thinking=getattr(fmt, "enable_thinking", False),
+                                                    **getattr(tokenizer, "special_tokens_map", {}))[0][0]
+            except Exception as e:  # as above
+                raise RecipeError(f"{_FIELD}: record {index}: the template raised {type(e).__name__} on the "
+                                  f"prompt: {e}") from None
+            if head != theirs_head:
+                raise RecipeError(f"{_FIELD}: record {index}: its prompt with the generation prompt renders "
+                                  f"{theirs_head[-60:]!r} through the template, {head[-60:]!r} through gemport, "
+                                  "so the completion mask would start elsewhere than TRL's")
         if policy is not None:
             trained = np.zeros(len(ours), bool)
             start = 0
