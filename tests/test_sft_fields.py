@@ -160,11 +160,12 @@ def _refused_before_loading(monkeypatch):
     (lambda: "Hello " + gemma4_training_template(), "renders differently through the template"),
     (plain_template, "has no {% generation %} markers"),
     (lambda: "{% generation %}" + plain_template() + "{% endgeneration %}", "generation %} spans"),
+    (lambda: "{{ messages[0]['content'] }}", "neither Gemma 3's"),
 ])
 def test_chat_template_path_gemport_cannot_follow_is_refused(work, tmp_path, monkeypatch, template, words):
     _refused_before_loading(monkeypatch)
     (tmp_path / "t.jinja").write_text(template())
-    with pytest.raises(RecipeError, match=re.escape("chat_template_path: ") + ".*" + re.escape(words)):
+    with pytest.raises(RecipeError, match=re.escape("chat_template_path") + ".*" + re.escape(words)):
         SFTRun.create({**RECIPE, "chat_template_path": str(tmp_path / "t.jinja")}, work / "base", chats(8),
                       lora=LORA)
 

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemport.errors import LoraError, RecipeError
+from gemport.errors import LoraError, MaskError, RecipeError
 from gemport.lora import LoraParams, LoraSpec
 from gemport.masks.batching import pad
 from gemport.masks.tokenize import Example
@@ -209,7 +209,12 @@ class SFTRun:
             from gemport.train.chat_template import check_records, with_chat_template
 
             tokenizer = with_chat_template(tokenizer, f["chat_template_path"], spec.vocab)
-        pipeline = from_sft_config(args, tokenizer, chat_format=chat_format)
+        try:
+            pipeline = from_sft_config(args, tokenizer, chat_format=chat_format)
+        except MaskError as e:  # the chat format is read from the template: name the field that set it
+            if f["chat_template_path"] is None:
+                raise
+            raise RecipeError(f"chat_template_path={str(f['chat_template_path'])!r}: {e}") from None
         if f["chat_template_path"] is not None:
             from gemport.masks.formats import read as records
 
