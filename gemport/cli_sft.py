@@ -27,8 +27,10 @@ it) and at the end adapter_config.json + adapter_model.safetensors, as trainer.s
 --merge adds merged/, the base with the adapter merged in (for vLLM); --plot adds loss.png, the training
 and eval loss curves. report_to: tensorboard, wandb, trackio, all (those installed) or none, under HF's
 metric names (train/loss, eval/loss, ...) with run_name and project; W&B reads WANDB_PROJECT, WANDB_MODE
-(offline: no network), trackio TRACKIO_DIR. Running the command again resumes
-from the last complete checkpoint, exactly (resume_from_checkpoint too).
+(offline: no network), trackio TRACKIO_DIR. Running the command again resumes from the last complete
+checkpoint, exactly, when the recipe is the one they trained (checkpoints/gemport_recipe.json); a changed
+recipe is refused, naming what changed, unless resume_from_checkpoint is set. output_dir must lie outside
+every input (model, data, --init-adapter, chat_template_path).
 
 On SIGTERM (a spot / preemptible VM being reclaimed) the run saves the checkpoint of the step it reaches
 and exits with status 143; the same command then resumes from it. A QLoRA recipe (load_in_4bit with
@@ -80,15 +82,6 @@ def add_parser(sub) -> None:
     c.set_defaults(run=run, overrides=True)
 
 
-def _dtype(model: dict, sft: dict):
-    import jax.numpy as jnp
-
-    name = model.get("dtype")
-    if name not in (None, "auto"):
-        return jnp.dtype(name)
-    return jnp.bfloat16 if sft["bf16"] else jnp.float32
-
-
 def _initialize(args) -> None:
     """Join the other processes (``jax.distributed.initialize``) when the command line or the environment asks,
     before anything touches the devices."""
@@ -98,19 +91,6 @@ def _initialize(args) -> None:
         import jax
 
         jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
-
-
-def _tokenizer(base: str, chat_template_path: str | None):
-    import transformers
-
-    tokenizer = transformers.AutoTokenizer.from_pretrained(base)
-    if chat_template_path is not None:
-        path = Path(chat_template_path)
-        if not (path.is_file() and path.suffix in (".jinja", ".j2")):
-            raise LoraError(f"chat_template_path={chat_template_path!r}: gemport reads a .jinja/.j2 template file; "
-                            "copying a template from another tokenizer (which may add tokens) is not ported")
-        tokenizer.chat_template = path.read_text()
-    return tokenizer
 
 
 def _resume_point(value, root: Path) -> None:
@@ -142,6 +122,7 @@ def run(args) -> int:
     _initialize(args)
     import jax
 
+    from gemport.checkpoint.output import check_outside
     from gemport.checkpoint.peft_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS
     from gemport.train import recipe as trl_recipe
     from gemport.train.data import load_splits
@@ -174,6 +155,8 @@ def run(args) -> int:
                         "and lora_target_modules, or pass --init-adapter DIR")
     output_dir = Path(sft["output_dir"] or "trainer_output")  # HF's default
     sft["output_dir"] = str(output_dir)
+    inputs = (base, script["dataset_name"], args.init_adapter, sft["chat_template_path"], args.config)
+    check_outside(output_dir, *(p for p in inputs if p and Path(p).exists()))
     _resume_point(sft["resume_from_checkpoint"], output_dir / CHECKPOINTS)
     qlora = recipe.qlora()
     for note in recipe.notes:
@@ -184,8 +167,7 @@ def run(args) -> int:
         train_split=script.get("dataset_train_split", "train"), test_split=script.get("dataset_test_split", "test"),
         with_test=sft["eval_strategy"] != "no")
     sft_run = SFTRun.create(sft, base, train_data, lora=lora, eval_dataset=test_data, init_adapter=args.init_adapter,
-                            fsdp=args.fsdp, tp=args.tp, dtype=_dtype(model, sft), qlora=qlora,
-                            tokenizer=_tokenizer(base, sft["chat_template_path"]),
+                            fsdp=args.fsdp, tp=args.tp, dtype=recipe.dtype(), qlora=qlora,
                             progress=not sft["disable_tqdm"])
     report = sft_run.report
     dropped = report.dropped_too_long + report.dropped_no_target

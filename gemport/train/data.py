@@ -36,7 +36,13 @@ def load_splits(dataset_name: str | os.PathLike, dataset_config: str | None = No
     if path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file()):
         loaded = datasets.load_from_disk(str(path))
     else:
-        loaded = datasets.load_dataset(str(dataset_name), dataset_config)
+        try:
+            loaded = datasets.load_dataset(str(dataset_name), dataset_config)
+        except ValueError as e:  # datasets: "BuilderConfig 'x' not found. Available: [...]"
+            if dataset_config is None or repr(dataset_config) not in str(e):
+                raise
+            raise MaskError(f"{dataset_name}: dataset_config={dataset_config!r} is not one of its configs ({e})"
+                            ) from None
     if isinstance(loaded, datasets.Dataset):
         loaded = datasets.DatasetDict({train_split: loaded})
     wanted = [train_split] + ([test_split] if with_test else [])

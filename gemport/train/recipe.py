@@ -95,6 +95,9 @@ MAPPED = {
 }
 """Fields accepted without a counterpart, with what gemport does instead."""
 
+STRATEGIES = {"eval_strategy": ("no", "steps"), "save_strategy": ("no", "steps"), "logging_strategy": ("steps",)}
+"""The ``*_strategy`` values gemport honours (HF's ``"epoch"`` and ``"best"`` are not reproduced)."""
+
 _REFUSED_WHEN_SET = {
     "push_to_hub": "gemport has no network access to the Hub here; upload output_dir yourself",
     "dataset_streaming": "gemport lays out every step's batch ahead (HF's order needs the dataset's length)",
@@ -136,6 +139,19 @@ class Recipe:
         from gemport.lora import QLoraSpec
 
         return QLoraSpec.from_config({k: v for k, v in self.model.items() if k in (*QLORA, "dtype")})
+
+    def dtype(self):
+        """The base weights' dtype: ModelConfig's ``dtype`` when set (not ``"auto"``), else bfloat16 with ``bf16``
+        (TRL's default), else float32."""
+        import jax.numpy as jnp
+
+        name = self.model.get("dtype")
+        if name not in (None, "auto"):
+            try:
+                return jnp.dtype(name)
+            except TypeError:
+                raise RecipeError(f"dtype={name!r}: not a dtype; give bfloat16, float32 or auto") from None
+        return jnp.dtype(jnp.bfloat16 if self.sft["bf16"] else jnp.float32)
 
 
 def _classes():
@@ -250,7 +266,19 @@ def read(config: str | os.PathLike | Mapping[str, Any] | None, overrides: Mappin
         sft["pad_to_multiple_of"] = None
     if sft["bf16"] is None:  # TRL: bf16 unless fp16
         sft["bf16"] = not sft["fp16"]
+    check_strategies(sft, where)
     return Recipe(parts["ScriptArguments"], model, sft, tuple(notes), source)
 
 
-__all__ = ["MAPPED", "MODEL", "QLORA", "SCRIPT", "SFT", "USED", "Recipe", "parse_overrides", "read"]
+def check_strategies(sft: Mapping[str, Any], where: str = "") -> None:
+    """Raises ``RecipeError`` naming an ``eval_strategy`` / ``save_strategy`` / ``logging_strategy`` value gemport
+    does not honour (``STRATEGIES``); HF's enums are read by value."""
+    for name, allowed in STRATEGIES.items():
+        value = getattr(sft.get(name), "value", sft.get(name))
+        if name in sft and value not in allowed:
+            raise RecipeError(f"{where}{name}={value!r}: gemport runs {' or '.join(map(repr, allowed))}; give "
+                              f"'steps' with {name.split('_')[0]}_steps")
+
+
+__all__ = ["MAPPED", "MODEL", "QLORA", "SCRIPT", "SFT", "STRATEGIES", "USED", "Recipe", "check_strategies",
+           "parse_overrides", "read"]

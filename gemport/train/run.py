@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemport.errors import LoraError, RecipeError
+from gemport.errors import LoraError, MaskError, RecipeError
 from gemport.lora import LoraParams, LoraSpec
 from gemport.masks.batching import pad
 from gemport.masks.tokenize import Example
@@ -58,6 +58,9 @@ _READ = {
     "save_strategy": "steps",
     "save_steps": 500,
     "save_total_limit": None,
+    "dataloader_drop_last": False,
+    "chat_template_path": None,
+    "resume_from_checkpoint": None,
 }
 
 CHECKPOINTS = "checkpoints"
@@ -92,11 +95,16 @@ def lora_spec_of(lora: Any) -> LoraSpec:
 
 
 def eval_batches(examples: Sequence[Example], batch_size: int, *, pad_id: int = 0,
-                 pad_to_multiple_of: int | None = None) -> list[dict[str, np.ndarray]]:
+                 pad_to_multiple_of: int | None = None, drop_last: bool = False) -> list[dict[str, np.ndarray]]:
     """Eval batches [1, batch_size, T] of ``examples`` in order, one padded example a row; the last batch keeps
-    its odd examples (its missing rows are empty: no target). T is the longest example, rounded up."""
+    its odd examples (its missing rows are empty: no target), unless ``drop_last`` (HF's ``dataloader_drop_last``,
+    which its eval dataloader honours too) drops it. T is the longest example, rounded up."""
+    if drop_last:
+        examples = examples[:len(examples) // batch_size * batch_size]
     if not examples:
-        raise RecipeError("eval_batches: no eval example")
+        raise RecipeError("eval_batches: no eval example" + (f" (dataloader_drop_last drops all, fewer than "
+                                                            f"per_device_eval_batch_size={batch_size})" if drop_last
+                                                            else ""))
     multiple = pad_to_multiple_of or 1
     width = math.ceil(max(len(e.tokens) for e in examples) / multiple) * multiple
     return [stack([pad(examples[i:i + batch_size], width, pad_id=pad_id)], accumulation=1, rows=batch_size)
@@ -129,6 +137,7 @@ class SFTRun:
     optimizer: HFOptimizer
     training_config: Any
     trainer: Any = None
+    record: dict[str, Any] | None = None
 
     @classmethod
     def create(cls, sft_config: Any, base_dir: str | os.PathLike, train_dataset: Any, *, lora: Any = None,
@@ -145,14 +154,21 @@ class SFTRun:
             any format gemport reads (``masks.formats.read``: a list, a ``datasets.Dataset``, a
             .jsonl/.json/.parquet file).
         lora: ``LoraSpec``, ``peft.LoraConfig`` or its dict, ``adapter_config.json`` or its directory, or TRL's
-            ``lora_*`` fields; fresh factors from ``seed``. init_adapter: a PEFT adapter directory to start from
-            (its factors and spec; ``lora``, if also given, must describe the same adapter).
+            ``lora_*`` fields; fresh factors from ``seed``. Unset ``target_modules``: PEFT's default for the
+            base's ``model_type`` (``lora.config.peft_default_targets``: q_proj and v_proj; a ``LoraError`` where
+            PEFT has none, or where Tunix's fused kv_einsum cannot carry v_proj without k_proj). init_adapter: a PEFT adapter directory to start from (its factors and spec; ``lora``,
+            if also given, must describe the same adapter).
         mesh: default ``make_mesh(spec, fsdp=fsdp, tp=tp)`` over all devices. dtype: the base weights' dtype;
-            default bfloat16 if ``bf16`` is set, else float32. checkpoint_dir: the Orbax root; default
-            ``<output_dir>/checkpoints`` (none with ``save_strategy="no"`` or without ``output_dir``).
+            default the YAML's ``dtype`` (``Recipe.dtype``), else bfloat16 if ``bf16`` is set, else float32.
+            checkpoint_dir: the Orbax root; default ``<output_dir>/checkpoints`` (none with
+            ``save_strategy="no"`` or without ``output_dir``); a rerun resumes from it only with the same recipe
+            (``train.record``).
         qlora: a ``gemport.lora.QLoraSpec`` (a QLoRA recipe's 4-bit base, ``QLoraSpec.from_config``): the base
             loads through ``checkpoint.quantize.load_qlora_model`` and LoRA trains on it; default unquantized
             (or the YAML's).
+
+        ``chat_template_path`` (a .jinja file or a tokenizer folder) sets the template, as TRL does, and every
+        training conversation is checked to render and mask alike through it (``train.chat_template``).
 
         Raises RecipeError (a field gemport cannot honour, naming it), LoraError, MaskError.
         """
@@ -167,12 +183,18 @@ class SFTRun:
             recipe = read(sft_config)
             args, lora = recipe.sft, lora if lora is not None else recipe.lora()
             qlora = qlora if qlora is not None else recipe.qlora()
+            dtype = dtype if dtype is not None else recipe.dtype()
         else:
             args = sft_fields(sft_config)
+        from gemport.train.recipe import check_strategies
+
+        check_strategies(args)
         f = fields_of(args, _READ)
         trackers.names(fields_of(args, {"report_to": "none"})["report_to"])  # a missing tracker fails before the load
         base_dir = Path(base_dir)
         spec = GemmaSpec.from_hf(base_dir)
+        if lora is not None:
+            lora = _with_peft_targets(lora, base_dir, spec)
         start: LoraSpec | LoraParams
         if init_adapter is not None:
             start = import_peft(init_adapter, base_dir=base_dir)
@@ -185,7 +207,21 @@ class SFTRun:
         else:
             start = lora_spec_of(lora)
         tokenizer = tokenizer or transformers.AutoTokenizer.from_pretrained(base_dir)
-        pipeline = from_sft_config(args, tokenizer, chat_format=chat_format)
+        if f["chat_template_path"] is not None:
+            from gemport.train.chat_template import check_records, with_chat_template
+
+            tokenizer = with_chat_template(tokenizer, f["chat_template_path"], spec.vocab)
+        try:
+            pipeline = from_sft_config(args, tokenizer, chat_format=chat_format)
+        except MaskError as e:  # the chat format is read from the template: name the field that set it
+            if f["chat_template_path"] is None:
+                raise
+            raise RecipeError(f"chat_template_path={str(f['chat_template_path'])!r}: {e}") from None
+        if f["chat_template_path"] is not None:
+            from gemport.masks.formats import read as records
+
+            check_records(records(train_dataset), tokenizer, pipeline.chat_format, policy=pipeline.policy,
+                          text_field=pipeline.text_field)
         examples, report = pipeline.examples(train_dataset, tokenizer, progress=progress)
         if not examples:
             raise RecipeError(f"no training example is left after truncation at max_length "
@@ -211,21 +247,26 @@ class SFTRun:
 
                 base = load_qlora_model(base_dir, qlora, spec=spec, mesh=mesh, compute_dtype=dtype)
             model = apply_lora(base, spec, start, seed=f["seed"], qlora=qlora)
-        if checkpoint_dir is None and f["output_dir"] is not None and f["save_strategy"] != "no":
-            checkpoint_dir = Path(f["output_dir"]) / CHECKPOINTS
+        if checkpoint_dir is None:
+            checkpoint_dir = checkpoint_root(args)
         evals = None
         if held_out:
             evals = eval_batches(held_out, f["per_device_eval_batch_size"], pad_id=pipeline.pad_id,
-                                 pad_to_multiple_of=pipeline.pad_to_multiple_of)
+                                 pad_to_multiple_of=pipeline.pad_to_multiple_of,
+                                 drop_last=bool(f["dataloader_drop_last"]))
             if jax.process_count() > 1:  # the eval set is small: laid out whole, each process keeps its rows
                 mine = process_rows(batch_sharding(mesh), evals[0]["tokens"].shape)
                 evals = [{k: v[:, mine] for k, v in b.items()} for b in evals]
+        from gemport.train.record import recipe_record
+
         return cls(args=args, base_dir=base_dir, spec=spec, mesh=mesh, model=model, tokenizer=tokenizer,
                    pipeline=pipeline, examples=examples, report=report, plan=plan, train_batches=batches,
                    eval_examples=held_out, eval_batches=evals,
                    optimizer=hf_optimizer(args, num_training_steps=num_steps),
                    training_config=training_config(args, num_steps, checkpoint_dir=checkpoint_dir,
-                                                   evaluate=evals is not None))
+                                                   evaluate=evals is not None),
+                   record=recipe_record(args, base_dir=base_dir, dtype=dtype, lora_spec=model.lora_spec,
+                                        qlora=qlora, examples=examples))
 
     @property
     def lora_spec(self) -> LoraSpec:
@@ -267,18 +308,26 @@ class SFTRun:
         ``trainer`` first if unset, with checkpoints watching for SIGTERM (``train.preemption.Preemption``):
         then the run saves the checkpoint of the step it reaches and raises ``Preempted``. Resumes from the
         latest checkpoint in the checkpoint root, exactly (Tunix skips the consumed micro-batches, and the data
-        is the same in the same order).
+        is the same in the same order), when they trained this recipe (``record``, recorded beside them); a
+        changed recipe raises ``RecipeError`` naming what changed, unless ``resume_from_checkpoint`` is set.
         """
         from gemport.train.outputs import HFOutputs
         from gemport.train.peft_trainer import micro_batches
         from gemport.train.preemption import Preemption
 
-        output_dir = fields_of(self.args, _READ)["output_dir"]
+        f = fields_of(self.args, _READ)
+        root = self.training_config.checkpoint_root_directory
+        if self.trainer is None and root is not None and self.record is not None:
+            from gemport.train.record import check_resume
+
+            check_resume(root, self.record,
+                         explicit=f["resume_from_checkpoint"] not in (None, False, "", "false", "False"))
+        output_dir = f["output_dir"]
         if hooks is None and output_dir is not None:
             hooks = HFOutputs(self, output_dir)
         preemption = None
         if self.trainer is None:
-            if self.training_config.checkpoint_root_directory is not None:
+            if root is not None:
                 preemption = Preemption()
             self.trainer = self.make_trainer(preemption=preemption)
         if hooks is not None:
@@ -328,6 +377,44 @@ class SFTRun:
             else Path(out_dir)
 
 
+def checkpoint_root(args: Any) -> Path | None:
+    """The Orbax checkpoint root of the ``SFTConfig`` ``args``: ``<output_dir>/checkpoints``, or None without
+    ``output_dir`` or with ``save_strategy="no"``."""
+    f = fields_of(args, _READ)
+    return None if f["output_dir"] is None or f["save_strategy"] == "no" else Path(f["output_dir"]) / CHECKPOINTS
+
+
+def _with_peft_targets(lora: Any, base_dir: Path, spec: GemmaSpec) -> Any:
+    """``lora`` with PEFT's per-architecture ``target_modules`` (``lora.peft_default_targets`` of the base's
+    ``model_type``) where a LoraConfig or its dict leaves them unset. Raises ``LoraError`` naming
+    ``lora_target_modules`` when the default cannot be trained on ``spec`` (PEFT's q_proj + v_proj without k_proj,
+    on Tunix's fused kv_einsum)."""
+    import copy
+    import json
+
+    from gemport.lora.config import peft_default_targets
+    from gemport.lora.layout import LoraLayout
+
+    unset = lora.get("target_modules") is None if isinstance(lora, Mapping) else (
+        not isinstance(lora, (LoraSpec, str, os.PathLike)) and getattr(lora, "target_modules", ...) is None)
+    if not unset:
+        return lora
+    model_type = json.loads((base_dir / "config.json").read_text())["model_type"]
+    targets = list(peft_default_targets(model_type))
+    if isinstance(lora, Mapping):
+        lora = {**lora, "target_modules": targets}
+    else:
+        lora = copy.copy(lora)
+        lora.target_modules = targets
+    try:
+        LoraLayout(spec, lora_spec_of(lora)).adapters
+    except LoraError as e:
+        raise LoraError(f"lora_target_modules is unset, so PEFT's default for model_type {model_type!r} applies "
+                        f"({targets}), which gemport cannot train on this model ({e}); set lora_target_modules, "
+                        "e.g. [q_proj, k_proj, v_proj]") from None
+    return lora
+
+
 def training_config(args: Any, max_steps: int, *, checkpoint_dir: str | os.PathLike | None = None,
                     evaluate: bool = False):
     """Tunix's ``TrainingConfig`` for ``max_steps`` optimizer steps of the ``SFTConfig`` ``args``.
@@ -339,11 +426,10 @@ def training_config(args: Any, max_steps: int, *, checkpoint_dir: str | os.PathL
     import orbax.checkpoint as ocp
     from tunix.sft.peft_trainer import TrainingConfig
 
+    from gemport.train.recipe import check_strategies
+
     f = fields_of(args, _READ)
-    for name in ("eval_strategy", "save_strategy"):
-        if f[name] not in ("no", "steps"):
-            raise RecipeError(f"SFTConfig.{name}={f[name]!r}: gemport runs 'steps' or 'no'; give "
-                                       f"'steps' with {name.split('_')[0]}_steps")
+    check_strategies(f)
     eval_every = max_steps + 1
     if evaluate and f["eval_strategy"] == "steps":
         eval_every = steps_of(f["eval_steps"] or f["logging_steps"], max_steps, "eval_steps")
@@ -357,4 +443,5 @@ def training_config(args: Any, max_steps: int, *, checkpoint_dir: str | os.PathL
                           checkpointing_options=options, pbar_description=None, max_inflight_computations=1)
 
 
-__all__ = ["CHECKPOINTS", "SFTRun", "eval_batches", "lora_spec_of", "sft_fields", "steps_of", "training_config"]
+__all__ = ["CHECKPOINTS", "SFTRun", "checkpoint_root", "eval_batches", "lora_spec_of", "sft_fields", "steps_of",
+           "training_config"]

@@ -162,7 +162,8 @@ def from_sft_config(config: Any, tokenizer: Any, *, chat_format: Gemma3 | Gemma4
     Reads ``assistant_only_loss`` (-> ``MaskPolicy("assistant")``, else every token trained),
     ``completion_only_loss``, ``max_length`` (-> ``Truncation(max_length)``), ``packing`` /
     ``packing_strategy`` / ``padding_free`` / ``pad_to_multiple_of`` (-> the layout),
-    ``dataset_text_field``, ``eos_token``, ``pad_token``, and the batch sizes and sample order
+    ``dataset_text_field``, ``eos_token`` (which must be in the vocabulary, as TRL checks), ``pad_token``, and
+    the batch sizes and sample order
     through ``optimizer_steps``. chat_format: default ``masks.template.chat_format(tokenizer)``
     (pass ``chat_format(tokenizer, thinking="on")`` for Gemma 4 with thinking).
 
@@ -200,6 +201,10 @@ def from_sft_config(config: Any, tokenizer: Any, *, chat_format: Gemma3 | Gemma4
         from gemport.masks.template import chat_format as from_tokenizer
 
         chat_format = from_tokenizer(tokenizer)
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else None
+    if f["eos_token"] is not None and vocab is not None and f["eos_token"] not in vocab:  # as TRL raises
+        raise RecipeError(f"SFTConfig.eos_token={f['eos_token']!r} is not in the tokenizer's vocabulary; give a "
+                          "token it has (e.g. '<end_of_turn>' for Gemma 3, '<turn|>' for Gemma 4)")
     pad_token = f["pad_token"] or getattr(tokenizer, "pad_token", None) or getattr(tokenizer, "eos_token", None)
     pad_id = int(tokenizer.convert_tokens_to_ids(pad_token)) if pad_token is not None else 0
     layout = "pack" if f["packing"] else "padding_free" if f["padding_free"] else "pad"
