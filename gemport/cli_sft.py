@@ -139,6 +139,7 @@ def run(args) -> int:
     from gemport.checkpoint.peft_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS
     from gemport.train import recipe as trl_recipe
     from gemport.train.data import load_splits
+    from gemport.train.lock import claim_output
     from gemport.train.outputs import TRAINER_STATE
     from gemport.train.preemption import Preempted
     from gemport.train.run import CHECKPOINTS, SFTRun
@@ -164,6 +165,8 @@ def run(args) -> int:
                         "and lora_target_modules, or pass --init-adapter DIR")
     output_dir = Path(sft["output_dir"] or "trainer_output")  # HF's default
     sft["output_dir"] = str(output_dir)
+    if primary:  # writable, and no other run in it: before anything long starts
+        claim_output(output_dir)
     _resume_point(sft["resume_from_checkpoint"], output_dir / CHECKPOINTS)
     qlora = recipe.qlora()
     for note in recipe.notes:
@@ -205,7 +208,7 @@ def run(args) -> int:
         return 0
     staged = output_dir / ".adapter"
     _put(lambda tmp: export_peft(trained, tmp, base_dir=sft_run.base_dir, base_model_name_or_path=str(base)), staged)
-    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+    for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):  # the config last: a killed move leaves no new config on old weights
         os.replace(staged / name, output_dir / name)
     shutil.rmtree(staged)
     say(f"wrote {output_dir / ADAPTER_CONFIG}, {output_dir / ADAPTER_WEIGHTS}")

@@ -42,6 +42,7 @@ from gemport.train.distributed import batch_sharding, process_rows
 from gemport.train.order import OptimizerStep
 from gemport.train.sft import SFTPipeline, from_sft_config
 from gemport.train.step import stack
+from gemport.train.vocabulary import check_token_ids
 
 # SFTConfig fields the run reads beyond the pipeline's and the optimizer's, with TRL 1.16's defaults.
 _READ = {
@@ -191,6 +192,8 @@ class SFTRun:
         held_out = None
         if eval_dataset is not None:
             held_out, _ = pipeline.examples(eval_dataset, tokenizer, progress=progress)
+        check_token_ids(examples, spec.vocab, tokenizer, pad_id=pipeline.pad_id)  # before the model loads
+        check_token_ids(held_out or [], spec.vocab, tokenizer, split="eval")
         mesh = mesh if mesh is not None else make_mesh(spec, fsdp=fsdp, tp=tp)
         rows = None
         if jax.process_count() > 1:  # this process's rows of each batch [A, B, T]
@@ -260,11 +263,14 @@ class SFTRun:
         latest checkpoint in the checkpoint root, exactly (Tunix skips the consumed micro-batches, and the data
         is the same in the same order).
         """
+        from gemport.train.lock import claim_output
         from gemport.train.outputs import HFOutputs
         from gemport.train.peft_trainer import micro_batches
         from gemport.train.preemption import Preemption
 
         output_dir = fields_of(self.args, _READ)["output_dir"]
+        if output_dir is not None and jax.process_index() == 0:
+            claim_output(output_dir)  # one run per output_dir
         if hooks is None and output_dir is not None:
             hooks = HFOutputs(self, output_dir)
         preemption = None
