@@ -269,3 +269,67 @@ def test_unwritable_output_dir_is_refused_before_anything_runs(tmp_path):
     (tmp_path / "a-file").write_text("")
     with pytest.raises(CheckpointError, match="cannot write there"):
         claim_output(tmp_path / "a-file" / "out")
+
+
+# End to end: `gemport sft` on one tiny Gemma 4.
+@pytest.fixture(scope="module")
+def sft_dir(hf_checkpoint, tmp_path_factory):
+    """A base checkpoint with the chat tokenizer, a train.jsonl, and a recipe writing `out` (3 steps, a
+    checkpoint each)."""
+    import transformers
+
+    _, base = hf_checkpoint("gemma4_mesh")
+    root = tmp_path_factory.mktemp("sft-faults")
+    transformers.AutoModelForCausalLM.from_pretrained(base).save_pretrained(root / "base")
+    tokenizer().save_pretrained(root / "base")
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chats(12)))
+    (root / "sft.yaml").write_text(json.dumps({
+        "model_name_or_path": str(root / "base"), "dataset_name": str(root / "train.jsonl"),
+        "use_peft": True, "lora_r": 2, "lora_alpha": 4, "lora_dropout": 0.0,
+        "lora_target_modules": ["q_proj", "o_proj"],
+        "assistant_only_loss": True, "max_length": 64, "per_device_train_batch_size": 2, "max_steps": 3,
+        "learning_rate": 1e-2, "logging_steps": 1, "save_steps": 1, "save_total_limit": 2, "bf16": False,
+        "report_to": "none", "disable_tqdm": True, "output_dir": str(root / "out")}))
+    return root
+
+
+def adapter(out):
+    from safetensors.numpy import load_file
+
+    return load_file(out / "adapter_model.safetensors")
+
+
+def test_sft_resumes_from_the_last_intact_checkpoint_to_the_same_adapter(sft_dir):
+    from test_cli import gemport
+
+    out = sft_dir / "out"
+    data = (sft_dir / "train.jsonl").read_bytes()
+    gemport("sft", "--config", sft_dir / "sft.yaml")
+    assert steps(out / "checkpoints") == [2, 3]  # save_total_limit 2
+    uninterrupted = adapter(out)
+    losses = [e["loss"] for e in json.loads((out / "trainer_state.json").read_text())["log_history"]]
+    zero(*(out / "checkpoints" / "3").rglob("*"))  # the latest checkpoint's files zeroed, as the issue found them
+    with pytest.warns(CheckpointWarning, match=r"step 3 \(_CHECKPOINT_METADATA is not readable JSON.*"
+                                               r"resuming from step 2"):
+        done = gemport("sft", "--config", sft_dir / "sft.yaml")
+    assert "trained to step 3" in done.stdout and "Traceback" not in done.stderr
+    assert steps(out / "checkpoints") == [2, 3] and damage(out / "checkpoints" / "3") is None
+    assert (out / "checkpoints" / "damaged-3").is_dir()
+    resumed = adapter(out)
+    assert sorted(resumed) == sorted(uninterrupted) and len(resumed) > 0
+    for name in resumed:  # step 3 trained again from checkpoint 2: the same adapter, bit for bit
+        np.testing.assert_array_equal(resumed[name], uninterrupted[name], err_msg=name)
+    assert [e["loss"] for e in json.loads((out / "trainer_state.json").read_text())["log_history"]] == losses
+    assert (sft_dir / "train.jsonl").read_bytes() == data  # inputs untouched
+
+
+def test_sft_refuses_a_non_finite_loss_at_its_step_and_keeps_the_checkpoint_before(sft_dir, tmp_path):
+    from test_cli import gemport, one_line_error
+
+    out = tmp_path / "nan"
+    # A learning rate off by many orders of magnitude: step 1's update overflows the weights, step 2's loss is not
+    # finite. HF's Trainer logs it and trains on; gemport stops before checkpointing those weights.
+    done = gemport("sft", "--config", sft_dir / "sft.yaml", "--learning_rate", "1e38", "--output_dir", out, ok=False)
+    one_line_error(done, "step 2: the loss is", "the last checkpoint, step 1 in", "lower learning_rate")
+    assert steps(out / "checkpoints") == [1] and damage(out / "checkpoints" / "1") is None
+    assert not (out / "adapter_model.safetensors").exists()  # no adapter that looks trained
