@@ -284,7 +284,7 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
         on with the weights the non-finite gradient made: a run that ends normally with a useless adapter. Here
         the run stops at that step, its checkpoint unwritten, the older ones kept.
         """
-        loss = np.asarray(jnp.stack([jnp.asarray(v, jnp.float32) for v in buffer.losses]))
+        loss = np.array([np.asarray(v, np.float32) for v in buffer.losses])  # replicated scalars, on every process
         grad_norm = np.asarray(buffer.additional_metrics["grad_norm"][0][-1], np.float32)
         if np.isfinite(loss).all() and np.isfinite(grad_norm):
             return
