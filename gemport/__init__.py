@@ -28,6 +28,7 @@ from gemport import errors
 from gemport.errors import (
     BatchError,
     CheckpointError,
+    CheckpointWarning,
     CorruptFileError,
     EngineError,
     GemportError,
@@ -42,6 +43,7 @@ from gemport.errors import (
     SpecError,
     TemplateMismatchError,
     TemplateMismatchWarning,
+    TrainingError,
     UnexpectedTensorError,
     UnsafePathError,
 )

@@ -126,6 +126,7 @@ def run(args) -> int:
     from gemport.checkpoint.peft_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS
     from gemport.train import recipe as trl_recipe
     from gemport.train.data import load_splits
+    from gemport.train.lock import claim_output
     from gemport.train.outputs import TRAINER_STATE
     from gemport.train.preemption import Preempted
     from gemport.train.run import CHECKPOINTS, SFTRun
@@ -157,6 +158,8 @@ def run(args) -> int:
     sft["output_dir"] = str(output_dir)
     inputs = (base, script["dataset_name"], args.init_adapter, sft["chat_template_path"], args.config)
     check_outside(output_dir, *(p for p in inputs if p and Path(p).exists()))
+    if primary:  # writable, and no other run in it: before anything long starts
+        claim_output(output_dir)
     _resume_point(sft["resume_from_checkpoint"], output_dir / CHECKPOINTS)
     qlora = recipe.qlora()
     for note in recipe.notes:
@@ -197,7 +200,7 @@ def run(args) -> int:
         return 0
     staged = output_dir / ".adapter"
     _put(lambda tmp: export_peft(trained, tmp, base_dir=sft_run.base_dir, base_model_name_or_path=str(base)), staged)
-    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+    for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):  # the config last: a killed move leaves no new config on old weights
         os.replace(staged / name, output_dir / name)
     shutil.rmtree(staged)
     say(f"wrote {output_dir / ADAPTER_CONFIG}, {output_dir / ADAPTER_WEIGHTS}")

@@ -13,10 +13,10 @@ import pytest
 import gemport
 
 TOP_LEVEL = [
-    "BatchError", "CheckpointError", "CorruptFileError", "EngineError", "GemmaSpec", "GemportError", "HFPeftTrainer", "LoraError", "LoraLayout",
+    "BatchError", "CheckpointError", "CheckpointWarning", "CorruptFileError", "EngineError", "GemmaSpec", "GemportError", "HFPeftTrainer", "LoraError", "LoraLayout",
     "LoraParams", "LoraSpec", "MaskError", "MeshError", "MissingDependencyError", "MissingTensorError",
     "OptimizerConfigError", "RecipeError", "SFTRun", "ShapeMismatchError", "SpecError", "TemplateMismatchError",
-    "TemplateMismatchWarning", "UnexpectedTensorError", "UnsafePathError",
+    "TemplateMismatchWarning", "TrainingError", "UnexpectedTensorError", "UnsafePathError",
     "QLoraSpec", "apply_lora", "audit", "compare_logits", "export_merged", "export_peft", "fix_lora", "from_sft_config",
     "hf_optimizer", "import_peft", "load_hf", "load_model", "load_orbax", "load_qlora_model", "make_mesh", "memory_plan",
     "micro_batches", "optimizer_shardings", "optimizer_steps", "load_lora", "save_hf", "save_lora", "save_orbax",

@@ -12,6 +12,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from gemport.errors import MaskError
 from gemport.masks import formats
 from gemport.masks.gemma3 import Gemma3
 from gemport.masks.gemma4 import Gemma4
@@ -43,18 +44,32 @@ def examples(source: Any, tokenizer: Any, chat_format: Gemma3 | Gemma4, truncati
     check_tokenizer(tokenizer, chat_format)
     if eos_token is None:
         eos_token = getattr(tokenizer, "eos_token", None)
-    records = formats.read(source)
+    records = formats.located(source)
+
+    def render(index, where, record):
+        # Every malformed record is named where the user finds it: file and line (or index), then the field.
+        key = record.get("id", index) if isinstance(record, Mapping) else index
+        try:
+            return formats.render(record, chat_format, policy=policy, fmt=fmt,
+                                  completion_only_loss=completion_only_loss, text_field=text_field,
+                                  eos_token=eos_token, key=key)
+        except MaskError as e:
+            raise MaskError(f"{where}: {e}") from None
+        except (AttributeError, KeyError, TypeError, ValueError) as e:  # a value of the wrong kind deeper down
+            raise MaskError(f"{where}: malformed record ({type(e).__name__}: {e}); fields as TRL's SFT formats "
+                            "have them: messages [{role, content}], prompt + completion, or text") from None
+
     if check and getattr(tokenizer, "chat_template", None):
         head = list(itertools.islice(records, check_sample))
-        sample = [r for r in head if formats.conversational(r, fmt or formats.detect(r, text_field))]
+        for index, (where, record) in enumerate(head):
+            render(index, where, record)  # a malformed record fails here, named, not inside the tokenizer's template
+        sample = [r for _, r in head if formats.conversational(r, fmt or formats.detect(r, text_field))]
         check_template(tokenizer, chat_format, sample, on_mismatch=check)
         records = itertools.chain(head, records)
 
     def rendered():
-        for index, record in enumerate(records):
-            key = record.get("id", index) if isinstance(record, Mapping) else index
-            yield formats.render(record, chat_format, policy=policy, fmt=fmt, completion_only_loss=completion_only_loss,
-                         text_field=text_field, eos_token=eos_token, key=key)
+        for index, (where, record) in enumerate(records):
+            yield render(index, where, record)
 
     total = len(source) if hasattr(source, "__len__") and not isinstance(source, (str, os.PathLike)) else None
     return fit(rendered(), tokenizer, truncation, batch_size=batch_size, progress=progress, total=total)

@@ -43,6 +43,9 @@ def load_splits(dataset_name: str | os.PathLike, dataset_config: str | None = No
                 raise
             raise MaskError(f"{dataset_name}: dataset_config={dataset_config!r} is not one of its configs ({e})"
                             ) from None
+        except datasets.exceptions.DatasetGenerationError as e:
+            _name_bad_record(path)  # datasets says "row 1" of no file: read the folder's files to name the line
+            raise MaskError(f"{dataset_name}: datasets could not read it ({e.__cause__ or e}); check its files") from None
     if isinstance(loaded, datasets.Dataset):
         loaded = datasets.DatasetDict({train_split: loaded})
     wanted = [train_split] + ([test_split] if with_test else [])
@@ -52,6 +55,17 @@ def load_splits(dataset_name: str | os.PathLike, dataset_config: str | None = No
                             f"dataset_{'train' if split == train_split else 'test'}_split"
                             + ("" if split == train_split else ", or eval_strategy: 'no'"))
     return loaded[train_split], loaded[test_split] if with_test else None
+
+
+def _name_bad_record(folder: Path) -> None:
+    """Raise MaskError naming the file and line of the first record of ``folder`` that is not valid JSON."""
+    from gemport.masks.formats import located
+
+    if folder.is_dir():
+        for file in sorted(folder.iterdir()):
+            if file.suffix in (".jsonl", ".json"):
+                for _ in located(file):
+                    pass
 
 
 __all__ = ["load_splits"]

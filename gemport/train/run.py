@@ -43,6 +43,7 @@ from gemport.train.order import OptimizerStep
 from gemport.train.sft import SFTPipeline, from_sft_config
 from gemport.train import trackers
 from gemport.train.step import stack
+from gemport.train.vocabulary import check_token_ids
 
 # SFTConfig fields the run reads beyond the pipeline's and the optimizer's, with TRL 1.16's defaults.
 _READ = {
@@ -229,6 +230,8 @@ class SFTRun:
         held_out = None
         if eval_dataset is not None:
             held_out, _ = pipeline.examples(eval_dataset, tokenizer, progress=progress)
+        check_token_ids(examples, spec.vocab, tokenizer, pad_id=pipeline.pad_id)  # before the model loads
+        check_token_ids(held_out or [], spec.vocab, tokenizer, split="eval")
         mesh = mesh if mesh is not None else make_mesh(spec, fsdp=fsdp, tp=tp)
         rows = None
         if jax.process_count() > 1:  # this process's rows of each batch [A, B, T]
@@ -311,6 +314,7 @@ class SFTRun:
         is the same in the same order), when they trained this recipe (``record``, recorded beside them); a
         changed recipe raises ``RecipeError`` naming what changed, unless ``resume_from_checkpoint`` is set.
         """
+        from gemport.train.lock import claim_output
         from gemport.train.outputs import HFOutputs
         from gemport.train.peft_trainer import micro_batches
         from gemport.train.preemption import Preemption
@@ -323,6 +327,8 @@ class SFTRun:
             check_resume(root, self.record,
                          explicit=f["resume_from_checkpoint"] not in (None, False, "", "false", "False"))
         output_dir = f["output_dir"]
+        if output_dir is not None and jax.process_index() == 0:
+            claim_output(output_dir)  # one run per output_dir
         if hooks is None and output_dir is not None:
             hooks = HFOutputs(self, output_dir)
         preemption = None
