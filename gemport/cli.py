@@ -246,13 +246,16 @@ def peft_for_vllm(args) -> int:
 
 
 def parity(args) -> int:
-    from gemport.parity import Tolerances, miniature, read_recipe, trajectory
+    from gemport.parity import Tolerances, dropout_note, miniature, read_recipe, trajectory, without_dropout
 
     sft, lora = read_recipe(args.config)
     if args.lora_config:
         lora = args.lora_config
     if not lora:
         raise LoraError(f"{args.config}: no lora_r/lora_target_modules; pass --lora-config adapter_config.json")
+    lora, dropout = without_dropout(lora)
+    if dropout:
+        print(dropout_note(dropout))
     port = read_recipe(args.port_config)[0] if args.port_config else None
     with tempfile.TemporaryDirectory(prefix="gemport-miniature-") as work:
         base, tokenizer = args.base, None
