@@ -121,8 +121,9 @@ def test_expected_gradient_equals_peft(hf_checkpoint, tmp_path):
     standard normal, and |z| > 5.5 has probability 3.8e-8: over the 72 factors, a false failure below 3e-6.
     float32 rounding (1e-6 relative, tests/test_lora_peft_training.py) is far below the standard error.
     The bound has power: the same statistic on the JAX samples scaled by (1 - p), to first order what a
-    missing 1 / (1 - p) would give, fails it (|z| about 15). p = 0.3 rather than 0.05 makes dropout's share of the gradient
-    large enough for that check with few samples; the rule does not depend on p (test_masks_follow_peft_rule).
+    missing 1 / (1 - p) would give, fails it (|z| about 15). p = 0.3 rather than 0.05 makes dropout's share
+    of the gradient large enough for that check with few samples; the rule does not depend on p
+    (test_masks_follow_peft_rule).
     """
     p = 0.3
     _, path = hf_checkpoint(NAME)

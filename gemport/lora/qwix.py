@@ -204,8 +204,8 @@ def lora_dropout(model: nnx.Module, key: jax.Array):
 
     Each adapted module gets its own stream (``key`` folded with its index in ``nnx.iter_modules`` order), so
     masks are independent across modules and depend on nothing but the key: a rematerialised layer redraws the
-    same ones. Sets Qwix's ``qwix_rngs`` attribute on the adapted modules for the block; a model without LoRA dropout is left
-    as it is. Usable inside a jit-compiled step (``key`` may be traced).
+    same ones. Sets Qwix's ``qwix_rngs`` attribute on the adapted modules for the block; a model without LoRA
+    dropout is left as it is. Usable inside a jit-compiled step (``key`` may be traced).
 
     Example::
 
