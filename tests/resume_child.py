@@ -4,8 +4,8 @@
 
 LOOP is ``peft`` (gemport.train.peft_trainer.HFPeftTrainer) or ``nnx`` (the user's own loop with
 gemport.train.train_step and Tunix's CheckpointManager). Each job trains a tiny Gemma 3 with LoRA (dropout
-DROPOUT[LOOP]) for STEPS optimizer steps of 2 micro-batches, checkpointing every 2 steps into DIR/checkpoints, resuming from the latest
-checkpoint there if any. It appends to DIR/log.jsonl one line per optimizer step trained: the step, its loss
+DROPOUT[LOOP]) for STEPS optimizer steps of 2 micro-batches, checkpointing every 2 steps into DIR/checkpoints,
+resuming from the latest checkpoint there if any. It appends to DIR/log.jsonl one line per optimizer step trained: the step, its loss
 and the micro-batches (by index in the run's data) it consumed; at the end it writes DIR/lora.npz. With
 KILL_AFTER, once step KILL_AFTER has been trained (and the previous checkpoint is on disk) the process kills
 itself with SIGKILL: no exit handler, no flush, no final checkpoint.

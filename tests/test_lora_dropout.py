@@ -44,20 +44,23 @@ def model(hf_checkpoint):
     return spec, apply_lora(load_model(path, param_dtype=jnp.float32), spec, lora_spec, seed=3)
 
 
+_CALLS = []  # one list for every trace: `forward` compiles once and its callbacks append here
+
+
 def recorded_dropouts(model, mb, key, monkeypatch):
     """(input, output) of every dropout the model runs in one forward pass, in call order."""
-    calls = []
     call = nnx.Dropout.__call__
 
     def recording(self, inputs, **kwargs):
         out = call(self, inputs, **kwargs)
-        jax.debug.callback(lambda i, o: calls.append((np.asarray(i), np.asarray(o))), inputs, out)
+        jax.debug.callback(lambda i, o: _CALLS.append((np.asarray(i), np.asarray(o))), inputs, out)
         return out
 
     monkeypatch.setattr(nnx.Dropout, "__call__", recording)
+    _CALLS.clear()
     forward(model, mb, key)
     jax.effects_barrier()
-    return calls
+    return list(_CALLS)
 
 
 @nnx.jit
@@ -101,9 +104,9 @@ def test_masks_follow_peft_rule(model, monkeypatch):
     assert same_shape and all((flat[i] != flat[j]).any() for i, j in same_shape)  # a mask per module
 
     again = recorded_dropouts(lora_model, mb, dropout_key(7, 0), monkeypatch)
-    assert all(np.array_equal(a[1], b[1]) for a, b in zip(calls, again))
+    assert len(again) == len(calls) and all(np.array_equal(a[1], b[1]) for a, b in zip(calls, again))
     other = recorded_dropouts(lora_model, mb, dropout_key(7, 1), monkeypatch)
-    assert not any(np.array_equal(a[1], b[1]) for a, b in zip(calls, other))
+    assert len(other) == len(calls) and not any(np.array_equal(a[1], b[1]) for a, b in zip(calls, other))
     assert recorded_dropouts(lora_model, mb, None, monkeypatch) == []  # evaluation: PEFT's eval mode
 
 
