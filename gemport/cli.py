@@ -246,7 +246,7 @@ def peft_for_vllm(args) -> int:
 
 
 def parity(args) -> int:
-    from gemport.parity import Tolerances, miniature, read_recipe, trajectory
+    from gemport.parity import Tolerances, dropout_note, miniature, read_recipe, trajectory, without_dropout
     from gemport.plots import write_parity
 
     sft, lora = read_recipe(args.config)
@@ -254,6 +254,9 @@ def parity(args) -> int:
         lora = args.lora_config
     if not lora:
         raise LoraError(f"{args.config}: no lora_r/lora_target_modules; pass --lora-config adapter_config.json")
+    lora, dropout = without_dropout(lora)
+    if dropout:
+        print(dropout_note(dropout))
     port = read_recipe(args.port_config)[0] if args.port_config else None
     with tempfile.TemporaryDirectory(prefix="gemport-miniature-") as work:
         base, tokenizer = args.base, None

@@ -7,6 +7,7 @@ step. Both sides run in float32 on CPU: a disagreement is a difference in what i
 precision.
 """
 
+import copy
 import dataclasses
 import json
 import tempfile
@@ -184,7 +185,33 @@ def read_recipe(path):
     names = {f.name for f in dataclasses.fields(SFTConfig)}
     sft = {k: v for k, v in fields.items() if k in names}
     lora = {_TRL_LORA[k]: v for k, v in fields.items() if k in _TRL_LORA}
+    if lora and "lora_dropout" not in lora:  # trl sft's ModelConfig default (0.05), not PEFT's LoraConfig's (0)
+        from trl import ModelConfig
+
+        lora["lora_dropout"] = {f.name: f.default for f in dataclasses.fields(ModelConfig)}["lora_dropout"]
     return sft, lora
+
+
+def without_dropout(lora_config):
+    """(the ``peft.LoraConfig`` of ``lora_config`` with ``lora_dropout=0``, the dropout it had).
+
+    ``trajectory`` compares step by step, which random masks would defeat: torch and JAX draw different ones.
+    A recipe with dropout p is compared at p = 0, the rest unchanged, and says so; gemport's dropout at p
+    (PEFT's rule: rate p on each adapted projection's LoRA input, kept values scaled by 1 / (1 - p), training
+    only) is matched to PEFT in distribution by gemport's tests (mask rate and scaling, expected gradient).
+    """
+    given = _lora_config(lora_config, dropout=True)
+    config = copy.copy(given)
+    config.lora_dropout = 0.0
+    return config, given.lora_dropout
+
+
+def dropout_note(p: float) -> str:
+    """The line ``gemport parity`` prints for a recipe with LoRA dropout ``p`` > 0, compared at 0."""
+    return (f"lora_dropout={p}: compared with lora_dropout=0 on both sides, the rest of the recipe unchanged "
+            f"(dropout masks are random, and torch and JAX draw different ones). At lora_dropout={p} gemport drops "
+            "out as PEFT does (rate p on each adapted projection's LoRA input, kept values scaled by 1/(1-p), in "
+            "training only), tested against PEFT in distribution by gemport's tests, not by this run")
 
 
 def _sft_config(config, overrides):
@@ -197,7 +224,7 @@ def _sft_config(config, overrides):
     return dataclasses.replace(config, **overrides)
 
 
-def _lora_config(config):
+def _lora_config(config, dropout=False):
     import peft
 
     if isinstance(config, (str, Path)):
@@ -206,10 +233,10 @@ def _lora_config(config):
     if isinstance(config, Mapping):
         names = {f.name for f in dataclasses.fields(peft.LoraConfig)}
         config = peft.LoraConfig(**{k: v for k, v in config.items() if k in names and k != "peft_type"})
-    if config.lora_dropout:
+    if config.lora_dropout and not dropout:
         raise RecipeError(
             f"LoraConfig.lora_dropout={config.lora_dropout}: dropout draws random masks that differ between "
-            "torch and JAX; compare with lora_dropout=0 (the rest of the recipe unchanged)"
+            "torch and JAX; compare with lora_dropout=0 (the rest of the recipe unchanged: without_dropout)"
         )
     return config
 
@@ -458,7 +485,9 @@ __all__ = [
     "StepRow",
     "Tolerances",
     "Trajectory",
+    "dropout_note",
     "miniature",
     "read_recipe",
     "trajectory",
+    "without_dropout",
 ]

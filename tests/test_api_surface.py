@@ -32,7 +32,7 @@ SUBPACKAGES = {
     "gemport.engines": ["PYTHON_ENV", "Served", "max_lora_rank", "serve_vllm", "vllm_python"],
     "gemport.lora": [
         "PROJECTIONS", "VLLM_RANKS", "Adapter", "LoraLayout", "LoraParams", "LoraSpec", "Provider", "QLoraSpec",
-        "apply_lora", "factor_axes", "factor_specs", "provider",
+        "apply_lora", "dropout_key", "factor_axes", "factor_specs", "lora_dropout", "provider",
     ],
     "gemport.mesh": [
         "HBM", "MemoryPlan", "MeshError", "ShardedDim", "TpuSlice", "compiled_peak", "make_mesh", "memory_plan",
@@ -59,7 +59,8 @@ SUBPACKAGES = {
     "gemport.train.peft_trainer": ["ACCUMULATION", "NUM_ITEMS", "SCOPES", "HFPeftTrainer", "eval_loss", "hf_loss", "micro_batches"],
     "gemport.train.distributed": ["batch_sharding", "device_rows", "global_batch", "process_rows", "process_step"],
     "gemport.train.preemption": ["Preempted", "Preemption"],
-    "gemport.parity": ["StepRow", "Tolerances", "Trajectory", "miniature", "read_recipe", "trajectory"],
+    "gemport.parity": ["StepRow", "Tolerances", "Trajectory", "dropout_note", "miniature", "read_recipe", "trajectory",
+                       "without_dropout"],
     "gemport.plots": ["loss_curves", "parity_dict", "parity_figure", "write_parity"],
     "gemport.train.trackers": [
         "MODULES", "TensorBoard", "Tracker", "Trackio", "Wandb", "hf_names", "installed", "names", "open_trackers",

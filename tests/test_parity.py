@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from gemport.errors import RecipeError
-from gemport.parity import Tolerances, Trajectory, StepRow, trajectory
+from gemport.parity import Tolerances, Trajectory, StepRow, dropout_note, read_recipe, trajectory, without_dropout
 from test_cli import gemport
 from test_trackers import assert_picture
 from test_train_sft import chats, tokenizer
@@ -27,7 +27,9 @@ def recipe(hf_checkpoint, tmp_path_factory):
     shutil.copytree(base, root / "base")
     tokenizer().save_pretrained(root / "base")
     (root / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chats()))
-    (root / "recipe.yaml").write_text(yaml.safe_dump({**RECIPE, "model_name_or_path": "unused", "use_peft": True}))
+    # As most recipes in the wild: lora_dropout left at TRL's default (0.05), which parity compares at 0 and says so.
+    trl_default = {k: v for k, v in RECIPE.items() if k != "lora_dropout"}
+    (root / "recipe.yaml").write_text(yaml.safe_dump({**trl_default, "model_name_or_path": "unused", "use_peft": True}))
     (root / "broken.yaml").write_text(yaml.safe_dump({**RECIPE, "assistant_only_loss": False}))
     return root
 
@@ -49,6 +51,15 @@ def test_cli_broken_port_exits_1_naming_step_0_and_the_loss(recipe):
     assert "DISAGREE at step 0: loss" in done.stdout.splitlines()[-1]
     report = json.loads(Path("gemport-parity/parity.json").read_text())
     assert not report["ok"] and report["first_disagreement"].startswith("step 0: loss")
+    assert done.stdout.startswith("lora_dropout=0.05: compared with lora_dropout=0 on both sides")
+
+
+def test_a_recipe_with_dropout_is_compared_without_it_and_says_so(recipe):
+    sft, lora = read_recipe(recipe / "recipe.yaml")
+    assert lora["lora_dropout"] == 0.05  # trl sft's default for a recipe that does not set it
+    config, p = without_dropout(lora)
+    assert p == 0.05 and config.lora_dropout == 0.0 and config.r == 4 and lora["lora_dropout"] == 0.05
+    assert "1/(1-p)" in dropout_note(p) and "lora_dropout=0 on both sides" in dropout_note(p)
 
 
 def test_lora_dropout_and_missing_steps_are_refused(recipe):

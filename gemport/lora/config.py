@@ -39,7 +39,8 @@ class LoraSpec:
         ``alpha / sqrt(rank)`` with rsLoRA.
       targets: PEFT target module names, a subset of ``PROJECTIONS``.
       rslora: PEFT's ``use_rslora``.
-      dropout: PEFT's ``lora_dropout``. Qwix applies it on every call, evaluation included.
+      dropout: PEFT's ``lora_dropout``: in training steps only (`gemport.lora.qwix.lora_dropout`), on each
+        adapted projection's input to the LoRA branch, as PEFT in train mode; never in evaluation.
       fused: how a Tunix module fusing several targets (``kv_einsum`` = k_proj + v_proj, ``qkv_einsum``)
         holds them. ``"separate"`` (default): one A and one B per projection, as PEFT trains them
         (``lora_a`` (s, D, r), ``lora_b`` (s, r, K, H)): the same function, parameters and gradients as

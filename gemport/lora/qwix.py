@@ -10,6 +10,7 @@ and each factor's gradient are PEFT's; every other module goes through Qwix unch
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import re
@@ -71,8 +72,24 @@ class Rule(qwix.LoraRule):
     scales: tuple[float, ...] = ()
 
 
+def _dropping(module) -> bool:
+    # `lora_dropout` gives each module a "dropout" stream for one training micro-batch; elsewhere (evaluation,
+    # generation, exports, Qwix's own init call with its "default"-only Rngs) there is none.
+    rngs = getattr(module, "qwix_rngs", None)
+    return isinstance(rngs, nnx.Rngs) and "dropout" in rngs
+
+
 class Provider(qwix.LoraProvider):
-    """``qwix.LoraProvider`` that gives fused modules one A and one B per projection (see the module doc)."""
+    """``qwix.LoraProvider`` that gives fused modules one A and one B per projection (see the module doc), and
+    applies a rule's dropout only inside `lora_dropout` (training), as PEFT's ``nn.Dropout`` in train mode."""
+
+    def _get_current_rule_and_op_id(self, op_name, **kwargs):
+        # Qwix drops out on every call whose rule has a dropout rate (and then needs rngs); both its plain path
+        # and `einsum`'s per-projection one read the rate from here.
+        rule, op_id = super()._get_current_rule_and_op_id(op_name, **kwargs)
+        if isinstance(rule, qwix.LoraRule) and rule.dropout > 0 and not _dropping(flax_util.get_current_module()):
+            rule = dataclasses.replace(rule, dropout=0.0)
+        return rule, op_id
 
     def astype(self, x, dtype, *args, **kwargs):
         # Tunix's Gemma 4 einsums cast their weight to the compute dtype, which Qwix does not intercept; a
@@ -113,7 +130,7 @@ class Provider(qwix.LoraProvider):
             b_sharding_transpose=tuple(transpose[c] for c in b_axes),
         )
         if rule.dropout > 0:
-            # PEFT drops out each projection's input independently.
+            # PEFT drops out each projection's input independently: one mask per slice of the stack.
             lhs = nnx.Dropout(rule.dropout, deterministic=False)(
                 jnp.broadcast_to(lhs, (stack, *lhs.shape)), rngs=flax_util.make_rng("dropout")
             )
@@ -170,6 +187,44 @@ def provider(layout: LoraLayout, *, weight_qtype: str | None = None) -> Provider
     if weight_qtype is not None:
         rules.append(qwix.QuantizationRule(module_path=_PROJECTIONS, weight_qtype=weight_qtype))
     return Provider(rules)
+
+
+def dropout_key(seed: int, micro_step: jax.typing.ArrayLike) -> jax.Array:
+    """The LoRA dropout key of one training micro-batch: ``micro_step`` (int []) counts the micro-batches
+    trained before it (optimizer steps times accumulation plus its index in the step), so a resumed run, whose
+    optimizer state carries the count, draws the same masks as an uninterrupted one. Returns a typed key []."""
+    return jax.random.fold_in(jax.random.key(seed), micro_step)
+
+
+@contextlib.contextmanager
+def lora_dropout(model: nnx.Module, key: jax.Array):
+    """Within the block, ``model``'s LoRA dropout is on, drawn from ``key``: PEFT's ``lora_B(lora_A(dropout(x)))``
+    on every adapted projection (one Bernoulli keep mask per projection, kept inputs scaled by ``1 / (1 - p)``),
+    ``p`` being ``model.lora_spec.dropout``. Outside it (evaluation, generation) LoRA runs without dropout.
+
+    Each adapted module gets its own stream (``key`` folded with its index in ``nnx.iter_modules`` order), so
+    masks are independent across modules and depend on nothing but the key: a rematerialised layer redraws the
+    same ones. Sets Qwix's ``qwix_rngs`` attribute on the adapted modules for the block; a model without LoRA
+    dropout is left as it is. Usable inside a jit-compiled step (``key`` may be traced).
+
+    Example::
+
+        with lora_dropout(model, dropout_key(seed, step)):
+            loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+    """
+    spec = getattr(model, "lora_spec", None)
+    if spec is None or not spec.dropout:
+        yield model
+        return
+    modules = [module for _, module in nnx.iter_modules(model)
+               if any(isinstance(value, nnx.LoRAParam) for value in vars(module).values())]
+    for index, module in enumerate(modules):
+        module.qwix_rngs = nnx.Rngs(dropout=jax.random.fold_in(key, index))
+    try:
+        yield model
+    finally:
+        for module in modules:
+            module.qwix_rngs = None  # as Qwix leaves it after apply_lora_to_model
 
 
 def apply_lora(model, spec: GemmaSpec, lora: LoraSpec | LoraParams, *, seed: int = 0, qlora=None):

@@ -34,7 +34,7 @@ from gemport.checkpoint.adapters import save_lora_spec
 from gemport.checkpoint.integrity import resume_step, steps
 from gemport.errors import BatchError, CheckpointError, TrainingError
 from gemport._src.extras import require
-from gemport.lora import LoraSpec
+from gemport.lora import LoraSpec, dropout_key, lora_dropout
 from gemport.masks.loss import loss_scopes, nll_scopes
 from gemport.train.attention import check_segments
 from gemport.train.preemption import Preemption
@@ -203,6 +203,10 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
         ``train()`` again resumes from that checkpoint.
     fast: ``hf_loss``'s (segment attention and chunked cross-entropy, the default); False runs Tunix's own
         attention and logits, and then refuses packed rows to a model built with ``use_flash_attention``.
+    seed: the LoRA dropout stream's (HF's ``seed``). With ``model.lora_spec.dropout`` above 0 the ``i``-th
+        micro-batch trained (counted by ``optimizer.step``, which checkpoints carry) runs under
+        ``lora.lora_dropout(model, lora.dropout_key(seed, i))``: a resume draws the masks an uninterrupted run
+        draws. Evaluation runs without dropout, as HF's in eval mode.
 
     Train on ``micro_batches(...)``; the loss is ``hf_loss``, the eval loss ``eval_loss``, and
     ``masked_loss`` / ``full_sequence_loss`` are logged beside ``loss`` (``metrics_logger``, modes
@@ -211,13 +215,14 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
 
     def __init__(self, model: nnx.Module, optimizer: optax.GradientTransformation,
                  training_config: peft_trainer.TrainingConfig, *, lora_spec: LoraSpec | None = None,
-                 preemption: Preemption | None = None, fast: bool = True, **kwargs: Any) -> None:
+                 preemption: Preemption | None = None, fast: bool = True, seed: int = 0, **kwargs: Any) -> None:
         if training_config.checkpoint_root_directory is not None:  # Tunix resumes from the newest step dir
             resume_step(training_config.checkpoint_root_directory)
         super().__init__(model, optimizer, training_config, **kwargs)
         if training_config.checkpoint_root_directory is not None:
             self.checkpoint_manager = _Checkpoints(self.checkpoint_manager, training_config.checkpoint_root_directory)
         self._preemption = preemption
+        self._seed = seed
         accumulation = training_config.get_with_default("gradient_accumulation_steps", 1)
         self.fast = fast
         self.with_loss_fn(hf_loss(accumulation, fast=fast), has_aux=True)
@@ -234,7 +239,9 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
 
         def train_step(model, optimizer, inputs):
             grad_fn = nnx.value_and_grad(self.loss_fn, argnums=nnx.DiffState(0, optimizer.wrt), has_aux=True)
-            (loss, aux), grads = grad_fn(model, **self.gen_model_input_fn(inputs))
+            # Tunix updates the optimizer once per micro-batch: its step counts them.
+            with lora_dropout(model, dropout_key(self._seed, optimizer.step[...].astype(jnp.int32))):
+                (loss, aux), grads = grad_fn(model, **self.gen_model_input_fn(inputs))
             accumulated = nnx.as_pure(nnx.state(grads, optimizer.wrt))
             state = nnx.as_pure(optimizer.opt_state)
             if isinstance(state, optax.MultiStepsState):

@@ -296,12 +296,12 @@ class SFTRun:
     def make_trainer(self, **kwargs: Any):
         """An ``HFPeftTrainer`` of the current ``model``, ``optimizer`` and ``training_config`` (on the mesh,
         which Tunix reads when it shards the optimizer). With checkpoints in its root it resumes from the latest.
-        ``kwargs`` go to the trainer (``metrics_logger``, ...)."""
+        LoRA dropout draws from the recipe's ``seed``. ``kwargs`` go to the trainer (``metrics_logger``, ...)."""
         from gemport.train.peft_trainer import HFPeftTrainer
 
         with use_mesh(self.mesh):
             return HFPeftTrainer(self.model, self.optimizer.tx, self.training_config, lora_spec=self.lora_spec,
-                                 **kwargs)
+                                 seed=fields_of(self.args, _READ)["seed"], **kwargs)
 
     def train(self, hooks: Any = None) -> Any:
         """Train on ``train_batches`` (evaluating on ``eval_batches``) inside the mesh context; returns the trainer.
