@@ -248,7 +248,8 @@ def miniature(config, out_dir, *, num_layers=6, hidden_size=64, head_dim=16, sli
     config: an HF checkpoint directory, a ``config.json`` path or its dict (a multimodal config's
     ``text_config`` is used). Kept: the head counts (query, KV, global KV), k_eq_v, the activation, the
     softcap, RoPE, and the sliding/global pattern of the first ``num_layers`` layers with the last one
-    global, as in every Gemma. Narrowed: ``hidden_size``, MLP width (2x hidden), ``head_dim`` (global heads
+    global, as in every Gemma (with KV-shared layers, the unshared part ends sliding, global, and the shared
+    tail, ``num_layers // 3`` layers, is sliding layers then a global one). Narrowed: ``hidden_size``, MLP width (2x hidden), ``head_dim`` (global heads
     2x), ``sliding_window``, per-layer inputs and experts. ``vocab_size`` None keeps the vocabulary, so the
     real tokenizer fits (the embedding is then vocab x hidden floats). Float32 weights from
     ``torch.manual_seed(seed)``; written atomically. Returns ``out_dir`` as a Path.
@@ -283,7 +284,14 @@ def miniature(config, out_dir, *, num_layers=6, hidden_size=64, head_dim=16, sli
         if fields.get("hidden_size_per_layer_input"):
             fields["hidden_size_per_layer_input"] = 8
         if fields.get("num_kv_shared_layers"):
-            fields["num_kv_shared_layers"] = min(fields["num_kv_shared_layers"], num_layers // 3)
+            # KV-shared tails (E2B, E4B): Tunix's sharing equals HF's only when the unshared layers end sliding,
+            # global (gemport.specs.hf), which the first layers of the pattern need not do; so the unshared part
+            # ends so, and the shared tail has a sliding and a global layer as the real one does.
+            shared = max(1, min(fields["num_kv_shared_layers"], num_layers // 3))
+            unshared = (layer_types or ["sliding_attention"] * num_layers)[: num_layers - shared]
+            unshared[-2:] = ["sliding_attention", "full_attention"]
+            fields["layer_types"] = unshared + ["sliding_attention"] * (shared - 1) + ["full_attention"]
+            fields["num_kv_shared_layers"] = shared
         if fields.get("enable_moe_block"):
             fields.update(num_experts=min(fields["num_experts"], 4), top_k_experts=min(fields["top_k_experts"], 2),
                           moe_intermediate_size=hidden_size // 2)

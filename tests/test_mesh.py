@@ -94,6 +94,21 @@ def test_sharded_dims_come_from_tunix_annotations():
     }
 
 
+def test_experts_are_sharded_checked_and_counted():
+    """26B-A4B: fsdp shards the expert stacks' expert axis and tp their widths (Tunix's annotations), a mesh whose
+    fsdp does not divide the experts is refused naming them, and the plan's base holds every expert."""
+    moe = GemmaSpec.preset("gemma4-26b-a4b")
+    dims = {(d.axis, d.dim, d.size, d.where) for d in sharded_dims(moe)}
+    assert {("fsdp", "experts", 128, "every layer"), ("tp", "expert width", 704, "every layer")} <= dims
+    with pytest.raises(MeshError, match=r"fsdp=4 does not divide experts = 6 in every layer \(layers.0.moe"):
+        make_mesh(dataclasses.replace(moe, num_experts=6), fsdp=4, tp=2)
+    experts = moe.num_layers * moe.num_experts * 3 * moe.expert_dim * moe.hidden  # gate, up and down per expert
+    assert experts == sum(math.prod(e.tunix_shape) for e in names.entries(moe) if ".moe." in e.tunix
+                          and e.tunix.endswith(("gating_einsum", "linear")))
+    plan = memory_plan(moe, 1, 1, lora_spec=LoraSpec(16, 32.0), hbm_bytes="v5p")
+    assert plan.base_bytes == 2 * sum(math.prod(e.tunix_shape) for e in names.entries(moe)) > 2 * experts
+
+
 def _lora_elements(spec: GemmaSpec, rank: int) -> int:
     """r * (in + out) per HF projection (PEFT's count), straight from the architecture."""
     total = 0

@@ -116,6 +116,20 @@ def test_miniature_keeps_the_head_structure_and_pattern(tmp_path):
     assert mini.num_layers == 6 and mini.layers_of("global") == (5,) and mini.vocab == 128
 
 
+@pytest.mark.parametrize("name", ["gemma4-e2b", "gemma4-e4b"])
+def test_miniature_of_kv_shared_models_shares_as_hf_does(tmp_path, name):
+    """E2B's and E4B's first layers end sliding, global, global (and all sliding): a miniature taking them as they
+    are would have KV sharing that Tunix computes unlike HF (a SpecError); its unshared part ends sliding, global."""
+    from gemport.parity import miniature
+    from gemport.specs import GemmaSpec
+
+    full = GemmaSpec.preset(name)
+    mini = GemmaSpec.from_hf(miniature(full.to_hf_config(), tmp_path / "mini", vocab_size=128))
+    assert mini.layer_types == ("sliding",) * 3 + ("global", "sliding", "global") and mini.num_kv_shared_layers == 2
+    assert (mini.per_layer_input_dim > 0, mini.double_wide_mlp, mini.num_kv_heads) == (
+        True, full.double_wide_mlp, full.num_kv_heads)
+
+
 @pytest.mark.parametrize("thinking, packing", [(True, True), (False, False)], ids=["thinking-packed", "plain-padded"])
 def test_twenty_steps_agree_on_gemma4(recipe, thinking, packing):
     """The acceptance recipe: 20 steps, accumulation 2, weight decay, clipping, warmup; all seven projections;

@@ -32,6 +32,7 @@ CASES = [
     ("gemma4_dense", "none", 1, 8, 128),
     ("gemma4_dense", "decoder", 1, 8, 128),
     ("gemma4_dense", "none", 4, 8, 128),
+    ("gemma4_moe", "none", 1, 8, 128),  # the experts resident, tokens reaching their top 2 through ragged_dot
     ("gemma3_1b", "none", 1, 2, 16),
     ("wide", "none", 1, 1, 1024),
     ("wide", "block", 1, 1, 1024),
