@@ -40,6 +40,7 @@ from gemport.optim.hf import HFOptimizer, fields_of, hf_optimizer
 from gemport.specs import GemmaSpec
 from gemport.train.distributed import batch_sharding, process_rows
 from gemport.train.order import OptimizerStep
+from gemport.train.remat import set_remat
 from gemport.train.sft import SFTPipeline, from_sft_config
 from gemport.train.step import stack
 
@@ -134,7 +135,7 @@ class SFTRun:
                eval_dataset: Any = None, init_adapter: str | os.PathLike | None = None, mesh=None,
                fsdp: int | None = None, tp: int | None = None, dtype: Any = None, tokenizer: Any = None,
                chat_format: Any = None, checkpoint_dir: str | os.PathLike | None = None, qlora: Any = None,
-               progress: bool = True) -> SFTRun:
+               progress: bool = True, abstract: bool = False) -> SFTRun:
         """Build the run of ``sft_config`` on ``base_dir`` and ``train_dataset``.
 
         sft_config: ``SFTConfig``, a dict of its fields, or a ``trl sft --config`` YAML (read as ``trl sft``
@@ -152,6 +153,11 @@ class SFTRun:
         qlora: a ``gemport.lora.QLoraSpec`` (a QLoRA recipe's 4-bit base, ``QLoraSpec.from_config``): the base
             loads through ``checkpoint.quantize.load_qlora_model`` and LoRA trains on it; default unquantized
             (or the YAML's).
+        abstract: build the model from ``config.json`` alone, shapes only (``train.model.lora_model``: no weight
+            is read, nothing allocated), for ``gemport.plan.dry_run``; such a run is compiled, never trained.
+            ``train_dataset`` may then be None: one step of full ``max_length`` rows stands for the data.
+
+        The model's remat is ``gradient_checkpointing``'s (``train.sft.remat_of``).
 
         Raises RecipeError (a field gemport cannot honour, naming it), LoraError, MaskError.
         """
@@ -182,10 +188,20 @@ class SFTRun:
                             "fields) or init_adapter=")
         else:
             start = lora_spec_of(lora)
-        tokenizer = tokenizer or transformers.AutoTokenizer.from_pretrained(base_dir)
+        if tokenizer is None and abstract and train_dataset is None and not (base_dir / "tokenizer_config.json").is_file():
+            # Rows of max_length need no text: Gemma's chat format and pad id 0 stand for the tokenizer's.
+            from gemport.masks.gemma3 import Gemma3
+            from gemport.masks.gemma4 import Gemma4
+
+            chat_format = chat_format or (Gemma4() if spec.family == "gemma4" else Gemma3())
+        else:
+            tokenizer = tokenizer or transformers.AutoTokenizer.from_pretrained(base_dir)
         pipeline = from_sft_config(args, tokenizer, chat_format=chat_format)
-        examples, report = pipeline.examples(train_dataset, tokenizer, progress=progress)
-        if not examples:
+        if abstract and train_dataset is None:
+            examples, report = [], TruncationReport()
+        else:
+            examples, report = pipeline.examples(train_dataset, tokenizer, progress=progress)
+        if not examples and not abstract:
             raise RecipeError(f"no training example is left after truncation at max_length "
                               f"{pipeline.max_length} ({report}); raise max_length")
         held_out = None
@@ -196,20 +212,27 @@ class SFTRun:
         if jax.process_count() > 1:  # this process's rows of each batch [A, B, T]
             rows = process_rows(batch_sharding(mesh),
                                 (f["gradient_accumulation_steps"], f["per_device_train_batch_size"], 1))
-        steps = list(pipeline.batches(examples, rows=rows))
-        plan, batches = [s for s, _ in steps], [b for _, b in steps]
-        num_steps = len(plan)
+        steps = list(pipeline.batches(examples, rows=rows)) if examples else [(None, _full_rows(pipeline, f, rows))]
+        plan, batches = [s for s, _ in steps if s is not None], [b for _, b in steps]
+        num_steps = len(batches)
         if dtype is None:
             dtype = jnp.bfloat16 if f["bf16"] else jnp.float32
-        with use_mesh(mesh):
-            if qlora is None:
-                base = load_model(base_dir, spec=spec, mesh=mesh, param_dtype=dtype)
-            else:
-                from gemport.checkpoint.quantize import load_qlora_model
+        if abstract:
+            from gemport.train.model import lora_model
 
-                base = load_qlora_model(base_dir, qlora, spec=spec, mesh=mesh, compute_dtype=dtype)
-            model = apply_lora(base, spec, start, seed=f["seed"], qlora=qlora)
-        if checkpoint_dir is None and f["output_dir"] is not None and f["save_strategy"] != "no":
+            model = lora_model(spec, start if isinstance(start, LoraSpec) else start.lora_spec, param_dtype=dtype,
+                               remat=pipeline.remat, qlora=qlora)
+        else:
+            with use_mesh(mesh):
+                if qlora is None:
+                    base = load_model(base_dir, spec=spec, mesh=mesh, param_dtype=dtype)
+                else:
+                    from gemport.checkpoint.quantize import load_qlora_model
+
+                    base = load_qlora_model(base_dir, qlora, spec=spec, mesh=mesh, compute_dtype=dtype)
+                model = apply_lora(base, spec, start, seed=f["seed"], qlora=qlora)
+            set_remat(model, spec.family, pipeline.remat)
+        if checkpoint_dir is None and f["output_dir"] is not None and f["save_strategy"] != "no" and not abstract:
             checkpoint_dir = Path(f["output_dir"]) / CHECKPOINTS
         evals = None
         if held_out:
@@ -317,6 +340,21 @@ class SFTRun:
         lora = self.lora_params()
         return export_merged(lora, out_dir, base_dir=self.base_dir, **kwargs) if jax.process_index() == 0 \
             else Path(out_dir)
+
+
+def _full_rows(pipeline: SFTPipeline, f: Mapping[str, Any], rows: slice | None) -> dict[str, np.ndarray]:
+    # A step of the recipe's shape [A, B, max_length] standing for data not at hand: every row one whole-row
+    # example, every token but the first a target (the most a step computes).
+    if pipeline.max_length is None:
+        raise RecipeError("SFTConfig.max_length is None: without data the rows' length is unknown; set max_length "
+                          "or give the data")
+    count = 1 if pipeline.layout == "padding_free" else f["per_device_train_batch_size"]
+    if rows is not None:
+        count = len(range(count)[rows])
+    shape = (f["gradient_accumulation_steps"], count, pipeline.max_length)
+    return {"tokens": np.zeros(shape, np.int32), "loss_mask": np.ones(shape, bool),
+            "segment_ids": np.ones(shape, np.int32),
+            "positions": np.broadcast_to(np.arange(shape[-1], dtype=np.int32), shape).copy()}
 
 
 def training_config(args: Any, max_steps: int, *, checkpoint_dir: str | os.PathLike | None = None,
