@@ -73,12 +73,14 @@ class DryRun:
         return text + (f"\n{self.advice()}" if self.advice() else "")
 
 
+# libtpu's device kinds ("TPU v5p", "TPU v5 lite", "TPU v6 lite", "TPU v4") -> HBM's chip names
+_KINDS = {"tpuv4": "v4", "tpuv5p": "v5p", "tpuv5lite": "v5e", "tpuv5e": "v5e", "tpuv6lite": "v6e", "tpuv6e": "v6e"}
+
+
 def _hbm(mesh) -> int | None:
     device = mesh.devices.flat[0]
-    if device.platform != "tpu":
-        return None
-    kind = device.device_kind.lower().replace(" ", "")
-    return next((b for g, b in HBM.items() if g in kind or g.replace("v5e", "v5lite") in kind), None)
+    generation = _KINDS.get(device.device_kind.lower().replace(" ", "")) if device.platform == "tpu" else None
+    return HBM.get(generation)
 
 
 def dry_run(run: Any, *, hbm_bytes: int | None = None) -> DryRun:

@@ -267,9 +267,16 @@ class SFTRun:
         """An ``HFPeftTrainer`` of the current ``model``, ``optimizer`` and ``training_config`` (on the mesh,
         which Tunix reads when it shards the optimizer). With checkpoints in its root it resumes from the latest.
         ``kwargs`` go to the trainer (``metrics_logger``, ...)."""
+        import contextlib
+
+        from flax import nnx
+
         from gemport.train.peft_trainer import HFPeftTrainer
 
-        with use_mesh(self.mesh):
+        # An abstract run's trainer starts its optimizer state off the mesh, whose devices may be compile-only (a
+        # TPU slice's); gemport.plan lowers its step with the state placed on the mesh.
+        abstract = any(isinstance(v, jax.ShapeDtypeStruct) for v in jax.tree.leaves(nnx.state(self.model)))
+        with contextlib.nullcontext() if abstract else use_mesh(self.mesh):
             return HFPeftTrainer(self.model, self.optimizer.tx, self.training_config, lora_spec=self.lora_spec,
                                  **kwargs)
 
