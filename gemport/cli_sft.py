@@ -35,7 +35,7 @@ Past one host, run the same command on every host with --coordinator-address HOS
 SLURM). Every host needs the base, the data and the YAML at the same paths and output_dir on shared
 storage; each lays out only its devices' rows, checkpoints are written by all, logs and exports by process 0.
 
-Fields without a TPU counterpart (bf16, gradient_checkpointing, dataloader_num_workers, ...) are accepted
+Fields without a TPU counterpart (bf16, torch_compile, dataloader_num_workers, ...) are accepted
 and said; a field gemport does not reproduce, set away from TRL's default, is an error naming it.
 docs/sft.md lists every field."""
 
