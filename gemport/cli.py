@@ -72,7 +72,7 @@ def _lora_spec(path: str | None):
 
 
 def plan(args) -> int:
-    from gemport.mesh import valid_meshes
+    from gemport.plan import valid_meshes
 
     if args.lora_rank is not None and args.lora_rank < 1:
         raise LoraError(f"--lora-rank {args.lora_rank}: a LoRA rank is a positive integer (omit it for full "
@@ -110,7 +110,7 @@ def plan(args) -> int:
         # Compiling needs no accelerator, and a plan must not take (or wait for) the one a run may hold.
         jax.config.update("jax_platforms", "cpu")
     if args.compile and not args.tpu:
-        from gemport.mesh.compiled import CPU_MEMORY_SCHEDULER
+        from gemport.plan.compiled import CPU_MEMORY_SCHEDULER
 
         # Read when JAX's CPU backend starts: in a fresh process, before anything has run.
         flags = os.environ.get("XLA_FLAGS", "")
@@ -134,18 +134,18 @@ def plan(args) -> int:
 def _compiled_peak(spec, lora, qlora, p, args) -> str:
     """The compiled peak per device of the train step on plan ``p``'s mesh: of the TPU slice's chips (libtpu's
     compiler) with --tpu, else of this host's CPU devices."""
-    from gemport.mesh import compiled_peak
+    from gemport.plan import compiled_peak
 
     if lora is None or args.batch is None:
         raise MeshError("--compile compiles the LoRA train step: give --lora-rank or --lora-config, --batch and "
                         "--seq-len")
     try:
         peak = compiled_peak(spec, lora, p.fsdp, p.tp, batch=args.batch, seq_len=args.seq_len, qlora=qlora,
-                             tpu=args.tpu, **_given(args, param_dtype="param_dtype", remat="remat"))
+                             tpu=args.tpu, remat=p.step.remat, **_given(args, param_dtype="param_dtype"))
     except MeshError as e:
         return f"not compiled: {e}"
     compiler = f"TPU {args.tpu}, libtpu's compiler" if args.tpu else "XLA:CPU"
-    return f"compiled peak ({compiler}, the step gemport trains with): {peak / 2**30:.2f} GiB ({peak} bytes) per device"
+    return f"compiled peak ({compiler}, the step SFTRun.train() runs): {peak / 2**30:.2f} GiB ({peak} bytes) per device"
 
 
 def convert(args) -> int:
@@ -294,7 +294,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--lora-rank", type=int, help="LoRA rank on all seven projections (omit both LoRA options for "
                                                  "full fine-tuning)")
     c.add_argument("--lora-config", help="a PEFT adapter_config.json or its directory: targets and per-module ranks")
-    c.add_argument("--param-dtype", default=Default("gemport.mesh.memory_plan", "param_dtype"),
+    c.add_argument("--param-dtype", default=Default("gemport.plan.memory_plan", "param_dtype"),
                    help="parameter dtype (default %(default)s)")
     c.add_argument("--qlora", metavar="QTYPE", help="QLoRA: the projections on a 4-bit base as load_qlora_model "
                                                    "places it (bitsandbytes' bnb_4bit_quant_type: nf4)")
@@ -303,7 +303,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--batch", type=int, help="rows per train step, all devices together (with --seq-len: add the "
                                              "step's gradients, activations, logits)")
     c.add_argument("--seq-len", type=int, help="tokens per row")
-    c.add_argument("--remat", default=Default("gemport.mesh.memory_plan", "remat"),
+    c.add_argument("--remat", default=Default("gemport.plan.memory_plan", "remat"),
                    help="Tunix remat_config of the step, a RematConfig name in lower case (default %(default)s)")
     c.add_argument("--compile", action="store_true",
                    help="also lower and compile the LoRA train step for abstract inputs, for --tpu's chips or else "

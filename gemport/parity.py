@@ -16,14 +16,12 @@ from pathlib import Path
 from typing import NamedTuple
 
 from gemport.errors import GemportError, LoraError, RecipeError, SpecError
+from gemport.train.recipe import TRL_LORA as _TRL_LORA  # TRL's ModelConfig names for the LoRA fields
 
 # What the comparison fixes on the GPU side whatever the recipe says: one process on CPU, float32, a log
 # line per step, nothing written.
 _GPU_OVERRIDES = dict(logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False, fp16=False,
                       dataloader_num_workers=0, push_to_hub=False)
-# TRL's ModelConfig names for the LoRA fields of a `trl sft --config` file.
-_TRL_LORA = {"lora_r": "r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
-             "lora_target_modules": "target_modules", "use_rslora": "use_rslora"}
 
 
 FLOOR_MULTIPLE = 10

@@ -34,10 +34,9 @@ SUBPACKAGES = {
         "PROJECTIONS", "VLLM_RANKS", "Adapter", "LoraLayout", "LoraParams", "LoraSpec", "Provider", "QLoraSpec",
         "apply_lora", "dropout_key", "factor_axes", "factor_specs", "lora_dropout", "provider",
     ],
-    "gemport.mesh": [
-        "HBM", "MemoryPlan", "MeshError", "ShardedDim", "TpuSlice", "compiled_peak", "make_mesh", "memory_plan",
-        "sharded_dims", "slice_devices", "use_mesh", "valid_meshes", "valid_tp",
-    ],
+    "gemport.mesh": ["MeshError", "ShardedDim", "TpuSlice", "make_mesh", "sharded_dims", "slice_devices", "use_mesh",
+                     "valid_tp"],
+    "gemport.plan": ["HBM", "DryRun", "MemoryPlan", "compiled_peak", "dry_run", "memory_plan", "valid_meshes"],
     "gemport.sharding": ["Audit", "AuditRow", "LoraChange", "audit", "fix_lora", "optimizer_shardings"],
     "gemport.specs": ["GLOBAL", "SLIDING", "GemmaSpec"],
     "gemport.train": [

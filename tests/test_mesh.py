@@ -12,7 +12,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from gemport import names
 from gemport.lora import LoraSpec
-from gemport.mesh import HBM, MeshError, make_mesh, memory_plan, sharded_dims, valid_meshes, valid_tp
+from gemport.mesh import MeshError, make_mesh, sharded_dims, valid_tp
+from gemport.plan import HBM, memory_plan, valid_meshes
 from gemport.specs import GemmaSpec
 
 G31 = GemmaSpec.preset("gemma4-31b")

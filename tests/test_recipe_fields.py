@@ -5,7 +5,6 @@ run does, as TRL/HF would (the masks, the batches and their order, the optimizer
 logging and checkpoint cadence), at the level of the objects the recipe builds, without a model. A field added
 to ``USED`` without an entry fails ``test_a_used_field_changes_the_run``. Every mapped field set away from its
 default prints its note; every other field of TRL's three classes is refused when the recipe is read, naming it.
-Fields whose behaviour another change owns are listed in ``OWNED_ELSEWHERE`` with the owner.
 """
 
 import dataclasses
@@ -30,9 +29,6 @@ from test_cli import gemport, one_line_error
 from test_train_sft import chats, tokenizer
 from tiny import text_config
 
-OWNED_ELSEWHERE = {
-    "gradient_checkpointing_kwargs": "issue 31 (onestep): gradient_checkpointing honoured",
-}
 """Used fields whose behaviour test belongs to another issue's change (skipped here, with the reason)."""
 
 TOK = tokenizer()
@@ -463,6 +459,12 @@ def check_gradient_checkpointing(tmp_path):
                                                                              TOK).remat == "none"
 
 
+def check_gradient_checkpointing_kwargs(tmp_path):
+    assert from_sft_config(sft(gradient_checkpointing_kwargs={"use_reentrant": False}), TOK).remat == "decoder"
+    refused(RecipeError, "gradient_checkpointing_kwargs", lambda: from_sft_config(
+        sft(gradient_checkpointing_kwargs={"preserve_rng_state": False}), TOK))
+
+
 BEHAVIOUR = {name[len("check_"):]: fn for name, fn in globals().items() if name.startswith("check_")}
 
 
@@ -489,8 +491,6 @@ def _trl_fields():
 
 @pytest.mark.parametrize("field", sorted(recipe.USED))
 def test_a_used_field_changes_the_run(field, tmp_path):
-    if field in OWNED_ELSEWHERE:
-        pytest.skip(OWNED_ELSEWHERE[field])
     assert field in BEHAVIOUR, f"{field} is marked used in train/recipe.py but has no behaviour check here"
     BEHAVIOUR[field](tmp_path)
 
@@ -516,11 +516,10 @@ def test_any_other_field_is_refused_when_the_recipe_is_read(field):
         recipe.read({field: _other_value(_trl_fields()[field])})
 
 
-def test_the_table_is_the_fields_of_trl_and_knows_every_owner():
+def test_the_table_is_the_fields_of_trl():
     fields = _trl_fields()
     assert recipe.USED <= set(fields) and set(recipe.MAPPED) <= set(fields)
     assert not recipe.USED & set(recipe.MAPPED)
-    assert set(OWNED_ELSEWHERE) <= recipe.USED | set(recipe.MAPPED)
-    assert set(BEHAVIOUR) <= recipe.USED | {"gradient_checkpointing"}, set(BEHAVIOUR) - recipe.USED
+    assert set(BEHAVIOUR) <= recipe.USED, set(BEHAVIOUR) - recipe.USED
     assert all(isinstance(e, type) and issubclass(e, GemportError) for e in (RecipeError, LoraError, MaskError))
     assert dataclasses.is_dataclass(recipe.Recipe)

@@ -187,7 +187,8 @@ def test_overrides_read_as_trl_sft_reads_them():
     assert r.sft["num_train_epochs"] == 3.0  # TRL's default for what the recipe leaves out
     assert r.lora() == {"peft_type": "LORA", "r": 8, "lora_alpha": 32, "lora_dropout": 0.05,
                         "target_modules": ["q_proj", "v_proj"], "use_rslora": False}
-    assert [n.split(":")[0] for n in r.notes] == ["dataloader_num_workers=2", "gradient_checkpointing=False"]
+    assert [n.split(":")[0] for n in r.notes] == ["dataloader_num_workers=2"]
+    assert r.sft["gradient_checkpointing"] is False  # used (the run's remat), not a note
 
 
 def test_cli_errors_name_what_is_missing(workdir, tmp_path):

@@ -58,6 +58,10 @@ def test_config_maps_onto_the_masks_pipeline():
     # TRL's SFTConfig checkpoints gradients by default; the port recomputes each decoder layer.
     assert pipeline.remat == "decoder" and plain.remat == "decoder"
     assert train.from_sft_config({"gradient_checkpointing": False}, t).remat == "none"
+    # torch's use_reentrant has no JAX counterpart and changes nothing; any other key is refused by name
+    assert train.from_sft_config({"gradient_checkpointing_kwargs": {"use_reentrant": False}}, t).remat == "decoder"
+    with pytest.raises(RecipeError, match=r"gradient_checkpointing_kwargs\['preserve_rng_state'\]"):
+        train.from_sft_config({"gradient_checkpointing_kwargs": {"preserve_rng_state": True}}, t)
     for bad, field in [({"truncation_mode": "keep_end"}, "truncation_mode"), ({"loss_type": "dft"}, "loss_type"),
                        ({"packing": True, "packing_strategy": "wrapped"}, "packing_strategy"),
                        ({"shuffle_dataset": True}, "shuffle_dataset"), ({"packing": True, "max_length": None}, "max_length")]:

@@ -253,6 +253,13 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
 
         return train_step
 
+    def jitted_train_step(self) -> Any:
+        """The train step ``train()`` runs, jitted as Tunix jits it (``nnx.jit`` of ``create_train_step_fn``, the
+        optimizer donated): ``step(model, optimizer, inputs) -> (loss, aux, grad_norm)``, with ``inputs`` a
+        micro-batch of ``micro_batches`` without ``ACCUMULATION``. Its ``.lower(...)`` on abstract arguments is
+        what ``gemport.plan`` compiles; ``tests/test_one_step.py`` holds it to the program ``train()`` lowers."""
+        return nnx.jit(self.create_train_step_fn(), donate_argnames=("optimizer",))
+
     def _prepare_inputs(self, input_data: Any) -> Any:
         """Refuses packed rows to a segment-blind attention (with ``fast=False``) and a training micro-batch
         laid out for another accumulation than the config's, and drops that field; under ``jax.distributed``,

@@ -32,6 +32,10 @@ MODEL = ("model_name_or_path", "dtype", "use_peft", "lora_r", "lora_alpha", "lor
 """ModelConfig fields gemport uses: the base checkpoint, its dtype (QLoRA's compute dtype), the LoRA and the
 4-bit base."""
 
+TRL_LORA = {"lora_r": "r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
+            "lora_target_modules": "target_modules", "use_rslora": "use_rslora"}
+"""TRL's ModelConfig names of the LoRA fields -> PEFT's ``LoraConfig`` names."""
+
 SFT = (
     # data (gemport.train.from_sft_config)
     "assistant_only_loss", "completion_only_loss", "max_length", "truncation_mode", "packing", "packing_strategy",
@@ -47,6 +51,8 @@ SFT = (
     "output_dir", "bf16", "eval_strategy", "eval_steps", "per_device_eval_batch_size", "eval_on_start",
     "logging_strategy", "logging_steps", "logging_first_step", "logging_dir", "report_to", "run_name", "project",
     "save_strategy", "save_steps", "save_total_limit", "resume_from_checkpoint", "disable_tqdm",
+    # memory (gemport.train.sft.remat_of: decoder remat, set on the model by gemport.train.run)
+    "gradient_checkpointing", "gradient_checkpointing_kwargs",
 )
 """SFTConfig fields gemport uses."""
 
@@ -57,8 +63,6 @@ MAPPED = {
     "model_revision": "model_name_or_path is read as a local directory; no revision is fetched",
     "trust_remote_code": "gemport builds Tunix's Gemma itself; no remote code runs",
     "model_init_kwargs": "the model is Tunix's Gemma, built by gemport.load_model",
-    "gradient_checkpointing": "the step is compiled by XLA without remat; plan memory with `gemport plan --remat`",
-    "gradient_checkpointing_kwargs": "see gradient_checkpointing",
     "activation_offloading": "XLA places activations; nothing is offloaded",
     "use_cache": "training never uses the KV cache",
     "torch_compile": "XLA compiles the train step",
@@ -126,11 +130,9 @@ class Recipe:
         ``use_peft``."""
         if not self.model.get("use_peft"):
             return None
-        from gemport.parity import _TRL_LORA
-
-        defaults = {name: _default("ModelConfig", name) for name in _TRL_LORA}
-        fields = {**defaults, **{k: v for k, v in self.model.items() if k in _TRL_LORA}}
-        return {"peft_type": "LORA", **{_TRL_LORA[k]: v for k, v in fields.items()}}
+        defaults = {name: _default("ModelConfig", name) for name in TRL_LORA}
+        fields = {**defaults, **{k: v for k, v in self.model.items() if k in TRL_LORA}}
+        return {"peft_type": "LORA", **{TRL_LORA[k]: v for k, v in fields.items()}}
 
     def qlora(self):
         """The ``gemport.lora.QLoraSpec`` of the recipe's 4-bit base (``load_in_4bit`` with ``bnb_4bit_quant_type``,

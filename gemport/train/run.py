@@ -40,6 +40,7 @@ from gemport.optim.hf import HFOptimizer, fields_of, hf_optimizer
 from gemport.specs import GemmaSpec
 from gemport.train.distributed import batch_sharding, process_rows
 from gemport.train.order import OptimizerStep
+from gemport.train.remat import set_remat
 from gemport.train.sft import SFTPipeline, from_sft_config
 from gemport.train import trackers
 from gemport.train.step import stack
@@ -145,7 +146,7 @@ class SFTRun:
                eval_dataset: Any = None, init_adapter: str | os.PathLike | None = None, mesh=None,
                fsdp: int | None = None, tp: int | None = None, dtype: Any = None, tokenizer: Any = None,
                chat_format: Any = None, checkpoint_dir: str | os.PathLike | None = None, qlora: Any = None,
-               progress: bool = True) -> SFTRun:
+               progress: bool = True, abstract: bool = False) -> SFTRun:
         """Build the run of ``sft_config`` on ``base_dir`` and ``train_dataset``.
 
         sft_config: ``SFTConfig``, a dict of its fields, or a ``trl sft --config`` YAML (read as ``trl sft``
@@ -167,6 +168,11 @@ class SFTRun:
         qlora: a ``gemport.lora.QLoraSpec`` (a QLoRA recipe's 4-bit base, ``QLoraSpec.from_config``): the base
             loads through ``checkpoint.quantize.load_qlora_model`` and LoRA trains on it; default unquantized
             (or the YAML's).
+        abstract: build the model from ``config.json`` alone, shapes only (``train.model.lora_model``: no weight
+            is read, nothing allocated), for ``gemport.plan.dry_run``; such a run is compiled, never trained.
+            ``train_dataset`` may then be None: one step of full ``max_length`` rows stands for the data.
+
+        The model's remat is ``gradient_checkpointing``'s (``train.sft.remat_of``).
 
         ``chat_template_path`` (a .jinja file or a tokenizer folder) sets the template, as TRL does, and every
         training conversation is checked to render and mask alike through it (``train.chat_template``).
@@ -207,24 +213,35 @@ class SFTRun:
                             "fields) or init_adapter=")
         else:
             start = lora_spec_of(lora)
-        tokenizer = tokenizer or transformers.AutoTokenizer.from_pretrained(base_dir)
-        if f["chat_template_path"] is not None:
-            from gemport.train.chat_template import check_records, with_chat_template
+        if tokenizer is None and abstract and train_dataset is None and not (base_dir / "tokenizer_config.json").is_file():
+            # Rows of max_length need no text: Gemma's chat format and pad id 0 stand for the tokenizer's.
+            from gemport.masks.gemma3 import Gemma3
+            from gemport.masks.gemma4 import Gemma4
 
-            tokenizer = with_chat_template(tokenizer, f["chat_template_path"], spec.vocab)
+            chat_format = chat_format or (Gemma4() if spec.family == "gemma4" else Gemma3())
+        else:
+            tokenizer = tokenizer or transformers.AutoTokenizer.from_pretrained(base_dir)
+            if f["chat_template_path"] is not None:
+                from gemport.train.chat_template import with_chat_template
+
+                tokenizer = with_chat_template(tokenizer, f["chat_template_path"], spec.vocab)
         try:
             pipeline = from_sft_config(args, tokenizer, chat_format=chat_format)
         except MaskError as e:  # the chat format is read from the template: name the field that set it
             if f["chat_template_path"] is None:
                 raise
             raise RecipeError(f"chat_template_path={str(f['chat_template_path'])!r}: {e}") from None
-        if f["chat_template_path"] is not None:
+        if f["chat_template_path"] is not None and train_dataset is not None:
             from gemport.masks.formats import read as records
+            from gemport.train.chat_template import check_records
 
             check_records(records(train_dataset), tokenizer, pipeline.chat_format, policy=pipeline.policy,
                           text_field=pipeline.text_field)
-        examples, report = pipeline.examples(train_dataset, tokenizer, progress=progress)
-        if not examples:
+        if abstract and train_dataset is None:
+            examples, report = [], TruncationReport()
+        else:
+            examples, report = pipeline.examples(train_dataset, tokenizer, progress=progress)
+        if not examples and not abstract:
             raise RecipeError(f"no training example is left after truncation at max_length "
                               f"{pipeline.max_length} ({report}); raise max_length")
         held_out = None
@@ -237,20 +254,27 @@ class SFTRun:
         if jax.process_count() > 1:  # this process's rows of each batch [A, B, T]
             rows = process_rows(batch_sharding(mesh),
                                 (f["gradient_accumulation_steps"], f["per_device_train_batch_size"], 1))
-        steps = list(pipeline.batches(examples, rows=rows))
-        plan, batches = [s for s, _ in steps], [b for _, b in steps]
-        num_steps = len(plan)
+        steps = list(pipeline.batches(examples, rows=rows)) if examples else [(None, _full_rows(pipeline, f, rows))]
+        plan, batches = [s for s, _ in steps if s is not None], [b for _, b in steps]
+        num_steps = len(batches)
         if dtype is None:
             dtype = jnp.bfloat16 if f["bf16"] else jnp.float32
-        with use_mesh(mesh):
-            if qlora is None:
-                base = load_model(base_dir, spec=spec, mesh=mesh, param_dtype=dtype)
-            else:
-                from gemport.checkpoint.quantize import load_qlora_model
+        if abstract:
+            from gemport.train.model import lora_model
 
-                base = load_qlora_model(base_dir, qlora, spec=spec, mesh=mesh, compute_dtype=dtype)
-            model = apply_lora(base, spec, start, seed=f["seed"], qlora=qlora)
-        if checkpoint_dir is None:
+            model = lora_model(spec, start if isinstance(start, LoraSpec) else start.lora_spec, param_dtype=dtype,
+                               remat=pipeline.remat, qlora=qlora)
+        else:
+            with use_mesh(mesh):
+                if qlora is None:
+                    base = load_model(base_dir, spec=spec, mesh=mesh, param_dtype=dtype)
+                else:
+                    from gemport.checkpoint.quantize import load_qlora_model
+
+                    base = load_qlora_model(base_dir, qlora, spec=spec, mesh=mesh, compute_dtype=dtype)
+                model = apply_lora(base, spec, start, seed=f["seed"], qlora=qlora)
+            set_remat(model, spec.family, pipeline.remat)
+        if checkpoint_dir is None and not abstract:
             checkpoint_dir = checkpoint_root(args)
         evals = None
         if held_out:
@@ -297,9 +321,16 @@ class SFTRun:
         """An ``HFPeftTrainer`` of the current ``model``, ``optimizer`` and ``training_config`` (on the mesh,
         which Tunix reads when it shards the optimizer). With checkpoints in its root it resumes from the latest.
         LoRA dropout draws from the recipe's ``seed``. ``kwargs`` go to the trainer (``metrics_logger``, ...)."""
+        import contextlib
+
+        from flax import nnx
+
         from gemport.train.peft_trainer import HFPeftTrainer
 
-        with use_mesh(self.mesh):
+        # An abstract run's trainer starts its optimizer state off the mesh, whose devices may be compile-only (a
+        # TPU slice's); gemport.plan lowers its step with the state placed on the mesh.
+        abstract = any(isinstance(v, jax.ShapeDtypeStruct) for v in jax.tree.leaves(nnx.state(self.model)))
+        with contextlib.nullcontext() if abstract else use_mesh(self.mesh):
             return HFPeftTrainer(self.model, self.optimizer.tx, self.training_config, lora_spec=self.lora_spec,
                                  seed=fields_of(self.args, _READ)["seed"], **kwargs)
 
@@ -419,6 +450,21 @@ def _with_peft_targets(lora: Any, base_dir: Path, spec: GemmaSpec) -> Any:
                         f"({targets}), which gemport cannot train on this model ({e}); set lora_target_modules, "
                         "e.g. [q_proj, k_proj, v_proj]") from None
     return lora
+
+
+def _full_rows(pipeline: SFTPipeline, f: Mapping[str, Any], rows: slice | None) -> dict[str, np.ndarray]:
+    # A step of the recipe's shape [A, B, max_length] standing for data not at hand: every row one whole-row
+    # example, every token but the first a target (the most a step computes).
+    if pipeline.max_length is None:
+        raise RecipeError("SFTConfig.max_length is None: without data the rows' length is unknown; set max_length "
+                          "or give the data")
+    count = 1 if pipeline.layout == "padding_free" else f["per_device_train_batch_size"]
+    if rows is not None:
+        count = len(range(count)[rows])
+    shape = (f["gradient_accumulation_steps"], count, pipeline.max_length)
+    return {"tokens": np.zeros(shape, np.int32), "loss_mask": np.ones(shape, bool),
+            "segment_ids": np.ones(shape, np.int32),
+            "positions": np.broadcast_to(np.arange(shape[-1], dtype=np.int32), shape).copy()}
 
 
 def training_config(args: Any, max_steps: int, *, checkpoint_dir: str | os.PathLike | None = None,

@@ -40,6 +40,7 @@ _READ = {
     "per_device_train_batch_size": 8,
     "gradient_accumulation_steps": 1,
     "gradient_checkpointing": True,
+    "gradient_checkpointing_kwargs": None,
 }
 
 Layout = Literal["pack", "pad", "padding_free"]
@@ -57,9 +58,9 @@ class SFTPipeline:
     at ``max_length``; completion_only_loss, text_field, eos_token: ``gemport.masks.formats.render``'s arguments;
     layout: one of ``LAYOUTS``; max_length, pad_to_multiple_of, pad_id: the row geometry;
     config: the ``SFTConfig`` (or dict) the sample order and batch sizes are read from;
-    remat: Tunix's ``remat_config`` for ``gradient_checkpointing`` (``"decoder"``: every decoder layer
-    recomputed in the backward pass, as HF's checkpointing of each layer; ``"none"``), e.g. for
-    ``mesh.compiled.set_remat`` or ``gemport plan --remat``.
+    remat: Tunix's ``remat_config`` for ``gradient_checkpointing`` (``remat_of``: ``"decoder"``, every decoder
+    layer recomputed in the backward pass, as HF's checkpointing of each layer; ``"none"``), which ``SFTRun``
+    sets on its model (``train.remat.set_remat``).
     """
 
     chat_format: Gemma3 | Gemma4
@@ -156,6 +157,25 @@ def _widen(row: Rows, width: int, pad_id: int) -> dict[str, np.ndarray]:
     return out
 
 
+def remat_of(config: Any) -> str:
+    """Tunix's ``remat_config`` for an ``SFTConfig``'s ``gradient_checkpointing``, as HF checkpoints: True (TRL's
+    default) -> ``"decoder"``, every decoder layer recomputed in the backward pass (on Gemma 4 by
+    ``train.remat.tied_remat_model``, one layer's backward live at a time; on Gemma 3 by Tunix's ``nnx.remat``);
+    False -> ``"none"``.
+
+    ``gradient_checkpointing_kwargs``: ``use_reentrant`` (torch's choice between two implementations of the same
+    recomputation) has no JAX counterpart and changes nothing; any other key raises RecipeError naming it.
+    """
+    f = fields_of(config, _READ)
+    for key in f["gradient_checkpointing_kwargs"] or {}:
+        if key != "use_reentrant":
+            raise RecipeError(
+                f"SFTConfig.gradient_checkpointing_kwargs[{key!r}] has no counterpart in gemport's decoder remat; "
+                "remove it (only use_reentrant is accepted, and it changes nothing in JAX)"
+            )
+    return "decoder" if f["gradient_checkpointing"] else "none"
+
+
 def from_sft_config(config: Any, tokenizer: Any, *, chat_format: Gemma3 | Gemma4 | None = None) -> SFTPipeline:
     """Map TRL's ``SFTConfig`` (or ``TrainingArguments``, or a dict of their fields) onto gemport.masks.
 
@@ -174,7 +194,7 @@ def from_sft_config(config: Any, tokenizer: Any, *, chat_format: Gemma3 | Gemma4
     ``truncation_mode="keep_end"``, ``packing_strategy`` other than ``"bfd"``, ``loss_type="dft"``,
     ``shuffle_dataset=True`` (TRL shuffles the prepared dataset with ``datasets``' generator).
 
-    The GPU recipe's speed settings: ``gradient_checkpointing`` (TRL's default True) -> ``remat``;
+    The GPU recipe's speed settings: ``gradient_checkpointing`` (TRL's default True) -> ``remat`` (``remat_of``);
     ``packing`` / ``padding_free`` -> the layout, whose rows carry ``segment_ids`` that the default step's
     attention honours (``train.fast_loss``: HF's ``flash_attention_2`` behaviour on packed rows, whatever
     ``attn_implementation`` says; eager or sdpa on padding-free rows let HF's examples see each other, which
@@ -220,5 +240,5 @@ def from_sft_config(config: Any, tokenizer: Any, *, chat_format: Gemma3 | Gemma4
         pad_to_multiple_of=f["pad_to_multiple_of"],
         pad_id=pad_id,
         config=config,
-        remat="decoder" if f["gradient_checkpointing"] else "none",
+        remat=remat_of(config),
     )
