@@ -29,8 +29,6 @@ from test_cli import gemport, one_line_error
 from test_train_sft import chats, tokenizer
 from tiny import text_config
 
-"""Used fields whose behaviour test belongs to another issue's change (skipped here, with the reason)."""
-
 TOK = tokenizer()
 DATA = chats(12)
 BASE = dict(assistant_only_loss=True, max_length=128, per_device_train_batch_size=2, max_steps=4, seed=3)
