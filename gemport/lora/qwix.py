@@ -27,7 +27,7 @@ from qwix._src.providers import ptq
 from qwix._src.utils import flax_util
 
 from gemport.errors import LoraError
-from gemport.lora.config import LoraParams, LoraSpec
+from gemport.lora.config import FACTOR_DTYPE, LoraParams, LoraSpec
 from gemport.lora.layout import Adapter, LoraLayout, factor_axes
 from gemport._src.params import flat_params, path_str
 from gemport._src.pattern import Equation
@@ -35,13 +35,15 @@ from gemport.specs import GemmaSpec
 
 
 def lora_a_init(init: str, ranks: tuple[int, ...], separate: bool):
-    """A JAX initializer for ``lora_a`` of shape (s?, *in_axes, r), per ``LoraSpec.init``.
+    """A JAX initializer for ``lora_a`` of shape (s?, *in_axes, r), per ``LoraSpec.init``, in ``FACTOR_DTYPE``
+    whatever the base weight's dtype Qwix passes (Qwix would create factors in the base's dtype).
 
     fan_in is the product of the input axes (the HF projection's input width). With separate factors of
     different ranks, the columns past a projection's own rank start (and, having no gradient, stay) zero.
     """
 
-    def initializer(key, shape, dtype=jnp.float32):
+    def initializer(key, shape, dtype=None):
+        dtype = FACTOR_DTYPE
         lead = 1 if separate else 0
         fan_in = math.prod(shape[lead:-1])
         if init == "gaussian":
@@ -56,6 +58,17 @@ def lora_a_init(init: str, ranks: tuple[int, ...], separate: bool):
         return value
 
     return initializer
+
+
+def lora_b_init(key, shape, dtype=None):
+    """``lora_b`` starts at zero (PEFT), in ``FACTOR_DTYPE``."""
+    return jnp.zeros(shape, FACTOR_DTYPE)
+
+
+def _base_dtype(lhs, rhs):
+    """The dtype the frozen projection computes in, which its output keeps with the float32 adapter's delta
+    added (PEFT casts the sum back); None for a 4-bit weight, whose factors already have its scales' dtype."""
+    return None if isinstance(rhs, ptq.WithAux) else jnp.result_type(lhs, rhs)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -87,7 +100,8 @@ class Provider(qwix.LoraProvider):
     def einsum(self, einsum_str, *operands, **kwargs):
         rule, _ = self._get_current_rule_and_op_id("einsum", only_rule=True)
         if not (isinstance(rule, Rule) and rule.stack is not None):
-            return super().einsum(einsum_str, *operands, **kwargs)
+            out, dtype = super().einsum(einsum_str, *operands, **kwargs), _base_dtype(*operands)
+            return out if dtype is None or not isinstance(rule, Rule) else out.astype(dtype)
         result = ptq.PtqProvider.einsum(self, einsum_str, *operands, **kwargs)
         lhs, rhs = operands
         name = flax_util.find_param(rhs, ptq.WithAux)
@@ -122,7 +136,8 @@ class Provider(qwix.LoraProvider):
         scales = jnp.asarray(rule.scales, delta.dtype).reshape(
             tuple(stack if c == s else 1 for c in out_axes)
         )
-        return result + delta * scales
+        out = result + delta * scales
+        return out if isinstance(rhs, ptq.WithAux) else out.astype(result.dtype)
 
 
 def _alternation(paths: list[str]) -> str:
@@ -163,6 +178,7 @@ def provider(layout: LoraLayout, *, weight_qtype: str | None = None) -> Provider
             alpha=scales[0] * rank,
             dropout=lora_spec.dropout,
             lora_a_initializer=lora_a_init(lora_spec.init, ranks, stack is not None),
+            lora_b_initializer=lora_b_init,
             stack=stack,
             scales=scales,
             weight_qtype=weight_qtype,
@@ -189,7 +205,10 @@ def apply_lora(model, spec: GemmaSpec, lora: LoraSpec | LoraParams, *, seed: int
         `LoraParams` (e.g. from `gemport.checkpoint.import_peft` or `load_lora`), whose factors are placed into
         the new model's shardings.
       qlora: the `gemport.lora.QLoraSpec` of a 4-bit base from `gemport.checkpoint.quantize.load_qlora_model`
-        (QLoRA); the factors are then float32, the dtype of the base's scales, as Qwix makes them.
+        (QLoRA).
+
+    The factors (hence their gradients and Adam's moments) are float32 on any base, as PEFT keeps adapters on a
+    bfloat16 one; ``lora.params`` in another dtype are cast. A projection's output keeps the base's dtype.
 
     Raises:
       MissingTensorError, UnexpectedTensorError, ShapeMismatchError, LoraError: ``lora.params`` does not hold
@@ -208,7 +227,8 @@ def apply_lora(model, spec: GemmaSpec, lora: LoraSpec | LoraParams, *, seed: int
         given = flat_params(params)
         layout.match(given, source="params")
         # Replacing the values of the model's own variables keeps their sharding annotations.
-        placed = [(path, var.replace(jax.device_put(given[path_str(path)], var.get_value().sharding)))
+        placed = [(path, var.replace(jax.device_put(jnp.asarray(given[path_str(path)], var.get_value().dtype),
+                                                    var.get_value().sharding)))
                   for path, var in nnx.to_flat_state(nnx.state(lora_model, nnx.LoRAParam))]
         nnx.update(lora_model, nnx.from_flat_state(placed))
     lora_model.lora_spec = lora_spec
