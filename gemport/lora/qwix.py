@@ -36,14 +36,14 @@ from gemport.specs import GemmaSpec
 
 def lora_a_init(init: str, ranks: tuple[int, ...], separate: bool):
     """A JAX initializer for ``lora_a`` of shape (s?, *in_axes, r), per ``LoraSpec.init``, in ``FACTOR_DTYPE``
-    whatever the base weight's dtype Qwix passes (Qwix would create factors in the base's dtype).
+    or the base weight's dtype Qwix passes, whichever is wider (Qwix would create factors in the base's dtype).
 
     fan_in is the product of the input axes (the HF projection's input width). With separate factors of
     different ranks, the columns past a projection's own rank start (and, having no gradient, stay) zero.
     """
 
-    def initializer(key, shape, dtype=None):
-        dtype = FACTOR_DTYPE
+    def initializer(key, shape, dtype=jnp.float32):
+        dtype = jnp.promote_types(dtype, FACTOR_DTYPE)
         lead = 1 if separate else 0
         fan_in = math.prod(shape[lead:-1])
         if init == "gaussian":
@@ -60,9 +60,9 @@ def lora_a_init(init: str, ranks: tuple[int, ...], separate: bool):
     return initializer
 
 
-def lora_b_init(key, shape, dtype=None):
-    """``lora_b`` starts at zero (PEFT), in ``FACTOR_DTYPE``."""
-    return jnp.zeros(shape, FACTOR_DTYPE)
+def lora_b_init(key, shape, dtype=jnp.float32):
+    """``lora_b`` starts at zero (PEFT), in ``FACTOR_DTYPE`` or the base's dtype, whichever is wider."""
+    return jnp.zeros(shape, jnp.promote_types(dtype, FACTOR_DTYPE))
 
 
 def _base_dtype(lhs, rhs):
@@ -207,8 +207,8 @@ def apply_lora(model, spec: GemmaSpec, lora: LoraSpec | LoraParams, *, seed: int
       qlora: the `gemport.lora.QLoraSpec` of a 4-bit base from `gemport.checkpoint.quantize.load_qlora_model`
         (QLoRA).
 
-    The factors (hence their gradients and Adam's moments) are float32 on any base, as PEFT keeps adapters on a
-    bfloat16 one; ``lora.params`` in another dtype are cast. A projection's output keeps the base's dtype.
+    The factors (hence their gradients and Adam's moments) are float32 on a bfloat16 or float32 base (float64 on
+    a float64 one), as PEFT keeps adapters on a bfloat16 base; ``lora.params`` in another dtype are cast. A projection's output keeps the base's dtype.
 
     Raises:
       MissingTensorError, UnexpectedTensorError, ShapeMismatchError, LoraError: ``lora.params`` does not hold
