@@ -198,6 +198,9 @@ def verify(args) -> int:
     from gemport.verify import compare_logits
 
     hf_dir, adapter = Path(args.hf_dir), None
+    # --engine tunix: both sides in the dtype; --engine vllm: vLLM's, beside float32 references.
+    dtype = str(args.dtype)
+    tunix_dtype = dtype if args.engine == "tunix" else "float32"
     if (hf_dir / "adapter_config.json").is_file():
         if not args.base:
             raise CheckpointError(f"{hf_dir} is a PEFT adapter: pass --base, the checkpoint it adapts")
@@ -206,14 +209,15 @@ def verify(args) -> int:
         base = Path(args.base or hf_dir)
         spec = _spec(str(base))
         lora = load_lora(args.lora, lora_spec=_lora_spec(args.lora_config), step=args.step)
-        model = apply_lora(load_model(base, spec=spec), spec, lora)
+        model = apply_lora(load_model(base, spec=spec, param_dtype=tunix_dtype), spec, lora)
     elif args.engine == "vllm":
         model = None
     else:
-        model = load_model(hf_dir)
+        model = load_model(hf_dir, param_dtype=tunix_dtype)
     if args.engine == "vllm":
         return _verify_vllm(args, hf_dir, adapter, model)
-    report = compare_logits(hf_dir, model, adapter_dir=adapter, **_given(args, seq_len="seq_len", atol="atol"))
+    report = compare_logits(hf_dir, model, adapter_dir=adapter, dtype=dtype,
+                            **_given(args, seq_len="seq_len", within="within", atol="atol"))
     print(report)
     return 0 if report.ok else 1
 
@@ -348,16 +352,21 @@ def parser() -> argparse.ArgumentParser:
                        description="Run the same tokens through transformers and Tunix and report the largest "
                                    "logit difference. HF_DIR alone: the checkpoint against its Tunix load. With "
                                    "--base and --lora: an export (merged dir or PEFT adapter) against Tunix "
-                                   "with the LoRA. Exit status 1 when they disagree beyond --atol.")
+                                   "with the LoRA. The distance is judged against a floor measured on the same tokens "
+                                   "(N x the floor); exit status 1 when they disagree beyond --within (or --atol).")
     c.add_argument("hf_dir", help="an HF checkpoint, a merged export, or a PEFT adapter")
     c.add_argument("--base", help="the base HF checkpoint (for an export or an adapter)")
     c.add_argument("--lora", help="the Orbax LoRA checkpoint the export came from")
     _add_lora_source(c, "--lora checkpoint")
     c.add_argument("--seq-len", type=int, default=Default("gemport.verify.compare_logits", "seq_len"),
                    help="tokens per row (default %(default)s)")
-    c.add_argument("--atol", type=float, default=Default("gemport.verify.compare_logits", "atol"),
-                   help="max-abs tolerance on logits, or on log-probabilities with --engine vllm (default "
-                        "%(default)s)")
+    c.add_argument("--within", type=float, default=Default("gemport.verify.compare_logits", "within"),
+                   help="--engine tunix: agree within this multiple of the floor measured on the same tokens "
+                        "(transformers eager vs sdpa in float32; transformers bfloat16 vs float32 in bfloat16) "
+                        "(default %(default)s)")
+    c.add_argument("--atol", type=float, default=Default("gemport.verify.compare_vllm", "atol"),
+                   help="--engine tunix: a fixed max-abs tolerance on logits, chosen instead of --within; --engine "
+                        "vllm: the tolerance on log-probabilities (default %(default)s there)")
     c.add_argument("--engine", choices=("tunix", "vllm"), default="tunix",
                    help="tunix (default): logits of Tunix and transformers; vllm: serve HF_DIR (a merged export, "
                         "or a PEFT adapter on --base) on vLLM and compare its greedy continuations and top-5 "
@@ -369,10 +378,10 @@ def parser() -> argparse.ArgumentParser:
                    help="--engine vllm: random prompts of --seq-len tokens (default %(default)s)")
     c.add_argument("--max-tokens", type=int, default=Default("gemport.verify.compare_vllm", "max_tokens"),
                    help="--engine vllm: tokens generated per prompt (default %(default)s)")
-    c.add_argument("--dtype", default=Default("gemport.verify.compare_vllm", "dtype"),
-                   help="--engine vllm: vLLM's dtype (default %(default)s, as the "
-                                                      "references compute; bfloat16 for a model too large for it, "
-                                                      "with a looser --atol)")
+    c.add_argument("--dtype", default=Default("gemport.verify.compare_vllm", "dtype"), choices=("float32", "bfloat16"),
+                   help="float32 or bfloat16 (default %(default)s). --engine tunix: Tunix and transformers both "
+                        "load in it, judged against its floor; --engine vllm: vLLM's dtype (the references "
+                        "compute in float32; bfloat16 for a model too large for it, with a looser --atol)")
     c.set_defaults(run=verify)
 
     c = sub.add_parser("peft-for-vllm", help="a PEFT adapter made elsewhere -> one vLLM serves exactly",

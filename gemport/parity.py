@@ -373,6 +373,9 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
         template = getattr(tokenizer, "chat_template", None) or ""
         if gpu_config.assistant_only_loss and "<|turn>" in template and not has_generation_markers(template):
             tokenizer.chat_template = gemma4_training_template()
+        # Everything the port needs of tokenizer, template and data is checked before either side trains.
+        pipeline = train.from_sft_config(port_config, tokenizer, chat_format=chat_format)
+        examples, _ = pipeline.examples(records, tokenizer, progress=False)
 
         if qlora is not None:
             qlora = dataclasses.replace(qlora, compute_dtype="float32")
@@ -410,8 +413,6 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
         start = import_peft(work / "adapter0", base_dir=base_dir)
         lora_spec = start.lora_spec
         base = load_model(base_dir, spec=spec) if qlora is None else load_qlora_model(base_dir, qlora, spec=spec)
-        pipeline = train.from_sft_config(port_config, tokenizer, chat_format=chat_format)
-        examples, _ = pipeline.examples(records, tokenizer, progress=False)
         hf = hf_optimizer(port_config, num_training_steps=port_config.max_steps)
         step = train.train_step(wrt=nnx.LoRAParam, loss_fn=train.fast_loss if fast else train.tunix_loss)
         batches = [batch for batch, _ in zip(pipeline.batches(examples), logs)]

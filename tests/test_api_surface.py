@@ -66,8 +66,8 @@ SUBPACKAGES = {
         "run_config", "sft_config_dict",
     ],
     "gemport.verify": [
-        "ContinuationReport", "LogitReport", "compare_continuations", "compare_logits", "compare_vllm", "log_softmax",
-        "transformers_model", "tunix_logits",
+        "ContinuationReport", "LogitReport", "WITHIN", "compare_continuations", "compare_logits", "compare_vllm",
+        "log_softmax", "model_dtype", "transformers_model", "tunix_logits",
     ],
     "gemport.names": ["AXES", "TEXT_PREFIXES", "Entry", "Rule", "detect_prefix", "entries", "owns"],
 }  # fmt: skip

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gemport.errors import RecipeError
+from gemport.errors import MaskError, RecipeError
 from gemport.parity import Tolerances, Trajectory, StepRow, dropout_note, read_recipe, trajectory, without_dropout
 from test_cli import gemport
 from test_trackers import assert_picture
@@ -167,3 +167,21 @@ def test_twenty_steps_agree_on_a_gemma3_1b_miniature(tmp_path, packing):
     print(report.table())
     assert len(report.rows) == 20 and report.ok, report.table()
     assert len(report.adapters) == 6 * 7
+
+
+def test_prompt_completion_text_needs_no_chat_template(recipe):
+    """Plain prompt/completion strings, completion-only loss, a tokenizer without a chat template: TRL takes them
+    without one, and so does the port; a conversation is then refused before either side trains."""
+    plain = tokenizer()
+    plain.chat_template, plain.eos_token = None, "<turn|>"  # a base model's tokenizer: no template, an EOS
+    rng = __import__("random").Random(0)
+    records = [{"prompt": "Q" + "".join(rng.choice("abcdef ") for _ in range(rng.randint(4, 20))) + "?",
+                "completion": " " + "".join(rng.choice("ghijk ") for _ in range(rng.randint(3, 15)))}
+               for _ in range(12)]
+    sft = {k: v for k, v in RECIPE.items() if not k.startswith("lora_")} | {
+        "assistant_only_loss": False, "completion_only_loss": True, "max_steps": 3}
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "down_proj"]}
+    report = trajectory(recipe / "base", records, sft_config=sft, lora_config=lora, tokenizer=plain, progress=False)
+    assert len(report.rows) == 3 and report.ok, report.table()
+    with pytest.raises(MaskError, match="record 0: a conversation .* chat template"):
+        trajectory(recipe / "base", chats(4), sft_config=sft, lora_config=lora, tokenizer=plain, progress=False)

@@ -147,3 +147,32 @@ def token_ids(vocab: int, batch: int = 2, seq: int = SEQ, seed: int = 0) -> np.n
 def hf_logits(model, ids: np.ndarray) -> np.ndarray:
     with torch.no_grad():
         return model(torch.tensor(ids, dtype=torch.long)).logits.float().numpy()
+
+
+def real_magnitudes(model: torch.nn.Module, seed: int = 0, max_logit: float = 120.0) -> torch.nn.Module:
+    """Give a randomised model a real checkpoint's magnitudes, where miniatures' fixed tolerances fail.
+
+    Layer norm gains from 1 to 10 with an outlier channel of 50 (Gemma 3 270M's range), a few embedding rows of
+    8x the others' norm (as tokens real training leaves far from the rest), and the final norm scaled so that the
+    largest logit (before Gemma 4's soft cap) is ``max_logit`` on ``token_ids``: real Gemma 3 logits pass 100,
+    the tiny models' stay near 1.
+    """
+    g = torch.Generator().manual_seed(seed + 1)
+    offset = 1.0 if isinstance(model.config.get_text_config(), tf.Gemma3TextConfig) else 0.0  # Gemma 3: (1 + w)
+    text = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            # q_norm and k_norm stay near 1: gains of tens there would saturate every softmax (chaos, not scale).
+            if p.ndim == 1 and "layernorm" in name and "pre_feedforward_layernorm_2" not in name:
+                gain = 1.0 + 9.0 * torch.rand(p.shape, generator=g)
+                gain[int(torch.randint(p.shape[0], (1,), generator=g))] = 50.0
+                p.copy_(gain - offset)
+        embedding = text.embed_tokens.weight
+        rows = torch.randperm(embedding.shape[0], generator=g)[:3]
+        embedding[rows] *= 8.0
+        ids = torch.tensor(token_ids(embedding.shape[0]), dtype=torch.long)
+        hidden = model(ids, output_hidden_states=True).hidden_states[-1]  # after the final norm
+        scale = max_logit / float((hidden @ embedding.T).abs().max())
+        norm = text.norm.weight
+        norm.copy_((norm + offset) * scale - offset)
+    return model.eval()

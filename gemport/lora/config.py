@@ -25,6 +25,11 @@ from gemport._src.jsonfile import Fields, read_json
 # HF linear modules of a Gemma text layer that gemport maps to Qwix, in PEFT's spelling.
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
+# The dtype of LoRA factors on any base, hence of their gradients and Adam's moments: PEFT keeps adapters in
+# float32 on a half-precision base (``autocast_adapter_dtype``); in the base's bfloat16, late updates below its
+# resolution (0.4% of a factor) would be lost.
+FACTOR_DTYPE = "float32"
+
 # Ranks vLLM accepts for max_lora_rank.
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 

@@ -28,7 +28,7 @@ from qwix._src.providers import ptq
 from qwix._src.utils import flax_util
 
 from gemport.errors import LoraError
-from gemport.lora.config import LoraParams, LoraSpec
+from gemport.lora.config import FACTOR_DTYPE, LoraParams, LoraSpec
 from gemport.lora.layout import Adapter, LoraLayout, factor_axes
 from gemport._src.params import flat_params, path_str
 from gemport._src.pattern import Equation
@@ -36,13 +36,15 @@ from gemport.specs import GemmaSpec
 
 
 def lora_a_init(init: str, ranks: tuple[int, ...], separate: bool):
-    """A JAX initializer for ``lora_a`` of shape (s?, *in_axes, r), per ``LoraSpec.init``.
+    """A JAX initializer for ``lora_a`` of shape (s?, *in_axes, r), per ``LoraSpec.init``, in ``FACTOR_DTYPE``
+    or the base weight's dtype Qwix passes, whichever is wider (Qwix would create factors in the base's dtype).
 
     fan_in is the product of the input axes (the HF projection's input width). With separate factors of
     different ranks, the columns past a projection's own rank start (and, having no gradient, stay) zero.
     """
 
     def initializer(key, shape, dtype=jnp.float32):
+        dtype = jnp.promote_types(dtype, FACTOR_DTYPE)
         lead = 1 if separate else 0
         fan_in = math.prod(shape[lead:-1])
         if init == "gaussian":
@@ -57,6 +59,17 @@ def lora_a_init(init: str, ranks: tuple[int, ...], separate: bool):
         return value
 
     return initializer
+
+
+def lora_b_init(key, shape, dtype=jnp.float32):
+    """``lora_b`` starts at zero (PEFT), in ``FACTOR_DTYPE`` or the base's dtype, whichever is wider."""
+    return jnp.zeros(shape, jnp.promote_types(dtype, FACTOR_DTYPE))
+
+
+def _base_dtype(lhs, rhs):
+    """The dtype the frozen projection computes in, which its output keeps with the float32 adapter's delta
+    added (PEFT casts the sum back); None for a 4-bit weight, whose factors already have its scales' dtype."""
+    return None if isinstance(rhs, ptq.WithAux) else jnp.result_type(lhs, rhs)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -104,7 +117,8 @@ class Provider(qwix.LoraProvider):
     def einsum(self, einsum_str, *operands, **kwargs):
         rule, _ = self._get_current_rule_and_op_id("einsum", only_rule=True)
         if not (isinstance(rule, Rule) and rule.stack is not None):
-            return super().einsum(einsum_str, *operands, **kwargs)
+            out, dtype = super().einsum(einsum_str, *operands, **kwargs), _base_dtype(*operands)
+            return out if dtype is None or not isinstance(rule, Rule) else out.astype(dtype)
         result = ptq.PtqProvider.einsum(self, einsum_str, *operands, **kwargs)
         lhs, rhs = operands
         name = flax_util.find_param(rhs, ptq.WithAux)
@@ -139,7 +153,8 @@ class Provider(qwix.LoraProvider):
         scales = jnp.asarray(rule.scales, delta.dtype).reshape(
             tuple(stack if c == s else 1 for c in out_axes)
         )
-        return result + delta * scales
+        out = result + delta * scales
+        return out if isinstance(rhs, ptq.WithAux) else out.astype(result.dtype)
 
 
 def _alternation(paths: list[str]) -> str:
@@ -180,6 +195,7 @@ def provider(layout: LoraLayout, *, weight_qtype: str | None = None) -> Provider
             alpha=scales[0] * rank,
             dropout=lora_spec.dropout,
             lora_a_initializer=lora_a_init(lora_spec.init, ranks, stack is not None),
+            lora_b_initializer=lora_b_init,
             stack=stack,
             scales=scales,
             weight_qtype=weight_qtype,
@@ -244,7 +260,10 @@ def apply_lora(model, spec: GemmaSpec, lora: LoraSpec | LoraParams, *, seed: int
         `LoraParams` (e.g. from `gemport.checkpoint.import_peft` or `load_lora`), whose factors are placed into
         the new model's shardings.
       qlora: the `gemport.lora.QLoraSpec` of a 4-bit base from `gemport.checkpoint.quantize.load_qlora_model`
-        (QLoRA); the factors are then float32, the dtype of the base's scales, as Qwix makes them.
+        (QLoRA).
+
+    The factors (hence their gradients and Adam's moments) are float32 on a bfloat16 or float32 base (float64 on
+    a float64 one), as PEFT keeps adapters on a bfloat16 base; ``lora.params`` in another dtype are cast. A projection's output keeps the base's dtype.
 
     Raises:
       MissingTensorError, UnexpectedTensorError, ShapeMismatchError, LoraError: ``lora.params`` does not hold
@@ -263,7 +282,8 @@ def apply_lora(model, spec: GemmaSpec, lora: LoraSpec | LoraParams, *, seed: int
         given = flat_params(params)
         layout.match(given, source="params")
         # Replacing the values of the model's own variables keeps their sharding annotations.
-        placed = [(path, var.replace(jax.device_put(given[path_str(path)], var.get_value().sharding)))
+        placed = [(path, var.replace(jax.device_put(jnp.asarray(given[path_str(path)], var.get_value().dtype),
+                                                    var.get_value().sharding)))
                   for path, var in nnx.to_flat_state(nnx.state(lora_model, nnx.LoRAParam))]
         nnx.update(lora_model, nnx.from_flat_state(placed))
     lora_model.lora_spec = lora_spec

@@ -23,7 +23,7 @@ from gemport.masks.tokenize import Example, check_tokenizer
 from gemport.masks.truncation import Truncation, TruncationReport
 
 
-def examples(source: Any, tokenizer: Any, chat_format: Gemma3 | Gemma4, truncation: Truncation, *,
+def examples(source: Any, tokenizer: Any, chat_format: Gemma3 | Gemma4 | None, truncation: Truncation, *,
              policy: MaskPolicy | None = None, fmt: formats.Format | None = None, completion_only_loss: bool | None = None,
              text_field: str = "text", eos_token: str | None = None, check: OnMismatch | None = "warn",
              check_sample: int = 16, batch_size: int = 512,
@@ -33,7 +33,8 @@ def examples(source: Any, tokenizer: Any, chat_format: Gemma3 | Gemma4, truncati
     source: anything ``formats.read`` takes (a .jsonl/.json/.parquet path, a ``datasets.Dataset``, a Grain
         source, a list of dicts). tokenizer: a fast tokenizer (its ``eos_token`` is the default
         ``eos_token``). chat_format: ``Gemma3()`` or ``Gemma4(...)``, e.g. from
-        ``gemport.masks.template.chat_format(tokenizer)``. truncation: ``Truncation``.
+        ``gemport.masks.template.chat_format(tokenizer)``; None for a tokenizer without a chat template (text and
+        prompt/completion strings only, as TRL takes them). truncation: ``Truncation``.
     policy, fmt, completion_only_loss, text_field, eos_token: as ``formats.render`` takes them.
     check: "warn", "raise" or None: compare the rendering of the first ``check_sample``
         conversations with the tokenizer's own ``apply_chat_template`` (``check_template``); a
@@ -41,7 +42,8 @@ def examples(source: Any, tokenizer: Any, chat_format: Gemma3 | Gemma4, truncati
     Returns (examples, report): the kept ``Example``s in input order and the ``TruncationReport``,
     which names records by their ``"id"`` field, else by their index in ``source``.
     """
-    check_tokenizer(tokenizer, chat_format)
+    if chat_format is not None:
+        check_tokenizer(tokenizer, chat_format)
     if eos_token is None:
         eos_token = getattr(tokenizer, "eos_token", None)
     records = formats.located(source)

@@ -117,10 +117,13 @@ def detect(record: Any, text_field: str = "text") -> Format:
     )
 
 
-def render(record: Mapping[str, Any], chat_format: "Gemma3 | Gemma4", *, policy: MaskPolicy | None = None,
+def render(record: Mapping[str, Any], chat_format: "Gemma3 | Gemma4 | None", *, policy: MaskPolicy | None = None,
            fmt: Format | None = None, completion_only_loss: bool | None = None, text_field: str = "text",
            eos_token: str | None = None, key: Hashable | None = None) -> Rendered:
     """Renders one record and marks what is trained, as TRL's ``SFTTrainer`` would; returns ``Rendered``.
+
+    chat_format: ``Gemma3()`` / ``Gemma4(...)``; None for a tokenizer without a chat template, which renders
+        text and prompt/completion strings (as TRL, without one) and refuses conversations with MaskError.
 
     policy: ``MaskPolicy`` for conversations; None trains every token (TRL without
         ``assistant_only_loss``; ``MaskPolicy("assistant")`` is TRL with it).
@@ -135,7 +138,11 @@ def render(record: Mapping[str, Any], chat_format: "Gemma3 | Gemma4", *, policy:
     """
     fmt = one_of(fmt or detect(record, text_field), Format, "fmt", MaskError)
     policy = policy or _ALL_TOKENS
-    chat_format = for_record(chat_format, record)
+    if chat_format is None and conversational(record, fmt):
+        raise MaskError(f"record {key if key is not None else ''}: a conversation ({fmt}) is rendered by a chat "
+                        "template and the tokenizer has none; set chat_template_path, or give text or "
+                        "prompt/completion strings, which TRL tokenizes without one")
+    chat_format = for_record(chat_format, record) if chat_format is not None else None
     tools = _tools(record.get("tools"))
     if fmt == "messages":
         segments = chat_format.render(_messages(record), tools)

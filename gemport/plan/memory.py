@@ -12,6 +12,7 @@ from gemport.plan.activations import StepMemory, step_memory
 from gemport.mesh.dims import FSDP, TP, annotated
 from gemport.mesh.factory import check, valid_tp
 from gemport.lora import LoraLayout, LoraSpec, QLoraSpec
+from gemport.lora.config import FACTOR_DTYPE
 from gemport.lora.qlora import bytes_per_device as qlora_bytes_per_device
 from gemport.lora.qlora import is_quantized
 from gemport._src.partition import bytes_per_device
@@ -144,7 +145,8 @@ def memory_plan(
 
     Every array counts ``prod(shape) / prod(sizes of the axes its spec shards)`` elements: base params
     with their Tunix annotations, LoRA factors with the shapes and specs of ``LoraLayout(spec, lora_spec)``
-    (Qwix creates them in the base weight's dtype; K/V of KV-shared layers never run, so they get none;
+    (``FACTOR_DTYPE``, float32 on any base, as `gemport.lora.apply_lora` and PEFT keep them; K/V of KV-shared
+    layers never run, so they get none;
     separate factors on fused modules cost what PEFT's adapters cost, no more). Adam keeps
     mu and nu, each shaped and sharded like the trainable params, in ``moments_dtype`` (default: the
     trainable params' dtype, as ``optax.adamw`` does).
@@ -162,8 +164,7 @@ def memory_plan(
         logits), as ``compiled_peak(fast=)`` compiles it; False: Tunix's own attention and logits. With a batch
         the plan also carries Tunix's step (``tunix_step``), what it would need.
       qlora: a 4-bit base (QLoRA): every projection weight counts its 4-bit codes and float32 block scales
-        as `gemport.checkpoint.quantize.load_qlora_model` places them, and the LoRA factors default to
-        float32, the dtype Qwix gives them on a 4-bit base. With ``backend="cpu"`` the plan adds the
+        as `gemport.checkpoint.quantize.load_qlora_model` places them. With ``backend="cpu"`` the plan adds the
         dequantized weights XLA:CPU holds through the step.
     """
     check(spec, fsdp, tp)
@@ -176,11 +177,10 @@ def memory_plan(
         base_bytes = sum(qlora_bytes_per_device(e, ann, sizes, qlora) if is_quantized(e)
                          else bytes_per_device(shape, ann, sizes, np.dtype(param_dtype).itemsize)
                          for _, shape, ann, e in params)
-        lora_dtype = lora_dtype or "float32"
     trainable_dtype = np.dtype(param_dtype)
     lora_elements = 0
     if lora_spec is not None:
-        trainable_dtype = np.dtype(lora_dtype or param_dtype)
+        trainable_dtype = np.dtype(lora_dtype or FACTOR_DTYPE)
         layout = LoraLayout(spec, lora_spec)
         lora_specs = layout.specs({path: ann for path, _, ann, _ in params})
         lora_elements = sum(bytes_per_device(shape, lora_specs[name], sizes, 1) for name, shape in layout.shapes().items())

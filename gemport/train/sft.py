@@ -53,7 +53,8 @@ LAYOUTS: tuple[Layout, ...] = typing.get_args(Layout)
 class SFTPipeline:
     """What an ``SFTConfig`` asks of the data, as gemport.masks arguments; built by ``from_sft_config``.
 
-    chat_format: ``Gemma3()`` / ``Gemma4(...)``; policy: ``MaskPolicy("assistant")`` for
+    chat_format: ``Gemma3()`` / ``Gemma4(...)``, or None for a tokenizer without a chat template (text and
+    prompt/completion strings, which TRL tokenizes without one; conversations are refused); policy: ``MaskPolicy("assistant")`` for
     ``assistant_only_loss``, else None (every token trained, as TRL does); truncation: ``Truncation``
     at ``max_length``; completion_only_loss, text_field, eos_token: ``gemport.masks.formats.render``'s arguments;
     layout: one of ``LAYOUTS``; max_length, pad_to_multiple_of, pad_id: the row geometry;
@@ -63,7 +64,7 @@ class SFTPipeline:
     sets on its model (``train.remat.set_remat``).
     """
 
-    chat_format: Gemma3 | Gemma4
+    chat_format: Gemma3 | Gemma4 | None
     policy: MaskPolicy | None
     truncation: Truncation
     completion_only_loss: bool | None
@@ -183,9 +184,9 @@ def from_sft_config(config: Any, tokenizer: Any, *, chat_format: Gemma3 | Gemma4
     ``completion_only_loss``, ``max_length`` (-> ``Truncation(max_length)``), ``packing`` /
     ``packing_strategy`` / ``padding_free`` / ``pad_to_multiple_of`` (-> the layout),
     ``dataset_text_field``, ``eos_token`` (which must be in the vocabulary, as TRL checks), ``pad_token``, and
-    the batch sizes and sample order
-    through ``optimizer_steps``. chat_format: default ``masks.template.chat_format(tokenizer)``
-    (pass ``chat_format(tokenizer, thinking="on")`` for Gemma 4 with thinking).
+    the batch sizes and sample order through ``optimizer_steps``. chat_format: default
+    ``masks.template.chat_format(tokenizer)``, or None for a tokenizer without a chat template (text and
+    prompt/completion strings only); pass ``chat_format(tokenizer, thinking="on")`` for Gemma 4 with thinking.
 
     Where gemport deliberately differs from TRL: TRL truncates at ``max_length`` tokens wherever
     they fall; gemport cuts at turn boundaries (``Truncation(max_length, overflow="trim")``), so
@@ -217,7 +218,7 @@ def from_sft_config(config: Any, tokenizer: Any, *, chat_format: Gemma3 | Gemma4
     max_length = f["max_length"]
     if f["packing"] and max_length is None:
         raise RecipeError("SFTConfig.packing needs max_length, as in TRL")
-    if chat_format is None:
+    if chat_format is None and getattr(tokenizer, "chat_template", None):
         from gemport.masks.template import chat_format as from_tokenizer
 
         chat_format = from_tokenizer(tokenizer)
