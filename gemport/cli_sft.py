@@ -249,18 +249,17 @@ def _dry_run(args, recipe, lora, say) -> int:
     from gemport.train.data import load_splits
     from gemport.train.run import SFTRun
 
-    sft, model, script = recipe.sft, recipe.model, recipe.script
-    base = model["model_name_or_path"]
-    data = tokenizer = None
+    sft, script = recipe.sft, recipe.script
+    base = recipe.model["model_name_or_path"]
+    data = None
     if script.get("dataset_name"):
         data, _ = load_splits(script["dataset_name"], script.get("dataset_config"),
                               train_split=script.get("dataset_train_split", "train"), with_test=False)
-        tokenizer = _tokenizer(base, sft["chat_template_path"])
     devices = slice_devices(args.tpu) if args.tpu else None
     mesh = make_mesh(GemmaSpec.from_hf(base), fsdp=args.fsdp, tp=args.tp, devices=devices)
     sft_run = SFTRun.create(sft, base, data, lora=lora, init_adapter=args.init_adapter, mesh=mesh,
-                            dtype=_dtype(model, sft), qlora=recipe.qlora(), tokenizer=tokenizer,
-                            progress=not sft["disable_tqdm"], abstract=True)
+                            dtype=recipe.dtype(), qlora=recipe.qlora(), progress=not sft["disable_tqdm"],
+                            abstract=True)
     where = f"TPU {args.tpu}" if args.tpu else "this host"
     say(f"dry run on {where}: {'the first step of the data' if data is not None else 'rows of max_length'}, "
         "compiling the train step (nothing is trained or written)")

@@ -20,7 +20,7 @@ def _recipe(tmp_path, base, **fields):
     shutil.copy(base / "config.json", only / "config.json")
     path = tmp_path / "sft.yaml"
     path.write_text(yaml.safe_dump({
-        "model_name_or_path": str(only), "use_peft": True, "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
+        "model_name_or_path": str(only), "use_peft": True, "lora_r": 4, "lora_alpha": 8,
         "lora_target_modules": ["q_proj", "k_proj", "v_proj", "down_proj"], "max_length": 128,
         "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "output_dir": str(tmp_path / "out"),
         **fields}))
