@@ -39,14 +39,15 @@ def lora_a_init(init: str, ranks: tuple[int, ...], separate: bool):
     """A JAX initializer for ``lora_a`` of shape (s?, *in_axes, r), per ``LoraSpec.init``.
 
     fan_in is the product of the input axes (the HF projection's input width). With separate factors of
-    different ranks, the columns past a projection's own rank start (and, having no gradient, stay) zero.
+    different ranks, the columns past a projection's own rank start (and, having no gradient, stay) zero; a
+    projection of rank 0 (not targeted) is all zero.
     """
 
     def initializer(key, shape, dtype=jnp.float32):
         lead = 1 if separate else 0
         fan_in = math.prod(shape[lead:-1])
         if init == "gaussian":
-            std = jnp.asarray([1.0 / r for r in ranks], dtype).reshape((-1,) + (1,) * (len(shape) - lead))
+            std = jnp.asarray([1.0 / r if r else 0.0 for r in ranks], dtype).reshape((-1,) + (1,) * (len(shape) - lead))
             value = jax.random.normal(key, shape, dtype) * (std if separate else std[0])
         else:
             bound = 1.0 / math.sqrt(fan_in)
@@ -177,7 +178,7 @@ def provider(layout: LoraLayout, *, weight_qtype: str | None = None) -> Provider
         rules.append(Rule(
             module_path=_alternation(paths),
             rank=rank,
-            alpha=scales[0] * rank,
+            alpha=max(scales) * rank,  # Qwix's own scale; separate factors use `scales` (0 for a zero slot)
             dropout=lora_spec.dropout,
             lora_a_initializer=lora_a_init(lora_spec.init, ranks, stack is not None),
             stack=stack,
