@@ -125,6 +125,17 @@ def test_partial_fused_targets_get_zero_slots_and_shared_is_refused(name, partia
         LoraLayout(spec_of(name), LoraSpec(4, 8.0, partial, fused="shared")).adapters
 
 
+def test_v_proj_copies_are_only_for_k_eq_v_layers():
+    """k_proj without v_proj on a sliding layer's kv_einsum is one HF module of a fused pair, not a k_eq_v
+    layer's k_einsum: vLLM needs no v_proj copy of it."""
+    from gemport.checkpoint.peft_io import v_proj_copies
+
+    spec = spec_of("gemma4_dense")
+    copies = v_proj_copies(LoraLayout(spec, LoraSpec(4, 8.0, ("q_proj", "k_proj"))))
+    assert copies and all(spec.layer_k_eq_v(int(k.split(".")[1])) for k in copies)
+    assert not v_proj_copies(LoraLayout(spec, LoraSpec(4, 8.0, ("q_proj", "v_proj"))))
+
+
 @pytest.mark.parametrize("fused, targets", [("separate", PROJECTIONS), ("shared", PROJECTIONS),
                                              ("separate", ("q_proj", "v_proj"))])
 @pytest.mark.parametrize("name", ["gemma4_dense", "gemma3_qkv"])

@@ -100,6 +100,9 @@ def test_unset_target_modules_are_peft_defaults_for_the_architecture(work, tmp_p
     held = {".".join(map(str, p)): v.get_value().shape
             for p, v in nnx.to_flat_state(nnx.state(run.model, nnx.LoRAParam))}
     assert held == layout.shapes()
+    # HF's count (trackers' model/num_parameters): the zero slots, held but no PEFT parameters, are not in it.
+    base = sum(np.size(v) for v in jax.tree.leaves(nnx.state(run.model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))))
+    assert run.num_parameters - base == layout.num_params < sum(np.prod(s) for s in held.values())
 
 
 @pytest.mark.parametrize("name, kind", [("gemma3_1b", "causal"), ("gemma3_1b", "conditional"),
