@@ -118,7 +118,8 @@ def test_partial_fused_targets_get_zero_slots_and_shared_is_refused(name, partia
     with no PEFT tensors; one shared lora_a cannot leave a projection out."""
     adapter = {a.module: a for a in LoraLayout(spec_of(name), LoraSpec(4, 8.0, partial))}[f"layers.0.attn.{module}"]
     assert adapter.ranks == ranks and adapter.scales == tuple(2.0 if r else 0.0 for r in ranks)
-    assert [m.split(".")[-1] for m in adapter.hf_modules] == [p for p in partial if p != "q_proj" or module != "kv_einsum"]
+    fused = ("k_proj", "v_proj") if module == "kv_einsum" else ("q_proj", "k_proj", "v_proj")
+    assert [m.split(".")[-1] for m in adapter.hf_modules] == [p for p, r in zip(fused, ranks) if r]
     out_size, in_size = adapter.entry.hf_shape
     assert adapter.num_params == 4 * (in_size + out_size) * sum(map(bool, ranks))
     with pytest.raises(LoraError, match=f"{module}.*fused='separate'"):
