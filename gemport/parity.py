@@ -470,7 +470,7 @@ def _port_deltas(port, spec, lora_spec):
     params = {k: np.asarray(v, np.float64) for k, v in flat_params(port, nnx.LoRAParam).items()}
     out = {}
     for adapter, a, b in LoraLayout(spec, lora_spec).match(params, source="port"):
-        for module, (A, B), scale in zip(adapter.hf_modules, adapter.to_peft(a, b), adapter.scales):
+        for module, (A, B), scale in zip(adapter.hf_modules, adapter.to_peft(a, b), adapter.peft_scales):
             out[module] = B @ A * scale
     return out
 

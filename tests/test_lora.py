@@ -108,23 +108,48 @@ def test_kv_shared_layers_get_no_kv_lora():
     assert hit and not any(int(m.split("/")[1]) >= spec.num_layers - spec.num_kv_shared_layers for m in hit)
 
 
-@pytest.mark.parametrize("name, partial, module", [
-    ("gemma4_dense", ("q_proj", "k_proj"), "kv_einsum"),
-    ("gemma3_qkv", ("q_proj", "k_proj", "v_proj", "o_proj")[:2], "qkv_einsum"),
+@pytest.mark.parametrize("name, partial, module, ranks", [
+    ("gemma4_dense", ("q_proj", "k_proj"), "kv_einsum", (4, 0)),
+    ("gemma4_dense", ("q_proj", "v_proj"), "kv_einsum", (0, 4)),
+    ("gemma3_qkv", ("q_proj", "v_proj"), "qkv_einsum", (4, 0, 4)),
 ])
-def test_partial_fused_targets_are_refused(name, partial, module):
-    with pytest.raises(LoraError, match=f"{module}.*add .*v_proj"):
-        LoraLayout(spec_of(name), LoraSpec(4, 8.0, partial)).adapters
+def test_partial_fused_targets_get_zero_slots_and_shared_is_refused(name, partial, module, ranks):
+    """The projections the targets leave out of a fused module are rank-0, scale-0 slots of separate factors,
+    with no PEFT tensors; one shared lora_a cannot leave a projection out."""
+    adapter = {a.module: a for a in LoraLayout(spec_of(name), LoraSpec(4, 8.0, partial))}[f"layers.0.attn.{module}"]
+    assert adapter.ranks == ranks and adapter.scales == tuple(2.0 if r else 0.0 for r in ranks)
+    fused = ("k_proj", "v_proj") if module == "kv_einsum" else ("q_proj", "k_proj", "v_proj")
+    assert [m.split(".")[-1] for m in adapter.hf_modules] == [p for p, r in zip(fused, ranks) if r]
+    out_size, in_size = adapter.entry.hf_shape
+    assert adapter.num_params == 4 * (in_size + out_size) * sum(map(bool, ranks))
+    with pytest.raises(LoraError, match=f"{module}.*fused='separate'"):
+        LoraLayout(spec_of(name), LoraSpec(4, 8.0, partial, fused="shared")).adapters
 
 
-@pytest.mark.parametrize("fused", ["separate", "shared"])
+def test_v_proj_copies_are_only_for_k_eq_v_layers():
+    """k_proj without v_proj on a sliding layer's kv_einsum is one HF module of a fused pair, not a k_eq_v
+    layer's k_einsum: vLLM needs no v_proj copy of it."""
+    from gemport.checkpoint.peft_io import v_proj_copies
+
+    spec = spec_of("gemma4_dense")
+    copies = v_proj_copies(LoraLayout(spec, LoraSpec(4, 8.0, ("q_proj", "k_proj"))))
+    assert copies and all(spec.layer_k_eq_v(int(k.split(".")[1])) for k in copies)
+    assert not v_proj_copies(LoraLayout(spec, LoraSpec(4, 8.0, ("q_proj", "v_proj"))))
+
+
+@pytest.mark.parametrize("fused, targets", [("separate", PROJECTIONS), ("shared", PROJECTIONS),
+                                             ("separate", ("q_proj", "v_proj"))])
 @pytest.mark.parametrize("name", ["gemma4_dense", "gemma3_qkv"])
-def test_peft_layout_round_trips_through_qwix_layout(name, fused):
-    """to_peft and from_peft invert each other exactly; separate factors keep each projection's own A."""
+def test_peft_layout_round_trips_through_qwix_layout(name, fused, targets):
+    """to_peft and from_peft invert each other exactly; separate factors keep each projection's own A; a zero
+    slot (a projection the targets leave out) has no PEFT pair and comes back zero."""
     rng = np.random.default_rng(0)
-    for adapter in LoraLayout(spec_of(name), LoraSpec(3, 6.0, fused=fused)):
+    for adapter in LoraLayout(spec_of(name), LoraSpec(3, 6.0, targets, fused=fused)):
         a_shape, b_shape = adapter.shapes
         a, b = rng.normal(size=a_shape), rng.normal(size=b_shape)
+        if adapter.separate:  # as training keeps them: zero slots stay zero
+            a[[i for i, r in enumerate(adapter.ranks) if not r]] = 0
+            b[[i for i, r in enumerate(adapter.ranks) if not r]] = 0
         pairs = adapter.to_peft(a, b)
         assert len(pairs) == len(adapter.hf_modules)
         for A, B in pairs:

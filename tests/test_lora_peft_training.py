@@ -1,8 +1,9 @@
 """LoRA trains as PEFT's does: same trainable parameters, same gradient per PEFT factor, same optimizer steps.
 
 Each case builds a tiny Gemma with transformers, puts PEFT LoRA on all seven projections (so Tunix's fused
-kv_einsum / qkv_einsum are involved), gives every factor random values (at PEFT's init B = 0 and A gets no
-gradient, which would hide a wrong A), imports the adapter, and compares against torch on the PEFT model.
+kv_einsum / qkv_einsum are involved) or on PEFT's default q_proj + v_proj (``+qv``: only some projections of a
+fused module, whose others are zero slots), gives every factor random values (at PEFT's init B = 0 and A gets
+no gradient, which would hide a wrong A), imports the adapter, and compares against torch on the PEFT model.
 """
 
 import copy
@@ -20,13 +21,14 @@ import torch
 import transformers
 from flax import nnx
 
-from gemport.checkpoint import import_peft, load_model
+from gemport.checkpoint import export_merged, export_peft, import_peft, load_model
 from gemport.errors import LoraError
 from gemport.lora import PROJECTIONS, LoraLayout, LoraParams, LoraSpec, apply_lora
 from gemport.optim import hf_optimizer
 from gemport.specs import GemmaSpec
 
-CASES = ["gemma4_dense", "gemma4_moe", "gemma3_1b", "gemma3_qkv"]
+CASES = ["gemma4_dense", "gemma4_moe", "gemma3_1b", "gemma3_qkv", "gemma4_dense+qv", "gemma3_qkv+qv"]
+QV = ["q_proj", "v_proj"]  # PEFT's default targets for gemma3_text and gemma4
 RECIPE = {"learning_rate": 5e-3, "weight_decay": 0.1, "max_grad_norm": 0.5, "warmup_steps": 3,
           "lr_scheduler_type": "cosine"}
 STEPS = 10
@@ -63,16 +65,27 @@ def peft_model(path, config):
 @pytest.fixture(scope="module", params=CASES)
 def case(request, hf_checkpoint, tmp_path_factory):
     """(PEFT model, HF checkpoint, spec, the adapter imported: state and lora_spec), all fp32."""
-    _, path = hf_checkpoint(request.param)
-    model = peft_model(path, peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(PROJECTIONS)))
+    name, qv = request.param.removesuffix("+qv"), request.param.endswith("+qv")
+    _, path = hf_checkpoint(name)
+    model = peft_model(path, peft.LoraConfig(r=4, lora_alpha=8, target_modules=QV if qv else list(PROJECTIONS)))
     adapter = tmp_path_factory.mktemp(f"{request.param}-adapter")
     model.save_pretrained(adapter)
     spec = GemmaSpec.from_hf(path)
     return (model, path, spec, *import_peft(adapter, spec=spec))
 
 
+def zero_slots(layout, flat):
+    """The slices of separate factors that belong to projections PEFT does not adapt (rank 0)."""
+    return [(adapter.module, factor[i]) for adapter in layout for factor in (flat[adapter.lora_a], flat[adapter.lora_b])
+            for i, r in enumerate(adapter.ranks) if adapter.separate and r == 0]
+
+
 def peft_grads(model):
     return {n.replace(".default", ""): p.grad.numpy() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def peft_factors(model):
+    return {n.replace(".default", ""): p.detach().numpy() for n, p in model.named_parameters() if p.requires_grad}
 
 
 def float64_peft_grads(case, tokens, attention):
@@ -123,6 +136,9 @@ def test_gradients_equal_peft_for_every_factor(case, monkeypatch):
                 worst = max(worst, error)
                 compared += 1
     assert not expected and compared == 2 * sum(len(a.hf_modules) for a in layout)
+    slots = zero_slots(layout, flat)
+    assert bool(slots) == (list(lora_spec.targets) == QV)
+    assert all(not g.any() for _, g in slots)  # an untargeted projection's slot gets no gradient at all
     print(f"float64 gradients: worst {worst:.2e}, eager-vs-sdpa floor {floor:.2e}, bound {bound:.2e}")
 
 
@@ -144,12 +160,15 @@ def torch_steps(model, vocab):
     return np.array(losses)
 
 
-# kv_einsum, qkv_einsum, and the MoE block's routing (the experts frozen, differentiated through)
-@pytest.mark.parametrize("case", ["gemma4_dense", "gemma4_moe", "gemma3_qkv"], indirect=True)
+# kv_einsum, qkv_einsum, the MoE block's routing (the experts frozen, differentiated through), and PEFT's
+# default q_proj + v_proj (a zero slot of qkv_einsum).
+@pytest.mark.parametrize("case", ["gemma4_dense", "gemma4_moe", "gemma3_qkv", "gemma3_qkv+qv"], indirect=True)
 def test_ten_optimizer_steps_follow_torch(case):
-    """Each step's loss within 10x torch's own float32 distance from the same steps in float64 (no float32 step)."""
+    """Each step's loss, and each trained factor, within 10x torch's own float32 distance from the same steps in
+    float64 (no float32 step). Zero slots stay exactly zero through AdamW with weight decay."""
     model, path, spec, state, lora_spec = case
-    torch_losses = torch_steps(copy.deepcopy(model), spec.vocab)
+    model32 = copy.deepcopy(model)
+    torch_losses = torch_steps(model32, spec.vocab)
     with float64.TorchFloat64():
         base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="eager",
                                                                  experts_implementation="eager")
@@ -169,6 +188,21 @@ def test_ten_optimizer_steps_follow_torch(case):
     assert 0 < floor < 1e-3 and error <= 10 * floor, (error, floor)
     print(f"losses: worst {error:.1e}, {error / (10 * floor):.2f} of the bound {10 * floor:.1e}")
     assert abs(torch_losses[-1] - torch_losses[0]) > 1e-3  # the steps moved the model
+    layout = LoraLayout(spec, lora_spec)
+    flat = {".".join(map(str, p)): np.asarray(v.get_value())
+            for p, v in nnx.to_flat_state(nnx.state(tunix_model, nnx.LoRAParam))}
+    assert all(not x.any() for _, x in zero_slots(layout, flat))
+    want, torch32 = peft_factors(model64), peft_factors(model32)
+    factor_floor, factor_error = 0.0, 0.0
+    for adapter in layout:
+        for module, pair in zip(adapter.hf_modules, adapter.to_peft(flat[adapter.lora_a], flat[adapter.lora_b])):
+            for got, factor in zip(pair, ("lora_A", "lora_B")):
+                key = f"base_model.model.model.{module}.{factor}.weight"
+                norm = np.linalg.norm(want[key])
+                factor_floor = max(factor_floor, np.linalg.norm(torch32.pop(key) - want[key]) / norm)
+                factor_error = max(factor_error, np.linalg.norm(got - want.pop(key)) / norm)
+    assert not want and not torch32 and 0 < factor_floor and factor_error <= 10 * factor_floor, \
+        (factor_error, factor_floor)
 
 
 def test_trainable_count_equals_peft_for_fresh_adapters(hf_checkpoint):
@@ -188,6 +222,61 @@ def test_trainable_count_equals_peft_for_fresh_adapters(hf_checkpoint):
         lora_model = apply_lora(load_model(path), spec, lora_spec)
         count = sum(v.get_value().size for _, v in nnx.to_flat_state(nnx.state(lora_model, nnx.LoRAParam)))
         assert count == expected == LoraLayout(spec, lora_spec).num_params, name
+
+
+@pytest.mark.parametrize("init", ["peft", "gaussian"])
+def test_q_and_v_targets_count_and_start_as_peft(hf_checkpoint, init):
+    """PEFT's default targets (q_proj + v_proj, which recipes also set explicitly): PEFT's trainable count; the
+    slots of the projections they leave out of kv_einsum / qkv_einsum start zero (gaussian init divides by the
+    rank, 0 there), the adapted A's are drawn, every B is zero."""
+    for name in ("gemma4_dense", "gemma3_1b", "gemma3_qkv"):
+        torch_model, path = hf_checkpoint(name)
+        spec = GemmaSpec.from_hf(path)
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=QV,
+                                 init_lora_weights=True if init == "peft" else "gaussian")
+        lora_spec = LoraSpec.from_peft(config)
+        wrapped = peft.get_peft_model(copy.deepcopy(torch_model), config)
+        layout = LoraLayout(spec, lora_spec)
+        assert layout.num_params == wrapped.get_nb_trainable_parameters()[0], name
+        lora_model = apply_lora(load_model(path), spec, lora_spec, seed=3)
+        flat = {".".join(map(str, p)): np.asarray(v.get_value())
+                for p, v in nnx.to_flat_state(nnx.state(lora_model, nnx.LoRAParam))}
+        slots = zero_slots(layout, flat)
+        assert slots and all(not x.any() for _, x in slots), name
+        for adapter in layout:
+            for A, B in adapter.to_peft(flat[adapter.lora_a], flat[adapter.lora_b]):
+                assert np.isfinite(A).all() and np.abs(A).min() > 0 and not B.any(), name
+
+
+@pytest.mark.parametrize("case", ["gemma4_dense+qv", "gemma3_qkv+qv"], indirect=True)
+def test_peft_default_targets_export_and_import_exactly(case, tmp_path):
+    """q_proj + v_proj: export_peft writes PEFT's own tensors (none for k_proj), which PEFT loads to the same
+    logits; import of the export gives the factors back, zero slots included; a merged export changes exactly
+    the adapted projections."""
+    import safetensors.numpy
+
+    model, path, spec, state, lora_spec = case
+    lora = LoraParams(state, lora_spec)
+    out = export_peft(lora, tmp_path / "peft", base_dir=path)
+    written = safetensors.numpy.load_file(out / "adapter_model.safetensors")
+    want = {k: v.numpy() for k, v in peft.get_peft_model_state_dict(model).items()}
+    assert written.keys() == want.keys() and all(np.array_equal(written[k], want[k]) for k in want)
+    assert {k.split(".")[-3] for k in written} == set(QV)
+    loaded = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager"),
+        out).eval()
+    ids = torch.as_tensor(batch(spec.vocab, 0), dtype=torch.long)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model.eval()(ids).logits)
+    again = import_peft(out, spec=spec)
+    assert again.lora_spec == lora_spec
+    flat, flat2 = lora.flat(), again.flat()
+    assert flat.keys() == flat2.keys() and all(np.array_equal(flat[k], flat2[k]) for k in flat)
+    merged = export_merged(lora, tmp_path / "merged", base_dir=path)
+    base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    changed = {k for k, v in transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
+               .state_dict().items() if not torch.equal(v, base[k])}
+    assert changed == {k.removeprefix("base_model.model.").replace(".lora_A", "") for k in want if ".lora_A" in k}
 
 
 def test_all_linear_on_models_with_more_linears_is_refused(hf_checkpoint):

@@ -173,7 +173,19 @@ def check_lora_dropout(tmp_path):
 def check_lora_target_modules(tmp_path):
     assert lora().targets == ("q_proj",) and set(lora(lora_target_modules=["v_proj", "k_proj"]).targets) == \
         {"v_proj", "k_proj"}
-    assert recipe.read({"use_peft": True}).lora()["target_modules"] is None  # PEFT's default: test_sft_fields
+    # Unset: PEFT's default for the base's model_type, which trains (k_proj a zero slot of the fused kv_einsum;
+    # the run: test_sft_fields; equal to PEFT: test_lora_peft_training's +qv cases).
+    from gemport.lora import LoraLayout
+    from gemport.specs import GemmaSpec
+    from gemport.train.run import _with_peft_targets
+
+    unset = recipe.read({"use_peft": True}).lora()
+    assert unset["target_modules"] is None
+    text_config("gemma3_1b").save_pretrained(tmp_path / "base")
+    resolved = LoraSpec.from_peft(_with_peft_targets(unset, tmp_path / "base"))
+    assert resolved.targets == ("q_proj", "v_proj")
+    kv = [a for a in LoraLayout(GemmaSpec.from_hf(tmp_path / "base"), resolved) if a.module.endswith("kv_einsum")]
+    assert kv and all(a.ranks == (0, unset["r"]) for a in kv)
 
 
 def check_use_rslora(tmp_path):

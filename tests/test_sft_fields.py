@@ -71,22 +71,38 @@ def test_dtype_of_the_yaml_is_the_base_dtype(run):
     assert recipe.read({"dtype": "auto", "bf16": False}).dtype() == np.dtype("float32")
 
 
-def test_unset_target_modules_are_peft_defaults_for_the_architecture(work, monkeypatch):
-    """PEFT adapts q_proj and v_proj of a Gemma 4; Tunix fuses k_proj + v_proj into one kv_einsum, so gemport
-    refuses the default up front, naming lora_target_modules and PEFT's targets."""
+def test_unset_target_modules_are_peft_defaults_for_the_architecture(work, tmp_path):
+    """PEFT adapts q_proj and v_proj of a Gemma 4 (a regex over the language model); the run built from a recipe
+    without lora_target_modules adapts the same modules with PEFT's trainable count, k_proj being a zero slot of
+    Tunix's fused kv_einsum (trained equal to PEFT: tests/test_lora_peft_training.py, the ``+qv`` cases)."""
     import peft
     import transformers
 
+    from gemport.lora import LoraLayout
+
     model = transformers.AutoModelForImageTextToText.from_pretrained(work / "base")
-    targets = {n.split(".")[-1] for n, m in peft.get_peft_model(model, peft.LoraConfig(r=4)).named_modules()
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4))
+    adapted = {n.removeprefix("base_model.model.model.language_model.") for n, m in wrapped.named_modules()
                if hasattr(m, "lora_A") and not n.endswith(("lora_A", "lora_B"))}
-    assert targets == {"q_proj", "v_proj"}
-    _refused_before_loading(monkeypatch)
-    unset = {k: v for k, v in RECIPE.items() if k != "lora_target_modules"}
-    with pytest.raises(LoraError, match=r"lora_target_modules is unset, so PEFT's default for model_type 'gemma4' "
-                                        r"applies \(\['q_proj', 'v_proj'\]\).*kv_einsum"):
-        SFTRun.create({**unset, "output_dir": None}, work / "base", chats(8),
-                      lora=recipe.read({**unset, "dtype": None}).lora())
+    assert {n.split(".")[-1] for n in adapted} == {"q_proj", "v_proj"}
+    unset = yaml.safe_load((work / "sft.yaml").read_text())
+    del unset["lora_target_modules"]
+    (tmp_path / "sft.yaml").write_text(yaml.safe_dump({**unset, "output_dir": str(tmp_path / "out")}))
+    assert recipe.read(tmp_path / "sft.yaml").lora()["target_modules"] is None
+    mesh = make_mesh(GemmaSpec.from_hf(work / "base"), fsdp=1, tp=1, devices=jax.devices()[:1])
+    run = SFTRun.create(tmp_path / "sft.yaml", work / "base", chats(8), eval_dataset=chats(5, seed=1), mesh=mesh,
+                        progress=False)
+    assert run.lora_spec.targets == ("q_proj", "v_proj")
+    layout = LoraLayout(run.spec, run.lora_spec)
+    assert {m for a in layout for m in a.hf_modules} == adapted
+    assert layout.num_params == wrapped.get_nb_trainable_parameters()[0]
+    assert any(0 in a.ranks for a in layout)  # kv_einsum's k_proj slot
+    held = {".".join(map(str, p)): v.get_value().shape
+            for p, v in nnx.to_flat_state(nnx.state(run.model, nnx.LoRAParam))}
+    assert held == layout.shapes()
+    # HF's count (trackers' model/num_parameters): the zero slots, held but no PEFT parameters, are not in it.
+    base = sum(np.size(v) for v in jax.tree.leaves(nnx.state(run.model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))))
+    assert run.num_parameters - base == layout.num_params < sum(np.prod(s) for s in held.values())
 
 
 @pytest.mark.parametrize("name, kind", [("gemma3_1b", "causal"), ("gemma3_1b", "conditional"),

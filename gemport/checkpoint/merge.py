@@ -59,7 +59,7 @@ def export_merged(lora, out_dir: str | Path, *, base_dir: str | Path, lora_spec:
     prefix, _ = matched_entries(ckpt, spec)
     deltas = {}
     for adapter, a, b in LoraLayout(spec, lora_spec).match(params):
-        for module, scale, (A, B) in zip(adapter.hf_modules, adapter.scales, adapter.to_peft(a, b)):
+        for module, scale, (A, B) in zip(adapter.hf_modules, adapter.peft_scales, adapter.to_peft(a, b)):
             deltas[f"{prefix}{module}.weight"] = (A.astype(np.float32), B.astype(np.float32) * np.float32(scale))
     ordered = sorted(ckpt.tensors.items(), key=lambda kv: (str(kv[1].file), kv[1].start))
     sources = [

@@ -104,7 +104,7 @@ def v_proj_copies(layout: LoraLayout) -> dict[str, str]:
         module: module.removesuffix("k_proj") + "v_proj"
         for adapter in layout
         for module in adapter.hf_modules
-        if adapter.hf_modules == (module,) and module.endswith(".self_attn.k_proj")
+        if len(adapter.entry.hf) == 1 and module.endswith(".self_attn.k_proj")
     }
 
 
@@ -185,7 +185,7 @@ def import_peft(adapter_dir: str | Path, *, base_dir: str | Path | None = None,
     wanted = {}
     for adapter, pairs in keys.items():
         out_size, in_size = adapter.entry.hf_shape
-        for (key_a, key_b), rank in zip(pairs, adapter.ranks):
+        for (key_a, key_b), rank in zip(pairs, adapter.peft_ranks):
             wanted |= {key_a: (rank, in_size), key_b: (out_size, rank)}
     copies = _checked_copies(weights, prefix, layout)
     check_tensors(

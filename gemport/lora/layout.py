@@ -15,6 +15,11 @@ projection keeps its own A and B, as in PEFT:
 | attn_vec_einsum | ``d (n h) -> n h d`` | ``n h r`` | ``r d`` |
 | mlp.down_proj | ``d f -> f d`` | ``f r`` | ``r d`` |
 
+Targets that name only some projections of a fused module (PEFT's default q_proj + v_proj on a ``kv_einsum`` or
+``qkv_einsum``) need separate factors: an untargeted projection keeps its slice of ``s`` with rank 0 and scale 0,
+factors that start zero and stay zero (zero A meets zero B, so neither gets a gradient, and AdamW's decoupled
+weight decay keeps a zero at zero); it has no PEFT tensors and adds nothing to the function.
+
 `LoraLayout` holds every adapter of a model and answers from them: targets, factor shapes and shardings,
 parameter counts; `gemport.lora.provider` builds the Qwix rules from it.
 """
@@ -73,8 +78,9 @@ class Adapter:
 
     Attributes:
       entry: the names-table entry of the module's weight, e.g. ``layers.0.attn.kv_einsum.w``.
-      ranks: each HF projection's PEFT rank, in ``entry.hf`` order.
-      scales: each HF projection's PEFT scale (alpha / r, or alpha / sqrt(r) with rsLoRA).
+      ranks: each HF projection's PEFT rank, in ``entry.hf`` order; 0 for a projection the targets leave out
+        (a zero slot of separate factors).
+      scales: each HF projection's PEFT scale (alpha / r, or alpha / sqrt(r) with rsLoRA); 0 where the rank is.
       a, b: einops axes of ``lora_a`` and ``lora_b``, e.g. ``"s d r"`` and ``"s r k h"``.
       hf_in, hf_out: axes of an HF weight's input and output dimension, e.g. ``"d"`` and ``"k h"``.
     """
@@ -111,9 +117,25 @@ class Adapter:
         return self.entry.tunix + "_lora_b"
 
     @property
+    def adapted(self) -> tuple[int, ...]:
+        """Indices, in ``entry.hf`` order, of the projections PEFT adapts (rank > 0), e.g. ``(1,)`` for v_proj
+        alone on a kv_einsum."""
+        return tuple(i for i, r in enumerate(self.ranks) if r)
+
+    @property
     def hf_modules(self) -> tuple[str, ...]:
-        """HF module paths relative to the text prefix, e.g. ``("layers.0.self_attn.k_proj", ...)``."""
-        return tuple(h.removesuffix(".weight") for h in self.entry.hf)
+        """The adapted HF module paths relative to the text prefix, e.g. ``("layers.0.self_attn.v_proj",)``."""
+        return tuple(self.entry.hf[i].removesuffix(".weight") for i in self.adapted)
+
+    @property
+    def peft_ranks(self) -> tuple[int, ...]:
+        """The rank of each of ``hf_modules``."""
+        return tuple(self.ranks[i] for i in self.adapted)
+
+    @property
+    def peft_scales(self) -> tuple[float, ...]:
+        """The scale of each of ``hf_modules``."""
+        return tuple(self.scales[i] for i in self.adapted)
 
     @property
     def weight_axes(self) -> tuple[str, ...]:
@@ -138,8 +160,12 @@ class Adapter:
 
     @property
     def num_params(self) -> int:
-        """Elements of ``lora_a`` and ``lora_b``; with equal ranks, what PEFT counts for these projections."""
-        return sum(math.prod(s) for s in self.shapes)
+        """What PEFT counts as trainable for ``hf_modules``: r_i * (in + out) each, without the zero padding of
+        smaller ranks and zero slots that ``shapes`` hold; a shared ``lora_a`` counts once."""
+        if not self.separate:
+            return sum(math.prod(s) for s in self.shapes)
+        out_size, in_size = self.entry.hf_shape
+        return sum(r * (in_size + out_size) for r in self.peft_ranks)
 
     def specs(self, base_spec: Spec) -> tuple[Spec, Spec]:
         """Shardings of (``lora_a``, ``lora_b``) for the base weight annotated ``base_spec``."""
@@ -149,7 +175,7 @@ class Adapter:
         """Qwix ``lora_a``, ``lora_b`` -> PEFT (``lora_A`` [r_i, in], ``lora_B`` [out, r_i]) per HF module, exactly.
 
         Separate factors are split along ``s`` and trimmed to each projection's rank; a shared ``lora_a``
-        becomes every projection's ``lora_A``.
+        becomes every projection's ``lora_A``. One pair per ``hf_modules``: a zero slot gives none.
         """
         fused = len(self.entry.hf) > 1
         lead = "s " if self.separate else ""
@@ -158,23 +184,24 @@ class Adapter:
         if not fused:
             return [(lora_A, lora_B)]
         As = list(lora_A) if self.separate else [lora_A] * len(self.ranks)
-        return [(A[:r], B[:, :r]) for A, B, r in zip(As, lora_B, self.ranks)]
+        return [(As[i][:r], lora_B[i][:, :r]) for i, r in zip(self.adapted, self.peft_ranks)]
 
     def from_peft(self, pairs: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
-        """PEFT (``lora_A`` [r_i, in], ``lora_B`` [out, r_i]) per HF module -> Qwix ``lora_a``, ``lora_b``.
+        """PEFT (``lora_A`` [r_i, in], ``lora_B`` [out, r_i]) per ``hf_modules`` -> Qwix ``lora_a``, ``lora_b``.
 
         Exact: each projection's factors land in its own slice of ``s``, zero-padded to ``rank`` (zero rows
-        of A meet zero columns of B, so the padding adds nothing and its gradient stays zero).
+        of A meet zero columns of B, so the padding adds nothing and its gradient stays zero); the slice of a
+        projection PEFT does not adapt is all zero.
         """
         if not self.separate and len(pairs) > 1:
             raise LoraError(
                 f"{self.module}: separate PEFT adapters for {list(self.hf_modules)} cannot be held by one shared "
                 "lora_a; use LoraSpec(fused='separate')"
             )
-        r = self.rank
-        A = np.zeros((len(pairs), r, pairs[0][0].shape[1]), pairs[0][0].dtype)
-        B = np.zeros((len(pairs), pairs[0][1].shape[0], r), pairs[0][1].dtype)
-        for i, (A_i, B_i) in enumerate(pairs):
+        r, slots = self.rank, len(self.ranks)
+        A = np.zeros((slots, r, pairs[0][0].shape[1]), pairs[0][0].dtype)
+        B = np.zeros((slots, pairs[0][1].shape[0], r), pairs[0][1].dtype)
+        for i, (A_i, B_i) in zip(self.adapted, pairs, strict=True):
             A[i, : A_i.shape[0]] = A_i
             B[i, :, : B_i.shape[1]] = B_i
         fused = len(self.entry.hf) > 1
@@ -192,15 +219,15 @@ def _projection(hf_name: str) -> str | None:
     return parts[-2] if parts[-1] == "weight" and parts[-2] in PROJECTIONS else None
 
 
-def _adapter(entry: names.Entry, lora_spec: LoraSpec) -> Adapter:
+def _adapter(entry: names.Entry, lora_spec: LoraSpec, adapted: list[bool]) -> Adapter:
     out_axes, in_axes = entry.pattern.left[-2:]  # an HF linear weight is [out, in], after the stacking axis s
     separate = len(entry.hf) > 1 and lora_spec.fused == "separate"
     a, b = factor_axes(pattern.words(entry.pattern.right), in_axes, stack="s" if separate else None)
     modules = [h.removesuffix(".weight") for h in entry.hf]
     return Adapter(
         entry=entry,
-        ranks=tuple(lora_spec.rank_of(m) for m in modules),
-        scales=tuple(lora_spec.scale_of(m) for m in modules),
+        ranks=tuple(lora_spec.rank_of(m) if hit else 0 for m, hit in zip(modules, adapted)),
+        scales=tuple(lora_spec.scale_of(m) if hit else 0.0 for m, hit in zip(modules, adapted)),
         a=" ".join(a),
         b=" ".join(b),
         hf_in=" ".join(in_axes),
@@ -224,9 +251,10 @@ class LoraLayout:
 
     Derived from the names table: ``k_proj`` + ``v_proj`` are the ``kv_einsum`` of sliding layers and the
     ``k_einsum`` of k_eq_v global layers; KV-shared layers (no K/V weights) get nothing; vision and audio
-    towers are never included. Raises ``LoraError`` when the targets name only some projections of a fused
-    Tunix module (``k_proj`` without ``v_proj`` on a ``kv_einsum``), which Tunix cannot express, or when a
-    shared fused module would need different ranks or scales per projection.
+    towers are never included. Targets naming only some projections of a fused Tunix module (PEFT's default
+    q_proj + v_proj: ``v_proj`` without ``k_proj`` on a ``kv_einsum``) give the others zero slots (rank 0).
+    Raises ``LoraError`` when a shared fused module would need that, or different ranks or scales per
+    projection.
     """
 
     spec: GemmaSpec
@@ -250,14 +278,14 @@ class LoraLayout:
             hit = [p for p in projections if p in wanted]
             if not hit:
                 continue
-            if len(hit) < len(projections):
+            if len(hit) < len(projections) and self.lora_spec.fused == "shared":
                 missing = [p for p in projections if p not in wanted]
                 raise LoraError(
                     f"target_modules has {hit} but not {missing}: Tunix fuses {' + '.join(projections)} into one "
-                    f"{entry.module}, which carries LoRA for all of them or none; add {missing} to "
-                    f"target_modules or remove {hit}"
+                    f"{entry.module}, whose shared lora_a adapts all of them or none; use LoraSpec(fused='separate'),"
+                    f" PEFT's form, where {missing} get zero factors, or add {missing} to target_modules"
                 )
-            adapter = _adapter(entry, self.lora_spec)
+            adapter = _adapter(entry, self.lora_spec, [p in wanted for p in projections])
             if not adapter.separate and len(set(zip(adapter.ranks, adapter.scales))) > 1:
                 raise LoraError(
                     f"{entry.module}: rank_pattern/alpha_pattern give {list(adapter.hf_modules)} ranks "
@@ -275,8 +303,8 @@ class LoraLayout:
 
     @property
     def num_params(self) -> int:
-        """Trainable LoRA elements; equals ``PeftModel.get_nb_trainable_parameters()`` for separate factors
-        of equal rank per fused module."""
+        """PEFT's trainable count, ``PeftModel.get_nb_trainable_parameters()``, for separate factors (`Adapter.
+        num_params`); ``shapes`` is what the factors hold, zero padding and zero slots included."""
         return sum(a.num_params for a in self.adapters)
 
     def shapes(self) -> dict[str, tuple[int, ...]]:

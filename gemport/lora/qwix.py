@@ -40,7 +40,8 @@ def lora_a_init(init: str, ranks: tuple[int, ...], separate: bool):
     or the base weight's dtype Qwix passes, whichever is wider (Qwix would create factors in the base's dtype).
 
     fan_in is the product of the input axes (the HF projection's input width). With separate factors of
-    different ranks, the columns past a projection's own rank start (and, having no gradient, stay) zero.
+    different ranks, the columns past a projection's own rank start (and, having no gradient, stay) zero; a
+    projection of rank 0 (not targeted) is all zero.
     """
 
     def initializer(key, shape, dtype=jnp.float32):
@@ -48,7 +49,7 @@ def lora_a_init(init: str, ranks: tuple[int, ...], separate: bool):
         lead = 1 if separate else 0
         fan_in = math.prod(shape[lead:-1])
         if init == "gaussian":
-            std = jnp.asarray([1.0 / r for r in ranks], dtype).reshape((-1,) + (1,) * (len(shape) - lead))
+            std = jnp.asarray([1.0 / r if r else 0.0 for r in ranks], dtype).reshape((-1,) + (1,) * (len(shape) - lead))
             value = jax.random.normal(key, shape, dtype) * (std if separate else std[0])
         else:
             bound = 1.0 / math.sqrt(fan_in)
@@ -192,7 +193,7 @@ def provider(layout: LoraLayout, *, weight_qtype: str | None = None) -> Provider
         rules.append(Rule(
             module_path=_alternation(paths),
             rank=rank,
-            alpha=scales[0] * rank,
+            alpha=max(scales) * rank,  # Qwix's own scale; separate factors use `scales` (0 for a zero slot)
             dropout=lora_spec.dropout,
             lora_a_initializer=lora_a_init(lora_spec.init, ranks, stack is not None),
             lora_b_initializer=lora_b_init,

@@ -157,8 +157,9 @@ class SFTRun:
             .jsonl/.json/.parquet file).
         lora: ``LoraSpec``, ``peft.LoraConfig`` or its dict, ``adapter_config.json`` or its directory, or TRL's
             ``lora_*`` fields; fresh factors from ``seed``. Unset ``target_modules``: PEFT's default for the
-            base's ``model_type`` (``lora.config.peft_default_targets``: q_proj and v_proj; a ``LoraError`` where
-            PEFT has none, or where Tunix's fused kv_einsum cannot carry v_proj without k_proj). init_adapter: a PEFT adapter directory to start from (its factors and spec; ``lora``,
+            base's ``model_type`` (``lora.config.peft_default_targets``: q_proj and v_proj, k_proj being a zero
+            slot of Tunix's fused kv_einsum; a ``LoraError`` where PEFT has none). init_adapter: a PEFT adapter
+            directory to start from (its factors and spec; ``lora``,
             if also given, must describe the same adapter).
         mesh: default ``make_mesh(spec, fsdp=fsdp, tp=tp)`` over all devices. dtype: the base weights' dtype;
             default the YAML's ``dtype`` (``Recipe.dtype``), else bfloat16 if ``bf16`` is set, else float32.
@@ -201,7 +202,7 @@ class SFTRun:
         base_dir = Path(base_dir)
         spec = GemmaSpec.from_hf(base_dir)
         if lora is not None:
-            lora = _with_peft_targets(lora, base_dir, spec)
+            lora = _with_peft_targets(lora, base_dir)
         start: LoraSpec | LoraParams
         if init_adapter is not None:
             start = import_peft(init_adapter, base_dir=base_dir)
@@ -307,10 +308,15 @@ class SFTRun:
 
     @property
     def num_parameters(self) -> int:
-        """The model's parameters, LoRA factors included (what HF's ``model.num_parameters()`` counts)."""
+        """The model's parameters, LoRA factors included (what HF's ``model.num_parameters()`` counts: PEFT's
+        factors, without the zero padding and zero slots that Tunix's fused modules hold, `LoraLayout.num_params`)."""
         from flax import nnx
 
-        return sum(int(np.size(v)) for v in jax.tree.leaves(nnx.state(self.model, nnx.Param)))
+        from gemport.lora import LoraLayout
+
+        base = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
+        return (sum(int(np.size(v)) for v in jax.tree.leaves(nnx.state(self.model, base)))
+                + LoraLayout(self.spec, self.lora_spec).num_params)
 
     @property
     def num_units(self) -> int:
@@ -421,16 +427,14 @@ def checkpoint_root(args: Any) -> Path | None:
     return None if f["output_dir"] is None or f["save_strategy"] == "no" else Path(f["output_dir"]) / CHECKPOINTS
 
 
-def _with_peft_targets(lora: Any, base_dir: Path, spec: GemmaSpec) -> Any:
+def _with_peft_targets(lora: Any, base_dir: Path) -> Any:
     """``lora`` with PEFT's per-architecture ``target_modules`` (``lora.peft_default_targets`` of the base's
     ``model_type``) where a LoraConfig or its dict leaves them unset. Raises ``LoraError`` naming
-    ``lora_target_modules`` when the default cannot be trained on ``spec`` (PEFT's q_proj + v_proj without k_proj,
-    on Tunix's fused kv_einsum)."""
+    ``lora_target_modules`` where PEFT has no default."""
     import copy
     import json
 
     from gemport.lora.config import peft_default_targets
-    from gemport.lora.layout import LoraLayout
 
     unset = lora.get("target_modules") is None if isinstance(lora, Mapping) else (
         not isinstance(lora, (LoraSpec, str, os.PathLike)) and getattr(lora, "target_modules", ...) is None)
@@ -443,12 +447,6 @@ def _with_peft_targets(lora: Any, base_dir: Path, spec: GemmaSpec) -> Any:
     else:
         lora = copy.copy(lora)
         lora.target_modules = targets
-    try:
-        LoraLayout(spec, lora_spec_of(lora)).adapters
-    except LoraError as e:
-        raise LoraError(f"lora_target_modules is unset, so PEFT's default for model_type {model_type!r} applies "
-                        f"({targets}), which gemport cannot train on this model ({e}); set lora_target_modules, "
-                        "e.g. [q_proj, k_proj, v_proj]") from None
     return lora
 
 
