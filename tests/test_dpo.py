@@ -1,0 +1,168 @@
+"""DPO as TRL 1.16's DPOTrainer + PEFT computes it: the same tokens and masks, loss, metrics and LoRA gradients.
+
+The peer is TRL's own DPOTrainer, built here on a tiny Gemma 3 (conversational records, chat template) and a tiny
+Gemma 4 (plain-text records) with a fresh PEFT adapter whose B factors are then given random values, so the
+policy differs from the reference (the base, adapter disabled) and every reward is non-zero. Tolerances: the
+distance of TRL's own float32 run from the same computation in float64 (no float32 step), per quantity, and
+never below float32's rounding; gemport in float32 must be within 10x of it.
+"""
+
+import float64
+import jax
+import jax.numpy as jnp
+import numpy as np
+import peft
+import pytest
+import torch
+import transformers
+from datasets import Dataset
+from flax import nnx
+from test_masks_tokenizers import GEMMA3_CONTROL, bpe_tokenizer
+from trl import DPOConfig, DPOTrainer
+from trl.chat_template_utils import gemma3_chat_template
+from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+import gemport.dpo as dpo
+import gemport.masks as masks
+from gemport.checkpoint import import_peft, load_model
+from gemport.errors import MaskError, RecipeError
+from gemport.lora import PROJECTIONS, LoraLayout, LoraParams, apply_lora
+from gemport.specs import GemmaSpec
+
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def assistant(text):
+    return {"role": "assistant", "content": text}
+
+
+RECORDS = {
+    "explicit": [
+        {"prompt": "What is 2+2?", "chosen": " It is 4.", "rejected": " Five"},
+        {"prompt": "user model", "chosen": "\nSure, go on", "rejected": "\nIt is"},
+        {"prompt": "Name a colour: ", "chosen": "blue<end_of_turn>", "rejected": "a long answer, not a colour"},
+        {"prompt": "Say yes", "chosen": " yes", "rejected": " no way"},
+    ],
+    "implicit": [
+        {"chosen": "The sky is blue.", "rejected": "The sky is green, often."},
+        {"chosen": "Q: 2+2? A: 4", "rejected": "Q: 2+2? A: 5"},
+        {"chosen": "same start", "rejected": "same start and more"},  # one a prefix of the other: TRL's quirk
+    ],
+    "conversational": [
+        {"prompt": [user("Hi")], "chosen": [assistant("Sure thing")], "rejected": [assistant("No.")]},
+        {"prompt": [{"role": "system", "content": "Be brief."}, user(" What is 2+2? "), assistant("It is 4. "),
+                    user("And 3+3?")],
+         "chosen": [assistant("Sure: 6")], "rejected": [assistant("It is seven, I think")]},
+        {"prompt": [user("user model\n\nuse")], "chosen": [assistant("model\nSure\n\n")],
+         "rejected": [assistant("")]},
+        {"prompt": [user("Colour?")], "chosen": [assistant("Blue")], "rejected": [assistant("Green, or red")]},
+    ],
+    "conversational_implicit": [
+        {"chosen": [user("Hi"), assistant("Sure thing")], "rejected": [user("Hi"), assistant("Never")]},
+        {"chosen": [user("a"), assistant("b"), user("c"), assistant("d")],
+         "rejected": [user("a"), assistant("b"), user("c"), assistant("e, f")]},
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    tokenizer = bpe_tokenizer(GEMMA3_CONTROL)
+    tokenizer.chat_template = gemma3_chat_template
+    tokenizer.eos_token = "<end_of_turn>"
+    return tokenizer
+
+
+def trl_trainer(path, tokenizer, records, out, dtype=torch.float32, **config):
+    """TRL's DPOTrainer with a fresh PEFT adapter on the checkpoint at ``path``, B factors then set at random."""
+    torch.manual_seed(0)
+    base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
+    args = DPOConfig(output_dir=str(out), report_to=[], use_cpu=True, bf16=False, max_length=None,
+                     per_device_train_batch_size=len(records), **config)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(PROJECTIONS), lora_dropout=0.0)
+    trainer = DPOTrainer(model=base, args=args, processing_class=tokenizer,
+                         train_dataset=Dataset.from_list(records), peft_config=lora)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in trainer.model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=g, dtype=param.dtype) * 0.05)
+    trainer.model.train()
+    return trainer
+
+
+def prepared(trainer, tokenizer, records, **args):
+    """TRL's tokenized dataset of ``records`` under ``args`` (DPOConfig fields set on the trainer's config)."""
+    saved = {k: getattr(trainer.args, k) for k in args}
+    for k, v in args.items():
+        setattr(trainer.args, k, v)
+    try:
+        return list(trainer._prepare_dataset(Dataset.from_list(records), tokenizer, trainer.args, "train"))
+    finally:
+        for k, v in saved.items():
+            setattr(trainer.args, k, v)
+
+
+@pytest.fixture(scope="module")
+def gemma3_trainer(hf_checkpoint, tokenizer, tmp_path_factory):
+    _, path = hf_checkpoint("gemma3_vllm")
+    return path, trl_trainer(path, tokenizer, RECORDS["conversational"], tmp_path_factory.mktemp("trl"))
+
+
+@pytest.mark.parametrize("kind", list(RECORDS))
+def test_tokens_equal_trl(gemma3_trainer, tokenizer, kind):
+    """Prompt, chosen and rejected ids of every record equal TRL's prepared dataset's, and with max_length
+    TRL's dropped records (prompt filling max_length under keep_start) are dropped too."""
+    _, trainer = gemma3_trainer
+    records = RECORDS[kind]
+    want = prepared(trainer, tokenizer, records)
+    got = dpo.preferences(records, tokenizer, masks.Gemma3(), max_length=None)
+    assert len(got) == len(want) == len(records)
+    for g, w in zip(got, want, strict=True):
+        for field in dpo.Preference._fields:
+            assert g._asdict()[field].tolist() == w[field], (kind, field)
+    prompts = sorted(len(w["prompt_ids"]) for w in want)
+    short = prompts[len(prompts) // 2]  # drops the records whose prompt has at least this many tokens
+    want = prepared(trainer, tokenizer, records, max_length=short)
+    got = dpo.preferences(records, tokenizer, masks.Gemma3(), max_length=short)
+    assert 0 < len(got) == len(want) < len(records)
+    assert [g.prompt_ids.tolist() for g in got] == [w["prompt_ids"] for w in want]
+    assert len(dpo.preferences(records, tokenizer, masks.Gemma3(), max_length=short,
+                               truncation_mode="keep_end")) == len(records)
+
+
+@pytest.mark.parametrize("truncation_mode", ["keep_start", "keep_end"])
+@pytest.mark.parametrize("max_length", [None, 9])
+def test_collated_batch_equals_trl(gemma3_trainer, tokenizer, max_length, truncation_mode):
+    """TRL's DataCollatorForPreference and dpo.collate lay a micro-batch out identically: input_ids, attention
+    and completion masks, chosen rows then rejected rows, truncated per row, padded on the right."""
+    _, trainer = gemma3_trainer
+    records = RECORDS["conversational"]
+    rows = prepared(trainer, tokenizer, records)
+    collator = DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id, max_length=max_length,
+                                         truncation_mode=truncation_mode, pad_to_multiple_of=4)
+    want = collator(rows)
+    pairs = dpo.preferences(records, tokenizer, masks.Gemma3(), max_length=None)
+    got = dpo.collate(pairs, max_length=max_length, truncation_mode=truncation_mode, pad_to_multiple_of=4,
+                      pad_id=tokenizer.pad_token_id)
+    assert got["tokens"].tolist() == want["input_ids"].tolist()
+    assert got["segment_ids"].tolist() == want["attention_mask"].tolist()
+    assert got["loss_mask"].astype(int).tolist() == want["completion_mask"].tolist()
+
+
+def test_bad_records_and_settings_are_refused(tokenizer):
+    with pytest.raises(MaskError, match=r"records\[1\].*'rejected'"):
+        dpo.preferences([RECORDS["explicit"][0], {"prompt": "a", "chosen": "b"}], tokenizer)
+    with pytest.raises(RecipeError, match="truncation_mode"):
+        dpo.preferences(RECORDS["explicit"], tokenizer, truncation_mode="keep_middle")
+    for field, value in (("loss_type", "aot"), ("loss_type", ["sigmoid", "sft"]), ("ld_alpha", 0.5),
+                         ("f_divergence_type", "js_divergence"), ("use_weighting", True),
+                         ("precompute_ref_log_probs", True)):
+        with pytest.raises(RecipeError, match=field if field != "loss_type" else "aot|sft"):
+            dpo.from_dpo_config({field: value})
+    with pytest.raises(RecipeError, match="label_smoothing"):
+        dpo.from_dpo_config({"loss_type": "robust", "label_smoothing": 0.5})
