@@ -166,3 +166,108 @@ def test_bad_records_and_settings_are_refused(tokenizer):
             dpo.from_dpo_config({field: value})
     with pytest.raises(RecipeError, match="label_smoothing"):
         dpo.from_dpo_config({"loss_type": "robust", "label_smoothing": 0.5})
+
+
+def trl_loss(trainer, rows, backward=True):
+    """TRL's loss of one micro-batch of prepared rows, its logged metrics and (with backward) PEFT's gradients."""
+    batch = trainer.data_collator(rows)
+    trainer._metrics["train"].clear()
+    trainer.model.zero_grad()
+    loss = trainer.compute_loss(trainer.model, batch)
+    metrics = {k: trainer._metrics["train"][k][-1] for k in dpo.METRICS}
+    if not backward:
+        return float(loss), metrics, None
+    loss.backward()
+    grads = {n.replace(".default", ""): p.grad.double().numpy()
+             for n, p in trainer.model.named_parameters() if p.requires_grad}
+    return loss.item(), metrics, grads
+
+
+def tolerance(peer32, exact):
+    """10x TRL's float32 distance from float64, and never below float32's rounding (relative)."""
+    return 10 * max(abs(peer32 - exact) / abs(exact), EPS32)
+
+
+@pytest.fixture(scope="module", params=[("gemma3_vllm", "conversational"), ("gemma4_mesh", "explicit")],
+                ids=["gemma3-conversational", "gemma4-plain"])
+def dpo_case(request, hf_checkpoint, tokenizer, tmp_path_factory):
+    """TRL in float32 and float64 on the same adapter and data, and gemport's model with that adapter."""
+    name, kind = request.param
+    _, path = hf_checkpoint(name)
+    records = RECORDS[kind]
+    trainer = trl_trainer(path, tokenizer, records, tmp_path_factory.mktemp("trl32"))
+    adapter = tmp_path_factory.mktemp("adapter")
+    trainer.model.save_pretrained(adapter)
+    with float64.TorchFloat64() as mode:
+        trainer64 = trl_trainer(path, tokenizer, records, tmp_path_factory.mktemp("trl64"), dtype=torch.float64)
+        lora = {k: v for k, v in trainer.model.state_dict().items() if "lora_" in k}
+        trainer64.model.load_state_dict(lora, strict=False)
+        mode.float32_results.clear()
+    spec = GemmaSpec.from_hf(path)
+    lora_params = import_peft(adapter, spec=spec)
+    model = apply_lora(load_model(path), spec, lora_params)
+    pairs = dpo.preferences(records, tokenizer, masks.Gemma3(), max_length=None)
+    rows = prepared(trainer, tokenizer, records)
+    return trainer, trainer64, mode, model, spec, lora_params, pairs, rows
+
+
+def test_loss_metrics_and_lora_gradients_equal_trl(dpo_case):
+    """One micro-batch of every pair: TRL's loss, its six logged metrics and every PEFT factor's gradient, from
+    the sigmoid loss with the reference as the base with the adapter disabled."""
+    trainer, trainer64, mode, model, spec, lora_params, pairs, rows = dpo_case
+    loss32, metrics32, grads32 = trl_loss(trainer, rows)
+    with mode:
+        loss64, metrics64, grads64 = trl_loss(trainer64, rows)
+    assert not mode.float32_results, mode.float32_results
+    batch = dpo.collate(pairs, max_length=None, pad_id=0)
+    config = dpo.from_dpo_config(trainer.args)
+
+    def value(m):
+        return dpo.dpo_loss(m, batch, config)
+
+    grad_fn = nnx.jit(nnx.value_and_grad(value, argnums=nnx.DiffState(0, nnx.LoRAParam), has_aux=True))
+    (loss, metrics), grads = grad_fn(model)
+    assert abs(float(loss) - loss64) / loss64 <= tolerance(loss32, loss64), (float(loss), loss32, loss64)
+    for k in dpo.METRICS:
+        if k == "rewards/accuracies":
+            assert float(metrics[k]) == metrics64[k] == metrics32[k]
+            continue
+        assert abs(metrics64[k]) > 1e-4, k  # the adapter moved the policy away from the reference
+        error = abs(float(metrics[k]) - metrics64[k]) / abs(metrics64[k])
+        assert error <= tolerance(metrics32[k], metrics64[k]), (k, float(metrics[k]), metrics32[k], metrics64[k])
+    flat = {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(grads)}
+    floor = max(np.linalg.norm(grads32[k] - g) / np.linalg.norm(g) for k, g in grads64.items())
+    bound = 10 * max(floor, EPS32)
+    compared = 0
+    for adapter in LoraLayout(spec, lora_params.lora_spec):
+        for module, (gA, gB) in zip(adapter.hf_modules, adapter.to_peft(flat[adapter.lora_a], flat[adapter.lora_b])):
+            for got, factor in ((gA, "lora_A"), (gB, "lora_B")):
+                want = grads64[f"base_model.model.model.{module}.{factor}.weight"]
+                assert np.linalg.norm(want) > 0
+                error = np.linalg.norm(got - want) / np.linalg.norm(want)
+                assert error <= bound, (module, factor, error, bound)
+                compared += 1
+    assert compared == len(grads64)
+
+
+def test_every_ported_loss_type_equals_trl(dpo_case):
+    """Each loss type of dpo.PAIR_LOSSES (forward), against TRL's on the same micro-batch."""
+    trainer, trainer64, mode, model, spec, lora_params, pairs, rows = dpo_case
+    batch = dpo.collate(pairs, max_length=None, pad_id=0)
+    fn = nnx.jit(lambda m, config: dpo.dpo_loss(m, batch, config)[0], static_argnums=1)
+    for loss_type in dpo.PAIR_LOSSES:
+        smoothing = {"robust": 0.1, "exo_pair": 1e-3}.get(loss_type, 0.0)
+        config = dpo.from_dpo_config({"loss_type": loss_type, "label_smoothing": smoothing, "beta": 0.5})
+        values = []
+        for t in (trainer, trainer64):
+            t.loss_types, t.loss_weights, t.label_smoothing, t.beta = [loss_type], [1.0], smoothing, 0.5
+        try:
+            loss32 = trl_loss(trainer, rows, backward=False)[0]
+            with mode:
+                loss64 = trl_loss(trainer64, rows, backward=False)[0]
+        finally:
+            for t in (trainer, trainer64):
+                t.loss_types, t.loss_weights, t.label_smoothing, t.beta = ["sigmoid"], [1.0], 0.0, 0.1
+        got = float(fn(model, config))
+        assert abs(got - loss64) / abs(loss64) <= tolerance(loss32, loss64), (loss_type, got, loss32, loss64)
+        values.append(got)
