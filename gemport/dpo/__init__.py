@@ -8,7 +8,16 @@ optimizer step with TRL's gradient accumulation. See docs/dpo.md for what is not
 """
 
 from gemport.dpo.data import Preference, collate, preferences, split_prompt, tokenize
-from gemport.dpo.loss import METRICS, PAIR_LOSSES, DPOLoss, dpo_loss, from_dpo_config, sequence_logps, without_lora
+from gemport.dpo.loss import (
+    METRICS,
+    PAIR_LOSSES,
+    DPOLoss,
+    dpo_loss,
+    from_dpo_config,
+    preference_loss,
+    sequence_logps,
+    without_lora,
+)
 from gemport.dpo.step import dpo_step
 
 __all__ = [
@@ -20,6 +29,7 @@ __all__ = [
     "dpo_loss",
     "dpo_step",
     "from_dpo_config",
+    "preference_loss",
     "preferences",
     "sequence_logps",
     "split_prompt",

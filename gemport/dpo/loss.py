@@ -175,26 +175,25 @@ def without_lora(model: nnx.Module) -> nnx.Module:
     return nnx.merge(graphdef, jax.tree.map(jnp.zeros_like, lora), rest, copy=True)
 
 
-def dpo_loss(model: nnx.Module, micro_batch: Mapping[str, jax.typing.ArrayLike],
-             loss: DPOLoss) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """TRL's DPO loss of one micro-batch and its metrics.
+def preference_loss(logps: jax.Array, ref_logps: jax.Array, micro_batch: Mapping[str, jax.typing.ArrayLike],
+                    loss: DPOLoss) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """TRL's DPO loss and metrics of one micro-batch from its rows' summed completion log-probabilities.
 
-    model: the Tunix Gemma with LoRA (the policy; with its LoRA off, the reference);
-    micro_batch: ``masks.Rows`` [2P, T] as ``dpo.data.collate`` lays out P pairs (chosen rows first). Rows of
-    padding (no token) pair with each other and are left out of every mean, so a short micro-batch can be
-    padded to the step's shape. Returns (mean per-pair loss float32 [], {name in ``METRICS``: float32 []}):
-    the means over the pairs of beta * log-ratio (rewards), of the chosen reward beating the rejected one
-    (accuracies), of their difference (margins), and of the policy's summed log-probabilities (logps).
-    Differentiable in the LoRA factors; the reference pass is not.
+    logps, ref_logps: float32 [2P] of the policy and the reference (``sequence_logps``), chosen rows first;
+    micro_batch: the ``masks.Rows`` [2P, T] they were computed on (``dpo.data.collate``): its ``loss_mask``
+    gives the completion lengths, its ``segment_ids`` which pairs are real (rows of padding pair with each
+    other and are left out of every mean, so a short micro-batch can be padded to the step's shape).
+    Returns (mean per-pair loss float32 [], {name in ``METRICS``: float32 []}): the means over the pairs of
+    beta * log-ratio (rewards), of the chosen reward beating the rejected one (accuracies), of their
+    difference (margins), and of the policy's log-probabilities (logps). Differentiable in ``logps``.
     """
     mask = jnp.asarray(micro_batch["loss_mask"], bool)
     half = mask.shape[0] // 2
     real = jnp.asarray(micro_batch["segment_ids"])[:half].any(-1)
     pairs = jnp.maximum(real.sum(), 1)
-    logps = sequence_logps(model, micro_batch)
-    ref = jax.lax.stop_gradient(sequence_logps(without_lora(model), micro_batch))
+    ref_logps = jax.lax.stop_gradient(ref_logps)
     counts = mask[:, 1:].sum(-1)
-    c, r = logps[:half] - ref[:half], logps[half:] - ref[half:]
+    c, r = logps[:half] - ref_logps[:half], logps[half:] - ref_logps[half:]
 
     def mean(x):
         return jnp.where(real, x, 0.0).sum() / pairs
@@ -209,3 +208,16 @@ def dpo_loss(model: nnx.Module, micro_batch: Mapping[str, jax.typing.ArrayLike],
         "logps/rejected": mean(jax.lax.stop_gradient(logps[half:])),
     }
     return value, metrics
+
+
+def dpo_loss(model: nnx.Module, micro_batch: Mapping[str, jax.typing.ArrayLike],
+             loss: DPOLoss) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """TRL's DPO loss of one micro-batch and its metrics (``preference_loss``), the policy being ``model`` (a
+    Tunix Gemma with LoRA) and the reference the same model with its LoRA off (``without_lora``, no gradient).
+
+    micro_batch: ``masks.Rows`` [2P, T] as ``dpo.data.collate`` lays out P pairs. Returns (float32 [],
+    {name in ``METRICS``: float32 []}); differentiable in the LoRA factors.
+    """
+    logps = sequence_logps(model, micro_batch)
+    ref_logps = sequence_logps(without_lora(model), micro_batch)
+    return preference_loss(logps, ref_logps, micro_batch, loss)
