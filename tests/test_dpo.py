@@ -216,7 +216,8 @@ def dpo_case(request, hf_checkpoint, tokenizer, tmp_path_factory):
 
 def test_loss_metrics_and_lora_gradients_equal_trl(dpo_case):
     """One micro-batch of every pair: TRL's loss, its six logged metrics and every PEFT factor's gradient, from
-    the sigmoid loss with the reference as the base with the adapter disabled."""
+    the sigmoid loss with the reference as the base with the adapter disabled; then, on the same log-probabilities,
+    the loss of every other ported loss type (forward) against TRL's."""
     trainer, trainer64, mode, model, spec, lora_params, pairs, rows = dpo_case
     loss32, metrics32, grads32 = trl_loss(trainer, rows)
     with mode:
@@ -225,11 +226,13 @@ def test_loss_metrics_and_lora_gradients_equal_trl(dpo_case):
     batch = dpo.collate(pairs, max_length=None, pad_id=0)
     config = dpo.from_dpo_config(trainer.args)
 
-    def value(m):
-        return dpo.dpo_loss(m, batch, config)
+    def value(m):  # dpo.dpo_loss, keeping the log-probabilities for the other loss types
+        logps, reference = dpo.sequence_logps(m, batch), dpo.sequence_logps(dpo.without_lora(m), batch)
+        loss, metrics = dpo.preference_loss(logps, reference, batch, config)
+        return loss, (metrics, logps, reference)
 
     grad_fn = nnx.jit(nnx.value_and_grad(value, argnums=nnx.DiffState(0, nnx.LoRAParam), has_aux=True))
-    (loss, metrics), grads = grad_fn(model)
+    (loss, (metrics, logps, reference)), grads = grad_fn(model)
     assert abs(float(loss) - loss64) / loss64 <= tolerance(loss32, loss64), (float(loss), loss32, loss64)
     for k in dpo.METRICS:
         if k == "rewards/accuracies":
@@ -252,13 +255,6 @@ def test_loss_metrics_and_lora_gradients_equal_trl(dpo_case):
                 compared += 1
     assert compared == len(grads64)
 
-
-def test_every_ported_loss_type_equals_trl(dpo_case):
-    """Each loss type of dpo.PAIR_LOSSES, on gemport's log-probabilities, against TRL's loss (forward only)."""
-    trainer, trainer64, mode, model, spec, lora_params, pairs, rows = dpo_case
-    batch = dpo.collate(pairs, max_length=None, pad_id=0)
-    logps = nnx.jit(lambda m: (dpo.sequence_logps(m, batch), dpo.sequence_logps(dpo.without_lora(m), batch)))
-    policy, reference = logps(model)
     for loss_type in dpo.PAIR_LOSSES:
         smoothing = {"robust": 0.1, "exo_pair": 1e-3}.get(loss_type, 0.0)
         config = dpo.from_dpo_config({"loss_type": loss_type, "label_smoothing": smoothing, "beta": 0.5})
@@ -271,7 +267,7 @@ def test_every_ported_loss_type_equals_trl(dpo_case):
         finally:
             for t in (trainer, trainer64):
                 t.loss_types, t.loss_weights, t.label_smoothing, t.beta = ["sigmoid"], [1.0], 0.0, 0.1
-        got = float(dpo.preference_loss(policy, reference, batch, config)[0])
+        got = float(dpo.preference_loss(logps, reference, batch, config)[0])
         assert abs(got - loss64) / abs(loss64) <= tolerance(loss32, loss64), (loss_type, got, loss32, loss64)
 
 
