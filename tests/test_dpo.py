@@ -8,8 +8,6 @@ never below float32's rounding; gemport in float32 must be within 10x of it.
 """
 
 import float64
-import jax
-import jax.numpy as jnp
 import numpy as np
 import peft
 import pytest
@@ -26,7 +24,7 @@ import gemport.dpo as dpo
 import gemport.masks as masks
 from gemport.checkpoint import import_peft, load_model
 from gemport.errors import MaskError, RecipeError
-from gemport.lora import PROJECTIONS, LoraLayout, LoraParams, apply_lora
+from gemport.lora import PROJECTIONS, LoraLayout, apply_lora
 from gemport.optim import hf_optimizer
 from gemport.specs import GemmaSpec
 from gemport.train.order import optimizer_steps
