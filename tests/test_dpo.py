@@ -277,7 +277,8 @@ STEPS = {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 2, "ma
 def test_optimizer_steps_with_accumulation_follow_trl(hf_checkpoint, tokenizer, tmp_path_factory):
     """Two optimizer steps of two accumulated micro-batches each, in HF's sample order, with clipping: the logged
     loss, grad_norm and metrics of every step equal TRL's training (float32 against float64, as above); the second
-    step's values depend on the first update."""
+    step's values depend on the first update. gemport's batches carry padding (an empty pair slot per micro-batch,
+    an empty micro-batch per step), which must change nothing."""
     _, path = hf_checkpoint("gemma3_vllm")
     records = RECORDS["conversational"]
     trainer = trl_trainer(path, tokenizer, records, tmp_path_factory.mktemp("trl32"), **STEPS)
@@ -303,8 +304,10 @@ def test_optimizer_steps_with_accumulation_follow_trl(hf_checkpoint, tokenizer, 
                               wrt=nnx.LoRAParam)
     step = dpo.dpo_step(dpo.from_dpo_config(trainer.args))
     for plan, want32, want64 in zip(optimizer_steps(trainer.args, len(pairs)), logs32, logs64, strict=True):
-        micro = [dpo.collate([pairs[i] for i in m], max_length=None, width=width, pad_id=0) for m in plan.micro_batches]
-        got = step(model, optimizer, stack(micro))
+        # Padded as a short last step would be: an empty pair slot in each micro-batch, and an empty micro-batch.
+        micro = [dpo.collate([pairs[i] for i in m], max_length=None, width=width, slots=2, pad_id=0)
+                 for m in plan.micro_batches]
+        got = step(model, optimizer, stack(micro, accumulation=STEPS["gradient_accumulation_steps"] + 1))
         for k in ("loss", "grad_norm", *dpo.METRICS):
             if k == "rewards/accuracies":
                 assert float(got[k]) == want64[k] == want32[k], plan.step

@@ -149,14 +149,17 @@ def _check_truncation(max_length, truncation_mode):
 
 def collate(pairs: Sequence[Preference], *, max_length: int | None = 1024,
             truncation_mode: TruncationMode = "keep_start", pad_to_multiple_of: int | None = None,
-            width: int | None = None, pad_id: int = 0) -> Rows:
+            width: int | None = None, slots: int | None = None, pad_id: int = 0) -> Rows:
     """One micro-batch of pairs as TRL's ``DataCollatorForPreference`` lays it out, as ``masks.Rows``.
 
     Rows 0..n-1 are prompt + chosen, rows n..2n-1 prompt + rejected, each truncated alone (``keep_start``:
     its first ``max_length`` tokens; ``keep_end``: its last), right-padded to the longest row (or to
     ``width``, for a fixed shape), rounded up to ``pad_to_multiple_of``. ``loss_mask`` is TRL's
     ``completion_mask`` (token t of a completion is a target, predicted from t - 1); ``segment_ids`` is
-    its ``attention_mask``. Returns ``Rows`` [2n, T].
+    its ``attention_mask``. slots: pairs per half, at least n (default n): the missing ones are rows of padding
+    at the end of each half, which ``dpo_loss`` leaves out, so a short last micro-batch keeps the step's shape
+    (``train.step.stack`` pads whole micro-batches only: its padding rows would join the rejected half).
+    Returns ``Rows`` [2 * slots, T].
     """
     _check_truncation(max_length, truncation_mode)
     if not pairs:
@@ -170,4 +173,15 @@ def collate(pairs: Sequence[Preference], *, max_length: int | None = 1024,
             tokens = np.concatenate([p.prompt_ids, completion]).astype(np.int32)
             mask = np.concatenate([np.zeros(len(p.prompt_ids), bool), np.ones(len(completion), bool)])
             rows.append((tokens[cut], mask[cut]))
-    return pad(rows, width, pad_to_multiple_of=pad_to_multiple_of, pad_id=pad_id)
+    out = pad(rows, width, pad_to_multiple_of=pad_to_multiple_of, pad_id=pad_id)
+    n = len(pairs)
+    slots = n if slots is None else slots
+    if slots < n:
+        raise MaskError(f"collate: {n} pairs for slots={slots}")
+    if slots == n:
+        return out
+    padded = {}
+    for k, v in out.items():
+        padded[k] = np.full((2 * slots, v.shape[1]), pad_id if k == "tokens" else 0, v.dtype)
+        padded[k][:n], padded[k][slots:slots + n] = v[:n], v[n:]
+    return Rows(**padded)

@@ -39,11 +39,12 @@ def dpo_step(loss: DPOLoss, *, wrt: Any = nnx.LoRAParam) -> Callable[..., dict[s
                 return dpo_loss(nnx.merge(graphdef, params, rest, copy=True), micro_batch, loss)
 
             (value, metrics), grads = jax.value_and_grad(value, has_aux=True)(params)
-            used = jnp.asarray(micro_batch["segment_ids"]).any().astype(jnp.float32)
+            # A micro-batch of padding only (a short last step) is skipped, whatever its rows compute.
+            used = jnp.asarray(micro_batch["segment_ids"]).any()
             grad_sum, sums, count = carry
-            grad_sum = jax.tree.map(lambda s, g: (s + used * g).astype(s.dtype), grad_sum, grads)
-            sums = {k: sums[k] + used * v for k, v in {"loss": value, **metrics}.items()}
-            return (grad_sum, sums, count + used), None
+            grad_sum = jax.tree.map(lambda s, g: jnp.where(used, s + g, s).astype(s.dtype), grad_sum, grads)
+            sums = {k: jnp.where(used, sums[k] + v, sums[k]) for k, v in {"loss": value, **metrics}.items()}
+            return (grad_sum, sums, count + used.astype(jnp.float32)), None
 
         zeros = jax.tree.map(jnp.zeros_like, params)
         init = (zeros, {k: jnp.zeros([], jnp.float32) for k in ("loss", *METRICS)}, jnp.zeros([], jnp.float32))
