@@ -317,3 +317,32 @@ def test_optimizer_steps_with_accumulation_follow_trl(hf_checkpoint, tokenizer, 
             print(f"step {plan.step} {k}: {want64[k]:.6g}, error {error:.1e} of {tolerance(want32[k], want64[k]):.1e}")
     assert logs64[1]["loss"] != logs64[0]["loss"]
     assert min(h["grad_norm"] for h in logs64) > STEPS["max_grad_norm"]  # clipping is in play
+
+
+def test_gemma4_conversational_tokens_equal_trl(tmp_path):
+    """Gemma 4 turns (TRL's shipped Gemma 4 template against masks.Gemma4), a system message and an implicit
+    prompt, tokenized by TRL's DPOTrainer data preparation (no model needed) and by dpo.preferences."""
+    from test_masks_tokenizers import GEMMA4_CONTROL
+    from trl.chat_template_utils import gemma4_v5_chat_template
+
+    tokenizer = bpe_tokenizer(GEMMA4_CONTROL)
+    tokenizer.chat_template = gemma4_v5_chat_template
+    tokenizer.eos_token = "<turn|>"
+    records = {
+        "explicit": [
+            {"prompt": [{"role": "system", "content": "Be brief."}, user("Hi")], "chosen": [assistant("Sure thing")],
+             "rejected": [assistant("No.")]},
+            {"prompt": [user("a"), assistant("b"), user("c")], "chosen": [assistant("d")],
+             "rejected": [assistant("e, f")]},
+        ],
+        "implicit": RECORDS["conversational_implicit"],
+    }
+    args = DPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, max_length=None)
+    for kind, rows in records.items():
+        trainer = type("Prep", (), {"_tokenizer": tokenizer})()
+        want = list(DPOTrainer._prepare_dataset(trainer, Dataset.from_list(rows), tokenizer, args, "train"))
+        got = dpo.preferences(rows, tokenizer, masks.Gemma4(), max_length=None)
+        assert len(got) == len(want) == len(rows)
+        for g, w in zip(got, want, strict=True):
+            for field in dpo.Preference._fields:
+                assert g._asdict()[field].tolist() == w[field], (kind, field)
