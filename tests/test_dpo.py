@@ -8,6 +8,8 @@ never below float32's rounding; gemport in float32 must be within 10x of it.
 """
 
 import float64
+import jax
+import jax.numpy as jnp
 import numpy as np
 import peft
 import pytest
@@ -184,9 +186,19 @@ def trl_loss(trainer, rows, backward=True):
     return loss.item(), metrics, grads
 
 
-def tolerance(peer32, exact):
-    """10x TRL's float32 distance from float64, and never below float32's rounding (relative)."""
-    return 10 * max(abs(peer32 - exact) / abs(exact), EPS32)
+def tolerance(peer32, exact, operands=0.0):
+    """10x TRL's float32 distance from float64, relative to ``exact``, and never below float32's rounding of the
+    result or of the operands it was computed from (``operands``: their summed magnitude). Rewards, margins and
+    the loss are differences of log-probabilities of tens: TRL's own float32 error there can be far below their
+    rounding, because its policy and reference passes round alike and cancel, which another correct float32
+    implementation need not do."""
+    return 10 * max(abs(peer32 - exact), EPS32 * abs(exact), EPS32 * operands) / abs(exact)
+
+
+def reward_operands(beta, metrics):
+    """The summed magnitude of the log-probabilities a pair's reward difference is taken of: policy and
+    reference (about as large), chosen and rejected (log-probabilities are negative, so |mean| = mean |.|)."""
+    return beta * 2 * (abs(metrics["logps/chosen"]) + abs(metrics["logps/rejected"]))
 
 
 @pytest.fixture(scope="module", params=[("gemma3_vllm", "conversational"), ("gemma4_mesh", "explicit")],
@@ -212,11 +224,9 @@ def dpo_case(request, hf_checkpoint, tokenizer, tmp_path_factory):
     return trainer, trainer64, mode, model, spec, lora_params, pairs, rows
 
 
-def test_loss_metrics_and_lora_gradients_equal_trl(dpo_case):
-    """One micro-batch of every pair: TRL's loss, its six logged metrics and every PEFT factor's gradient, from
-    the sigmoid loss with the reference as the base with the adapter disabled; then, on the same log-probabilities,
-    the loss of every other ported loss type (forward) against TRL's."""
-    trainer, trainer64, mode, model, spec, lora_params, pairs, rows = dpo_case
+def assert_step_equals_trl(trainer, trainer64, mode, model, spec, lora_spec, pairs, rows, reference=None):
+    """TRL's loss, six metrics and PEFT gradients of one micro-batch of every pair against gemport's
+    (``dpo_loss`` with ``reference``); returns gemport's (batch, policy logps, reference logps)."""
     loss32, metrics32, grads32 = trl_loss(trainer, rows)
     with mode:
         loss64, metrics64, grads64 = trl_loss(trainer64, rows)
@@ -224,26 +234,28 @@ def test_loss_metrics_and_lora_gradients_equal_trl(dpo_case):
     batch = dpo.collate(pairs, max_length=None, pad_id=0)
     config = dpo.from_dpo_config(trainer.args)
 
-    def value(m):  # dpo.dpo_loss, keeping the log-probabilities for the other loss types
-        logps, reference = dpo.sequence_logps(m, batch), dpo.sequence_logps(dpo.without_lora(m), batch)
-        loss, metrics = dpo.preference_loss(logps, reference, batch, config)
-        return loss, (metrics, logps, reference)
+    def value(m, reference):  # dpo.dpo_loss, keeping the log-probabilities for the other loss types
+        logps, ref_logps = dpo.sequence_logps(m, batch), dpo.sequence_logps(dpo.without_lora(m, reference), batch)
+        loss, metrics = dpo.preference_loss(logps, ref_logps, batch, config)
+        return loss, (metrics, logps, ref_logps)
 
     grad_fn = nnx.jit(nnx.value_and_grad(value, argnums=nnx.DiffState(0, nnx.LoRAParam), has_aux=True))
-    (loss, (metrics, logps, reference)), grads = grad_fn(model)
-    assert abs(float(loss) - loss64) / loss64 <= tolerance(loss32, loss64), (float(loss), loss32, loss64)
+    (loss, (metrics, logps, ref_logps)), grads = grad_fn(model, reference)
+    operands = reward_operands(config.beta, metrics64)
+    assert abs(float(loss) - loss64) / loss64 <= tolerance(loss32, loss64, operands), (float(loss), loss32, loss64)
     for k in dpo.METRICS:
         if k == "rewards/accuracies":
             assert float(metrics[k]) == metrics64[k] == metrics32[k]
             continue
         assert abs(metrics64[k]) > 1e-4, k  # the adapter moved the policy away from the reference
         error = abs(float(metrics[k]) - metrics64[k]) / abs(metrics64[k])
-        assert error <= tolerance(metrics32[k], metrics64[k]), (k, float(metrics[k]), metrics32[k], metrics64[k])
+        bound = tolerance(metrics32[k], metrics64[k], operands if k.startswith("rewards/") else 0.0)
+        assert error <= bound, (k, float(metrics[k]), metrics32[k], metrics64[k], bound)
     flat = {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(grads)}
     floor = max(np.linalg.norm(grads32[k] - g) / np.linalg.norm(g) for k, g in grads64.items())
     bound = 10 * max(floor, EPS32)
     compared = 0
-    for adapter in LoraLayout(spec, lora_params.lora_spec):
+    for adapter in LoraLayout(spec, lora_spec):
         for module, (gA, gB) in zip(adapter.hf_modules, adapter.to_peft(flat[adapter.lora_a], flat[adapter.lora_b])):
             for got, factor in ((gA, "lora_A"), (gB, "lora_B")):
                 want = grads64[f"base_model.model.model.{module}.{factor}.weight"]
@@ -252,7 +264,16 @@ def test_loss_metrics_and_lora_gradients_equal_trl(dpo_case):
                 assert error <= bound, (module, factor, error, bound)
                 compared += 1
     assert compared == len(grads64)
+    return batch, logps, ref_logps
 
+
+def test_loss_metrics_and_lora_gradients_equal_trl(dpo_case):
+    """One micro-batch of every pair: TRL's loss, its six logged metrics and every PEFT factor's gradient, from
+    the sigmoid loss with the reference as the base with the adapter disabled; then, on the same log-probabilities,
+    the loss of every other ported loss type (forward) against TRL's."""
+    trainer, trainer64, mode, model, spec, lora_params, pairs, rows = dpo_case
+    batch, logps, reference = assert_step_equals_trl(trainer, trainer64, mode, model, spec, lora_params.lora_spec,
+                                                     pairs, rows)
     for loss_type in dpo.PAIR_LOSSES:
         smoothing = {"robust": 0.1, "exo_pair": 1e-3}.get(loss_type, 0.0)
         config = dpo.from_dpo_config({"loss_type": loss_type, "label_smoothing": smoothing, "beta": 0.5})
@@ -267,6 +288,42 @@ def test_loss_metrics_and_lora_gradients_equal_trl(dpo_case):
                 t.loss_types, t.loss_weights, t.label_smoothing, t.beta = ["sigmoid"], [1.0], 0.0, 0.1
         got = float(dpo.preference_loss(logps, reference, batch, config)[0])
         assert abs(got - loss64) / abs(loss64) <= tolerance(loss32, loss64), (loss_type, got, loss32, loss64)
+
+
+def test_reference_from_an_existing_adapter_equals_trl(dpo_case, tmp_path):
+    """TRL given a PeftModel with an adapter keeps a frozen copy of it as the reference (its "ref" adapter, made
+    here as TRL makes it); after the policy's factors move, dpo_loss with reference= those initial factors gives
+    TRL's loss, metrics and gradients."""
+    trainer, trainer64, mode, model, spec, lora_params, pairs, rows = dpo_case
+    initial = jax.tree.map(jnp.copy, nnx.state(model, nnx.LoRAParam))  # values, not the model's variables
+    saved = [{k: v.clone() for k, v in t.model.state_dict().items() if ".default." in k} for t in (trainer, trainer64)]
+    g = torch.Generator().manual_seed(2)
+    try:
+        for t in (trainer, trainer64):
+            with mode if t is trainer64 else torch.no_grad():
+                t.model.add_adapter("ref", t.model.peft_config["default"])
+                with torch.no_grad():
+                    for name, param in t.model.named_parameters():
+                        if ".default." in name:
+                            t.model.get_parameter(name.replace(".default.", ".ref.")).data.copy_(param.data)
+        with torch.no_grad():
+            for name, param in trainer.model.named_parameters():
+                if ".default." in name and "lora_B" in name:
+                    param.add_(torch.randn(param.shape, generator=g) * 0.05)
+        moved = {k: v for k, v in trainer.model.state_dict().items() if ".default." in k}
+        trainer64.model.load_state_dict(moved, strict=False)
+        trainer.model.save_pretrained(tmp_path, selected_adapters=["default"])
+        nnx.update(model, import_peft(tmp_path, spec=spec).params)
+        for t in (trainer, trainer64):
+            for name, param in t.model.named_parameters():
+                param.requires_grad_(".default." in name and "lora_" in name)
+        assert_step_equals_trl(trainer, trainer64, mode, model, spec, lora_params.lora_spec, pairs, rows, initial)
+    finally:
+        nnx.update(model, initial)
+        for t, state in zip((trainer, trainer64), saved):
+            if "ref" in t.model.peft_config:
+                t.model.delete_adapter("ref")
+            t.model.load_state_dict(state, strict=False)
 
 
 STEPS = {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 2, "max_steps": 2, "learning_rate": 2e-2,
@@ -313,8 +370,10 @@ def test_optimizer_steps_with_accumulation_follow_trl(hf_checkpoint, tokenizer, 
                 assert float(got[k]) == want64[k] == want32[k], plan.step
                 continue
             error = abs(float(got[k]) - want64[k]) / abs(want64[k])
-            assert error <= tolerance(want32[k], want64[k]), (plan.step, k, float(got[k]), want32[k], want64[k])
-            print(f"step {plan.step} {k}: {want64[k]:.6g}, error {error:.1e} of {tolerance(want32[k], want64[k]):.1e}")
+            operands = reward_operands(STEPS["beta"], want64) if k == "loss" or k.startswith("rewards/") else 0.0
+            bound = tolerance(want32[k], want64[k], operands)
+            assert error <= bound, (plan.step, k, float(got[k]), want32[k], want64[k])
+            print(f"step {plan.step} {k}: {want64[k]:.6g}, error {error:.1e} of {bound:.1e}")
     assert logs64[1]["loss"] != logs64[0]["loss"]
     assert min(h["grad_norm"] for h in logs64) > STEPS["max_grad_norm"]  # clipping is in play
 

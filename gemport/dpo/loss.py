@@ -168,11 +168,15 @@ def sequence_logps(model: nnx.Module, micro_batch: Mapping[str, jax.typing.Array
     return -jnp.where(targets, nll, 0.0).sum(-1)
 
 
-def without_lora(model: nnx.Module) -> nnx.Module:
-    """A copy of ``model`` whose LoRA factors are zero: the base's outputs (PEFT's ``disable_adapter``),
-    sharing every other array with ``model``. ``model`` is not changed."""
+def without_lora(model: nnx.Module, reference: nnx.State | None = None) -> nnx.Module:
+    """The reference of a DPO run: a copy of ``model`` whose LoRA factors are ``reference`` (an ``nnx.State`` of
+    ``nnx.LoRAParam`` of the same structure, taken before training as values, not the model's own variables:
+    ``jax.tree.map(jnp.copy, nnx.state(model, nnx.LoRAParam))``), or
+    zero when None: the base's outputs (PEFT's disabled adapter). Shares every other array with ``model``, which
+    is not changed."""
     graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
-    return nnx.merge(graphdef, jax.tree.map(jnp.zeros_like, lora), rest, copy=True)
+    lora = jax.tree.map(jnp.zeros_like, lora) if reference is None else reference
+    return nnx.merge(graphdef, lora, rest, copy=True)
 
 
 def preference_loss(logps: jax.Array, ref_logps: jax.Array, micro_batch: Mapping[str, jax.typing.ArrayLike],
@@ -210,14 +214,16 @@ def preference_loss(logps: jax.Array, ref_logps: jax.Array, micro_batch: Mapping
     return value, metrics
 
 
-def dpo_loss(model: nnx.Module, micro_batch: Mapping[str, jax.typing.ArrayLike],
-             loss: DPOLoss) -> tuple[jax.Array, dict[str, jax.Array]]:
+def dpo_loss(model: nnx.Module, micro_batch: Mapping[str, jax.typing.ArrayLike], loss: DPOLoss,
+             reference: nnx.State | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """TRL's DPO loss of one micro-batch and its metrics (``preference_loss``), the policy being ``model`` (a
-    Tunix Gemma with LoRA) and the reference the same model with its LoRA off (``without_lora``, no gradient).
+    Tunix Gemma with LoRA) and the reference ``without_lora(model, reference)`` (no gradient).
 
-    micro_batch: ``masks.Rows`` [2P, T] as ``dpo.data.collate`` lays out P pairs. Returns (float32 [],
+    micro_batch: ``masks.Rows`` [2P, T] as ``dpo.data.collate`` lays out P pairs. reference: None for the base
+    (LoRA off: TRL given ``peft_config``, a fresh adapter), or the LoRA factors the run started from (TRL given a
+    ``PeftModel`` with an adapter, which it copies as its frozen ``"ref"`` adapter). Returns (float32 [],
     {name in ``METRICS``: float32 []}); differentiable in the LoRA factors.
     """
     logps = sequence_logps(model, micro_batch)
-    ref_logps = sequence_logps(without_lora(model), micro_batch)
+    ref_logps = sequence_logps(without_lora(model, reference), micro_batch)
     return preference_loss(logps, ref_logps, micro_batch, loss)

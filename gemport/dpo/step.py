@@ -22,7 +22,8 @@ def dpo_step(loss: DPOLoss, *, wrt: Any = nnx.LoRAParam) -> Callable[..., dict[s
     """A DPO optimizer step for a Tunix Gemma with LoRA, jit-compiled once per batch shape.
 
     loss: ``DPOLoss`` (``from_dpo_config``); wrt: what is trained (the ``nnx.Optimizer``'s ``wrt``).
-    Returns ``step(model, optimizer, batch) -> {"loss", "grad_norm", *METRICS}`` (float32 []). ``batch`` maps
+    Returns ``step(model, optimizer, batch, reference=None) -> {"loss", "grad_norm", *METRICS}`` (float32 []);
+    ``reference`` is ``dpo_loss``'s (None: the base, LoRA off). ``batch`` maps
     each of ``train.step.BATCH_FIELDS`` to [A, 2P, T]: A micro-batches (``train.step.stack`` of
     ``dpo.data.collate``'s), run one after the other (``lax.scan``). Micro-batches without a pair (padding to
     the step's shape) are not counted. ``loss`` is HF's logged loss (the mean of the micro-batch losses),
@@ -31,12 +32,13 @@ def dpo_step(loss: DPOLoss, *, wrt: Any = nnx.LoRAParam) -> Callable[..., dict[s
     """
 
     @nnx.jit
-    def step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Mapping[str, Any]) -> dict[str, jax.Array]:
+    def step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Mapping[str, Any],
+             reference: nnx.State | None = None) -> dict[str, jax.Array]:
         graphdef, params, rest = nnx.split(model, wrt, ...)
 
         def micro(carry, micro_batch):
             def value(params):
-                return dpo_loss(nnx.merge(graphdef, params, rest, copy=True), micro_batch, loss)
+                return dpo_loss(nnx.merge(graphdef, params, rest, copy=True), micro_batch, loss, reference)
 
             (value, metrics), grads = jax.value_and_grad(value, has_aux=True)(params)
             # A micro-batch of padding only (a short last step) is skipped, whatever its rows compute.
