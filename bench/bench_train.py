@@ -1,8 +1,9 @@
 """LoRA train step: step time, tokens/s, MFU and peak device memory, beside the memory plan's prediction.
 
-The step is gemport/mesh/compiled.py's (forward, masked cross-entropy, LoRA gradients, adamw; state donated) on a
-Gemma 4 with Gemma 4 31B's layout, twice: Tunix's own attention and logits, and gemport's fast step (segment
-attention, chunked cross-entropy: ``train.fast_loss``). MFU is model FLOPs per trained token (``4 x`` the
+The step is the one ``SFTRun.train()`` runs (``HFPeftTrainer.jitted_train_step``, compiled as ``gemport.plan``
+compiles it: TRL's default recipe, HF's AdamW with clipping, optimizer state donated) on a Gemma 4 with Gemma 4
+31B's layout, twice: Tunix's own attention and logits (``HFPeftTrainer(fast=False)``), and gemport's fast loss
+(segment attention, chunked cross-entropy: ``train.fast_loss``). MFU is model FLOPs per trained token (``4 x`` the
 weights a token passes through, forward and backward through the activations, plus ``12 x`` keys seen x head
 width x heads per layer for attention) times tokens/s over the device's bf16 peak (``PEAK_TFLOPS``); on CPU
 there is no accelerator figure. On CPU (default: tiny widths, under a minute) the peak is what XLA's
@@ -27,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gemport.mesh.compiled import CPU_MEMORY_SCHEDULER  # noqa: E402
+from gemport.plan.compiled import CPU_MEMORY_SCHEDULER  # noqa: E402
 
 if os.environ.get("JAX_PLATFORMS", "") in ("", "cpu") and CPU_MEMORY_SCHEDULER not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_MEMORY_SCHEDULER}".strip()
@@ -35,13 +36,17 @@ if os.environ.get("JAX_PLATFORMS", "") in ("", "cpu") and CPU_MEMORY_SCHEDULER n
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 from flax import nnx  # noqa: E402
-from gemport.mesh.compiled import compile_step, lora_model, make_step  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+from gemport.plan.compiled import _placed, compile_step, step_trainer  # noqa: E402
+from gemport.train.model import lora_model  # noqa: E402
+from gemport.train.peft_trainer import NUM_ITEMS  # noqa: E402
 
 from gemport.lora import LoraSpec  # noqa: E402
-from gemport.mesh import make_mesh, memory_plan  # noqa: E402
-from gemport.mesh.activations import REMAT  # noqa: E402
+from gemport.mesh import make_mesh  # noqa: E402
+from gemport.mesh.dims import FSDP  # noqa: E402
+from gemport.plan import memory_plan  # noqa: E402
+from gemport.plan.activations import REMAT  # noqa: E402
 from gemport.specs import GemmaSpec  # noqa: E402
 
 GiB = 2**30
@@ -81,39 +86,42 @@ def bench_spec(widths: str, layers: int, vocab: int) -> GemmaSpec:
     return spec
 
 
-def placed(tree, abstract):
-    """``tree``'s arrays (or nnx Variables' values) moved to the shardings ``compile_step`` lowered them with."""
-    return jax.tree.map(lambda x, a: jax.device_put(x.get_value() if isinstance(x, nnx.Variable) else x, a.sharding),
-                        tree, abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
+def placed(graph, mesh):
+    """``graph`` (model or optimizer) with its values on ``mesh`` in the shardings the planned step lowers them with."""
+    abstract = nnx.state(_placed(graph, mesh))
+    state = jax.tree.map(lambda v, a: v.replace(jax.device_put(v.get_value(), a.get_value().sharding)),
+                         nnx.state(graph), abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return nnx.merge(nnx.graphdef(graph), state)
 
 
-def batch_arrays(batch, seq_len, vocab, abstract):
+def batch_arrays(batch, seq_len, vocab, mesh):
     rng = np.random.default_rng(0)
     values = {
         "tokens": rng.integers(0, vocab, (batch, seq_len), dtype=np.int32),
         "positions": np.broadcast_to(np.arange(seq_len, dtype=np.int32), (batch, seq_len)).copy(),
-        "attention_mask": np.broadcast_to(np.tril(np.ones((seq_len, seq_len), bool)), (batch, seq_len, seq_len)).copy(),
         "segment_ids": np.ones((batch, seq_len), np.int32),
         "loss_mask": np.ones((batch, seq_len), bool),
+        NUM_ITEMS: np.full(batch, batch * (seq_len - 1), np.int32),
     }
-    return {k: jax.device_put(values[k], a.sharding) for k, a in abstract.items()}
+    rows = NamedSharding(mesh, PartitionSpec(FSDP))
+    return {k: jax.device_put(v, rows) for k, v in values.items()}
 
 
 def jax_step(args, spec, lora_spec, dtype, fast):
+    """The step ``SFTRun.train()`` runs (``HFPeftTrainer.jitted_train_step``, TRL's default recipe: HF's AdamW with
+    clipping), compiled as ``gemport.plan`` compiles it and then run on random weights."""
     mesh = make_mesh(spec, fsdp=args.fsdp, tp=args.tp, devices=jax.devices()[: args.fsdp * args.tp])
     model = lora_model(spec, lora_spec, param_dtype=dtype, remat=args.remat, abstract=False)
-    tx = optax.adamw(1e-4)
-    compiled, abstract = compile_step(model, mesh, args.batch, args.seq_len, tx, fast=fast)
-    graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
-    lora, rest = placed(lora, abstract[0]), placed(rest, abstract[2])
-    opt_state = placed(tx.init(nnx.as_pure(lora)), abstract[1])
-    batch = batch_arrays(args.batch, args.seq_len, spec.vocab, abstract[3])
-    step = make_step(graphdef, tx, fast)
+    trainer = step_trainer(model, {"gradient_checkpointing": args.remat == "decoder"}, fast=fast)
+    compiled = compile_step(trainer, mesh, args.batch, args.seq_len)
+    model, optimizer = placed(trainer.model, mesh), placed(trainer.optimizer, mesh)
+    batch = batch_arrays(args.batch, args.seq_len, spec.vocab, mesh)
+    step = trainer.jitted_train_step()
     times = []
     with jax.set_mesh(mesh):
         for i in range(args.steps + 1):
             start = time.perf_counter()
-            lora, opt_state, loss = step(lora, opt_state, rest, batch)
+            loss, _, _ = step(model, optimizer, batch)
             loss.block_until_ready()
             if i:  # the first call compiles
                 times.append(time.perf_counter() - start)

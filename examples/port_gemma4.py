@@ -1,11 +1,13 @@
 """The published Gemma 4 31B LoRA recipe, ported GPU -> TPU with gemport, in miniature.
 
 By default it builds a tiny random Gemma 4 with the 31B layout (k_eq_v global layers with fewer KV heads,
-5 sliding : 1 global) and runs on 8 simulated CPU devices in a few minutes. ``--hf-dir`` takes a real
-checkpoint (with its tokenizer) and ``--fsdp/--tp`` a real TPU slice's mesh. The recipe itself is the short path:
-``gemport.SFTRun`` from the SFTConfig and LoraConfig fields, ``train()``, the two exports and their checks.
+5 sliding : 1 global) and trains it in float32 in a few minutes. ``--hf-dir`` takes a real checkpoint (with its
+tokenizer), trained in the recipe's dtype (TRL's default ``bf16``: a bfloat16 base), and ``--fsdp/--tp`` a real
+TPU slice's mesh. It runs on the JAX devices present (a TPU slice, GPUs); only where there are none, or with
+``--cpu``, on 8 simulated CPU devices. The recipe itself is the short path: ``gemport.SFTRun`` from the SFTConfig
+and LoraConfig fields, ``train()``, the two exports and their checks.
 
-    python examples/port_gemma4.py [--out DIR] [--steps 40] [--hf-dir DIR --fsdp 1 --tp 4]
+    python examples/port_gemma4.py [--out DIR] [--steps 40] [--hf-dir DIR --fsdp 1 --tp 4] [--cpu]
 """
 
 from __future__ import annotations
@@ -16,15 +18,8 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
-
-if "jax" not in sys.modules and not os.environ.get("JAX_PLATFORMS"):
-    # 8 simulated devices on the host CPU; on a busy 2-core machine one device can reach an all-reduce long
-    # after the others, so XLA's 40 s stuck-collective abort is raised.
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + (
-        " --xla_force_host_platform_device_count=8 --xla_cpu_collective_call_terminate_timeout_seconds=900"
-    )
 
 DATA = Path(__file__).parent / "data" / "verilog_chat.jsonl"
 
@@ -35,7 +30,7 @@ SFT_CONFIG = {"assistant_only_loss": True, "packing": True, "max_length": 384,  
               "learning_rate": 3e-3, "lr_scheduler_type": "cosine", "warmup_steps": 4, "weight_decay": 0.01,
               "max_grad_norm": 1.0, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "seed": 42,
               "eval_strategy": "steps", "eval_steps": 20, "per_device_eval_batch_size": 4, "save_steps": 10,
-              "save_total_limit": 2, "bf16": False}
+              "save_total_limit": 2}  # bf16 left at TRL's default (on): the base trains in bfloat16
 
 # Tiny, but shaped like 31B: 8 query heads, 8 sliding KV heads, 4 global K-only heads (so tp=8 fails, as on 31B).
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=8,
@@ -43,6 +38,32 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
             attention_k_eq_v=True, sliding_window=64, hidden_size_per_layer_input=0, final_logit_softcapping=30.0)
 
 EVAL_CONVERSATIONS = 8  # held out of training, for the trainer's eval
+
+
+def jax_environment(cpu: bool, environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables to set before JAX starts (returned, not set): 8 simulated devices for the host CPU platform,
+    which JAX uses only when no accelerator is present, and ``JAX_PLATFORMS=cpu`` only when ``cpu`` asks.
+
+    On a busy 2-core machine one simulated device can reach an all-reduce long after the others, so XLA's 40 s
+    stuck-collective abort is raised too. A ``JAX_PLATFORMS`` or host device count already set is kept.
+    """
+    out = {}
+    flags = environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        out["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8"
+                            " --xla_cpu_collective_call_terminate_timeout_seconds=900").strip()
+    if cpu:
+        out["JAX_PLATFORMS"] = "cpu"
+    return out
+
+
+def sft_config(hf_dir: Path | None, steps: int, output_dir: Path) -> dict:
+    """The recipe's SFTConfig fields for this run: a real checkpoint in the recipe's dtype (TRL's ``bf16``), the
+    random miniature in float32 (its checks compare float32 computations)."""
+    config = {**SFT_CONFIG, "max_steps": steps, "output_dir": str(output_dir)}
+    if hf_dir is None:
+        config["bf16"] = False
+    return config
 
 
 def tiny_checkpoint(out: Path, conversations: list) -> Path:
@@ -79,7 +100,11 @@ def main(argv=None) -> int:
     parser.add_argument("--fsdp", type=int)
     parser.add_argument("--tp", type=int)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--cpu", action="store_true", help="run on 8 simulated CPU devices even where an "
+                                                           "accelerator is present")
     args = parser.parse_args(argv)
+    if "jax" not in sys.modules:
+        os.environ.update(jax_environment(args.cpu, os.environ))
 
     import jax
 
@@ -97,7 +122,7 @@ def main(argv=None) -> int:
     for plan in gemport.valid_meshes(spec, jax.device_count(), lora_spec=gemport.LoraSpec.from_peft(PEFT_CONFIG)):
         print(f"  {plan}")
     run = gemport.SFTRun.create(
-        {**SFT_CONFIG, "max_steps": args.steps, "output_dir": str(work / "run")}, base,
+        sft_config(args.hf_dir, args.steps, work / "run"), base,
         records[:-EVAL_CONVERSATIONS], eval_dataset=records[-EVAL_CONVERSATIONS:], lora=PEFT_CONFIG,
         fsdp=args.fsdp, tp=args.tp, chat_format=gemport.masks.Gemma4(thinking="on", keep_reasoning=True))
     print(f"mesh {dict(run.mesh.shape)}; {len(run.examples)} chats -> {run.max_steps} steps of "

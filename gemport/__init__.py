@@ -17,7 +17,7 @@ The common flow reads from here, one call per step::
     trainer = gemport.HFPeftTrainer(model, optimizer.tx, config, lora_spec=...)   # or gemport.train_step
     gemport.export_merged("checkpoints", "merged", base_dir="gemma-4-31b-it")      # for vLLM
 
-``import gemport`` is cheap: every name, and the submodules (``specs``, ``names``, ``checkpoint``, ``mesh``,
+``import gemport`` is cheap: every name, and the submodules (``specs``, ``names``, ``checkpoint``, ``mesh``, ``plan``,
 ``sharding``, ``lora``, ``masks``, ``optim``, ``train``, ``parity``, ``verify``, ``engines``, ``dpo``), load JAX and
 friends on first use. The submodules hold the rest of the API.
 """
@@ -28,6 +28,7 @@ from gemport import errors
 from gemport.errors import (
     BatchError,
     CheckpointError,
+    CheckpointWarning,
     CorruptFileError,
     EngineError,
     GemportError,
@@ -42,21 +43,22 @@ from gemport.errors import (
     SpecError,
     TemplateMismatchError,
     TemplateMismatchWarning,
+    TrainingError,
     UnexpectedTensorError,
     UnsafePathError,
 )
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("specs", "names", "checkpoint", "mesh", "sharding", "lora", "masks", "optim", "train", "parity",
+_SUBMODULES = ("specs", "names", "checkpoint", "mesh", "plan", "sharding", "lora", "masks", "optim", "train", "parity",
                "verify", "engines", "dpo")
 
 # Top-level name -> the module that defines it, imported on first access.
 _LAZY = {
     "GemmaSpec": "gemport.specs",
     "make_mesh": "gemport.mesh",
-    "memory_plan": "gemport.mesh",
-    "valid_meshes": "gemport.mesh",
+    "memory_plan": "gemport.plan",
+    "valid_meshes": "gemport.plan",
     "load_hf": "gemport.checkpoint",
     "load_model": "gemport.checkpoint",
     "save_hf": "gemport.checkpoint",

@@ -72,7 +72,7 @@ def _lora_spec(path: str | None):
 
 
 def plan(args) -> int:
-    from gemport.mesh import valid_meshes
+    from gemport.plan import valid_meshes
 
     if args.lora_rank is not None and args.lora_rank < 1:
         raise LoraError(f"--lora-rank {args.lora_rank}: a LoRA rank is a positive integer (omit it for full "
@@ -110,7 +110,7 @@ def plan(args) -> int:
         # Compiling needs no accelerator, and a plan must not take (or wait for) the one a run may hold.
         jax.config.update("jax_platforms", "cpu")
     if args.compile and not args.tpu:
-        from gemport.mesh.compiled import CPU_MEMORY_SCHEDULER
+        from gemport.plan.compiled import CPU_MEMORY_SCHEDULER
 
         # Read when JAX's CPU backend starts: in a fresh process, before anything has run.
         flags = os.environ.get("XLA_FLAGS", "")
@@ -134,18 +134,18 @@ def plan(args) -> int:
 def _compiled_peak(spec, lora, qlora, p, args) -> str:
     """The compiled peak per device of the train step on plan ``p``'s mesh: of the TPU slice's chips (libtpu's
     compiler) with --tpu, else of this host's CPU devices."""
-    from gemport.mesh import compiled_peak
+    from gemport.plan import compiled_peak
 
     if lora is None or args.batch is None:
         raise MeshError("--compile compiles the LoRA train step: give --lora-rank or --lora-config, --batch and "
                         "--seq-len")
     try:
         peak = compiled_peak(spec, lora, p.fsdp, p.tp, batch=args.batch, seq_len=args.seq_len, qlora=qlora,
-                             tpu=args.tpu, **_given(args, param_dtype="param_dtype", remat="remat"))
+                             tpu=args.tpu, remat=p.step.remat, **_given(args, param_dtype="param_dtype"))
     except MeshError as e:
         return f"not compiled: {e}"
     compiler = f"TPU {args.tpu}, libtpu's compiler" if args.tpu else "XLA:CPU"
-    return f"compiled peak ({compiler}, the step gemport trains with): {peak / 2**30:.2f} GiB ({peak} bytes) per device"
+    return f"compiled peak ({compiler}, the step SFTRun.train() runs): {peak / 2**30:.2f} GiB ({peak} bytes) per device"
 
 
 def convert(args) -> int:
@@ -198,6 +198,9 @@ def verify(args) -> int:
     from gemport.verify import compare_logits
 
     hf_dir, adapter = Path(args.hf_dir), None
+    # --engine tunix: both sides in the dtype; --engine vllm: vLLM's, beside float32 references.
+    dtype = str(args.dtype)
+    tunix_dtype = dtype if args.engine == "tunix" else "float32"
     if (hf_dir / "adapter_config.json").is_file():
         if not args.base:
             raise CheckpointError(f"{hf_dir} is a PEFT adapter: pass --base, the checkpoint it adapts")
@@ -206,14 +209,15 @@ def verify(args) -> int:
         base = Path(args.base or hf_dir)
         spec = _spec(str(base))
         lora = load_lora(args.lora, lora_spec=_lora_spec(args.lora_config), step=args.step)
-        model = apply_lora(load_model(base, spec=spec), spec, lora)
+        model = apply_lora(load_model(base, spec=spec, param_dtype=tunix_dtype), spec, lora)
     elif args.engine == "vllm":
         model = None
     else:
-        model = load_model(hf_dir)
+        model = load_model(hf_dir, param_dtype=tunix_dtype)
     if args.engine == "vllm":
         return _verify_vllm(args, hf_dir, adapter, model)
-    report = compare_logits(hf_dir, model, adapter_dir=adapter, **_given(args, seq_len="seq_len", atol="atol"))
+    report = compare_logits(hf_dir, model, adapter_dir=adapter, dtype=dtype,
+                            **_given(args, seq_len="seq_len", within="within", atol="atol"))
     print(report)
     return 0 if report.ok else 1
 
@@ -246,13 +250,17 @@ def peft_for_vllm(args) -> int:
 
 
 def parity(args) -> int:
-    from gemport.parity import Tolerances, miniature, read_recipe, trajectory
+    from gemport.parity import Tolerances, dropout_note, miniature, read_recipe, trajectory, without_dropout
+    from gemport.plots import write_parity
 
     sft, lora = read_recipe(args.config)
     if args.lora_config:
         lora = args.lora_config
     if not lora:
         raise LoraError(f"{args.config}: no lora_r/lora_target_modules; pass --lora-config adapter_config.json")
+    lora, dropout = without_dropout(lora)
+    if dropout:
+        print(dropout_note(dropout))
     port = read_recipe(args.port_config)[0] if args.port_config else None
     with tempfile.TemporaryDirectory(prefix="gemport-miniature-") as work:
         base, tokenizer = args.base, None
@@ -266,6 +274,9 @@ def parity(args) -> int:
                             port_sft_config=port, fast=args.fast,
                             tolerances=Tolerances(**_given(args, loss="rtol", grad_norm="rtol"),
                                                   adapter=args.adapter_rtol))
+    numbers, picture = write_parity(report, args.out)
+    print(f"wrote {numbers}" + (f", {picture}" if picture else
+                                 " (parity.png needs matplotlib: pip install 'gemport[plot]')"))
     print(report.table())
     return 0 if report.ok else 1
 
@@ -287,7 +298,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--lora-rank", type=int, help="LoRA rank on all seven projections (omit both LoRA options for "
                                                  "full fine-tuning)")
     c.add_argument("--lora-config", help="a PEFT adapter_config.json or its directory: targets and per-module ranks")
-    c.add_argument("--param-dtype", default=Default("gemport.mesh.memory_plan", "param_dtype"),
+    c.add_argument("--param-dtype", default=Default("gemport.plan.memory_plan", "param_dtype"),
                    help="parameter dtype (default %(default)s)")
     c.add_argument("--qlora", metavar="QTYPE", help="QLoRA: the projections on a 4-bit base as load_qlora_model "
                                                    "places it (bitsandbytes' bnb_4bit_quant_type: nf4)")
@@ -296,7 +307,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--batch", type=int, help="rows per train step, all devices together (with --seq-len: add the "
                                              "step's gradients, activations, logits)")
     c.add_argument("--seq-len", type=int, help="tokens per row")
-    c.add_argument("--remat", default=Default("gemport.mesh.memory_plan", "remat"),
+    c.add_argument("--remat", default=Default("gemport.plan.memory_plan", "remat"),
                    help="Tunix remat_config of the step, a RematConfig name in lower case (default %(default)s)")
     c.add_argument("--compile", action="store_true",
                    help="also lower and compile the LoRA train step for abstract inputs, for --tpu's chips or else "
@@ -341,16 +352,21 @@ def parser() -> argparse.ArgumentParser:
                        description="Run the same tokens through transformers and Tunix and report the largest "
                                    "logit difference. HF_DIR alone: the checkpoint against its Tunix load. With "
                                    "--base and --lora: an export (merged dir or PEFT adapter) against Tunix "
-                                   "with the LoRA. Exit status 1 when they disagree beyond --atol.")
+                                   "with the LoRA. The distance is judged against a floor measured on the same tokens "
+                                   "(N x the floor); exit status 1 when they disagree beyond --within (or --atol).")
     c.add_argument("hf_dir", help="an HF checkpoint, a merged export, or a PEFT adapter")
     c.add_argument("--base", help="the base HF checkpoint (for an export or an adapter)")
     c.add_argument("--lora", help="the Orbax LoRA checkpoint the export came from")
     _add_lora_source(c, "--lora checkpoint")
     c.add_argument("--seq-len", type=int, default=Default("gemport.verify.compare_logits", "seq_len"),
                    help="tokens per row (default %(default)s)")
-    c.add_argument("--atol", type=float, default=Default("gemport.verify.compare_logits", "atol"),
-                   help="max-abs tolerance on logits, or on log-probabilities with --engine vllm (default "
-                        "%(default)s)")
+    c.add_argument("--within", type=float, default=Default("gemport.verify.compare_logits", "within"),
+                   help="--engine tunix: agree within this multiple of the floor measured on the same tokens "
+                        "(transformers eager vs sdpa in float32; transformers bfloat16 vs float32 in bfloat16) "
+                        "(default %(default)s)")
+    c.add_argument("--atol", type=float, default=Default("gemport.verify.compare_vllm", "atol"),
+                   help="--engine tunix: a fixed max-abs tolerance on logits, chosen instead of --within; --engine "
+                        "vllm: the tolerance on log-probabilities (default %(default)s there)")
     c.add_argument("--engine", choices=("tunix", "vllm"), default="tunix",
                    help="tunix (default): logits of Tunix and transformers; vllm: serve HF_DIR (a merged export, "
                         "or a PEFT adapter on --base) on vLLM and compare its greedy continuations and top-5 "
@@ -362,10 +378,10 @@ def parser() -> argparse.ArgumentParser:
                    help="--engine vllm: random prompts of --seq-len tokens (default %(default)s)")
     c.add_argument("--max-tokens", type=int, default=Default("gemport.verify.compare_vllm", "max_tokens"),
                    help="--engine vllm: tokens generated per prompt (default %(default)s)")
-    c.add_argument("--dtype", default=Default("gemport.verify.compare_vllm", "dtype"),
-                   help="--engine vllm: vLLM's dtype (default %(default)s, as the "
-                                                      "references compute; bfloat16 for a model too large for it, "
-                                                      "with a looser --atol)")
+    c.add_argument("--dtype", default=Default("gemport.verify.compare_vllm", "dtype"), choices=("float32", "bfloat16"),
+                   help="float32 or bfloat16 (default %(default)s). --engine tunix: Tunix and transformers both "
+                        "load in it, judged against its floor; --engine vllm: vLLM's dtype (the references "
+                        "compute in float32; bfloat16 for a model too large for it, with a looser --atol)")
     c.set_defaults(run=verify)
 
     c = sub.add_parser("peft-for-vllm", help="a PEFT adapter made elsewhere -> one vLLM serves exactly",
@@ -402,6 +418,9 @@ def parser() -> argparse.ArgumentParser:
                    help="run on a random miniature of BASE's architecture (6 layers, narrow, same heads and "
                         "pattern) instead of its weights; BASE needs only config.json and the tokenizer")
     c.add_argument("--vocab-size", type=int, help="the miniature's vocabulary (default: BASE's, so its tokenizer fits)")
+    c.add_argument("--out", default="gemport-parity", metavar="DIR",
+                   help="where parity.json (every figure) and parity.png (loss and grad_norm per step of both sides, "
+                        "their relative differences against the tolerances) go (default %(default)s)")
     c.set_defaults(run=parity)
 
     add_sft_parser(sub)

@@ -8,7 +8,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from gemport.errors import CheckpointError, LoraError
+from gemport._src.extras import require
+from gemport.errors import CheckpointError, LoraError, MeshError
 
 DESCRIPTION = """\
 Run a `trl sft --config sft.yaml` recipe on the JAX devices present (a TPU slice; CPU for a miniature):
@@ -23,8 +24,13 @@ eval_steps, logging every logging_steps, checkpoints every save_steps (save_tota
 output_dir receives what a TRL user expects: trainer_state.json (HF's log_history, rewritten at every
 logging step), checkpoints/<step> (Orbax, with the LoRA spec), runs/ (TensorBoard, when report_to names
 it) and at the end adapter_config.json + adapter_model.safetensors, as trainer.save_model() leaves them;
---merge adds merged/, the base with the adapter merged in (for vLLM). Running the command again resumes
-from the last complete checkpoint, exactly (resume_from_checkpoint too).
+--merge adds merged/, the base with the adapter merged in (for vLLM); --plot adds loss.png, the training
+and eval loss curves. report_to: tensorboard, wandb, trackio, all (those installed) or none, under HF's
+metric names (train/loss, eval/loss, ...) with run_name and project; W&B reads WANDB_PROJECT, WANDB_MODE
+(offline: no network), trackio TRACKIO_DIR. Running the command again resumes from the last complete
+checkpoint, exactly, when the recipe is the one they trained (checkpoints/gemport_recipe.json); a changed
+recipe is refused, naming what changed, unless resume_from_checkpoint is set. output_dir must lie outside
+every input (model, data, --init-adapter, chat_template_path).
 
 On SIGTERM (a spot / preemptible VM being reclaimed) the run saves the checkpoint of the step it reaches
 and exits with status 143; the same command then resumes from it. A QLoRA recipe (load_in_4bit with
@@ -35,7 +41,7 @@ Past one host, run the same command on every host with --coordinator-address HOS
 SLURM). Every host needs the base, the data and the YAML at the same paths and output_dir on shared
 storage; each lays out only its devices' rows, checkpoints are written by all, logs and exports by process 0.
 
-Fields without a TPU counterpart (bf16, gradient_checkpointing, dataloader_num_workers, ...) are accepted
+Fields without a TPU counterpart (bf16, torch_compile, dataloader_num_workers, ...) are accepted
 and said; a field gemport does not reproduce, set away from TRL's default, is an error naming it.
 docs/sft.md lists every field."""
 
@@ -45,6 +51,7 @@ examples:
   gemport sft --config sft.yaml --learning_rate 1e-4 --max_steps 200 --output_dir out
   gemport sft --config sft.yaml --init-adapter gpu_adapter/ --merge
   gemport sft --config sft.yaml --fsdp 1 --tp 4
+  gemport sft --config sft.yaml --dry-run --tpu v5p-8
   gemport sft --config sft.yaml --coordinator-address 10.0.0.2:8476 --num-processes 2 --process-id 0"""
 
 
@@ -52,7 +59,8 @@ def add_parser(sub) -> None:
     """Register ``gemport sft`` on the ``gemport`` subparsers."""
     c = sub.add_parser("sft", help="run a `trl sft --config` recipe (YAML + --key value overrides) on JAX devices",
                        usage="gemport sft [--config sft.yaml] [--key value ...] [--init-adapter DIR] [--merge] "
-                             "[--fsdp N] [--tp N] [--coordinator-address HOST:PORT --num-processes N "
+                             "[--plot] [--fsdp N] [--tp N] [--dry-run [--tpu SLICE]] "
+                             "[--coordinator-address HOST:PORT --num-processes N "
                              "--process-id I | --distributed]",
                        description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
                        allow_abbrev=False)
@@ -62,8 +70,17 @@ def add_parser(sub) -> None:
                         "its adapter_config.json replaces the recipe's lora_* fields")
     c.add_argument("--merge", action="store_true", help="also write output_dir/merged: the base with the adapter "
                                                         "merged in")
+    c.add_argument("--plot", action="store_true", help="also write output_dir/loss.png: the training and eval loss "
+                                                       "of trainer_state.json (pip install 'gemport[plot]')")
     c.add_argument("--fsdp", type=int, help="mesh fsdp size (default: from the plan)")
     c.add_argument("--tp", type=int, help="mesh tp size (default: the largest that fits)")
+    c.add_argument("--dry-run", action="store_true",
+                   help="train nothing: build the run from config.json alone (no weight read), compile its train "
+                        "step for the first step's batch (max_length rows without dataset_name) and print per "
+                        "chip what it holds, whether it fits and its FLOPs per token; exit 1 if it does not fit. "
+                        "Nothing is written")
+    c.add_argument("--tpu", metavar="SLICE", help="with --dry-run: compile for this TPU slice's chips (e.g. v5p-8; "
+                                                  "libtpu's compiler on this host) instead of this host's devices")
     d = c.add_argument_group("several hosts (jax.distributed.initialize; one process per host)")
     d.add_argument("--coordinator-address", metavar="HOST:PORT",
                    help="process 0's address, the same on every host (default: $JAX_COORDINATOR_ADDRESS)")
@@ -72,15 +89,6 @@ def add_parser(sub) -> None:
     d.add_argument("--distributed", action="store_true",
                    help="join a multi-process run whose settings JAX detects (TPU pod slices, SLURM, k8s)")
     c.set_defaults(run=run, overrides=True)
-
-
-def _dtype(model: dict, sft: dict):
-    import jax.numpy as jnp
-
-    name = model.get("dtype")
-    if name not in (None, "auto"):
-        return jnp.dtype(name)
-    return jnp.bfloat16 if sft["bf16"] else jnp.float32
 
 
 def _initialize(args) -> None:
@@ -92,19 +100,6 @@ def _initialize(args) -> None:
         import jax
 
         jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
-
-
-def _tokenizer(base: str, chat_template_path: str | None):
-    import transformers
-
-    tokenizer = transformers.AutoTokenizer.from_pretrained(base)
-    if chat_template_path is not None:
-        path = Path(chat_template_path)
-        if not (path.is_file() and path.suffix in (".jinja", ".j2")):
-            raise LoraError(f"chat_template_path={chat_template_path!r}: gemport reads a .jinja/.j2 template file; "
-                            "copying a template from another tokenizer (which may add tokens) is not ported")
-        tokenizer.chat_template = path.read_text()
-    return tokenizer
 
 
 def _resume_point(value, root: Path) -> None:
@@ -133,15 +128,22 @@ def _put(build, target: Path) -> None:
 
 
 def run(args) -> int:
+    if args.tpu and not args.dry_run:
+        raise MeshError(f"--tpu {args.tpu} compiles for a slice this host is not: give it with --dry-run")
+    if args.dry_run:
+        _compile_here(args)
     _initialize(args)
     import jax
 
+    from gemport.checkpoint.output import check_outside
     from gemport.checkpoint.peft_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS
     from gemport.train import recipe as trl_recipe
     from gemport.train.data import load_splits
+    from gemport.train.lock import claim_output
     from gemport.train.outputs import TRAINER_STATE
     from gemport.train.preemption import Preempted
     from gemport.train.run import CHECKPOINTS, SFTRun
+    from gemport.train.trackers import names
 
     primary = jax.process_index() == 0
 
@@ -151,10 +153,13 @@ def run(args) -> int:
 
     recipe = trl_recipe.read(args.config, trl_recipe.parse_overrides(args.extra))
     sft, model, script = recipe.sft, recipe.model, recipe.script
+    names(sft["report_to"])  # each tracker named is installed, before anything loads
+    if args.plot:
+        require("matplotlib", "gemport sft --plot")
     base = model.get("model_name_or_path")
     if not base:
         raise CheckpointError("model_name_or_path: not set; give the HF Gemma checkpoint directory")
-    if not script.get("dataset_name"):
+    if not script.get("dataset_name") and not args.dry_run:
         raise CheckpointError("dataset_name: not set; give a data file, folder, saved dataset or hub name")
     lora = recipe.lora()
     if args.init_adapter:
@@ -162,8 +167,14 @@ def run(args) -> int:
     elif lora is None:
         raise LoraError("use_peft is not set: gemport sft trains LoRA; set use_peft: true with lora_r, lora_alpha "
                         "and lora_target_modules, or pass --init-adapter DIR")
+    if args.dry_run:
+        return _dry_run(args, recipe, lora, say)
     output_dir = Path(sft["output_dir"] or "trainer_output")  # HF's default
     sft["output_dir"] = str(output_dir)
+    inputs = (base, script["dataset_name"], args.init_adapter, sft["chat_template_path"], args.config)
+    check_outside(output_dir, *(p for p in inputs if p and Path(p).exists()))
+    if primary:  # writable, and no other run in it: before anything long starts
+        claim_output(output_dir)
     _resume_point(sft["resume_from_checkpoint"], output_dir / CHECKPOINTS)
     qlora = recipe.qlora()
     for note in recipe.notes:
@@ -174,8 +185,7 @@ def run(args) -> int:
         train_split=script.get("dataset_train_split", "train"), test_split=script.get("dataset_test_split", "test"),
         with_test=sft["eval_strategy"] != "no")
     sft_run = SFTRun.create(sft, base, train_data, lora=lora, eval_dataset=test_data, init_adapter=args.init_adapter,
-                            fsdp=args.fsdp, tp=args.tp, dtype=_dtype(model, sft), qlora=qlora,
-                            tokenizer=_tokenizer(base, sft["chat_template_path"]),
+                            fsdp=args.fsdp, tp=args.tp, dtype=recipe.dtype(), qlora=qlora,
                             progress=not sft["disable_tqdm"])
     report = sft_run.report
     dropped = report.dropped_too_long + report.dropped_no_target
@@ -205,14 +215,58 @@ def run(args) -> int:
         return 0
     staged = output_dir / ".adapter"
     _put(lambda tmp: export_peft(trained, tmp, base_dir=sft_run.base_dir, base_model_name_or_path=str(base)), staged)
-    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+    for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):  # the config last: a killed move leaves no new config on old weights
         os.replace(staged / name, output_dir / name)
     shutil.rmtree(staged)
     say(f"wrote {output_dir / ADAPTER_CONFIG}, {output_dir / ADAPTER_WEIGHTS}")
     if args.merge:
         _put(lambda tmp: export_merged(trained, tmp, base_dir=sft_run.base_dir), output_dir / "merged")
         say(f"wrote {output_dir / 'merged'}")
+    if args.plot:
+        from gemport.plots import loss_curves
+
+        say(f"wrote {loss_curves(output_dir / TRAINER_STATE, output_dir / 'loss.png')}")
     return 0
+
+
+def _compile_here(args) -> None:
+    # Before JAX starts: a compile for a TPU slice runs on this host's CPU (and must not take a TPU a run may
+    # hold); XLA:CPU orders a program for memory, as accelerators do, only with this flag.
+    from gemport.plan.compiled import CPU_MEMORY_SCHEDULER
+
+    if args.tpu and "JAX_PLATFORMS" not in os.environ:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    flags = os.environ.get("XLA_FLAGS", "")
+    if not args.tpu and CPU_MEMORY_SCHEDULER not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {CPU_MEMORY_SCHEDULER}".strip()
+
+
+def _dry_run(args, recipe, lora, say) -> int:
+    """Compile the run's train step (``gemport.plan.dry_run`` of an abstract ``SFTRun``) and say whether it fits."""
+    from gemport.mesh import TpuSlice, make_mesh, slice_devices
+    from gemport.plan import HBM, dry_run
+    from gemport.specs import GemmaSpec
+    from gemport.train.data import load_splits
+    from gemport.train.run import SFTRun
+
+    sft, model, script = recipe.sft, recipe.model, recipe.script
+    base = model["model_name_or_path"]
+    data = tokenizer = None
+    if script.get("dataset_name"):
+        data, _ = load_splits(script["dataset_name"], script.get("dataset_config"),
+                              train_split=script.get("dataset_train_split", "train"), with_test=False)
+        tokenizer = _tokenizer(base, sft["chat_template_path"])
+    devices = slice_devices(args.tpu) if args.tpu else None
+    mesh = make_mesh(GemmaSpec.from_hf(base), fsdp=args.fsdp, tp=args.tp, devices=devices)
+    sft_run = SFTRun.create(sft, base, data, lora=lora, init_adapter=args.init_adapter, mesh=mesh,
+                            dtype=_dtype(model, sft), qlora=recipe.qlora(), tokenizer=tokenizer,
+                            progress=not sft["disable_tqdm"], abstract=True)
+    where = f"TPU {args.tpu}" if args.tpu else "this host"
+    say(f"dry run on {where}: {'the first step of the data' if data is not None else 'rows of max_length'}, "
+        "compiling the train step (nothing is trained or written)")
+    report = dry_run(sft_run, hbm_bytes=HBM[TpuSlice.parse(args.tpu).generation] if args.tpu else None)
+    say(str(report))
+    return 1 if report.fits is False else 0
 
 
 __all__ = ["DESCRIPTION", "add_parser", "run"]

@@ -40,6 +40,15 @@ class UnsafePathError(CheckpointError):
     """A path points outside the checkpoint directory, or an output would land inside an input."""
 
 
+class CheckpointWarning(UserWarning):
+    """Not an error: a training checkpoint was damaged and set aside; the run resumes from an older intact one."""
+
+
+class TrainingError(GemportError, ArithmeticError):
+    """A training step went wrong in a way that would silently spoil what follows (a non-finite loss or
+    gradient); names the step and the last checkpoint to resume from."""
+
+
 class MeshError(GemportError, ValueError):
     """A mesh does not fit the model: an axis does not divide a dimension it shards."""
 
@@ -88,6 +97,7 @@ class MissingDependencyError(GemportError, ImportError):
 __all__ = [
     "BatchError",
     "CheckpointError",
+    "CheckpointWarning",
     "CorruptFileError",
     "EngineError",
     "GemportError",
@@ -102,6 +112,7 @@ __all__ = [
     "SpecError",
     "TemplateMismatchError",
     "TemplateMismatchWarning",
+    "TrainingError",
     "UnexpectedTensorError",
     "UnsafePathError",
 ]

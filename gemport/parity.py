@@ -7,6 +7,7 @@ step. Both sides run in float32 on CPU: a disagreement is a difference in what i
 precision.
 """
 
+import copy
 import dataclasses
 import json
 import tempfile
@@ -15,14 +16,12 @@ from pathlib import Path
 from typing import NamedTuple
 
 from gemport.errors import GemportError, LoraError, RecipeError, SpecError
+from gemport.train.recipe import TRL_LORA as _TRL_LORA  # TRL's ModelConfig names for the LoRA fields
 
 # What the comparison fixes on the GPU side whatever the recipe says: one process on CPU, float32, a log
 # line per step, nothing written.
 _GPU_OVERRIDES = dict(logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False, fp16=False,
                       dataloader_num_workers=0, push_to_hub=False)
-# TRL's ModelConfig names for the LoRA fields of a `trl sft --config` file.
-_TRL_LORA = {"lora_r": "r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
-             "lora_target_modules": "target_modules", "use_rslora": "use_rslora"}
 
 
 FLOOR_MULTIPLE = 10
@@ -184,7 +183,33 @@ def read_recipe(path):
     names = {f.name for f in dataclasses.fields(SFTConfig)}
     sft = {k: v for k, v in fields.items() if k in names}
     lora = {_TRL_LORA[k]: v for k, v in fields.items() if k in _TRL_LORA}
+    if lora and "lora_dropout" not in lora:  # trl sft's ModelConfig default (0.05), not PEFT's LoraConfig's (0)
+        from trl import ModelConfig
+
+        lora["lora_dropout"] = {f.name: f.default for f in dataclasses.fields(ModelConfig)}["lora_dropout"]
     return sft, lora
+
+
+def without_dropout(lora_config):
+    """(the ``peft.LoraConfig`` of ``lora_config`` with ``lora_dropout=0``, the dropout it had).
+
+    ``trajectory`` compares step by step, which random masks would defeat: torch and JAX draw different ones.
+    A recipe with dropout p is compared at p = 0, the rest unchanged, and says so; gemport's dropout at p
+    (PEFT's rule: rate p on each adapted projection's LoRA input, kept values scaled by 1 / (1 - p), training
+    only) is matched to PEFT in distribution by gemport's tests (mask rate and scaling, expected gradient).
+    """
+    given = _lora_config(lora_config, dropout=True)
+    config = copy.copy(given)
+    config.lora_dropout = 0.0
+    return config, given.lora_dropout
+
+
+def dropout_note(p: float) -> str:
+    """The line ``gemport parity`` prints for a recipe with LoRA dropout ``p`` > 0, compared at 0."""
+    return (f"lora_dropout={p}: compared with lora_dropout=0 on both sides, the rest of the recipe unchanged "
+            f"(dropout masks are random, and torch and JAX draw different ones). At lora_dropout={p} gemport drops "
+            "out as PEFT does (rate p on each adapted projection's LoRA input, kept values scaled by 1/(1-p), in "
+            "training only), tested against PEFT in distribution by gemport's tests, not by this run")
 
 
 def _sft_config(config, overrides):
@@ -197,7 +222,7 @@ def _sft_config(config, overrides):
     return dataclasses.replace(config, **overrides)
 
 
-def _lora_config(config):
+def _lora_config(config, dropout=False):
     import peft
 
     if isinstance(config, (str, Path)):
@@ -206,10 +231,10 @@ def _lora_config(config):
     if isinstance(config, Mapping):
         names = {f.name for f in dataclasses.fields(peft.LoraConfig)}
         config = peft.LoraConfig(**{k: v for k, v in config.items() if k in names and k != "peft_type"})
-    if config.lora_dropout:
+    if config.lora_dropout and not dropout:
         raise RecipeError(
             f"LoraConfig.lora_dropout={config.lora_dropout}: dropout draws random masks that differ between "
-            "torch and JAX; compare with lora_dropout=0 (the rest of the recipe unchanged)"
+            "torch and JAX; compare with lora_dropout=0 (the rest of the recipe unchanged: without_dropout)"
         )
     return config
 
@@ -221,7 +246,8 @@ def miniature(config, out_dir, *, num_layers=6, hidden_size=64, head_dim=16, sli
     config: an HF checkpoint directory, a ``config.json`` path or its dict (a multimodal config's
     ``text_config`` is used). Kept: the head counts (query, KV, global KV), k_eq_v, the activation, the
     softcap, RoPE, and the sliding/global pattern of the first ``num_layers`` layers with the last one
-    global, as in every Gemma. Narrowed: ``hidden_size``, MLP width (2x hidden), ``head_dim`` (global heads
+    global, as in every Gemma (with KV-shared layers, the unshared part ends sliding, global, and the shared
+    tail, ``num_layers // 3`` layers, is sliding layers then a global one). Narrowed: ``hidden_size``, MLP width (2x hidden), ``head_dim`` (global heads
     2x), ``sliding_window``, per-layer inputs and experts. ``vocab_size`` None keeps the vocabulary, so the
     real tokenizer fits (the embedding is then vocab x hidden floats). Float32 weights from
     ``torch.manual_seed(seed)``; written atomically. Returns ``out_dir`` as a Path.
@@ -256,7 +282,14 @@ def miniature(config, out_dir, *, num_layers=6, hidden_size=64, head_dim=16, sli
         if fields.get("hidden_size_per_layer_input"):
             fields["hidden_size_per_layer_input"] = 8
         if fields.get("num_kv_shared_layers"):
-            fields["num_kv_shared_layers"] = min(fields["num_kv_shared_layers"], num_layers // 3)
+            # KV-shared tails (E2B, E4B): Tunix's sharing equals HF's only when the unshared layers end sliding,
+            # global (gemport.specs.hf), which the first layers of the pattern need not do; so the unshared part
+            # ends so, and the shared tail has a sliding and a global layer as the real one does.
+            shared = max(1, min(fields["num_kv_shared_layers"], num_layers // 3))
+            unshared = (layer_types or ["sliding_attention"] * num_layers)[: num_layers - shared]
+            unshared[-2:] = ["sliding_attention", "full_attention"]
+            fields["layer_types"] = unshared + ["sliding_attention"] * (shared - 1) + ["full_attention"]
+            fields["num_kv_shared_layers"] = shared
         if fields.get("enable_moe_block"):
             fields.update(num_experts=min(fields["num_experts"], 4), top_k_experts=min(fields["top_k_experts"], 2),
                           moe_intermediate_size=hidden_size // 2)
@@ -340,6 +373,9 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
         template = getattr(tokenizer, "chat_template", None) or ""
         if gpu_config.assistant_only_loss and "<|turn>" in template and not has_generation_markers(template):
             tokenizer.chat_template = gemma4_training_template()
+        # Everything the port needs of tokenizer, template and data is checked before either side trains.
+        pipeline = train.from_sft_config(port_config, tokenizer, chat_format=chat_format)
+        examples, _ = pipeline.examples(records, tokenizer, progress=False)
 
         if qlora is not None:
             qlora = dataclasses.replace(qlora, compute_dtype="float32")
@@ -377,8 +413,6 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
         start = import_peft(work / "adapter0", base_dir=base_dir)
         lora_spec = start.lora_spec
         base = load_model(base_dir, spec=spec) if qlora is None else load_qlora_model(base_dir, qlora, spec=spec)
-        pipeline = train.from_sft_config(port_config, tokenizer, chat_format=chat_format)
-        examples, _ = pipeline.examples(records, tokenizer, progress=False)
         hf = hf_optimizer(port_config, num_training_steps=port_config.max_steps)
         step = train.train_step(wrt=nnx.LoRAParam, loss_fn=train.fast_loss if fast else train.tunix_loss)
         batches = [batch for batch, _ in zip(pipeline.batches(examples), logs)]
@@ -458,7 +492,9 @@ __all__ = [
     "StepRow",
     "Tolerances",
     "Trajectory",
+    "dropout_note",
     "miniature",
     "read_recipe",
     "trajectory",
+    "without_dropout",
 ]

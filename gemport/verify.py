@@ -19,40 +19,63 @@ from gemport._src.extras import require
 from gemport.specs import GemmaSpec
 
 
+# How far beyond the floor two correct implementations may land. The floor is a maximum over few tokens, so it
+# varies by a few times with the tokens and weights; Tunix measured 0.7-2.3x it on a checkpoint, up to 5.4x on
+# a merged export (the merge rounds W + BA once more); a corrupted tensor is far beyond.
+WITHIN = 10.0
+
+
 @dataclasses.dataclass(frozen=True)
 class LogitReport:
-    """How two models' logits agree on the same tokens.
+    """How two models' logits agree on the same tokens, judged against a floor measured on those tokens.
 
     Attributes:
-      max_abs_diff: max |tunix - transformers| over every position and vocabulary entry.
+      max_abs_diff: max |tunix - transformers| over every position and vocabulary entry (in bfloat16: Tunix in
+        bfloat16 against transformers in float32, the floor's reference).
       max_abs_logit: max |transformers logit|, for scale.
       shape: (batch, seq_len, vocab) of the compared logits.
-      atol: the tolerance ``ok`` is judged by.
+      floor: the same distance between two correct runs of transformers (``floor_name``), at least one float32
+        unit of the largest logit.
+      floor_name: what the floor compares, e.g. ``"transformers eager vs sdpa, float32"``.
+      distance_name: what ``max_abs_diff`` compares.
+      within: ``ok`` when ``max_abs_diff <= within * floor``.
+      atol: a fixed tolerance chosen instead of the floor's multiple, or None.
     """
 
     max_abs_diff: float
     max_abs_logit: float
     shape: tuple[int, int, int]
-    atol: float
+    floor: float
+    floor_name: str
+    within: float = WITHIN
+    atol: float | None = None
+    distance_name: str = "tunix - transformers"
+
+    @property
+    def multiple(self) -> float:
+        """``max_abs_diff`` in units of the floor."""
+        return self.max_abs_diff / self.floor
 
     @property
     def ok(self) -> bool:
-        return self.max_abs_diff <= self.atol
+        return self.max_abs_diff <= (self.atol if self.atol is not None else self.within * self.floor)
 
     def __str__(self) -> str:
         verdict = "agree" if self.ok else "DISAGREE"
-        return (f"logits {verdict}: max |tunix - transformers| = {self.max_abs_diff:.3g} (atol {self.atol:g}) "
-                f"over {self.shape[0]}x{self.shape[1]} tokens x {self.shape[2]} vocab; max |logit| "
-                f"{self.max_abs_logit:.3g}")
+        rule = f"atol {self.atol:g}" if self.atol is not None else f"agree within {self.within:g} x"
+        return (f"logits {verdict}: max |{self.distance_name}| = {self.max_abs_diff:.3g} = {self.multiple:.3g} x the "
+                f"floor {self.floor:.3g} ({self.floor_name}; {rule}) over {self.shape[0]}x{self.shape[1]} tokens x "
+                f"{self.shape[2]} vocab; max |logit| {self.max_abs_logit:.3g}")
 
 
-def transformers_model(hf_dir: str | Path, *, adapter_dir: str | Path | None = None):
-    """The transformers model of ``hf_dir`` (its ``architectures[0]``) in float32 with eager attention, plus
-    the PEFT adapter at ``adapter_dir`` if given."""
+def transformers_model(hf_dir: str | Path, *, adapter_dir: str | Path | None = None, dtype: str = "float32",
+                       attention: str = "eager"):
+    """The transformers model of ``hf_dir`` (its ``architectures[0]``) in ``dtype`` with ``attention``, plus
+    the PEFT adapter at ``adapter_dir`` if given (PEFT keeps it in float32 on a bfloat16 base)."""
     transformers = require("transformers", "verifying against transformers")
     config = json.loads((Path(hf_dir) / "config.json").read_text())
     cls = getattr(transformers, (config.get("architectures") or ["AutoModelForCausalLM"])[0])
-    model = cls.from_pretrained(hf_dir, dtype="float32", attn_implementation="eager")
+    model = cls.from_pretrained(hf_dir, dtype=dtype, attn_implementation=attention)
     if adapter_dir is not None:
         PeftModel = require("peft", "verifying a PEFT adapter").PeftModel
 
@@ -70,27 +93,60 @@ def tunix_logits(model, tokens: np.ndarray) -> np.ndarray:
     return np.asarray(logits, np.float32)
 
 
+def model_dtype(tunix_model) -> str:
+    """The dtype of a Tunix model's base weights (its embedding), e.g. ``"bfloat16"``."""
+    return str(tunix_model.embedder.input_embedding.get_value().dtype)
+
+
 def compare_logits(hf_dir: str | Path, tunix_model, *, adapter_dir: str | Path | None = None,
-                   tokens: np.ndarray | None = None, seq_len: int = 16, seed: int = 0,
-                   atol: float = 1e-4) -> LogitReport:
-    """Run the same tokens through transformers on ``hf_dir`` (and PEFT ``adapter_dir``) and ``tunix_model``.
+                   tokens: np.ndarray | None = None, seq_len: int = 16, seed: int = 0, dtype: str | None = None,
+                   within: float = WITHIN, atol: float | None = None) -> LogitReport:
+    """Run the same tokens through transformers on ``hf_dir`` (and PEFT ``adapter_dir``) and ``tunix_model``, and
+    judge the distance against a floor measured on the same tokens.
+
+    In float32 the floor is transformers eager against transformers sdpa: two correct attention kernels. In
+    bfloat16 both sides run in bfloat16, and Tunix's distance from transformers' float32 run is judged against
+    transformers' own (its bfloat16 run against its float32 run): the rounding of the dtype itself, which two
+    bfloat16 runs each add independently. One float32 unit of the largest logit bounds the floor from below.
 
     Args:
       hf_dir: an HF checkpoint (e.g. the base, or the output of ``export_merged``).
-      tunix_model: a Tunix Gemma model, with or without Qwix LoRA.
+      tunix_model: a Tunix Gemma model, with or without Qwix LoRA, in ``dtype``.
       adapter_dir: a PEFT adapter to put on the transformers model (e.g. the output of ``export_peft``).
       tokens: int32 [B, T]; default two random rows of ``seq_len`` tokens drawn with ``seed``.
-      atol: the max-abs difference ``LogitReport.ok`` accepts.
+      dtype: ``"float32"`` or ``"bfloat16"``; default the Tunix model's (``model_dtype``).
+      within: ``LogitReport.ok`` accepts up to this multiple of the floor.
+      atol: a fixed max-abs tolerance instead (the floor is still reported).
+
+    Returns:
+      A `LogitReport`.
     """
     torch = require("torch", "verifying against transformers")
-    hf = transformers_model(hf_dir, adapter_dir=adapter_dir)
+    dtype = dtype or model_dtype(tunix_model)
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"compare_logits: dtype {dtype!r}; verify float32 or bfloat16")
+
+    def logits(**kwargs):
+        hf = transformers_model(hf_dir, adapter_dir=adapter_dir, **kwargs)
+        with torch.no_grad():
+            return hf(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()
+
     if tokens is None:
-        vocab = hf.config.get_text_config().vocab_size
+        vocab = GemmaSpec.from_hf(hf_dir).vocab
         tokens = np.random.default_rng(seed).integers(0, vocab, (2, seq_len), dtype=np.int32)
-    with torch.no_grad():
-        expected = hf(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()
+    # One transformers model at a time, so that the host holds one beside the Tunix model.
+    expected = logits()
+    if dtype == "float32":
+        other, floor_name, distance_name = logits(attention="sdpa"), "transformers eager vs sdpa, float32", \
+            "tunix - transformers"
+    else:
+        other, floor_name, distance_name = logits(dtype=dtype), "transformers bfloat16 vs float32", \
+            "tunix bfloat16 - transformers float32"
+    unit = float(np.abs(expected).max()) * float(np.finfo(np.float32).eps)
+    floor = max(float(np.abs(other - expected).max()), unit)
     got = tunix_logits(tunix_model, tokens)
-    return LogitReport(float(np.abs(got - expected).max()), float(np.abs(expected).max()), expected.shape, atol)
+    return LogitReport(float(np.abs(got - expected).max()), float(np.abs(expected).max()), expected.shape, floor,
+                       floor_name, within, atol, distance_name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,10 +256,12 @@ def compare_vllm(hf_dir: str | Path, *, adapter_dir: str | Path | None = None, t
 __all__ = [
     "ContinuationReport",
     "LogitReport",
+    "WITHIN",
     "compare_continuations",
     "compare_logits",
     "compare_vllm",
     "log_softmax",
+    "model_dtype",
     "transformers_model",
     "tunix_logits",
 ]

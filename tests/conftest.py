@@ -50,3 +50,26 @@ def hf_checkpoint(tmp_path_factory):
         return cache[name, kind]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def real_checkpoint(tmp_path_factory):
+    """Factory ``(config name, dtype="float32") -> (torch model, saved directory)``: a tiny model of
+    ``tests/tiny.py`` with a real checkpoint's magnitudes (``tiny.real_magnitudes``: logits of order 100, norm
+    gains to tens, large-norm embedding rows), saved in ``dtype`` (``"bfloat16"`` as Gemma checkpoints ship);
+    each built once per session."""
+    import torch
+
+    from tiny import causal_lm, real_magnitudes
+
+    cache = {}
+
+    def make(name: str, dtype: str = "float32"):
+        if (name, dtype) not in cache:
+            model = real_magnitudes(causal_lm(name)).to(getattr(torch, dtype))
+            path = tmp_path_factory.mktemp(f"{name}-real-{dtype}")
+            model.save_pretrained(path)
+            cache[name, dtype] = (model, path)
+        return cache[name, dtype]
+
+    return make

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
-# Tunix modules whose functions cast to jnp.float32 explicitly (Gemma 3's follow the input dtype).
-TUNIX_FLOAT32_MODULES = ("tunix.models.gemma4.model", "tunix.models.gemma4.moe")
+# Tunix (and gemport's Tunix MoE) modules whose functions cast to jnp.float32 explicitly (Gemma 3's follow the input dtype).
+TUNIX_FLOAT32_MODULES = ("tunix.models.gemma4.model", "tunix.models.gemma4.moe", "gemport._src.moe")
 
 
 # Read bytes as a dtype (safetensors' loading): float32 there is the file's format, not a precision choice.

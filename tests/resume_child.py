@@ -3,14 +3,15 @@
     python resume_child.py HF_DIR JOB [JOB ...]      JOB = LOOP:DIR[:KILL_AFTER]
 
 LOOP is ``peft`` (gemport.train.peft_trainer.HFPeftTrainer) or ``nnx`` (the user's own loop with
-gemport.train.train_step and Tunix's CheckpointManager). Each job trains a tiny Gemma 3 with LoRA for STEPS
-optimizer steps of 2 micro-batches, checkpointing every 2 steps into DIR/checkpoints, resuming from the latest
-checkpoint there if any. It appends to DIR/log.jsonl one line per optimizer step trained: the step, its loss
+gemport.train.train_step and Tunix's CheckpointManager). Each job trains a tiny Gemma 3 with LoRA (dropout
+DROPOUT[LOOP]) for STEPS optimizer steps of 2 micro-batches, checkpointing every 2 steps into DIR/checkpoints,
+resuming from the latest checkpoint there if any. It appends to DIR/log.jsonl one line per optimizer step trained: the step, its loss
 and the micro-batches (by index in the run's data) it consumed; at the end it writes DIR/lora.npz. With
 KILL_AFTER, once step KILL_AFTER has been trained (and the previous checkpoint is on disk) the process kills
 itself with SIGKILL: no exit handler, no flush, no final checkpoint.
 """
 
+import dataclasses
 import json
 import os
 import signal
@@ -37,6 +38,9 @@ ARGS = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_st
             weight_decay=0.1, max_grad_norm=0.5, lr_scheduler_type="cosine", warmup_steps=1, seed=7)
 LORA = LoraSpec.from_peft({"peft_type": "LORA", "r": 8, "lora_alpha": 16,
                            "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]})
+# The PeftTrainer loop (gemport sft's) trains with TRL's default LoRA dropout, whose masks a resume must redraw;
+# the nnx loop without.
+DROPOUT = {"peft": 0.05, "nnx": 0.0}
 OPTIONS = ocp.CheckpointManagerOptions(save_interval_steps=EVERY, max_to_keep=2)
 
 
@@ -91,7 +95,8 @@ def peft(model, steps, out, kill_after):
     config = TrainingConfig(eval_every_n_steps=STEPS + 1, max_steps=STEPS, gradient_accumulation_steps=2,
                             checkpoint_root_directory=str(out / "checkpoints"), checkpointing_options=OPTIONS,
                             pbar_description=None)
-    trainer = RecordingTrainer(model, hf_optimizer(ARGS, num_training_steps=STEPS).tx, config, lora_spec=LORA)
+    trainer = RecordingTrainer(model, hf_optimizer(ARGS, num_training_steps=STEPS).tx, config,
+                               lora_spec=model.lora_spec, seed=ARGS["seed"])
     trainer.with_training_hooks(Recorder(out, kill_after))
     dataset = micro_batches(steps).map_with_index(lambda i, b: {**b, "index": np.full(2, i, np.int32)})
     trainer.train(dataset)
@@ -119,7 +124,8 @@ def main(hf_dir, *jobs):
         loop, out, *kill = job.split(":")
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
-        model = apply_lora(load_model(hf_dir, param_dtype=jnp.float32), spec, LORA, seed=3)
+        lora = dataclasses.replace(LORA, dropout=DROPOUT[loop])
+        model = apply_lora(load_model(hf_dir, param_dtype=jnp.float32), spec, lora, seed=3)
         {"peft": peft, "nnx": nnx_loop}[loop](model, steps, out, int(kill[0]) if kill else None)
         lora = {".".join(map(str, path)): np.asarray(v.get_value())
                 for path, v in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))}

@@ -13,10 +13,10 @@ import pytest
 import gemport
 
 TOP_LEVEL = [
-    "BatchError", "CheckpointError", "CorruptFileError", "EngineError", "GemmaSpec", "GemportError", "HFPeftTrainer", "LoraError", "LoraLayout",
+    "BatchError", "CheckpointError", "CheckpointWarning", "CorruptFileError", "EngineError", "GemmaSpec", "GemportError", "HFPeftTrainer", "LoraError", "LoraLayout",
     "LoraParams", "LoraSpec", "MaskError", "MeshError", "MissingDependencyError", "MissingTensorError",
     "OptimizerConfigError", "RecipeError", "SFTRun", "ShapeMismatchError", "SpecError", "TemplateMismatchError",
-    "TemplateMismatchWarning", "UnexpectedTensorError", "UnsafePathError",
+    "TemplateMismatchWarning", "TrainingError", "UnexpectedTensorError", "UnsafePathError",
     "QLoraSpec", "apply_lora", "audit", "compare_logits", "export_merged", "export_peft", "fix_lora", "from_sft_config",
     "hf_optimizer", "import_peft", "load_hf", "load_model", "load_orbax", "load_qlora_model", "make_mesh", "memory_plan",
     "micro_batches", "optimizer_shardings", "optimizer_steps", "load_lora", "save_hf", "save_lora", "save_orbax",
@@ -32,12 +32,11 @@ SUBPACKAGES = {
     "gemport.engines": ["PYTHON_ENV", "Served", "max_lora_rank", "serve_vllm", "vllm_python"],
     "gemport.lora": [
         "PROJECTIONS", "VLLM_RANKS", "Adapter", "LoraLayout", "LoraParams", "LoraSpec", "Provider", "QLoraSpec",
-        "apply_lora", "factor_axes", "factor_specs", "provider",
+        "apply_lora", "dropout_key", "factor_axes", "factor_specs", "lora_dropout", "provider",
     ],
-    "gemport.mesh": [
-        "HBM", "MemoryPlan", "MeshError", "ShardedDim", "TpuSlice", "compiled_peak", "make_mesh", "memory_plan",
-        "sharded_dims", "slice_devices", "use_mesh", "valid_meshes", "valid_tp",
-    ],
+    "gemport.mesh": ["MeshError", "ShardedDim", "TpuSlice", "make_mesh", "sharded_dims", "slice_devices", "use_mesh",
+                     "valid_tp"],
+    "gemport.plan": ["HBM", "DryRun", "MemoryPlan", "compiled_peak", "dry_run", "memory_plan", "valid_meshes"],
     "gemport.sharding": ["Audit", "AuditRow", "LoraChange", "audit", "fix_lora", "optimizer_shardings"],
     "gemport.specs": ["GLOBAL", "SLIDING", "GemmaSpec"],
     "gemport.train": [
@@ -59,10 +58,16 @@ SUBPACKAGES = {
     "gemport.train.peft_trainer": ["ACCUMULATION", "NUM_ITEMS", "SCOPES", "HFPeftTrainer", "eval_loss", "hf_loss", "micro_batches"],
     "gemport.train.distributed": ["batch_sharding", "device_rows", "global_batch", "process_rows", "process_step"],
     "gemport.train.preemption": ["Preempted", "Preemption"],
-    "gemport.parity": ["StepRow", "Tolerances", "Trajectory", "miniature", "read_recipe", "trajectory"],
+    "gemport.parity": ["StepRow", "Tolerances", "Trajectory", "dropout_note", "miniature", "read_recipe", "trajectory",
+                       "without_dropout"],
+    "gemport.plots": ["loss_curves", "parity_dict", "parity_figure", "write_parity"],
+    "gemport.train.trackers": [
+        "MODULES", "TensorBoard", "Tracker", "Trackio", "Wandb", "hf_names", "installed", "names", "open_trackers",
+        "run_config", "sft_config_dict",
+    ],
     "gemport.verify": [
-        "ContinuationReport", "LogitReport", "compare_continuations", "compare_logits", "compare_vllm", "log_softmax",
-        "transformers_model", "tunix_logits",
+        "ContinuationReport", "LogitReport", "WITHIN", "compare_continuations", "compare_logits", "compare_vllm",
+        "log_softmax", "model_dtype", "transformers_model", "tunix_logits",
     ],
     "gemport.dpo": [
         "METRICS", "PAIR_LOSSES", "DPOLoss", "Preference", "collate", "dpo_loss", "dpo_step", "from_dpo_config",

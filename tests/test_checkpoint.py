@@ -34,7 +34,6 @@ def tensors(directory) -> dict[str, bytes]:
     return {k: ckpt.array(k).tobytes() for k in ckpt.keys()}
 
 
-@pytest.mark.filterwarnings("ignore:Tunix 0.1.7's Gemma 4 MoE")
 @pytest.mark.parametrize("name,kind", CASES)
 def test_tunix_logits_equal_transformers(hf_checkpoint, name, kind):
     model, path = hf_checkpoint(name, kind)

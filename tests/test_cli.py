@@ -6,11 +6,14 @@ real entry point.
 """
 
 import contextlib
+import copy
 import io
+import shutil
 import subprocess
 import sys
 
 import pytest
+import safetensors.torch
 import torch
 
 from gemport.checkpoint import HFCheckpoint
@@ -86,8 +89,8 @@ def test_help_shows_the_library_defaults_it_does_not_repeat():
 
     assert f"(default {default(save_hf, 'max_shard_size')})" in gemport("convert", "--help").stdout
     shown = " ".join(gemport("verify", "--help").stdout.split())
-    for function, name in ((compare_logits, "seq_len"), (compare_logits, "atol"), (compare_vllm, "num_prompts"),
-                           (compare_vllm, "max_tokens"), (compare_vllm, "dtype")):
+    for function, name in ((compare_logits, "seq_len"), (compare_logits, "within"), (compare_vllm, "num_prompts"),
+                           (compare_vllm, "max_tokens"), (compare_vllm, "dtype"), (compare_vllm, "atol")):
         assert f"(default {default(function, name)}" in shown, name
 
 
@@ -153,6 +156,49 @@ def test_export_and_verify(base, checkpoint, tmp_path):
 def test_verify_reports_disagreement(base, checkpoint):
     result = gemport("verify", base, "--lora", checkpoint, ok=False)
     assert result.returncode == 1 and "DISAGREE" in result.stdout
+
+
+def test_verify_judges_a_real_scale_checkpoint_against_its_floor(real_checkpoint, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    model, real = real_checkpoint("gemma3_1b")  # logits past 100: a fixed atol of 1e-4 called this load wrong
+    for dtype in ("float32", "bfloat16"):
+        result = gemport("verify", real, "--dtype", dtype)
+        assert "logits agree" in result.stdout and "x the floor" in result.stdout, result.stdout
+    assert gemport("verify", real, "--atol", "1e-9", ok=False).returncode == 1  # a fixed atol, chosen explicitly
+
+    # A trained adapter (B non-zero) through import and a merged export agrees in both dtypes.
+    torch.manual_seed(0)  # PEFT's A
+    peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "up_proj"]))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    gemport("import-peft", tmp_path / "adapter", real, tmp_path / "checkpoint")
+    gemport("export", real, tmp_path / "checkpoint", tmp_path / "merged")
+    lora = ("--base", real, "--lora", tmp_path / "checkpoint")
+    for dtype in ("float32", "bfloat16"):
+        assert "logits agree" in gemport("verify", tmp_path / "merged", *lora, "--dtype", dtype).stdout
+
+    # The export with one tensor corrupted exits 1: one layer's up_proj rows out of order (gate and up no longer
+    # pair up) in float32; in bfloat16, whose floor on this miniature is a tenth of the logits, every token
+    # reading its neighbour's embedding.
+    def corrupt(name, tensor, fn):
+        out = tmp_path / name
+        shutil.copytree(tmp_path / "merged", out)
+        shard = next(out.glob("*.safetensors"))
+        tensors = safetensors.torch.load_file(shard)
+        tensors[tensor] = fn(tensors[tensor]).contiguous()
+        safetensors.torch.save_file(tensors, shard, metadata={"format": "pt"})
+        return out
+
+    up = corrupt("up", "model.layers.0.mlp.up_proj.weight", lambda w: w[torch.randperm(w.shape[0], generator=generator)])
+    embedding = corrupt("embedding", "model.embed_tokens.weight", lambda w: w.roll(1, 0))
+    for export, dtype in ((up, "float32"), (embedding, "float32"), (embedding, "bfloat16")):
+        result = gemport("verify", export, *lora, "--dtype", dtype, ok=False)
+        assert result.returncode == 1 and "DISAGREE" in result.stdout, result.stdout
 
 
 def test_export_and_verify_failures(base, adapter, tmp_path):

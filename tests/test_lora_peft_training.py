@@ -26,7 +26,7 @@ from gemport.lora import PROJECTIONS, LoraLayout, LoraParams, LoraSpec, apply_lo
 from gemport.optim import hf_optimizer
 from gemport.specs import GemmaSpec
 
-CASES = ["gemma4_dense", "gemma3_1b", "gemma3_qkv"]
+CASES = ["gemma4_dense", "gemma4_moe", "gemma3_1b", "gemma3_qkv"]
 RECIPE = {"learning_rate": 5e-3, "weight_decay": 0.1, "max_grad_norm": 0.5, "warmup_steps": 3,
           "lr_scheduler_type": "cosine"}
 STEPS = 10
@@ -80,8 +80,10 @@ def float64_peft_grads(case, tokens, attention):
     model, path = case[:2]
     mode = float64.TorchFloat64()
     with mode:
+        # torch's grouped matmul, transformers' default for MoE experts, has no float64 kernel.
         base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64,
-                                                                 attn_implementation=attention)
+                                                                 attn_implementation=attention,
+                                                                 experts_implementation="eager")
         model64 = peft.get_peft_model(base, model.peft_config["default"])
         model64.load_state_dict(model.state_dict())
         mode.float32_results.clear()  # PEFT creates its factors in float32 before moving them to the base's dtype
@@ -142,13 +144,15 @@ def torch_steps(model, vocab):
     return np.array(losses)
 
 
-@pytest.mark.parametrize("case", ["gemma4_dense", "gemma3_qkv"], indirect=True)  # kv_einsum and qkv_einsum
+# kv_einsum, qkv_einsum, and the MoE block's routing (the experts frozen, differentiated through)
+@pytest.mark.parametrize("case", ["gemma4_dense", "gemma4_moe", "gemma3_qkv"], indirect=True)
 def test_ten_optimizer_steps_follow_torch(case):
     """Each step's loss within 10x torch's own float32 distance from the same steps in float64 (no float32 step)."""
     model, path, spec, state, lora_spec = case
     torch_losses = torch_steps(copy.deepcopy(model), spec.vocab)
     with float64.TorchFloat64():
-        base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="eager")
+        base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="eager",
+                                                                 experts_implementation="eager")
         model64 = peft.get_peft_model(base, model.peft_config["default"])
         model64.load_state_dict(model.state_dict())
         exact = torch_steps(model64, spec.vocab)

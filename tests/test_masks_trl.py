@@ -67,3 +67,45 @@ def test_trl_comparison_covers_a_merge_across_the_header(trl_labels):
     pieces = tokenizer.convert_ids_to_tokens(rows[0][0].tolist())
     merged = pieces.index("\nSure")
     assert pieces[merged - 1] == "model" and rows[0][1][merged] != -100
+
+
+PLAIN = [{"text": "model\nSure, plain text"}, {"text": "ends with its eos<end_of_turn>"},
+         {"prompt": "Q: use 2+2?", "completion": " It is 4."}, {"prompt": "user", "completion": "model\n\nSure"}]
+
+
+@pytest.mark.parametrize("completion_only_loss", [True, False])
+def test_text_and_prompt_completion_without_a_chat_template_equal_trl(tmp_path, completion_only_loss):
+    """A base model's tokenizer (no chat template): TRL tokenizes text and prompt/completion strings without one,
+    with its BOS and EOS rules; gemport's examples are TRL's rows token for token, mask included."""
+    torch = pytest.importorskip("torch")
+    from datasets import Dataset
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    from trl import SFTConfig, SFTTrainer
+
+    from gemport import train
+
+    from tokenizers import processors
+
+    tokenizer = bpe_tokenizer(GEMMA3_CONTROL)
+    tokenizer.eos_token = "<end_of_turn>"
+    # Gemma's tokenizer prepends <bos> itself, which TRL relies on for text (and not twice for a prompt).
+    bos = ("<bos>", tokenizer.convert_tokens_to_ids("<bos>"))
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[bos])
+    assert not tokenizer.chat_template and tokenizer("a")["input_ids"][0] == bos[1]
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                              num_attention_heads=1, num_key_value_heads=1, head_dim=16)
+    args = SFTConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, completion_only_loss=completion_only_loss)
+    pipeline = train.from_sft_config(args, tokenizer)
+    assert pipeline.chat_format is None
+    for records in (PLAIN[:2], PLAIN[2:]):  # TRL takes one format per dataset
+        trainer = SFTTrainer(model=Gemma3ForCausalLM(config), args=args, processing_class=tokenizer,
+                             train_dataset=Dataset.from_list(records))
+        rows = [trainer.data_collator([row]) for row in trainer.train_dataset]
+        examples, _ = pipeline.examples(records, tokenizer, progress=False)
+        for example, row in zip(examples, rows, strict=True):
+            assert row["input_ids"][0].tolist().count(bos[1]) == 1
+            assert example.tokens.tolist() == row["input_ids"][0].tolist()
+            # Nothing predicts the first token: its label (TRL's labels are shifted in the loss) never counts.
+            assert example.loss_mask[1:].tolist() == (row["labels"][0][1:] != -100).tolist()

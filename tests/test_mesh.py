@@ -12,7 +12,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from gemport import names
 from gemport.lora import LoraSpec
-from gemport.mesh import HBM, MeshError, make_mesh, memory_plan, sharded_dims, valid_meshes, valid_tp
+from gemport.mesh import MeshError, make_mesh, sharded_dims, valid_tp
+from gemport.plan import HBM, memory_plan, valid_meshes
 from gemport.specs import GemmaSpec
 
 G31 = GemmaSpec.preset("gemma4-31b")
@@ -94,6 +95,21 @@ def test_sharded_dims_come_from_tunix_annotations():
     }
 
 
+def test_experts_are_sharded_checked_and_counted():
+    """26B-A4B: fsdp shards the expert stacks' expert axis and tp their widths (Tunix's annotations), a mesh whose
+    fsdp does not divide the experts is refused naming them, and the plan's base holds every expert."""
+    moe = GemmaSpec.preset("gemma4-26b-a4b")
+    dims = {(d.axis, d.dim, d.size, d.where) for d in sharded_dims(moe)}
+    assert {("fsdp", "experts", 128, "every layer"), ("tp", "expert width", 704, "every layer")} <= dims
+    with pytest.raises(MeshError, match=r"fsdp=4 does not divide experts = 6 in every layer \(layers.0.moe"):
+        make_mesh(dataclasses.replace(moe, num_experts=6), fsdp=4, tp=2)
+    experts = moe.num_layers * moe.num_experts * 3 * moe.expert_dim * moe.hidden  # gate, up and down per expert
+    assert experts == sum(math.prod(e.tunix_shape) for e in names.entries(moe) if ".moe." in e.tunix
+                          and e.tunix.endswith(("gating_einsum", "linear")))
+    plan = memory_plan(moe, 1, 1, lora_spec=LoraSpec(16, 32.0), hbm_bytes="v5p")
+    assert plan.base_bytes == 2 * sum(math.prod(e.tunix_shape) for e in names.entries(moe)) > 2 * experts
+
+
 def _lora_elements(spec: GemmaSpec, rank: int) -> int:
     """r * (in + out) per HF projection (PEFT's count), straight from the architecture."""
     total = 0
@@ -109,10 +125,10 @@ def test_31b_plan_on_one_device_counts_every_param_and_lora_factor():
     params = sum(math.prod(e.tunix_shape) for e in names.entries(G31))
     assert params == 30_697_345_340
     assert plan.base_bytes == 2 * params
-    assert plan.lora_bytes == 2 * _lora_elements(G31, 16)
+    assert plan.lora_bytes == 4 * _lora_elements(G31, 16)  # float32 factors on the bfloat16 base, as PEFT's
     assert plan.optimizer_bytes == 2 * plan.lora_bytes
     assert plan.fits is False  # 57.2 GiB of bf16 weights on a 32 GiB v6e chip
-    assert memory_plan(G31, 1, 1, lora_spec=LoraSpec(16, 32.0), moments_dtype="float32").optimizer_bytes == 4 * plan.lora_bytes
+    assert memory_plan(G31, 1, 1, lora_spec=LoraSpec(16, 32.0), moments_dtype="bfloat16").optimizer_bytes == plan.lora_bytes
     full = memory_plan(G31, 1, 1)
     assert full.lora_bytes == 0 and full.optimizer_bytes == 2 * full.base_bytes
 

@@ -2,13 +2,15 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import yaml
 
-from gemport.errors import RecipeError
-from gemport.parity import Tolerances, Trajectory, StepRow, trajectory
+from gemport.errors import MaskError, RecipeError
+from gemport.parity import Tolerances, Trajectory, StepRow, dropout_note, read_recipe, trajectory, without_dropout
 from test_cli import gemport
+from test_trackers import assert_picture
 from test_train_sft import chats, tokenizer
 
 RECIPE = dict(assistant_only_loss=True, max_length=128, per_device_train_batch_size=2, gradient_accumulation_steps=2,
@@ -25,7 +27,9 @@ def recipe(hf_checkpoint, tmp_path_factory):
     shutil.copytree(base, root / "base")
     tokenizer().save_pretrained(root / "base")
     (root / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chats()))
-    (root / "recipe.yaml").write_text(yaml.safe_dump({**RECIPE, "model_name_or_path": "unused", "use_peft": True}))
+    # As most recipes in the wild: lora_dropout left at TRL's default (0.05), which parity compares at 0 and says so.
+    trl_default = {k: v for k, v in RECIPE.items() if k != "lora_dropout"}
+    (root / "recipe.yaml").write_text(yaml.safe_dump({**trl_default, "model_name_or_path": "unused", "use_peft": True}))
     (root / "broken.yaml").write_text(yaml.safe_dump({**RECIPE, "assistant_only_loss": False}))
     return root
 
@@ -34,11 +38,28 @@ def run_cli(*args):
     return gemport("parity", *args, ok=False)
 
 
+@pytest.fixture(autouse=True)
+def in_tmp_path(tmp_path, monkeypatch):
+    """`gemport parity` writes gemport-parity/ (parity.json, parity.png) into the working directory."""
+    monkeypatch.chdir(tmp_path)
+
+
 def test_cli_broken_port_exits_1_naming_step_0_and_the_loss(recipe):
     done = run_cli(recipe / "base", recipe / "data.jsonl", "--config", recipe / "recipe.yaml",
                    "--port-config", recipe / "broken.yaml")
     assert done.returncode == 1, done.stderr[-3000:]
     assert "DISAGREE at step 0: loss" in done.stdout.splitlines()[-1]
+    report = json.loads(Path("gemport-parity/parity.json").read_text())
+    assert not report["ok"] and report["first_disagreement"].startswith("step 0: loss")
+    assert done.stdout.startswith("lora_dropout=0.05: compared with lora_dropout=0 on both sides")
+
+
+def test_a_recipe_with_dropout_is_compared_without_it_and_says_so(recipe):
+    sft, lora = read_recipe(recipe / "recipe.yaml")
+    assert lora["lora_dropout"] == 0.05  # trl sft's default for a recipe that does not set it
+    config, p = without_dropout(lora)
+    assert p == 0.05 and config.lora_dropout == 0.0 and config.r == 4 and lora["lora_dropout"] == 0.05
+    assert "1/(1-p)" in dropout_note(p) and "lora_dropout=0 on both sides" in dropout_note(p)
 
 
 def test_lora_dropout_and_missing_steps_are_refused(recipe):
@@ -75,6 +96,13 @@ def test_cli_on_a_miniature_of_the_31b_config(recipe, tmp_path):
     lines = done.stdout.splitlines()
     assert lines[-1].startswith("agree within loss 0.0001")
     assert [line.split()[0] for line in lines[-5:-2]] == ["0", "1", "2"] and lines[-2].startswith("final adapters")
+    # Beside the table: every figure as JSON, and the curves as a PNG.
+    report = json.loads((tmp_path / "gemport-parity" / "parity.json").read_text())
+    assert report["ok"] and [r["step"] for r in report["steps"]] == [0, 1, 2]
+    for r, line in zip(report["steps"], lines[-5:-2]):
+        assert f"{r['loss_gpu']:.6f}" == line.split()[2] and f"{r['grad_norm_port']:.6f}" == line.split()[6]
+    assert report["adapter_tolerance"] == 1e-2 and max(report["adapters"].values()) <= 1e-2
+    assert_picture(tmp_path / "gemport-parity" / "parity.png", (560, 480))
 
 
 def test_miniature_keeps_the_head_structure_and_pattern(tmp_path):
@@ -86,6 +114,20 @@ def test_miniature_keeps_the_head_structure_and_pattern(tmp_path):
     assert (mini.num_heads, mini.num_kv_heads, mini.global_kv_heads, mini.k_eq_v) == (
         full.num_heads, full.num_kv_heads, full.global_kv_heads, full.k_eq_v)
     assert mini.num_layers == 6 and mini.layers_of("global") == (5,) and mini.vocab == 128
+
+
+@pytest.mark.parametrize("name", ["gemma4-e2b", "gemma4-e4b"])
+def test_miniature_of_kv_shared_models_shares_as_hf_does(tmp_path, name):
+    """E2B's and E4B's first layers end sliding, global, global (and all sliding): a miniature taking them as they
+    are would have KV sharing that Tunix computes unlike HF (a SpecError); its unshared part ends sliding, global."""
+    from gemport.parity import miniature
+    from gemport.specs import GemmaSpec
+
+    full = GemmaSpec.preset(name)
+    mini = GemmaSpec.from_hf(miniature(full.to_hf_config(), tmp_path / "mini", vocab_size=128))
+    assert mini.layer_types == ("sliding",) * 3 + ("global", "sliding", "global") and mini.num_kv_shared_layers == 2
+    assert (mini.per_layer_input_dim > 0, mini.double_wide_mlp, mini.num_kv_heads) == (
+        True, full.double_wide_mlp, full.num_kv_heads)
 
 
 @pytest.mark.parametrize("thinking, packing", [(True, True), (False, False)], ids=["thinking-packed", "plain-padded"])
@@ -125,3 +167,21 @@ def test_twenty_steps_agree_on_a_gemma3_1b_miniature(tmp_path, packing):
     print(report.table())
     assert len(report.rows) == 20 and report.ok, report.table()
     assert len(report.adapters) == 6 * 7
+
+
+def test_prompt_completion_text_needs_no_chat_template(recipe):
+    """Plain prompt/completion strings, completion-only loss, a tokenizer without a chat template: TRL takes them
+    without one, and so does the port; a conversation is then refused before either side trains."""
+    plain = tokenizer()
+    plain.chat_template, plain.eos_token = None, "<turn|>"  # a base model's tokenizer: no template, an EOS
+    rng = __import__("random").Random(0)
+    records = [{"prompt": "Q" + "".join(rng.choice("abcdef ") for _ in range(rng.randint(4, 20))) + "?",
+                "completion": " " + "".join(rng.choice("ghijk ") for _ in range(rng.randint(3, 15)))}
+               for _ in range(12)]
+    sft = {k: v for k, v in RECIPE.items() if not k.startswith("lora_")} | {
+        "assistant_only_loss": False, "completion_only_loss": True, "max_steps": 3}
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "down_proj"]}
+    report = trajectory(recipe / "base", records, sft_config=sft, lora_config=lora, tokenizer=plain, progress=False)
+    assert len(report.rows) == 3 and report.ok, report.table()
+    with pytest.raises(MaskError, match="record 0: a conversation .* chat template"):
+        trajectory(recipe / "base", chats(4), sft_config=sft, lora_config=lora, tokenizer=plain, progress=False)

@@ -79,11 +79,13 @@ def lora_model(hf_dir, spec, lora_spec, mesh):
 
 
 # Gemma 4 on one device, Gemma 3 on a 2-device fsdp mesh (why 2 devices: docs/train.md, "On a simulated mesh").
-@pytest.mark.parametrize("name, mesh_shape", [("gemma4_dense", None), ("gemma3_1b", (2, 1))])
-def test_peft_trainer_takes_hf_steps(hf_checkpoint, tmp_path, name, mesh_shape):
+# Gemma 4 with TRL's default LoRA dropout: both trainers draw the same masks from the seed and the micro-batch
+# count, and evaluation (compared with the model called outside a training step) has none.
+@pytest.mark.parametrize("name, mesh_shape, dropout", [("gemma4_dense", None, 0.05), ("gemma3_1b", (2, 1), 0.0)])
+def test_peft_trainer_takes_hf_steps(hf_checkpoint, tmp_path, name, mesh_shape, dropout):
     _, hf_dir = hf_checkpoint(name)
     spec = GemmaSpec.from_hf(hf_dir)
-    lora_spec = LoraSpec.from_peft(PEFT_CONFIG)
+    lora_spec = LoraSpec.from_peft({**PEFT_CONFIG, "lora_dropout": dropout})
     steps, evals = step_batches(spec.vocab)
     mesh = None if mesh_shape is None else make_mesh(spec, fsdp=mesh_shape[0], tp=mesh_shape[1],
                                                     devices=jax.devices()[:2])
@@ -98,7 +100,7 @@ def test_peft_trainer_takes_hf_steps(hf_checkpoint, tmp_path, name, mesh_shape):
     with on_mesh(mesh):
         model = lora_model(hf_dir, spec, lora_spec, mesh)
         reference = nnx.clone(model)  # the same step-0 LoRA, trained below by train.train_step
-        trainer = HFPeftTrainer(model, hf.tx, config, lora_spec=lora_spec)
+        trainer = HFPeftTrainer(model, hf.tx, config, lora_spec=lora_spec, seed=ARGS["seed"])
         trainer.train(micro_batches(steps), micro_batches(evals))
         logger = trainer.metrics_logger
         losses = logger.get_metric_history("", "loss", "train")
@@ -109,7 +111,7 @@ def test_peft_trainer_takes_hf_steps(hf_checkpoint, tmp_path, name, mesh_shape):
         eval_full = logger.get_metric_history("", "full_sequence_loss", "eval")
 
         optimizer = nnx.Optimizer(reference, hf.tx, wrt=nnx.LoRAParam)
-        step = train.train_step(wrt=nnx.LoRAParam)
+        step = train.train_step(wrt=nnx.LoRAParam, seed=ARGS["seed"])
         expected = [step(reference, optimizer, batch) for batch in steps[:STEPS]]
         expected_eval = []
         for batch in evals:

@@ -291,7 +291,8 @@ def test_sharded_qlora_base_places_codes_and_scales_on_the_mesh(base):
 def test_memory_plan_counts_the_4bit_base_as_loaded(base):
     """The plan's base bytes per device equal what the loaded 4-bit base holds on device 0 (uint4 codes at 4
     bits, float32 scales, the rest float32), on a 4 x 2 mesh; and the 4-bit base is 4.5/32 of float32's there."""
-    from gemport.mesh import make_mesh, memory_plan
+    from gemport.mesh import make_mesh
+    from gemport.plan import memory_plan
 
     path = base("gemma3")
     spec = GemmaSpec.from_hf(path)

@@ -4,7 +4,8 @@ Both loops: Tunix's PeftTrainer driven by gemport (HFPeftTrainer) and the user's
 train.train_step and Tunix's CheckpointManager. tests/resume_child.py trains a tiny Gemma 3 with LoRA for 5
 steps of 2 micro-batches, checkpointing every 2 steps, and kills itself with SIGKILL after step 3 (checkpoint 2
 on disk, no checkpoint 3 or 4). The restarted run's losses and final LoRA params are bit-identical to an
-uninterrupted run's, and every micro-batch is trained exactly once, in the same order.
+uninterrupted run's, and every micro-batch is trained exactly once, in the same order. The PeftTrainer loop
+trains with LoRA dropout 0.05 (TRL's default): the resumed run draws the uninterrupted run's masks.
 """
 
 import json

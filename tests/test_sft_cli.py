@@ -187,7 +187,8 @@ def test_overrides_read_as_trl_sft_reads_them():
     assert r.sft["num_train_epochs"] == 3.0  # TRL's default for what the recipe leaves out
     assert r.lora() == {"peft_type": "LORA", "r": 8, "lora_alpha": 32, "lora_dropout": 0.05,
                         "target_modules": ["q_proj", "v_proj"], "use_rslora": False}
-    assert [n.split(":")[0] for n in r.notes] == ["dataloader_num_workers=2", "gradient_checkpointing=False"]
+    assert [n.split(":")[0] for n in r.notes] == ["dataloader_num_workers=2"]
+    assert r.sft["gradient_checkpointing"] is False  # used (the run's remat), not a note
 
 
 def test_cli_errors_name_what_is_missing(workdir, tmp_path):
@@ -200,3 +201,18 @@ def test_cli_errors_name_what_is_missing(workdir, tmp_path):
     one_line_error(gemport("sft", "--config", config, "--bogus", "1", ok=False), "bogus: not a field")
     other = gemport("plan", "gemma4-31b", "--devices", "4", "--learning_rate", "1", ok=False)
     assert other.returncode == 2 and "unrecognized arguments: --learning_rate 1" in other.stderr
+
+
+def test_a_recipe_leaving_lora_dropout_at_trls_default_trains(workdir, tmp_path):
+    """TRL's ModelConfig gives lora_dropout 0.05 to a recipe that does not set it (PEFT's LoraConfig: 0.0);
+    `gemport sft` trains with it (it used to stop at the first step: Qwix found no rngs) and records it."""
+    out = tmp_path / "out"
+    config = write_recipe(tmp_path / "sft.yaml", workdir, output_dir=str(out), use_peft=True, lora_r=8,
+                          lora_target_modules=["k_proj", "v_proj", "down_proj"], max_steps=1, eval_strategy="no",
+                          save_strategy="no", max_length=64)
+    assert "lora_dropout" not in yaml.safe_load(config.read_text())
+    gemport("sft", "--config", config)
+    state = json.loads((out / "trainer_state.json").read_text())
+    (logged,) = [e for e in state["log_history"] if "loss" in e]
+    assert logged["step"] == 1 and np.isfinite(logged["loss"]) and np.isfinite(logged["grad_norm"])
+    assert json.loads((out / "adapter_config.json").read_text())["lora_dropout"] == 0.05

@@ -17,7 +17,8 @@ import tiny
 from gemport.checkpoint import load_model
 from gemport.errors import MeshError
 from gemport.lora import LoraLayout, LoraParams, LoraSpec, apply_lora
-from gemport.mesh import make_mesh, memory_plan
+from gemport.mesh import make_mesh
+from gemport.plan import memory_plan
 from gemport._src.params import lora_state
 from gemport.sharding import audit, fix_lora, optimizer_shardings
 from gemport.specs import GemmaSpec

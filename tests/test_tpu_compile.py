@@ -73,11 +73,12 @@ def _scores(text, t):
 
 @pytest.fixture(scope="module")
 def compiled_for_v5p():
-    """{fast: compiled step} of a 2-layer tiny Gemma 4 (sliding, then global) with LoRA, bf16, 4 rows of 256
-    tokens, on a v5p-8's 4 chips as fsdp=2 x tp=2, for the fast step and Tunix's."""
+    """{fast: compiled train step} of a 2-layer tiny Gemma 4 (sliding, then global) with LoRA, bf16, 4 rows of 256
+    tokens, on a v5p-8's 4 chips as fsdp=2 x tp=2, for the fast step and Tunix's (``HFPeftTrainer(fast=)``)."""
     import tiny
-    from gemport.mesh.compiled import compile_step, lora_model
+    from gemport.plan.compiled import compile_step, step_trainer
     from gemport.specs import GemmaSpec
+    from gemport.train.model import lora_model
 
     spec = dataclasses.replace(GemmaSpec.from_hf(tiny.text_config("gemma4_mesh").to_dict()), num_layers=2,
                                layer_types=("sliding", "global"))
@@ -85,7 +86,7 @@ def compiled_for_v5p():
     out = {}
     for fast in (True, False):
         model = lora_model(spec, LoraSpec(4, 8.0), param_dtype=jnp.bfloat16)
-        out[fast] = compile_step(model, mesh, 4, 256, fast=fast)[0]
+        out[fast] = compile_step(step_trainer(model, fast=fast), mesh, 4, 256)
     return out
 
 
@@ -95,7 +96,7 @@ def test_the_fast_step_compiles_for_the_slice_on_splash_kernels_without_scores(c
     assert fast.count('custom_call_target="tpu_custom_call"') >= 3 * 2
     assert not _scores(fast, 256)
     assert 'custom_call_target="tpu_custom_call"' not in tunix and _scores(tunix, 256)  # its [B, T, N, S] scores
-    assert all(c.peak_bytes > 0 for c in compiled_for_v5p.values())
+    assert all(c.peak_bytes > 0 and c.flops > 0 for c in compiled_for_v5p.values())
 
 
 def test_the_platform_a_trace_compiles_for_is_the_meshs():
@@ -122,7 +123,7 @@ def test_plan_compiles_the_step_for_the_slice(hf_checkpoint):
                   "--compile").stdout
     assert "valid (fsdp, tp) meshes on a v5p-8 (4 chips)" in out and "of 95.00 GiB" in out
     lines = [line for line in out.splitlines() if "compiled peak" in line]
-    assert lines and all("compiled peak (TPU v5p-8, libtpu's compiler, the step gemport trains with)" in line
+    assert lines and all("compiled peak (TPU v5p-8, libtpu's compiler, the step SFTRun.train() runs)" in line
                          for line in lines), out
     one_line_error(gemport("plan", base, "--tpu", "v5p-6", ok=False), "v5p-6", "not a slice's size")
     one_line_error(gemport("plan", base, "--tpu", "v5p-8", "--devices", "8", ok=False), "--devices 8", "4 chips")
@@ -137,7 +138,8 @@ def test_tunix_constrains_activations_in_a_step_compiled_for_the_slice():
     from flax import nnx
     from tunix.utils import sharding_utils
 
-    from gemport.mesh.compiled import _tunix_constraints, lora_model
+    from gemport.plan.compiled import _tunix_constraints
+    from gemport.train.model import lora_model
     from gemport.mesh.context import use_mesh
 
     spec = _spec()

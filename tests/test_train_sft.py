@@ -58,6 +58,10 @@ def test_config_maps_onto_the_masks_pipeline():
     # TRL's SFTConfig checkpoints gradients by default; the port recomputes each decoder layer.
     assert pipeline.remat == "decoder" and plain.remat == "decoder"
     assert train.from_sft_config({"gradient_checkpointing": False}, t).remat == "none"
+    # torch's use_reentrant has no JAX counterpart and changes nothing; any other key is refused by name
+    assert train.from_sft_config({"gradient_checkpointing_kwargs": {"use_reentrant": False}}, t).remat == "decoder"
+    with pytest.raises(RecipeError, match=r"gradient_checkpointing_kwargs\['preserve_rng_state'\]"):
+        train.from_sft_config({"gradient_checkpointing_kwargs": {"preserve_rng_state": True}}, t)
     for bad, field in [({"truncation_mode": "keep_end"}, "truncation_mode"), ({"loss_type": "dft"}, "loss_type"),
                        ({"packing": True, "packing_strategy": "wrapped"}, "packing_strategy"),
                        ({"shuffle_dataset": True}, "shuffle_dataset"), ({"packing": True, "max_length": None}, "max_length")]:
@@ -91,9 +95,11 @@ def float64_logs(base, tmp_path, data):
     return [e for e in trainer.state.log_history if "loss" in e]
 
 
-def test_packed_run_matches_trl(hf_checkpoint, tmp_path):
+# The 31B layout, E2B's (per-layer inputs, KV-shared layers with double-wide MLPs) and E4B's.
+@pytest.mark.parametrize("name", ["gemma4_mesh", "gemma4_e2b_vllm", "gemma4_e4b"])
+def test_packed_run_matches_trl(hf_checkpoint, tmp_path, name):
     """TRL SFTTrainer + PEFT (assistant-only loss, BFD packing, padding-free) and the port from one SFTConfig."""
-    _, base = hf_checkpoint("gemma4_mesh")
+    _, base = hf_checkpoint(name)
     args = SFTConfig(output_dir=str(tmp_path / "trl"), **CONFIG)
     data = datasets.Dataset.from_list(chats())
     torch.manual_seed(0)
@@ -123,8 +129,13 @@ def test_packed_run_matches_trl(hf_checkpoint, tmp_path):
     metrics = [jax.device_get(step(port, optimizer, batch)) for _, batch in pipeline.batches(examples)]
     assert len(metrics) == len(logs) == args.max_steps
     # Each step within 10x the float32 TRL run's largest distance from the float64 run (float64.trajectory_bound).
+    # On the KV-shared miniatures the float32 TRL run's grad_norm is 0.1-1% from the float64 run's once Adam has
+    # moved the adapter (steps 2 and 3), past what float64.trajectory_bound accepts as float32 noise; there the
+    # gradient norms are compared on steps 0 and 1, both at the starting adapter (warmup's first rate is 0), and
+    # the losses on every step.
     for quantity in ("loss", "grad_norm"):
-        bound = trajectory_bound([logs], exact, quantity)
-        errors = [relative(getattr(m, quantity), want[quantity]) for want, m in zip(exact, metrics)]
+        steps = slice(0, 2) if quantity == "grad_norm" and name != "gemma4_mesh" else slice(None)
+        bound = trajectory_bound([logs], exact, quantity, steps)
+        errors = [relative(getattr(m, quantity), want[quantity]) for want, m in list(zip(exact, metrics))[steps]]
         assert max(errors) <= bound, (quantity, errors, bound)
         print(f"{quantity}: worst {max(errors):.1e}, {max(errors) / bound:.2f} of the bound {bound:.1e}")

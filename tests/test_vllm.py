@@ -65,7 +65,7 @@ def built(tmp_path_factory):
     """Per family: the base, a Tunix model with random LoRA, its merged and PEFT exports (and for Gemma 4 an
     adapter made by PEFT and its `peft_for_vllm` rewrite)."""
     families = {}
-    for name in ("gemma4_vllm", "gemma3_vllm"):
+    for name in ("gemma4_vllm", "gemma4_e2b_vllm", "gemma3_vllm"):
         root = tmp_path_factory.mktemp(name)
         tiny.causal_lm(name).save_pretrained(root / "base")
         spec = GemmaSpec.from_hf(root / "base")
@@ -103,7 +103,7 @@ def tokens_of(served) -> np.ndarray:
     return np.concatenate([PROMPTS, served.tokens.astype(PROMPTS.dtype)], axis=1)
 
 
-@pytest.fixture(scope="module", params=["gemma4_vllm", "gemma3_vllm"])
+@pytest.fixture(scope="module", params=["gemma4_vllm", "gemma4_e2b_vllm", "gemma3_vllm"])
 def checks(request, family):
     """The family's served outputs with their references, and the tolerance from the Tunix-transformers floor."""
     f = family[request.param]

@@ -46,6 +46,23 @@ TEXT_CONFIGS = {
         num_attention_heads=2, num_key_value_heads=2, head_dim=64, global_head_dim=128, num_global_key_value_heads=1,
         attention_k_eq_v=True, sliding_window=4, hidden_size_per_layer_input=0, final_logit_softcapping=30.0,
     ),
+    # E2B-like (per-layer inputs, KV-shared trailing layers with double-wide MLPs) with vLLM's head widths and the
+    # test tokenizer's vocabulary, for `gemport sft` against TRL and the exports served by vLLM.
+    "gemma4_e2b_vllm": dict(
+        model_type="gemma4_text", vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=7,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64, global_head_dim=128, sliding_window=4,
+        layer_types=["sliding_attention"] * 4 + ["full_attention", "sliding_attention", "full_attention"],
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=128, num_kv_shared_layers=2,
+        use_double_wide_mlp=True, final_logit_softcapping=30.0,
+    ),
+    # E4B-like: per-layer inputs, KV-shared trailing layers, MLPs of one width, 2 KV heads, 5:1 pattern.
+    "gemma4_e4b": dict(
+        model_type="gemma4_text", vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=8,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=16, sliding_window=4,
+        layer_types=["sliding_attention"] * 5 + ["full_attention", "sliding_attention", "full_attention"],
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=128, num_kv_shared_layers=2,
+        final_logit_softcapping=30.0,
+    ),
     "gemma3_vllm": dict(
         model_type="gemma3_text", vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
         num_attention_heads=2, num_key_value_heads=1, head_dim=64, query_pre_attn_scalar=64, sliding_window=4,
@@ -80,11 +97,7 @@ def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g)
-            if "pre_feedforward_layernorm_2" in name:
-                # Tunix 0.1.7 routes MoE tokens from this norm's output, HF from its input: they agree only
-                # when its weights are constant (see the warning in gemport.checkpoint.load_hf).
-                p.fill_(1.25)
-            elif "embed_tokens" in name:
+            if "embed_tokens" in name:
                 # Smaller embeddings keep logits near 1, where float32 rounding differences stay below 1e-5.
                 p.copy_(noise * 0.25 * p.shape[-1] ** -0.5)
             elif p.ndim == 1:
@@ -134,3 +147,32 @@ def token_ids(vocab: int, batch: int = 2, seq: int = SEQ, seed: int = 0) -> np.n
 def hf_logits(model, ids: np.ndarray) -> np.ndarray:
     with torch.no_grad():
         return model(torch.tensor(ids, dtype=torch.long)).logits.float().numpy()
+
+
+def real_magnitudes(model: torch.nn.Module, seed: int = 0, max_logit: float = 120.0) -> torch.nn.Module:
+    """Give a randomised model a real checkpoint's magnitudes, where miniatures' fixed tolerances fail.
+
+    Layer norm gains from 1 to 10 with an outlier channel of 50 (Gemma 3 270M's range), a few embedding rows of
+    8x the others' norm (as tokens real training leaves far from the rest), and the final norm scaled so that the
+    largest logit (before Gemma 4's soft cap) is ``max_logit`` on ``token_ids``: real Gemma 3 logits pass 100,
+    the tiny models' stay near 1.
+    """
+    g = torch.Generator().manual_seed(seed + 1)
+    offset = 1.0 if isinstance(model.config.get_text_config(), tf.Gemma3TextConfig) else 0.0  # Gemma 3: (1 + w)
+    text = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            # q_norm and k_norm stay near 1: gains of tens there would saturate every softmax (chaos, not scale).
+            if p.ndim == 1 and "layernorm" in name and "pre_feedforward_layernorm_2" not in name:
+                gain = 1.0 + 9.0 * torch.rand(p.shape, generator=g)
+                gain[int(torch.randint(p.shape[0], (1,), generator=g))] = 50.0
+                p.copy_(gain - offset)
+        embedding = text.embed_tokens.weight
+        rows = torch.randperm(embedding.shape[0], generator=g)[:3]
+        embedding[rows] *= 8.0
+        ids = torch.tensor(token_ids(embedding.shape[0]), dtype=torch.long)
+        hidden = model(ids, output_hidden_states=True).hidden_states[-1]  # after the final norm
+        scale = max_logit / float((hidden @ embedding.T).abs().max())
+        norm = text.norm.weight
+        norm.copy_((norm + offset) * scale - offset)
+    return model.eval()

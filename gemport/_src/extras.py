@@ -16,6 +16,7 @@ _INSTALL = {
     "trl": "pip install 'gemport[parity]'",
     "datasets": "pip install 'gemport[parity]'",
     "pyarrow": "pip install pyarrow",
+    "matplotlib": "pip install 'gemport[plot]'",
 }
 
 

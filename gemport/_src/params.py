@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 from flax import nnx
 
-from gemport.specs import GemmaSpec
+if TYPE_CHECKING:  # a spec is only passed through: _src sits below gemport.specs, which imports it
+    from gemport.specs import GemmaSpec
 
 
 def path_str(path) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import jax
@@ -70,12 +69,6 @@ def load_hf(hf_dir: str | Path, *, spec: GemmaSpec | None = None, mesh=None, par
 
 def _load(ckpt: HFCheckpoint, spec: GemmaSpec, mesh, param_dtype) -> tuple[nnx.GraphDef, nnx.State]:
     prefix, entries = matched_entries(ckpt, spec)
-    if spec.num_experts:
-        warnings.warn(
-            "Tunix 0.1.7's Gemma 4 MoE routes tokens from the pre_feedforward_layernorm_2 output where HF routes "
-            "from the residual; its logits match transformers only where those norm weights are constant",
-            stacklevel=3,
-        )
     file_dtype = DTYPES[ckpt.info(prefix + "embed_tokens.weight").dtype]
     target = np.dtype(param_dtype) if param_dtype is not None else file_dtype
     graphdef, abstract = nnx.split(abstract_model(spec, param_dtype=target))

@@ -39,7 +39,16 @@ def parse_size(size: int | str) -> int:
 
 
 def check_output(out_dir: str | Path, *inputs: str | Path | None) -> Path:
-    """Refuse an output equal to or inside an input, or an existing non-empty directory or file.
+    """Refuse an output equal to or inside an input (``check_outside``), or an existing non-empty directory or
+    file."""
+    out = check_outside(out_dir, *inputs)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"output {out} already exists and is not empty; remove it or choose another")
+    return out
+
+
+def check_outside(out_dir: str | Path, *inputs: str | Path | None) -> Path:
+    """Refuse (``UnsafePathError``) an output equal to or inside an input; returns the output, resolved.
 
     An input that is a snapshot of the Hugging Face hub cache protects its whole repository folder
     (``models--org--name``), whose ``blobs/`` hold the snapshot's data.
@@ -55,8 +64,6 @@ def check_output(out_dir: str | Path, *inputs: str | Path | None) -> Path:
                     f"output {out} is {'the same as' if out == protected else 'inside'} input {protected}; "
                     "choose a directory outside the input"
                 )
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointError(f"output {out} already exists and is not empty; remove it or choose another")
     return out
 
 

@@ -5,7 +5,7 @@
 - `LoraLayout` / `Adapter` (``layout``): where it lands on a Tunix Gemma model and how each factor is shaped
   and sharded; the one source for loading, exporting, sharding and memory plans.
 - `apply_lora` / `Provider` (``qwix``): Qwix LoRA with PEFT's factors on fused modules and PEFT's
-  initialisation.
+  initialisation; `lora_dropout` / `dropout_key`: PEFT's LoRA dropout in a training step, from a seeded key.
 - `QLoraSpec` (``qlora``): a QLoRA recipe's bitsandbytes 4-bit base as the Qwix NF4 base gemport loads
   (`gemport.checkpoint.quantize`).
 """
@@ -17,7 +17,7 @@ from gemport.lora.layout import Adapter, LoraLayout, factor_axes, factor_specs
 from gemport.lora.qlora import QLoraSpec
 
 # Qwix (and JAX with it) loads on first use of these, so that planning and configs do without it.
-_QWIX = ("Provider", "apply_lora", "provider")
+_QWIX = ("Provider", "apply_lora", "dropout_key", "lora_dropout", "provider")
 
 
 def __getattr__(name):
@@ -37,7 +37,9 @@ __all__ = [
     "Provider",
     "QLoraSpec",
     "apply_lora",
+    "dropout_key",
     "factor_axes",
     "factor_specs",
+    "lora_dropout",
     "provider",
 ]

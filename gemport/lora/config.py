@@ -25,6 +25,11 @@ from gemport._src.jsonfile import Fields, read_json
 # HF linear modules of a Gemma text layer that gemport maps to Qwix, in PEFT's spelling.
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
+# The dtype of LoRA factors on any base, hence of their gradients and Adam's moments: PEFT keeps adapters in
+# float32 on a half-precision base (``autocast_adapter_dtype``); in the base's bfloat16, late updates below its
+# resolution (0.4% of a factor) would be lost.
+FACTOR_DTYPE = "float32"
+
 # Ranks vLLM accepts for max_lora_rank.
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -39,7 +44,8 @@ class LoraSpec:
         ``alpha / sqrt(rank)`` with rsLoRA.
       targets: PEFT target module names, a subset of ``PROJECTIONS``.
       rslora: PEFT's ``use_rslora``.
-      dropout: PEFT's ``lora_dropout``. Qwix applies it on every call, evaluation included.
+      dropout: PEFT's ``lora_dropout``: in training steps only (`gemport.lora.qwix.lora_dropout`), on each
+        adapted projection's input to the LoRA branch, as PEFT in train mode; never in evaluation.
       fused: how a Tunix module fusing several targets (``kv_einsum`` = k_proj + v_proj, ``qkv_einsum``)
         holds them. ``"separate"`` (default): one A and one B per projection, as PEFT trains them
         (``lora_a`` (s, D, r), ``lora_b`` (s, r, K, H)): the same function, parameters and gradients as
@@ -276,3 +282,34 @@ def _lookup(pattern: tuple[tuple[str, Any], ...], module: str, default):
         if any(re.match(rf"(.*\.)?({key})$", prefix + module) for prefix in ("", *names.TEXT_PREFIXES)):
             return value
     return default
+
+
+def peft_default_targets(model_type: str) -> tuple[str, ...]:
+    """PEFT's ``target_modules`` for a ``LoraConfig`` that leaves them unset, on a checkpoint of ``model_type``
+    (its ``config.json``'s), as gemport target names.
+
+    PEFT looks ``model_type`` up in ``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING`` (PEFT 0.21:
+    ``gemma3_text`` -> q_proj and v_proj; ``gemma4`` -> a regex over the language model's q_proj and v_proj;
+    nothing for ``gemma3`` or ``gemma4_text``, where PEFT raises). A regex is read the way PEFT matches it
+    (``re.fullmatch`` on module names) against the language model's projections. Raises ``LoraError`` naming
+    ``lora_target_modules`` where PEFT has no default, or its regex also reaches modules gemport does not port.
+    """
+    from gemport._src.extras import require
+
+    mapping = require("peft.utils.constants", "lora_target_modules' PEFT default")
+    default = mapping.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model_type)
+    if default is None:
+        raise LoraError(f"lora_target_modules is unset and PEFT has no default for model_type {model_type!r} "
+                        "(PEFT raises 'Please specify target_modules'); set lora_target_modules, e.g. "
+                        "[q_proj, v_proj]")
+    if not isinstance(default, str):
+        return tuple(p for p in PROJECTIONS if p in default)
+    prefix = "model.language_model.layers.0." if model_type in ("gemma3", "gemma4") else "model.layers.0."
+    block = {p: "self_attn" if p in PROJECTIONS[:4] else "mlp" for p in PROJECTIONS}
+    targets = tuple(p for p in PROJECTIONS if re.fullmatch(default, f"{prefix}{block[p]}.{p}"))
+    other = "model.vision_tower.encoder.layers.0.self_attn.q_proj"
+    if not targets or re.fullmatch(default, other):
+        raise LoraError(f"lora_target_modules is unset and PEFT's default for model_type {model_type!r} "
+                        f"({default!r}) does not map onto the language model's projections; set "
+                        "lora_target_modules")
+    return targets

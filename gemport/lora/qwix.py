@@ -10,6 +10,7 @@ and each factor's gradient are PEFT's; every other module goes through Qwix unch
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import re
@@ -27,7 +28,7 @@ from qwix._src.providers import ptq
 from qwix._src.utils import flax_util
 
 from gemport.errors import LoraError
-from gemport.lora.config import LoraParams, LoraSpec
+from gemport.lora.config import FACTOR_DTYPE, LoraParams, LoraSpec
 from gemport.lora.layout import Adapter, LoraLayout, factor_axes
 from gemport._src.params import flat_params, path_str
 from gemport._src.pattern import Equation
@@ -35,13 +36,15 @@ from gemport.specs import GemmaSpec
 
 
 def lora_a_init(init: str, ranks: tuple[int, ...], separate: bool):
-    """A JAX initializer for ``lora_a`` of shape (s?, *in_axes, r), per ``LoraSpec.init``.
+    """A JAX initializer for ``lora_a`` of shape (s?, *in_axes, r), per ``LoraSpec.init``, in ``FACTOR_DTYPE``
+    or the base weight's dtype Qwix passes, whichever is wider (Qwix would create factors in the base's dtype).
 
     fan_in is the product of the input axes (the HF projection's input width). With separate factors of
     different ranks, the columns past a projection's own rank start (and, having no gradient, stay) zero.
     """
 
     def initializer(key, shape, dtype=jnp.float32):
+        dtype = jnp.promote_types(dtype, FACTOR_DTYPE)
         lead = 1 if separate else 0
         fan_in = math.prod(shape[lead:-1])
         if init == "gaussian":
@@ -58,6 +61,17 @@ def lora_a_init(init: str, ranks: tuple[int, ...], separate: bool):
     return initializer
 
 
+def lora_b_init(key, shape, dtype=jnp.float32):
+    """``lora_b`` starts at zero (PEFT), in ``FACTOR_DTYPE`` or the base's dtype, whichever is wider."""
+    return jnp.zeros(shape, jnp.promote_types(dtype, FACTOR_DTYPE))
+
+
+def _base_dtype(lhs, rhs):
+    """The dtype the frozen projection computes in, which its output keeps with the float32 adapter's delta
+    added (PEFT casts the sum back); None for a 4-bit weight, whose factors already have its scales' dtype."""
+    return None if isinstance(rhs, ptq.WithAux) else jnp.result_type(lhs, rhs)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Rule(qwix.LoraRule):
     """A Qwix LoRA rule; with ``stack`` set, the matched einsum's weight axis ``stack`` gets separate factors.
@@ -71,8 +85,24 @@ class Rule(qwix.LoraRule):
     scales: tuple[float, ...] = ()
 
 
+def _dropping(module) -> bool:
+    # `lora_dropout` gives each module a "dropout" stream for one training micro-batch; elsewhere (evaluation,
+    # generation, exports, Qwix's own init call with its "default"-only Rngs) there is none.
+    rngs = getattr(module, "qwix_rngs", None)
+    return isinstance(rngs, nnx.Rngs) and "dropout" in rngs
+
+
 class Provider(qwix.LoraProvider):
-    """``qwix.LoraProvider`` that gives fused modules one A and one B per projection (see the module doc)."""
+    """``qwix.LoraProvider`` that gives fused modules one A and one B per projection (see the module doc), and
+    applies a rule's dropout only inside `lora_dropout` (training), as PEFT's ``nn.Dropout`` in train mode."""
+
+    def _get_current_rule_and_op_id(self, op_name, **kwargs):
+        # Qwix drops out on every call whose rule has a dropout rate (and then needs rngs); both its plain path
+        # and `einsum`'s per-projection one read the rate from here.
+        rule, op_id = super()._get_current_rule_and_op_id(op_name, **kwargs)
+        if isinstance(rule, qwix.LoraRule) and rule.dropout > 0 and not _dropping(flax_util.get_current_module()):
+            rule = dataclasses.replace(rule, dropout=0.0)
+        return rule, op_id
 
     def astype(self, x, dtype, *args, **kwargs):
         # Tunix's Gemma 4 einsums cast their weight to the compute dtype, which Qwix does not intercept; a
@@ -87,7 +117,8 @@ class Provider(qwix.LoraProvider):
     def einsum(self, einsum_str, *operands, **kwargs):
         rule, _ = self._get_current_rule_and_op_id("einsum", only_rule=True)
         if not (isinstance(rule, Rule) and rule.stack is not None):
-            return super().einsum(einsum_str, *operands, **kwargs)
+            out, dtype = super().einsum(einsum_str, *operands, **kwargs), _base_dtype(*operands)
+            return out if dtype is None or not isinstance(rule, Rule) else out.astype(dtype)
         result = ptq.PtqProvider.einsum(self, einsum_str, *operands, **kwargs)
         lhs, rhs = operands
         name = flax_util.find_param(rhs, ptq.WithAux)
@@ -113,7 +144,7 @@ class Provider(qwix.LoraProvider):
             b_sharding_transpose=tuple(transpose[c] for c in b_axes),
         )
         if rule.dropout > 0:
-            # PEFT drops out each projection's input independently.
+            # PEFT drops out each projection's input independently: one mask per slice of the stack.
             lhs = nnx.Dropout(rule.dropout, deterministic=False)(
                 jnp.broadcast_to(lhs, (stack, *lhs.shape)), rngs=flax_util.make_rng("dropout")
             )
@@ -122,7 +153,8 @@ class Provider(qwix.LoraProvider):
         scales = jnp.asarray(rule.scales, delta.dtype).reshape(
             tuple(stack if c == s else 1 for c in out_axes)
         )
-        return result + delta * scales
+        out = result + delta * scales
+        return out if isinstance(rhs, ptq.WithAux) else out.astype(result.dtype)
 
 
 def _alternation(paths: list[str]) -> str:
@@ -163,6 +195,7 @@ def provider(layout: LoraLayout, *, weight_qtype: str | None = None) -> Provider
             alpha=scales[0] * rank,
             dropout=lora_spec.dropout,
             lora_a_initializer=lora_a_init(lora_spec.init, ranks, stack is not None),
+            lora_b_initializer=lora_b_init,
             stack=stack,
             scales=scales,
             weight_qtype=weight_qtype,
@@ -170,6 +203,44 @@ def provider(layout: LoraLayout, *, weight_qtype: str | None = None) -> Provider
     if weight_qtype is not None:
         rules.append(qwix.QuantizationRule(module_path=_PROJECTIONS, weight_qtype=weight_qtype))
     return Provider(rules)
+
+
+def dropout_key(seed: int, micro_step: jax.typing.ArrayLike) -> jax.Array:
+    """The LoRA dropout key of one training micro-batch: ``micro_step`` (int []) counts the micro-batches
+    trained before it (optimizer steps times accumulation plus its index in the step), so a resumed run, whose
+    optimizer state carries the count, draws the same masks as an uninterrupted one. Returns a typed key []."""
+    return jax.random.fold_in(jax.random.key(seed), micro_step)
+
+
+@contextlib.contextmanager
+def lora_dropout(model: nnx.Module, key: jax.Array):
+    """Within the block, ``model``'s LoRA dropout is on, drawn from ``key``: PEFT's ``lora_B(lora_A(dropout(x)))``
+    on every adapted projection (one Bernoulli keep mask per projection, kept inputs scaled by ``1 / (1 - p)``),
+    ``p`` being ``model.lora_spec.dropout``. Outside it (evaluation, generation) LoRA runs without dropout.
+
+    Each adapted module gets its own stream (``key`` folded with its index in ``nnx.iter_modules`` order), so
+    masks are independent across modules and depend on nothing but the key: a rematerialised layer redraws the
+    same ones. Sets Qwix's ``qwix_rngs`` attribute on the adapted modules for the block; a model without LoRA
+    dropout is left as it is. Usable inside a jit-compiled step (``key`` may be traced).
+
+    Example::
+
+        with lora_dropout(model, dropout_key(seed, step)):
+            loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+    """
+    spec = getattr(model, "lora_spec", None)
+    if spec is None or not spec.dropout:
+        yield model
+        return
+    modules = [module for _, module in nnx.iter_modules(model)
+               if any(isinstance(value, nnx.LoRAParam) for value in vars(module).values())]
+    for index, module in enumerate(modules):
+        module.qwix_rngs = nnx.Rngs(dropout=jax.random.fold_in(key, index))
+    try:
+        yield model
+    finally:
+        for module in modules:
+            module.qwix_rngs = None  # as Qwix leaves it after apply_lora_to_model
 
 
 def apply_lora(model, spec: GemmaSpec, lora: LoraSpec | LoraParams, *, seed: int = 0, qlora=None):
@@ -189,7 +260,10 @@ def apply_lora(model, spec: GemmaSpec, lora: LoraSpec | LoraParams, *, seed: int
         `LoraParams` (e.g. from `gemport.checkpoint.import_peft` or `load_lora`), whose factors are placed into
         the new model's shardings.
       qlora: the `gemport.lora.QLoraSpec` of a 4-bit base from `gemport.checkpoint.quantize.load_qlora_model`
-        (QLoRA); the factors are then float32, the dtype of the base's scales, as Qwix makes them.
+        (QLoRA).
+
+    The factors (hence their gradients and Adam's moments) are float32 on a bfloat16 or float32 base (float64 on
+    a float64 one), as PEFT keeps adapters on a bfloat16 base; ``lora.params`` in another dtype are cast. A projection's output keeps the base's dtype.
 
     Raises:
       MissingTensorError, UnexpectedTensorError, ShapeMismatchError, LoraError: ``lora.params`` does not hold
@@ -208,7 +282,8 @@ def apply_lora(model, spec: GemmaSpec, lora: LoraSpec | LoraParams, *, seed: int
         given = flat_params(params)
         layout.match(given, source="params")
         # Replacing the values of the model's own variables keeps their sharding annotations.
-        placed = [(path, var.replace(jax.device_put(given[path_str(path)], var.get_value().sharding)))
+        placed = [(path, var.replace(jax.device_put(jnp.asarray(given[path_str(path)], var.get_value().dtype),
+                                                    var.get_value().sharding)))
                   for path, var in nnx.to_flat_state(nnx.state(lora_model, nnx.LoRAParam))]
         nnx.update(lora_model, nnx.from_flat_state(placed))
     lora_model.lora_spec = lora_spec

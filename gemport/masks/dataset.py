@@ -12,6 +12,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from gemport.errors import MaskError
 from gemport.masks import formats
 from gemport.masks.gemma3 import Gemma3
 from gemport.masks.gemma4 import Gemma4
@@ -22,7 +23,7 @@ from gemport.masks.tokenize import Example, check_tokenizer
 from gemport.masks.truncation import Truncation, TruncationReport
 
 
-def examples(source: Any, tokenizer: Any, chat_format: Gemma3 | Gemma4, truncation: Truncation, *,
+def examples(source: Any, tokenizer: Any, chat_format: Gemma3 | Gemma4 | None, truncation: Truncation, *,
              policy: MaskPolicy | None = None, fmt: formats.Format | None = None, completion_only_loss: bool | None = None,
              text_field: str = "text", eos_token: str | None = None, check: OnMismatch | None = "warn",
              check_sample: int = 16, batch_size: int = 512,
@@ -32,7 +33,8 @@ def examples(source: Any, tokenizer: Any, chat_format: Gemma3 | Gemma4, truncati
     source: anything ``formats.read`` takes (a .jsonl/.json/.parquet path, a ``datasets.Dataset``, a Grain
         source, a list of dicts). tokenizer: a fast tokenizer (its ``eos_token`` is the default
         ``eos_token``). chat_format: ``Gemma3()`` or ``Gemma4(...)``, e.g. from
-        ``gemport.masks.template.chat_format(tokenizer)``. truncation: ``Truncation``.
+        ``gemport.masks.template.chat_format(tokenizer)``; None for a tokenizer without a chat template (text and
+        prompt/completion strings only, as TRL takes them). truncation: ``Truncation``.
     policy, fmt, completion_only_loss, text_field, eos_token: as ``formats.render`` takes them.
     check: "warn", "raise" or None: compare the rendering of the first ``check_sample``
         conversations with the tokenizer's own ``apply_chat_template`` (``check_template``); a
@@ -40,21 +42,36 @@ def examples(source: Any, tokenizer: Any, chat_format: Gemma3 | Gemma4, truncati
     Returns (examples, report): the kept ``Example``s in input order and the ``TruncationReport``,
     which names records by their ``"id"`` field, else by their index in ``source``.
     """
-    check_tokenizer(tokenizer, chat_format)
+    if chat_format is not None:
+        check_tokenizer(tokenizer, chat_format)
     if eos_token is None:
         eos_token = getattr(tokenizer, "eos_token", None)
-    records = formats.read(source)
+    records = formats.located(source)
+
+    def render(index, where, record):
+        # Every malformed record is named where the user finds it: file and line (or index), then the field.
+        key = record.get("id", index) if isinstance(record, Mapping) else index
+        try:
+            return formats.render(record, chat_format, policy=policy, fmt=fmt,
+                                  completion_only_loss=completion_only_loss, text_field=text_field,
+                                  eos_token=eos_token, key=key)
+        except MaskError as e:
+            raise MaskError(f"{where}: {e}") from None
+        except (AttributeError, KeyError, TypeError, ValueError) as e:  # a value of the wrong kind deeper down
+            raise MaskError(f"{where}: malformed record ({type(e).__name__}: {e}); fields as TRL's SFT formats "
+                            "have them: messages [{role, content}], prompt + completion, or text") from None
+
     if check and getattr(tokenizer, "chat_template", None):
         head = list(itertools.islice(records, check_sample))
-        sample = [r for r in head if formats.conversational(r, fmt or formats.detect(r, text_field))]
+        for index, (where, record) in enumerate(head):
+            render(index, where, record)  # a malformed record fails here, named, not inside the tokenizer's template
+        sample = [r for _, r in head if formats.conversational(r, fmt or formats.detect(r, text_field))]
         check_template(tokenizer, chat_format, sample, on_mismatch=check)
         records = itertools.chain(head, records)
 
     def rendered():
-        for index, record in enumerate(records):
-            key = record.get("id", index) if isinstance(record, Mapping) else index
-            yield formats.render(record, chat_format, policy=policy, fmt=fmt, completion_only_loss=completion_only_loss,
-                         text_field=text_field, eos_token=eos_token, key=key)
+        for index, (where, record) in enumerate(records):
+            yield render(index, where, record)
 
     total = len(source) if hasattr(source, "__len__") and not isinstance(source, (str, os.PathLike)) else None
     return fit(rendered(), tokenizer, truncation, batch_size=batch_size, progress=progress, total=total)

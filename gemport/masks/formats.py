@@ -47,35 +47,49 @@ def read(source: Any, batch_size: int = 1024) -> Iterator[Any]:
         ``datasets.Dataset`` / ``IterableDataset``, a Grain ``MapDataset`` or data source, or any
         sequence or iterable of dicts.
     """
+    for _, record in located(source, batch_size):
+        yield record
+
+
+def located(source: Any, batch_size: int = 1024) -> Iterator[tuple[str, Any]]:
+    """Yields ``(where, record)`` for the records of ``source`` (as ``read`` takes it), lazily: ``where`` names
+    the record for a user to find it: ``path:line`` in a .jsonl file, ``path[index]`` in a .json or .parquet
+    file, ``record index`` (from 0) in a dataset or list."""
     if isinstance(source, (str, os.PathLike)):
         yield from _read_file(os.fspath(source), batch_size)
     elif isinstance(source, Mapping):
         raise MaskError("source: a dict; pass a list of records (or a file, dataset or Grain source)")
     elif hasattr(source, "__iter__"):
-        yield from source
+        for i, record in enumerate(source):
+            yield f"record {i}", record
     else:
         # A Grain data source (RandomAccessDataSource) is read by index.
         for i in range(len(source)):
-            yield source[i]
+            yield f"record {i}", source[i]
 
 
 def _read_file(path, batch_size):
     suffix = os.path.splitext(path)[1].lower()
     if suffix == ".parquet":
         pq = require("pyarrow.parquet", f"{path}: reading Parquet")
+        row = 0
         for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_size):
-            yield from batch.to_pylist()
+            for record in batch.to_pylist():
+                yield f"{path}[{row}]", record
+                row += 1
     elif suffix in (".jsonl", ".ndjson"):
         with open(path, encoding="utf-8") as f:
             for line_number, line in enumerate(f, 1):
                 if line.strip():
-                    yield _json(line, f"{path}:{line_number}")
+                    where = f"{path}:{line_number}"
+                    yield where, _json(line, where)
     elif suffix == ".json":
         with open(path, encoding="utf-8") as f:
             records = _json(f.read(), path)
         if not isinstance(records, list):
             raise MaskError(f"{path}: expected a JSON list of records; for one record a line, name it .jsonl")
-        yield from records
+        for i, record in enumerate(records):
+            yield f"{path}[{i}]", record
     else:
         raise MaskError(f"{path}: unknown data file type {suffix!r}; use .jsonl, .json or .parquet")
 
@@ -103,10 +117,13 @@ def detect(record: Any, text_field: str = "text") -> Format:
     )
 
 
-def render(record: Mapping[str, Any], chat_format: "Gemma3 | Gemma4", *, policy: MaskPolicy | None = None,
+def render(record: Mapping[str, Any], chat_format: "Gemma3 | Gemma4 | None", *, policy: MaskPolicy | None = None,
            fmt: Format | None = None, completion_only_loss: bool | None = None, text_field: str = "text",
            eos_token: str | None = None, key: Hashable | None = None) -> Rendered:
     """Renders one record and marks what is trained, as TRL's ``SFTTrainer`` would; returns ``Rendered``.
+
+    chat_format: ``Gemma3()`` / ``Gemma4(...)``; None for a tokenizer without a chat template, which renders
+        text and prompt/completion strings (as TRL, without one) and refuses conversations with MaskError.
 
     policy: ``MaskPolicy`` for conversations; None trains every token (TRL without
         ``assistant_only_loss``; ``MaskPolicy("assistant")`` is TRL with it).
@@ -121,7 +138,11 @@ def render(record: Mapping[str, Any], chat_format: "Gemma3 | Gemma4", *, policy:
     """
     fmt = one_of(fmt or detect(record, text_field), Format, "fmt", MaskError)
     policy = policy or _ALL_TOKENS
-    chat_format = for_record(chat_format, record)
+    if chat_format is None and conversational(record, fmt):
+        raise MaskError(f"record {key if key is not None else ''}: a conversation ({fmt}) is rendered by a chat "
+                        "template and the tokenizer has none; set chat_template_path, or give text or "
+                        "prompt/completion strings, which TRL tokenizes without one")
+    chat_format = for_record(chat_format, record) if chat_format is not None else None
     tools = _tools(record.get("tools"))
     if fmt == "messages":
         segments = chat_format.render(_messages(record), tools)
@@ -182,7 +203,10 @@ def conversational(record: Any, fmt: Format) -> bool:
 
 def _messages(record):
     if "messages" in record:
-        return _message_list(record["messages"], "messages")
+        messages = _message_list(record["messages"], "messages")
+        if not messages:
+            raise MaskError("record['messages']: an empty conversation; drop the record or give its turns")
+        return messages
     # ShareGPT's {"from", "value"} keys, renamed as TRL's maybe_convert_to_chatml does (roles are kept).
     rename = {"from": "role", "value": "content"}
     return [

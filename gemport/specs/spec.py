@@ -166,10 +166,15 @@ class GemmaSpec:
         return tunix_config(self, param_dtype=param_dtype, compute_dtype=compute_dtype, sharding=sharding)
 
     def tunix_model_class(self):
-        """The Tunix model class: ``Gemma3`` or ``Gemma4``."""
+        """The Tunix model class: ``Gemma3`` or ``Gemma4``; with experts, a ``Gemma4`` whose MoE layers route
+        tokens as transformers does (``gemport._src.moe``; Tunix 0.1.7's own routing differs)."""
         from gemport._src.extras import require
 
         module = require(f"tunix.models.{self.family}.model", "building a Tunix model")
+        if self.num_experts:
+            from gemport._src.moe import model_class
+
+            return model_class()
         return module.Gemma3 if self.family == "gemma3" else module.Gemma4
 
     def to_hf_config(self) -> dict[str, Any]:

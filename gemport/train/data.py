@@ -36,7 +36,16 @@ def load_splits(dataset_name: str | os.PathLike, dataset_config: str | None = No
     if path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file()):
         loaded = datasets.load_from_disk(str(path))
     else:
-        loaded = datasets.load_dataset(str(dataset_name), dataset_config)
+        try:
+            loaded = datasets.load_dataset(str(dataset_name), dataset_config)
+        except ValueError as e:  # datasets: "BuilderConfig 'x' not found. Available: [...]"
+            if dataset_config is None or repr(dataset_config) not in str(e):
+                raise
+            raise MaskError(f"{dataset_name}: dataset_config={dataset_config!r} is not one of its configs ({e})"
+                            ) from None
+        except datasets.exceptions.DatasetGenerationError as e:
+            _name_bad_record(path)  # datasets says "row 1" of no file: read the folder's files to name the line
+            raise MaskError(f"{dataset_name}: datasets could not read it ({e.__cause__ or e}); check its files") from None
     if isinstance(loaded, datasets.Dataset):
         loaded = datasets.DatasetDict({train_split: loaded})
     wanted = [train_split] + ([test_split] if with_test else [])
@@ -46,6 +55,17 @@ def load_splits(dataset_name: str | os.PathLike, dataset_config: str | None = No
                             f"dataset_{'train' if split == train_split else 'test'}_split"
                             + ("" if split == train_split else ", or eval_strategy: 'no'"))
     return loaded[train_split], loaded[test_split] if with_test else None
+
+
+def _name_bad_record(folder: Path) -> None:
+    """Raise MaskError naming the file and line of the first record of ``folder`` that is not valid JSON."""
+    from gemport.masks.formats import located
+
+    if folder.is_dir():
+        for file in sorted(folder.iterdir()):
+            if file.suffix in (".jsonl", ".json"):
+                for _ in located(file):
+                    pass
 
 
 __all__ = ["load_splits"]

@@ -1,12 +1,14 @@
-"""What HF's Trainer leaves in ``output_dir`` while it trains: ``trainer_state.json``, TensorBoard events, a bar.
+"""What HF's Trainer leaves in ``output_dir`` while it trains: ``trainer_state.json``, its trackers' logs, a bar.
 
 ``HFOutputs`` is a Tunix ``TrainingHooks`` for an ``SFTRun``'s trainer. At every logging step it appends HF's
 ``log_history`` entry (``loss``: the mean of the steps since the last entry; ``grad_norm`` before clipping;
 ``learning_rate``: the step's; ``epoch``; ``step``; and gemport's two loss scopes, ``masked_loss`` and
 ``full_sequence_loss``) and rewrites ``trainer_state.json`` atomically; after each evaluation at ``eval_steps``
-it appends ``eval_loss`` and the scopes as ``eval_*``. On a resumed run it keeps the entries up to the restored
-step, so the file reads as an uninterrupted run's. Under ``jax.distributed`` every process runs the hooks
-(the tokens/s count sums every process's rows) and process 0 alone writes the file, the events and the bar.
+it appends ``eval_loss`` and the scopes as ``eval_*``. Every entry also goes to the trackers of ``report_to``
+(``gemport.train.trackers``: TensorBoard, W&B, trackio) under HF's names. On a resumed run it keeps the entries
+up to the restored step, so the file reads as an uninterrupted run's. Under ``jax.distributed`` every process
+runs the hooks (the tokens/s count sums every process's rows) and process 0 alone writes the file, reports to
+the trackers and shows the bar.
 """
 
 from __future__ import annotations
@@ -25,24 +27,21 @@ from tunix.sft import hooks
 
 from gemport.errors import RecipeError
 from gemport.optim.hf import fields_of
+from gemport.train import trackers
 from gemport.train.peft_trainer import SCOPES
 
 TRAINER_STATE = "trainer_state.json"
 
 _READ = {"logging_steps": 10, "logging_first_step": False, "logging_strategy": "steps", "eval_steps": None,
          "save_steps": 500, "num_train_epochs": 3.0, "per_device_train_batch_size": 8, "report_to": "none",
-         "logging_dir": None, "disable_tqdm": None, "eval_on_start": False}
-
-
-def _reports_to_tensorboard(report_to: Any) -> bool:
-    names = [report_to] if isinstance(report_to, str) else list(report_to or [])
-    return "tensorboard" in names or "all" in names
+         "disable_tqdm": None, "eval_on_start": False}
 
 
 class HFOutputs(hooks.TrainingHooks):
-    """Writes ``output_dir/trainer_state.json`` (HF's ``TrainerState``), TensorBoard scalars when ``report_to``
-    names ``tensorboard`` (under ``logging_dir``, default ``output_dir/runs``), and shows a tqdm bar with loss,
-    grad_norm, learning rate and tokens/s. ``run``: the ``SFTRun`` trained; ``finish()`` after ``train()``."""
+    """Writes ``output_dir/trainer_state.json`` (HF's ``TrainerState``), reports each entry to the trackers
+    ``report_to`` names (``gemport.train.trackers``), and shows a tqdm bar with loss, grad_norm, learning rate
+    and tokens/s. ``run``: the ``SFTRun`` trained; ``finish()`` after ``train()``. Raises before training when
+    ``report_to`` names a tracker gemport does not report to or that is not installed."""
 
     def __init__(self, run: Any, output_dir: str | os.PathLike):
         f = fields_of(run.args, _READ)
@@ -58,6 +57,7 @@ class HFOutputs(hooks.TrainingHooks):
         self.eval_every = run.training_config.eval_every_n_steps
         self.eval_on_start = bool(f["eval_on_start"])
         self.fields = f
+        trackers.names(f["report_to"])
         # Each optimizer step's epoch as HF counts it: micro-batches done over the micro-batches of a whole epoch.
         batch = f["per_device_train_batch_size"]
         units = run.num_units
@@ -76,7 +76,8 @@ class HFOutputs(hooks.TrainingHooks):
         self.history: list[dict[str, Any]] = []
         self.window: list[float] = []
         self.pending: list[dict[str, Any]] = []  # eval entries wait for their step's train entry, as HF orders them
-        self.bar = self.writer = None
+        self.bar = None
+        self.trackers: list[trackers.Tracker] = []
         self.start_step = 0
         self.clock = time.perf_counter()
 
@@ -93,11 +94,11 @@ class HFOutputs(hooks.TrainingHooks):
                             if e.get("step", 0) <= self.start_step]
         self.bar = tqdm(total=self.max_steps, initial=self.start_step, desc="gemport sft", unit="step",
                         disable=bool(self.fields["disable_tqdm"]) or not self.primary)
-        if self.primary and _reports_to_tensorboard(self.fields["report_to"]):
-            from tensorboardX import SummaryWriter
-
-            self.writer = SummaryWriter(str(self.fields["logging_dir"] or self.out / "runs"),
-                                        purge_step=self.start_step + 1 if self.start_step else None)
+        if self.primary:
+            base = self.run.base_dir
+            self.trackers = trackers.open_trackers(
+                self.run.args, base_dir=base, lora_config=self.run.lora_spec.to_peft(str(base)),
+                num_parameters=self.run.num_parameters, output_dir=self.out, start_step=self.start_step)
         self.clock = time.perf_counter()
 
     def on_train_start(self, trainer: Any) -> None:
@@ -127,7 +128,7 @@ class HFOutputs(hooks.TrainingHooks):
                      "loss": float(np.mean(self.window)), "step": step}
             entry.update({name: self._latest(trainer, name, "train") for name in SCOPES})
             self.window = []
-            self._log(entry, "train")
+            self._log(entry)
         self._flush(step)
 
     def on_eval_step_end(self, trainer: Any, eval_loss: Any) -> None:
@@ -145,16 +146,13 @@ class HFOutputs(hooks.TrainingHooks):
 
     def _flush(self, step: int) -> None:
         while self.pending and self.pending[0]["step"] <= step:
-            self._log(self.pending.pop(0), "eval")
+            self._log(self.pending.pop(0))
 
-    def _log(self, entry: dict[str, Any], mode: str) -> None:
+    def _log(self, entry: dict[str, Any]) -> None:
         self.history.append(entry)
         self._write_state()
-        if self.writer is not None:
-            for key, value in entry.items():
-                if key not in ("step", "epoch"):
-                    self.writer.add_scalar(f"{mode}/{key.removeprefix('eval_')}", value, entry["step"])
-            self.writer.flush()
+        for tracker in self.trackers:
+            tracker.log(trackers.hf_names(entry), entry["step"])
 
     def _write_state(self) -> None:
         if not self.primary:
@@ -175,13 +173,14 @@ class HFOutputs(hooks.TrainingHooks):
         os.replace(tmp, self.out / TRAINER_STATE)
 
     def finish(self) -> None:
-        """Write what is pending, close the bar and the TensorBoard writer (Tunix logs the last step after
+        """Write what is pending, close the bar and end the trackers' runs (Tunix logs the last step after
         ``on_train_end``, so this comes after ``train()``)."""
         self._flush(self.max_steps)
         if self.bar is not None:
             self.bar.close()
-        if self.writer is not None:
-            self.writer.close()
+        for tracker in self.trackers:
+            tracker.finish()
+        self.trackers = []
 
     def on_train_end(self, trainer: Any) -> None: ...
     def on_train_step_start(self, trainer: Any) -> None: ...

@@ -10,13 +10,16 @@ logged loss. ``micro_batches`` lays the data out that way; ``HFPeftTrainer`` set
 
 On restart ``PeftTrainer`` restores the latest Orbax checkpoint (LoRA params, optimizer state with the
 schedule's count) and skips as many micro-batches as it had consumed; over a Grain ``MapDataset``, which
-yields the same elements in the same order on every pass, it continues exactly where it stopped.
+yields the same elements in the same order on every pass, it continues exactly where it stopped. ``HFPeftTrainer``
+first reads the newest checkpoint back whole and sets aside any that does not (``checkpoint.integrity``), so it
+resumes from the newest intact one.
 """
 
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import functools
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -28,9 +31,10 @@ from jax.interpreters import pxla
 from jax.sharding import NamedSharding, PartitionSpec
 
 from gemport.checkpoint.adapters import save_lora_spec
-from gemport.errors import BatchError
+from gemport.checkpoint.integrity import resume_step, steps
+from gemport.errors import BatchError, CheckpointError, TrainingError
 from gemport._src.extras import require
-from gemport.lora import LoraSpec
+from gemport.lora import LoraSpec, dropout_key, lora_dropout
 from gemport.masks.loss import loss_scopes, nll_scopes
 from gemport.train.attention import check_segments
 from gemport.train.preemption import Preemption
@@ -147,6 +151,44 @@ def _ratio(values):
     return np.float32(summed[0] / max(summed[1], 1))
 
 
+class _Checkpoints:
+    """Tunix's ``CheckpointManager`` whose failed writes (a full disk, a lost mount, a quota) are a
+    ``CheckpointError`` naming the root, the step and what is kept. Orbax writes each checkpoint in a temporary
+    directory and renames it when complete, so a failed or interrupted save leaves no step that looks complete,
+    and deletes older ones (``save_total_limit``) only after that rename."""
+
+    def __init__(self, manager: Any, root: str) -> None:
+        self._manager, self._root = manager, root
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._manager, name)
+
+    def _failed(self, step: int | None, error: Exception) -> CheckpointError:
+        kept = steps(self._root)
+        # Orbax reports an asynchronous write's failure at the next save: its unfinished directory names the step.
+        root = Path(self._root)
+        unfinished = sorted(int(p.name.split(".")[0]) for p in root.glob("*.orbax-checkpoint-tmp*")
+                            if p.name.split(".")[0].isdigit()) if root.is_dir() else []
+        failed = unfinished[-1] if unfinished else step
+        return CheckpointError(
+            f"{self._root}: writing a checkpoint failed{'' if failed is None else f' (step {failed})'}: "
+            f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}; the disk may be "
+            f"full or the location no longer writable. Checkpoints kept: {kept or 'none'}; free space (or give an "
+            "output_dir with room) and run the same command again to resume from the newest")
+
+    def save(self, step: int, *args: Any, **kwargs: Any) -> bool:
+        try:
+            return self._manager.save(step, *args, **kwargs)
+        except Exception as e:  # Orbax and TensorStore raise ValueError, OSError, RuntimeError for a failed write
+            raise self._failed(step, e) from e
+
+    def close(self) -> None:
+        try:
+            self._manager.close()  # waits for the last asynchronous write
+        except Exception as e:
+            raise self._failed(None, e) from e
+
+
 class HFPeftTrainer(peft_trainer.PeftTrainer):
     """``tunix.sft.PeftTrainer`` whose gradient accumulation is HF's and whose metrics have both loss scopes.
 
@@ -161,6 +203,10 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
         ``train()`` again resumes from that checkpoint.
     fast: ``hf_loss``'s (segment attention and chunked cross-entropy, the default); False runs Tunix's own
         attention and logits, and then refuses packed rows to a model built with ``use_flash_attention``.
+    seed: the LoRA dropout stream's (HF's ``seed``). With ``model.lora_spec.dropout`` above 0 the ``i``-th
+        micro-batch trained (counted by ``optimizer.step``, which checkpoints carry) runs under
+        ``lora.lora_dropout(model, lora.dropout_key(seed, i))``: a resume draws the masks an uninterrupted run
+        draws. Evaluation runs without dropout, as HF's in eval mode.
 
     Train on ``micro_batches(...)``; the loss is ``hf_loss``, the eval loss ``eval_loss``, and
     ``masked_loss`` / ``full_sequence_loss`` are logged beside ``loss`` (``metrics_logger``, modes
@@ -169,9 +215,14 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
 
     def __init__(self, model: nnx.Module, optimizer: optax.GradientTransformation,
                  training_config: peft_trainer.TrainingConfig, *, lora_spec: LoraSpec | None = None,
-                 preemption: Preemption | None = None, fast: bool = True, **kwargs: Any) -> None:
+                 preemption: Preemption | None = None, fast: bool = True, seed: int = 0, **kwargs: Any) -> None:
+        if training_config.checkpoint_root_directory is not None:  # Tunix resumes from the newest step dir
+            resume_step(training_config.checkpoint_root_directory)
         super().__init__(model, optimizer, training_config, **kwargs)
+        if training_config.checkpoint_root_directory is not None:
+            self.checkpoint_manager = _Checkpoints(self.checkpoint_manager, training_config.checkpoint_root_directory)
         self._preemption = preemption
+        self._seed = seed
         accumulation = training_config.get_with_default("gradient_accumulation_steps", 1)
         self.fast = fast
         self.with_loss_fn(hf_loss(accumulation, fast=fast), has_aux=True)
@@ -188,7 +239,9 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
 
         def train_step(model, optimizer, inputs):
             grad_fn = nnx.value_and_grad(self.loss_fn, argnums=nnx.DiffState(0, optimizer.wrt), has_aux=True)
-            (loss, aux), grads = grad_fn(model, **self.gen_model_input_fn(inputs))
+            # Tunix updates the optimizer once per micro-batch: its step counts them.
+            with lora_dropout(model, dropout_key(self._seed, optimizer.step[...].astype(jnp.int32))):
+                (loss, aux), grads = grad_fn(model, **self.gen_model_input_fn(inputs))
             accumulated = nnx.as_pure(nnx.state(grads, optimizer.wrt))
             state = nnx.as_pure(optimizer.opt_state)
             if isinstance(state, optax.MultiStepsState):
@@ -199,6 +252,13 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
             return loss, aux, grad_norm
 
         return train_step
+
+    def jitted_train_step(self) -> Any:
+        """The train step ``train()`` runs, jitted as Tunix jits it (``nnx.jit`` of ``create_train_step_fn``, the
+        optimizer donated): ``step(model, optimizer, inputs) -> (loss, aux, grad_norm)``, with ``inputs`` a
+        micro-batch of ``micro_batches`` without ``ACCUMULATION``. Its ``.lower(...)`` on abstract arguments is
+        what ``gemport.plan`` compiles; ``tests/test_one_step.py`` holds it to the program ``train()`` lowers."""
+        return nnx.jit(self.create_train_step_fn(), donate_argnames=("optimizer",))
 
     def _prepare_inputs(self, input_data: Any) -> Any:
         """Refuses packed rows to a segment-blind attention (with ``fast=False``) and a training micro-batch
@@ -224,10 +284,35 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
 
     def _write_train_metrics(self):
         # Called once per optimizer step, after it and before PeftTrainer's periodic checkpoint.
+        if self._buffered_train_metrics is not None:
+            self._check_finite(self._buffered_train_metrics)
         super()._write_train_metrics()
         if self._preemption is not None:
             self._preemption.check(self._train_steps, self._stop,
                                    where=str(self.config.checkpoint_root_directory))
+
+    def _check_finite(self, buffer) -> None:
+        """Refuses the step just taken when its loss or gradient norm is not finite, before it is checkpointed.
+
+        HF's Trainer logs such a step (``logging_nan_inf_filter`` only hides it from the logged mean) and goes
+        on with the weights the non-finite gradient made: a run that ends normally with a useless adapter. Here
+        the run stops at that step, its checkpoint unwritten, the older ones kept.
+        """
+        loss = np.array([np.asarray(v, np.float32) for v in buffer.losses])  # replicated scalars, on every process
+        grad_norm = np.asarray(buffer.additional_metrics["grad_norm"][0][-1], np.float32)
+        if np.isfinite(loss).all() and np.isfinite(grad_norm):
+            return
+        root = self.config.checkpoint_root_directory
+        last = self.checkpoint_manager.latest_step()
+        self.checkpoint_manager.close()  # waits for a checkpoint still being written
+        raise TrainingError(
+            f"step {self._train_steps}: the loss is {loss.tolist()} (per micro-batch) and the gradient norm "
+            f"{float(grad_norm)}; the weights this step made are not finite, so the run stops before "
+            "checkpointing them ("
+            + (f"the last checkpoint, step {last} in {root}, is kept" if last is not None else "no checkpoint")
+            + "); lower learning_rate or set max_grad_norm, or look for an empty or extreme example in this "
+            "step's data, then run again to resume"
+        )
 
     def _stop(self):
         self._preemption = None  # close() writes the metrics again

@@ -32,6 +32,10 @@ MODEL = ("model_name_or_path", "dtype", "use_peft", "lora_r", "lora_alpha", "lor
 """ModelConfig fields gemport uses: the base checkpoint, its dtype (QLoRA's compute dtype), the LoRA and the
 4-bit base."""
 
+TRL_LORA = {"lora_r": "r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
+            "lora_target_modules": "target_modules", "use_rslora": "use_rslora"}
+"""TRL's ModelConfig names of the LoRA fields -> PEFT's ``LoraConfig`` names."""
+
 SFT = (
     # data (gemport.train.from_sft_config)
     "assistant_only_loss", "completion_only_loss", "max_length", "truncation_mode", "packing", "packing_strategy",
@@ -45,8 +49,10 @@ SFT = (
     "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio", "optim", "average_tokens_across_devices",
     # run: evaluation, logging, checkpoints, outputs (gemport.train.run, gemport.train.outputs)
     "output_dir", "bf16", "eval_strategy", "eval_steps", "per_device_eval_batch_size", "eval_on_start",
-    "logging_strategy", "logging_steps", "logging_first_step", "logging_dir", "report_to", "run_name",
+    "logging_strategy", "logging_steps", "logging_first_step", "logging_dir", "report_to", "run_name", "project",
     "save_strategy", "save_steps", "save_total_limit", "resume_from_checkpoint", "disable_tqdm",
+    # memory (gemport.train.sft.remat_of: decoder remat, set on the model by gemport.train.run)
+    "gradient_checkpointing", "gradient_checkpointing_kwargs",
 )
 """SFTConfig fields gemport uses."""
 
@@ -57,8 +63,6 @@ MAPPED = {
     "model_revision": "model_name_or_path is read as a local directory; no revision is fetched",
     "trust_remote_code": "gemport builds Tunix's Gemma itself; no remote code runs",
     "model_init_kwargs": "the model is Tunix's Gemma, built by gemport.load_model",
-    "gradient_checkpointing": "the step is compiled by XLA without remat; plan memory with `gemport plan --remat`",
-    "gradient_checkpointing_kwargs": "see gradient_checkpointing",
     "activation_offloading": "XLA places activations; nothing is offloaded",
     "use_cache": "training never uses the KV cache",
     "torch_compile": "XLA compiles the train step",
@@ -89,12 +93,14 @@ MAPPED = {
     "do_train": "`gemport sft` always trains",
     "do_eval": "evaluation follows eval_strategy",
     "prediction_loss_only": "evaluation computes losses only",
-    "project": "a name for trackio/W&B, which gemport does not report to",
     "full_determinism": "XLA on one device set is deterministic; the sample order is HF's",
     "include_num_input_tokens_seen": "tokens/s is shown in the progress bar",
     "bnb_4bit_quant_storage": "Qwix stores the 4-bit codes as uint4; the storage dtype changes no value",
 }
 """Fields accepted without a counterpart, with what gemport does instead."""
+
+STRATEGIES = {"eval_strategy": ("no", "steps"), "save_strategy": ("no", "steps"), "logging_strategy": ("steps",)}
+"""The ``*_strategy`` values gemport honours (HF's ``"epoch"`` and ``"best"`` are not reproduced)."""
 
 _REFUSED_WHEN_SET = {
     "push_to_hub": "gemport has no network access to the Hub here; upload output_dir yourself",
@@ -124,11 +130,9 @@ class Recipe:
         ``use_peft``."""
         if not self.model.get("use_peft"):
             return None
-        from gemport.parity import _TRL_LORA
-
-        defaults = {name: _default("ModelConfig", name) for name in _TRL_LORA}
-        fields = {**defaults, **{k: v for k, v in self.model.items() if k in _TRL_LORA}}
-        return {"peft_type": "LORA", **{_TRL_LORA[k]: v for k, v in fields.items()}}
+        defaults = {name: _default("ModelConfig", name) for name in TRL_LORA}
+        fields = {**defaults, **{k: v for k, v in self.model.items() if k in TRL_LORA}}
+        return {"peft_type": "LORA", **{TRL_LORA[k]: v for k, v in fields.items()}}
 
     def qlora(self):
         """The ``gemport.lora.QLoraSpec`` of the recipe's 4-bit base (``load_in_4bit`` with ``bnb_4bit_quant_type``,
@@ -137,6 +141,19 @@ class Recipe:
         from gemport.lora import QLoraSpec
 
         return QLoraSpec.from_config({k: v for k, v in self.model.items() if k in (*QLORA, "dtype")})
+
+    def dtype(self):
+        """The base weights' dtype: ModelConfig's ``dtype`` when set (not ``"auto"``), else bfloat16 with ``bf16``
+        (TRL's default), else float32."""
+        import jax.numpy as jnp
+
+        name = self.model.get("dtype")
+        if name not in (None, "auto"):
+            try:
+                return jnp.dtype(name)
+            except TypeError:
+                raise RecipeError(f"dtype={name!r}: not a dtype; give bfloat16, float32 or auto") from None
+        return jnp.dtype(jnp.bfloat16 if self.sft["bf16"] else jnp.float32)
 
 
 def _classes():
@@ -251,7 +268,19 @@ def read(config: str | os.PathLike | Mapping[str, Any] | None, overrides: Mappin
         sft["pad_to_multiple_of"] = None
     if sft["bf16"] is None:  # TRL: bf16 unless fp16
         sft["bf16"] = not sft["fp16"]
+    check_strategies(sft, where)
     return Recipe(parts["ScriptArguments"], model, sft, tuple(notes), source)
 
 
-__all__ = ["MAPPED", "MODEL", "QLORA", "SCRIPT", "SFT", "USED", "Recipe", "parse_overrides", "read"]
+def check_strategies(sft: Mapping[str, Any], where: str = "") -> None:
+    """Raises ``RecipeError`` naming an ``eval_strategy`` / ``save_strategy`` / ``logging_strategy`` value gemport
+    does not honour (``STRATEGIES``); HF's enums are read by value."""
+    for name, allowed in STRATEGIES.items():
+        value = getattr(sft.get(name), "value", sft.get(name))
+        if name in sft and value not in allowed:
+            raise RecipeError(f"{where}{name}={value!r}: gemport runs {' or '.join(map(repr, allowed))}; give "
+                              f"'steps' with {name.split('_')[0]}_steps")
+
+
+__all__ = ["MAPPED", "MODEL", "QLORA", "SCRIPT", "SFT", "STRATEGIES", "USED", "Recipe", "check_strategies",
+           "parse_overrides", "read"]

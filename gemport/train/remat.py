@@ -79,3 +79,17 @@ def tied_remat_model(model: nnx.Module) -> nnx.Module:
         if type(module) is gemma4.DecoderLayer:
             module.__class__ = _tied(type(module))
     return copy
+
+
+def set_remat(model: nnx.Module, family: str, remat: str) -> None:
+    """Set Tunix's ``remat_config`` of ``model`` to ``remat`` ("none", "block", "decoder"), in place.
+
+    family: the model's Tunix family (``GemmaSpec.family``: "gemma3", "gemma4"). Qwix creates the LoRA params on a
+    first call, which fails inside ``nnx.remat``; so a model gets its LoRA without remat and the remat policy
+    afterwards. Gemma 3's attention keeps its own copy of the field.
+    """
+    value = __import__(f"tunix.models.{family}.model", fromlist=["RematConfig"]).RematConfig[remat.upper()]
+    for _, module in nnx.iter_modules(model):
+        for holder in (module, getattr(module, "config", None)):
+            if hasattr(holder, "remat_config"):
+                holder.remat_config = value

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemport.errors import LoraError, RecipeError
+from gemport.errors import LoraError, MaskError, RecipeError
 from gemport.lora import LoraParams, LoraSpec
 from gemport.masks.batching import pad
 from gemport.masks.tokenize import Example
@@ -40,8 +40,11 @@ from gemport.optim.hf import HFOptimizer, fields_of, hf_optimizer
 from gemport.specs import GemmaSpec
 from gemport.train.distributed import batch_sharding, process_rows
 from gemport.train.order import OptimizerStep
+from gemport.train.remat import set_remat
 from gemport.train.sft import SFTPipeline, from_sft_config
+from gemport.train import trackers
 from gemport.train.step import stack
+from gemport.train.vocabulary import check_token_ids
 
 # SFTConfig fields the run reads beyond the pipeline's and the optimizer's, with TRL 1.16's defaults.
 _READ = {
@@ -57,6 +60,9 @@ _READ = {
     "save_strategy": "steps",
     "save_steps": 500,
     "save_total_limit": None,
+    "dataloader_drop_last": False,
+    "chat_template_path": None,
+    "resume_from_checkpoint": None,
 }
 
 CHECKPOINTS = "checkpoints"
@@ -91,11 +97,16 @@ def lora_spec_of(lora: Any) -> LoraSpec:
 
 
 def eval_batches(examples: Sequence[Example], batch_size: int, *, pad_id: int = 0,
-                 pad_to_multiple_of: int | None = None) -> list[dict[str, np.ndarray]]:
+                 pad_to_multiple_of: int | None = None, drop_last: bool = False) -> list[dict[str, np.ndarray]]:
     """Eval batches [1, batch_size, T] of ``examples`` in order, one padded example a row; the last batch keeps
-    its odd examples (its missing rows are empty: no target). T is the longest example, rounded up."""
+    its odd examples (its missing rows are empty: no target), unless ``drop_last`` (HF's ``dataloader_drop_last``,
+    which its eval dataloader honours too) drops it. T is the longest example, rounded up."""
+    if drop_last:
+        examples = examples[:len(examples) // batch_size * batch_size]
     if not examples:
-        raise RecipeError("eval_batches: no eval example")
+        raise RecipeError("eval_batches: no eval example" + (f" (dataloader_drop_last drops all, fewer than "
+                                                            f"per_device_eval_batch_size={batch_size})" if drop_last
+                                                            else ""))
     multiple = pad_to_multiple_of or 1
     width = math.ceil(max(len(e.tokens) for e in examples) / multiple) * multiple
     return [stack([pad(examples[i:i + batch_size], width, pad_id=pad_id)], accumulation=1, rows=batch_size)
@@ -128,13 +139,14 @@ class SFTRun:
     optimizer: HFOptimizer
     training_config: Any
     trainer: Any = None
+    record: dict[str, Any] | None = None
 
     @classmethod
     def create(cls, sft_config: Any, base_dir: str | os.PathLike, train_dataset: Any, *, lora: Any = None,
                eval_dataset: Any = None, init_adapter: str | os.PathLike | None = None, mesh=None,
                fsdp: int | None = None, tp: int | None = None, dtype: Any = None, tokenizer: Any = None,
                chat_format: Any = None, checkpoint_dir: str | os.PathLike | None = None, qlora: Any = None,
-               progress: bool = True) -> SFTRun:
+               progress: bool = True, abstract: bool = False) -> SFTRun:
         """Build the run of ``sft_config`` on ``base_dir`` and ``train_dataset``.
 
         sft_config: ``SFTConfig``, a dict of its fields, or a ``trl sft --config`` YAML (read as ``trl sft``
@@ -144,14 +156,26 @@ class SFTRun:
             any format gemport reads (``masks.formats.read``: a list, a ``datasets.Dataset``, a
             .jsonl/.json/.parquet file).
         lora: ``LoraSpec``, ``peft.LoraConfig`` or its dict, ``adapter_config.json`` or its directory, or TRL's
-            ``lora_*`` fields; fresh factors from ``seed``. init_adapter: a PEFT adapter directory to start from
-            (its factors and spec; ``lora``, if also given, must describe the same adapter).
+            ``lora_*`` fields; fresh factors from ``seed``. Unset ``target_modules``: PEFT's default for the
+            base's ``model_type`` (``lora.config.peft_default_targets``: q_proj and v_proj; a ``LoraError`` where
+            PEFT has none, or where Tunix's fused kv_einsum cannot carry v_proj without k_proj). init_adapter: a PEFT adapter directory to start from (its factors and spec; ``lora``,
+            if also given, must describe the same adapter).
         mesh: default ``make_mesh(spec, fsdp=fsdp, tp=tp)`` over all devices. dtype: the base weights' dtype;
-            default bfloat16 if ``bf16`` is set, else float32. checkpoint_dir: the Orbax root; default
-            ``<output_dir>/checkpoints`` (none with ``save_strategy="no"`` or without ``output_dir``).
+            default the YAML's ``dtype`` (``Recipe.dtype``), else bfloat16 if ``bf16`` is set, else float32.
+            checkpoint_dir: the Orbax root; default ``<output_dir>/checkpoints`` (none with
+            ``save_strategy="no"`` or without ``output_dir``); a rerun resumes from it only with the same recipe
+            (``train.record``).
         qlora: a ``gemport.lora.QLoraSpec`` (a QLoRA recipe's 4-bit base, ``QLoraSpec.from_config``): the base
             loads through ``checkpoint.quantize.load_qlora_model`` and LoRA trains on it; default unquantized
             (or the YAML's).
+        abstract: build the model from ``config.json`` alone, shapes only (``train.model.lora_model``: no weight
+            is read, nothing allocated), for ``gemport.plan.dry_run``; such a run is compiled, never trained.
+            ``train_dataset`` may then be None: one step of full ``max_length`` rows stands for the data.
+
+        The model's remat is ``gradient_checkpointing``'s (``train.sft.remat_of``).
+
+        ``chat_template_path`` (a .jinja file or a tokenizer folder) sets the template, as TRL does, and every
+        training conversation is checked to render and mask alike through it (``train.chat_template``).
 
         Raises RecipeError (a field gemport cannot honour, naming it), LoraError, MaskError.
         """
@@ -166,11 +190,18 @@ class SFTRun:
             recipe = read(sft_config)
             args, lora = recipe.sft, lora if lora is not None else recipe.lora()
             qlora = qlora if qlora is not None else recipe.qlora()
+            dtype = dtype if dtype is not None else recipe.dtype()
         else:
             args = sft_fields(sft_config)
+        from gemport.train.recipe import check_strategies
+
+        check_strategies(args)
         f = fields_of(args, _READ)
+        trackers.names(fields_of(args, {"report_to": "none"})["report_to"])  # a missing tracker fails before the load
         base_dir = Path(base_dir)
         spec = GemmaSpec.from_hf(base_dir)
+        if lora is not None:
+            lora = _with_peft_targets(lora, base_dir, spec)
         start: LoraSpec | LoraParams
         if init_adapter is not None:
             start = import_peft(init_adapter, base_dir=base_dir)
@@ -182,48 +213,87 @@ class SFTRun:
                             "fields) or init_adapter=")
         else:
             start = lora_spec_of(lora)
-        tokenizer = tokenizer or transformers.AutoTokenizer.from_pretrained(base_dir)
-        pipeline = from_sft_config(args, tokenizer, chat_format=chat_format)
-        examples, report = pipeline.examples(train_dataset, tokenizer, progress=progress)
-        if not examples:
+        if tokenizer is None and abstract and train_dataset is None and not (base_dir / "tokenizer_config.json").is_file():
+            # Rows of max_length need no text: Gemma's chat format and pad id 0 stand for the tokenizer's.
+            from gemport.masks.gemma3 import Gemma3
+            from gemport.masks.gemma4 import Gemma4
+
+            chat_format = chat_format or (Gemma4() if spec.family == "gemma4" else Gemma3())
+        else:
+            tokenizer = tokenizer or transformers.AutoTokenizer.from_pretrained(base_dir)
+            if f["chat_template_path"] is not None:
+                from gemport.train.chat_template import with_chat_template
+
+                tokenizer = with_chat_template(tokenizer, f["chat_template_path"], spec.vocab)
+        try:
+            pipeline = from_sft_config(args, tokenizer, chat_format=chat_format)
+        except MaskError as e:  # the chat format is read from the template: name the field that set it
+            if f["chat_template_path"] is None:
+                raise
+            raise RecipeError(f"chat_template_path={str(f['chat_template_path'])!r}: {e}") from None
+        if f["chat_template_path"] is not None and train_dataset is not None:
+            from gemport.masks.formats import read as records
+            from gemport.train.chat_template import check_records
+
+            check_records(records(train_dataset), tokenizer, pipeline.chat_format, policy=pipeline.policy,
+                          text_field=pipeline.text_field)
+        if abstract and train_dataset is None:
+            examples, report = [], TruncationReport()
+        else:
+            examples, report = pipeline.examples(train_dataset, tokenizer, progress=progress)
+        if not examples and not abstract:
             raise RecipeError(f"no training example is left after truncation at max_length "
                               f"{pipeline.max_length} ({report}); raise max_length")
         held_out = None
         if eval_dataset is not None:
             held_out, _ = pipeline.examples(eval_dataset, tokenizer, progress=progress)
+        check_token_ids(examples, spec.vocab, tokenizer, pad_id=pipeline.pad_id)  # before the model loads
+        check_token_ids(held_out or [], spec.vocab, tokenizer, split="eval")
         mesh = mesh if mesh is not None else make_mesh(spec, fsdp=fsdp, tp=tp)
         rows = None
         if jax.process_count() > 1:  # this process's rows of each batch [A, B, T]
             rows = process_rows(batch_sharding(mesh),
                                 (f["gradient_accumulation_steps"], f["per_device_train_batch_size"], 1))
-        steps = list(pipeline.batches(examples, rows=rows))
-        plan, batches = [s for s, _ in steps], [b for _, b in steps]
-        num_steps = len(plan)
+        steps = list(pipeline.batches(examples, rows=rows)) if examples else [(None, _full_rows(pipeline, f, rows))]
+        plan, batches = [s for s, _ in steps if s is not None], [b for _, b in steps]
+        num_steps = len(batches)
         if dtype is None:
             dtype = jnp.bfloat16 if f["bf16"] else jnp.float32
-        with use_mesh(mesh):
-            if qlora is None:
-                base = load_model(base_dir, spec=spec, mesh=mesh, param_dtype=dtype)
-            else:
-                from gemport.checkpoint.quantize import load_qlora_model
+        if abstract:
+            from gemport.train.model import lora_model
 
-                base = load_qlora_model(base_dir, qlora, spec=spec, mesh=mesh, compute_dtype=dtype)
-            model = apply_lora(base, spec, start, seed=f["seed"], qlora=qlora)
-        if checkpoint_dir is None and f["output_dir"] is not None and f["save_strategy"] != "no":
-            checkpoint_dir = Path(f["output_dir"]) / CHECKPOINTS
+            model = lora_model(spec, start if isinstance(start, LoraSpec) else start.lora_spec, param_dtype=dtype,
+                               remat=pipeline.remat, qlora=qlora)
+        else:
+            with use_mesh(mesh):
+                if qlora is None:
+                    base = load_model(base_dir, spec=spec, mesh=mesh, param_dtype=dtype)
+                else:
+                    from gemport.checkpoint.quantize import load_qlora_model
+
+                    base = load_qlora_model(base_dir, qlora, spec=spec, mesh=mesh, compute_dtype=dtype)
+                model = apply_lora(base, spec, start, seed=f["seed"], qlora=qlora)
+            set_remat(model, spec.family, pipeline.remat)
+        if checkpoint_dir is None and not abstract:
+            checkpoint_dir = checkpoint_root(args)
         evals = None
         if held_out:
             evals = eval_batches(held_out, f["per_device_eval_batch_size"], pad_id=pipeline.pad_id,
-                                 pad_to_multiple_of=pipeline.pad_to_multiple_of)
+                                 pad_to_multiple_of=pipeline.pad_to_multiple_of,
+                                 drop_last=bool(f["dataloader_drop_last"]))
             if jax.process_count() > 1:  # the eval set is small: laid out whole, each process keeps its rows
                 mine = process_rows(batch_sharding(mesh), evals[0]["tokens"].shape)
                 evals = [{k: v[:, mine] for k, v in b.items()} for b in evals]
+        from gemport.train.record import recipe_record
+
         return cls(args=args, base_dir=base_dir, spec=spec, mesh=mesh, model=model, tokenizer=tokenizer,
                    pipeline=pipeline, examples=examples, report=report, plan=plan, train_batches=batches,
                    eval_examples=held_out, eval_batches=evals,
                    optimizer=hf_optimizer(args, num_training_steps=num_steps),
                    training_config=training_config(args, num_steps, checkpoint_dir=checkpoint_dir,
-                                                   evaluate=evals is not None))
+                                                   evaluate=evals is not None),
+                   record=recipe_record(args, base_dir=base_dir, dtype=dtype, lora_spec=model.lora_spec,
+                                        qlora=qlora, examples=examples))
 
     @property
     def lora_spec(self) -> LoraSpec:
@@ -236,6 +306,13 @@ class SFTRun:
         return len(self.train_batches)
 
     @property
+    def num_parameters(self) -> int:
+        """The model's parameters, LoRA factors included (what HF's ``model.num_parameters()`` counts)."""
+        from flax import nnx
+
+        return sum(int(np.size(v)) for v in jax.tree.leaves(nnx.state(self.model, nnx.Param)))
+
+    @property
     def num_units(self) -> int:
         """The rows HF's sampler orders: packed rows (``packing``), else examples."""
         return len(self.pipeline.units(self.examples)["tokens"]) if self.pipeline.layout == "pack" else len(self.examples)
@@ -243,12 +320,19 @@ class SFTRun:
     def make_trainer(self, **kwargs: Any):
         """An ``HFPeftTrainer`` of the current ``model``, ``optimizer`` and ``training_config`` (on the mesh,
         which Tunix reads when it shards the optimizer). With checkpoints in its root it resumes from the latest.
-        ``kwargs`` go to the trainer (``metrics_logger``, ...)."""
+        LoRA dropout draws from the recipe's ``seed``. ``kwargs`` go to the trainer (``metrics_logger``, ...)."""
+        import contextlib
+
+        from flax import nnx
+
         from gemport.train.peft_trainer import HFPeftTrainer
 
-        with use_mesh(self.mesh):
+        # An abstract run's trainer starts its optimizer state off the mesh, whose devices may be compile-only (a
+        # TPU slice's); gemport.plan lowers its step with the state placed on the mesh.
+        abstract = any(isinstance(v, jax.ShapeDtypeStruct) for v in jax.tree.leaves(nnx.state(self.model)))
+        with contextlib.nullcontext() if abstract else use_mesh(self.mesh):
             return HFPeftTrainer(self.model, self.optimizer.tx, self.training_config, lora_spec=self.lora_spec,
-                                 **kwargs)
+                                 seed=fields_of(self.args, _READ)["seed"], **kwargs)
 
     def train(self, hooks: Any = None) -> Any:
         """Train on ``train_batches`` (evaluating on ``eval_batches``) inside the mesh context; returns the trainer.
@@ -258,18 +342,29 @@ class SFTRun:
         ``trainer`` first if unset, with checkpoints watching for SIGTERM (``train.preemption.Preemption``):
         then the run saves the checkpoint of the step it reaches and raises ``Preempted``. Resumes from the
         latest checkpoint in the checkpoint root, exactly (Tunix skips the consumed micro-batches, and the data
-        is the same in the same order).
+        is the same in the same order), when they trained this recipe (``record``, recorded beside them); a
+        changed recipe raises ``RecipeError`` naming what changed, unless ``resume_from_checkpoint`` is set.
         """
+        from gemport.train.lock import claim_output
         from gemport.train.outputs import HFOutputs
         from gemport.train.peft_trainer import micro_batches
         from gemport.train.preemption import Preemption
 
-        output_dir = fields_of(self.args, _READ)["output_dir"]
+        f = fields_of(self.args, _READ)
+        root = self.training_config.checkpoint_root_directory
+        if self.trainer is None and root is not None and self.record is not None:
+            from gemport.train.record import check_resume
+
+            check_resume(root, self.record,
+                         explicit=f["resume_from_checkpoint"] not in (None, False, "", "false", "False"))
+        output_dir = f["output_dir"]
+        if output_dir is not None and jax.process_index() == 0:
+            claim_output(output_dir)  # one run per output_dir
         if hooks is None and output_dir is not None:
             hooks = HFOutputs(self, output_dir)
         preemption = None
         if self.trainer is None:
-            if self.training_config.checkpoint_root_directory is not None:
+            if root is not None:
                 preemption = Preemption()
             self.trainer = self.make_trainer(preemption=preemption)
         if hooks is not None:
@@ -319,6 +414,59 @@ class SFTRun:
             else Path(out_dir)
 
 
+def checkpoint_root(args: Any) -> Path | None:
+    """The Orbax checkpoint root of the ``SFTConfig`` ``args``: ``<output_dir>/checkpoints``, or None without
+    ``output_dir`` or with ``save_strategy="no"``."""
+    f = fields_of(args, _READ)
+    return None if f["output_dir"] is None or f["save_strategy"] == "no" else Path(f["output_dir"]) / CHECKPOINTS
+
+
+def _with_peft_targets(lora: Any, base_dir: Path, spec: GemmaSpec) -> Any:
+    """``lora`` with PEFT's per-architecture ``target_modules`` (``lora.peft_default_targets`` of the base's
+    ``model_type``) where a LoraConfig or its dict leaves them unset. Raises ``LoraError`` naming
+    ``lora_target_modules`` when the default cannot be trained on ``spec`` (PEFT's q_proj + v_proj without k_proj,
+    on Tunix's fused kv_einsum)."""
+    import copy
+    import json
+
+    from gemport.lora.config import peft_default_targets
+    from gemport.lora.layout import LoraLayout
+
+    unset = lora.get("target_modules") is None if isinstance(lora, Mapping) else (
+        not isinstance(lora, (LoraSpec, str, os.PathLike)) and getattr(lora, "target_modules", ...) is None)
+    if not unset:
+        return lora
+    model_type = json.loads((base_dir / "config.json").read_text())["model_type"]
+    targets = list(peft_default_targets(model_type))
+    if isinstance(lora, Mapping):
+        lora = {**lora, "target_modules": targets}
+    else:
+        lora = copy.copy(lora)
+        lora.target_modules = targets
+    try:
+        LoraLayout(spec, lora_spec_of(lora)).adapters
+    except LoraError as e:
+        raise LoraError(f"lora_target_modules is unset, so PEFT's default for model_type {model_type!r} applies "
+                        f"({targets}), which gemport cannot train on this model ({e}); set lora_target_modules, "
+                        "e.g. [q_proj, k_proj, v_proj]") from None
+    return lora
+
+
+def _full_rows(pipeline: SFTPipeline, f: Mapping[str, Any], rows: slice | None) -> dict[str, np.ndarray]:
+    # A step of the recipe's shape [A, B, max_length] standing for data not at hand: every row one whole-row
+    # example, every token but the first a target (the most a step computes).
+    if pipeline.max_length is None:
+        raise RecipeError("SFTConfig.max_length is None: without data the rows' length is unknown; set max_length "
+                          "or give the data")
+    count = 1 if pipeline.layout == "padding_free" else f["per_device_train_batch_size"]
+    if rows is not None:
+        count = len(range(count)[rows])
+    shape = (f["gradient_accumulation_steps"], count, pipeline.max_length)
+    return {"tokens": np.zeros(shape, np.int32), "loss_mask": np.ones(shape, bool),
+            "segment_ids": np.ones(shape, np.int32),
+            "positions": np.broadcast_to(np.arange(shape[-1], dtype=np.int32), shape).copy()}
+
+
 def training_config(args: Any, max_steps: int, *, checkpoint_dir: str | os.PathLike | None = None,
                     evaluate: bool = False):
     """Tunix's ``TrainingConfig`` for ``max_steps`` optimizer steps of the ``SFTConfig`` ``args``.
@@ -330,11 +478,10 @@ def training_config(args: Any, max_steps: int, *, checkpoint_dir: str | os.PathL
     import orbax.checkpoint as ocp
     from tunix.sft.peft_trainer import TrainingConfig
 
+    from gemport.train.recipe import check_strategies
+
     f = fields_of(args, _READ)
-    for name in ("eval_strategy", "save_strategy"):
-        if f[name] not in ("no", "steps"):
-            raise RecipeError(f"SFTConfig.{name}={f[name]!r}: gemport runs 'steps' or 'no'; give "
-                                       f"'steps' with {name.split('_')[0]}_steps")
+    check_strategies(f)
     eval_every = max_steps + 1
     if evaluate and f["eval_strategy"] == "steps":
         eval_every = steps_of(f["eval_steps"] or f["logging_steps"], max_steps, "eval_steps")
@@ -348,4 +495,5 @@ def training_config(args: Any, max_steps: int, *, checkpoint_dir: str | os.PathL
                           checkpointing_options=options, pbar_description=None, max_inflight_computations=1)
 
 
-__all__ = ["CHECKPOINTS", "SFTRun", "eval_batches", "lora_spec_of", "sft_fields", "steps_of", "training_config"]
+__all__ = ["CHECKPOINTS", "SFTRun", "checkpoint_root", "eval_batches", "lora_spec_of", "sft_fields", "steps_of",
+           "training_config"]

@@ -40,6 +40,7 @@ _READ = {
     "per_device_train_batch_size": 8,
     "gradient_accumulation_steps": 1,
     "gradient_checkpointing": True,
+    "gradient_checkpointing_kwargs": None,
 }
 
 Layout = Literal["pack", "pad", "padding_free"]
@@ -52,17 +53,18 @@ LAYOUTS: tuple[Layout, ...] = typing.get_args(Layout)
 class SFTPipeline:
     """What an ``SFTConfig`` asks of the data, as gemport.masks arguments; built by ``from_sft_config``.
 
-    chat_format: ``Gemma3()`` / ``Gemma4(...)``; policy: ``MaskPolicy("assistant")`` for
+    chat_format: ``Gemma3()`` / ``Gemma4(...)``, or None for a tokenizer without a chat template (text and
+    prompt/completion strings, which TRL tokenizes without one; conversations are refused); policy: ``MaskPolicy("assistant")`` for
     ``assistant_only_loss``, else None (every token trained, as TRL does); truncation: ``Truncation``
     at ``max_length``; completion_only_loss, text_field, eos_token: ``gemport.masks.formats.render``'s arguments;
     layout: one of ``LAYOUTS``; max_length, pad_to_multiple_of, pad_id: the row geometry;
     config: the ``SFTConfig`` (or dict) the sample order and batch sizes are read from;
-    remat: Tunix's ``remat_config`` for ``gradient_checkpointing`` (``"decoder"``: every decoder layer
-    recomputed in the backward pass, as HF's checkpointing of each layer; ``"none"``), e.g. for
-    ``mesh.compiled.set_remat`` or ``gemport plan --remat``.
+    remat: Tunix's ``remat_config`` for ``gradient_checkpointing`` (``remat_of``: ``"decoder"``, every decoder
+    layer recomputed in the backward pass, as HF's checkpointing of each layer; ``"none"``), which ``SFTRun``
+    sets on its model (``train.remat.set_remat``).
     """
 
-    chat_format: Gemma3 | Gemma4
+    chat_format: Gemma3 | Gemma4 | None
     policy: MaskPolicy | None
     truncation: Truncation
     completion_only_loss: bool | None
@@ -156,15 +158,35 @@ def _widen(row: Rows, width: int, pad_id: int) -> dict[str, np.ndarray]:
     return out
 
 
+def remat_of(config: Any) -> str:
+    """Tunix's ``remat_config`` for an ``SFTConfig``'s ``gradient_checkpointing``, as HF checkpoints: True (TRL's
+    default) -> ``"decoder"``, every decoder layer recomputed in the backward pass (on Gemma 4 by
+    ``train.remat.tied_remat_model``, one layer's backward live at a time; on Gemma 3 by Tunix's ``nnx.remat``);
+    False -> ``"none"``.
+
+    ``gradient_checkpointing_kwargs``: ``use_reentrant`` (torch's choice between two implementations of the same
+    recomputation) has no JAX counterpart and changes nothing; any other key raises RecipeError naming it.
+    """
+    f = fields_of(config, _READ)
+    for key in f["gradient_checkpointing_kwargs"] or {}:
+        if key != "use_reentrant":
+            raise RecipeError(
+                f"SFTConfig.gradient_checkpointing_kwargs[{key!r}] has no counterpart in gemport's decoder remat; "
+                "remove it (only use_reentrant is accepted, and it changes nothing in JAX)"
+            )
+    return "decoder" if f["gradient_checkpointing"] else "none"
+
+
 def from_sft_config(config: Any, tokenizer: Any, *, chat_format: Gemma3 | Gemma4 | None = None) -> SFTPipeline:
     """Map TRL's ``SFTConfig`` (or ``TrainingArguments``, or a dict of their fields) onto gemport.masks.
 
     Reads ``assistant_only_loss`` (-> ``MaskPolicy("assistant")``, else every token trained),
     ``completion_only_loss``, ``max_length`` (-> ``Truncation(max_length)``), ``packing`` /
     ``packing_strategy`` / ``padding_free`` / ``pad_to_multiple_of`` (-> the layout),
-    ``dataset_text_field``, ``eos_token``, ``pad_token``, and the batch sizes and sample order
-    through ``optimizer_steps``. chat_format: default ``masks.template.chat_format(tokenizer)``
-    (pass ``chat_format(tokenizer, thinking="on")`` for Gemma 4 with thinking).
+    ``dataset_text_field``, ``eos_token`` (which must be in the vocabulary, as TRL checks), ``pad_token``, and
+    the batch sizes and sample order through ``optimizer_steps``. chat_format: default
+    ``masks.template.chat_format(tokenizer)``, or None for a tokenizer without a chat template (text and
+    prompt/completion strings only); pass ``chat_format(tokenizer, thinking="on")`` for Gemma 4 with thinking.
 
     Where gemport deliberately differs from TRL: TRL truncates at ``max_length`` tokens wherever
     they fall; gemport cuts at turn boundaries (``Truncation(max_length, overflow="trim")``), so
@@ -173,7 +195,7 @@ def from_sft_config(config: Any, tokenizer: Any, *, chat_format: Gemma3 | Gemma4
     ``truncation_mode="keep_end"``, ``packing_strategy`` other than ``"bfd"``, ``loss_type="dft"``,
     ``shuffle_dataset=True`` (TRL shuffles the prepared dataset with ``datasets``' generator).
 
-    The GPU recipe's speed settings: ``gradient_checkpointing`` (TRL's default True) -> ``remat``;
+    The GPU recipe's speed settings: ``gradient_checkpointing`` (TRL's default True) -> ``remat`` (``remat_of``);
     ``packing`` / ``padding_free`` -> the layout, whose rows carry ``segment_ids`` that the default step's
     attention honours (``train.fast_loss``: HF's ``flash_attention_2`` behaviour on packed rows, whatever
     ``attn_implementation`` says; eager or sdpa on padding-free rows let HF's examples see each other, which
@@ -196,10 +218,14 @@ def from_sft_config(config: Any, tokenizer: Any, *, chat_format: Gemma3 | Gemma4
     max_length = f["max_length"]
     if f["packing"] and max_length is None:
         raise RecipeError("SFTConfig.packing needs max_length, as in TRL")
-    if chat_format is None:
+    if chat_format is None and getattr(tokenizer, "chat_template", None):
         from gemport.masks.template import chat_format as from_tokenizer
 
         chat_format = from_tokenizer(tokenizer)
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else None
+    if f["eos_token"] is not None and vocab is not None and f["eos_token"] not in vocab:  # as TRL raises
+        raise RecipeError(f"SFTConfig.eos_token={f['eos_token']!r} is not in the tokenizer's vocabulary; give a "
+                          "token it has (e.g. '<end_of_turn>' for Gemma 3, '<turn|>' for Gemma 4)")
     pad_token = f["pad_token"] or getattr(tokenizer, "pad_token", None) or getattr(tokenizer, "eos_token", None)
     pad_id = int(tokenizer.convert_tokens_to_ids(pad_token)) if pad_token is not None else 0
     layout = "pack" if f["packing"] else "padding_free" if f["padding_free"] else "pad"
@@ -215,5 +241,5 @@ def from_sft_config(config: Any, tokenizer: Any, *, chat_format: Gemma3 | Gemma4
         pad_to_multiple_of=f["pad_to_multiple_of"],
         pad_id=pad_id,
         config=config,
-        remat="decoder" if f["gradient_checkpointing"] else "none",
+        remat=remat_of(config),
     )

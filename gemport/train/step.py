@@ -84,8 +84,8 @@ LossFn = Callable[[nnx.Module, Mapping[str, jax.Array]], tuple[jax.Array, jax.Ar
 """``(model, micro_batch) -> (summed loss float32 [], target count int32 [])``, as ``tunix_loss``."""
 
 
-def train_step(*, wrt: Any = nnx.LoRAParam,
-               loss_fn: LossFn = fast_loss) -> Callable[[nnx.Module, nnx.Optimizer, Mapping[str, Any]], StepMetrics]:
+def train_step(*, wrt: Any = nnx.LoRAParam, loss_fn: LossFn = fast_loss,
+               seed: int = 0) -> Callable[[nnx.Module, nnx.Optimizer, Mapping[str, Any]], StepMetrics]:
     """An HF-Trainer optimizer step for an nnx model, jit-compiled once per batch shape.
 
     wrt: what is trained, an nnx filter: ``nnx.LoRAParam`` (LoRA only, as PEFT) or ``nnx.Param`` (every
@@ -95,6 +95,10 @@ def train_step(*, wrt: Any = nnx.LoRAParam,
         or [B, T, V] logits); ``tunix_loss`` runs Tunix's own attention and logits. With any other than
         ``fast_loss``, a model whose attention ignores segments (Tunix's ``use_flash_attention``) is refused
         packed rows (``attention.SegmentAttentionError``).
+    seed: the LoRA dropout stream's (HF's ``seed``); with a ``model.lora_spec.dropout`` above 0, micro-batch
+        ``a`` of the optimizer's step ``n`` trains under ``lora.lora_dropout(model, lora.dropout_key(seed,
+        n * A + a))``, the masks ``HFPeftTrainer`` draws for it, and a resumed run (whose optimizer state has
+        ``n``) draws them again.
 
     Returns ``step(model, optimizer, batch) -> StepMetrics``. ``batch`` maps each of ``BATCH_FIELDS`` to an
     array [A, B, T] (``stack`` builds it): the A micro-batches of one optimizer step, run one after the
@@ -105,13 +109,21 @@ def train_step(*, wrt: Any = nnx.LoRAParam,
     be padded to the same shape. A batch without any target leaves the parameters' gradient at zero.
     """
 
+    from gemport.lora import dropout_key, lora_dropout  # loads Qwix
+
     @nnx.jit
     def jitted(model: nnx.Module, optimizer: nnx.Optimizer, batch: Mapping[str, Any]) -> StepMetrics:
         graphdef, params, rest = nnx.split(model, wrt, ...)
+        accumulation = batch["tokens"].shape[0]
+        first = optimizer.step[...].astype(jnp.int32) * accumulation
 
-        def micro(carry, micro_batch):
+        def micro(carry, xs):
+            index, micro_batch = xs
+
             def summed(params):
-                return loss_fn(nnx.merge(graphdef, params, rest, copy=True), micro_batch)
+                micro_model = nnx.merge(graphdef, params, rest, copy=True)
+                with lora_dropout(micro_model, dropout_key(seed, first + index)):
+                    return loss_fn(micro_model, micro_batch)
 
             (loss, count), grads = jax.value_and_grad(summed, has_aux=True)(params)
             grad_sum, loss_sum, count_sum = carry
@@ -120,7 +132,8 @@ def train_step(*, wrt: Any = nnx.LoRAParam,
 
         zeros = jax.tree.map(jnp.zeros_like, params)
         init = (zeros, jnp.zeros([], jnp.float32), jnp.zeros([], jnp.int32))
-        (grad_sum, loss_sum, count), _ = jax.lax.scan(micro, init, {k: batch[k] for k in BATCH_FIELDS})
+        xs = (jnp.arange(accumulation, dtype=jnp.int32), {k: batch[k] for k in BATCH_FIELDS})
+        (grad_sum, loss_sum, count), _ = jax.lax.scan(micro, init, xs)
         denominator = jnp.maximum(count, 1)
         grads = jax.tree.map(lambda g: g / denominator.astype(g.dtype), grad_sum)
         grad_norm = optax.tree.norm(grads)

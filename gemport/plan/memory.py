@@ -1,4 +1,5 @@
-"""Memory plans: what each device holds (params, LoRA params, Adam moments) on an (fsdp, tp) mesh."""
+"""Memory plans: what each device holds (params, LoRA params, Adam moments, a train step) on an (fsdp, tp) mesh,
+estimated without compiling (``gemport.plan.compiled`` compiles the step itself)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import dataclasses
 import numpy as np
 
 from gemport.errors import MeshError
-from gemport.mesh.activations import StepMemory, step_memory
+from gemport.plan.activations import StepMemory, step_memory
 from gemport.mesh.dims import FSDP, TP, annotated
 from gemport.mesh.factory import check, valid_tp
 from gemport.lora import LoraLayout, LoraSpec, QLoraSpec
+from gemport.lora.config import FACTOR_DTYPE
 from gemport.lora.qlora import bytes_per_device as qlora_bytes_per_device
 from gemport.lora.qlora import is_quantized
 from gemport._src.partition import bytes_per_device
@@ -32,7 +34,7 @@ class MemoryPlan:
       lora_bytes: lora_a and lora_b of every target module (0 for full fine-tuning).
       optimizer_bytes: Adam's mu and nu for the trainable params (LoRA, or all params without LoRA).
       hbm_bytes: HBM per device, if given.
-      step: gradients, activations, logits and the batch of one train step (``gemport.mesh.activations``),
+      step: gradients, activations, logits and the batch of one train step (``gemport.plan.activations``),
         when the plan was given ``batch`` and ``seq_len``; None otherwise, and then the plan says so.
       weight_copy_bytes: on ``backend="cpu"``, the copies XLA:CPU makes of weights for its dots (0 otherwise):
         the transposed largest attention weight (and, for Tunix's step, the transposed embedding; for the
@@ -143,7 +145,8 @@ def memory_plan(
 
     Every array counts ``prod(shape) / prod(sizes of the axes its spec shards)`` elements: base params
     with their Tunix annotations, LoRA factors with the shapes and specs of ``LoraLayout(spec, lora_spec)``
-    (Qwix creates them in the base weight's dtype; K/V of KV-shared layers never run, so they get none;
+    (``FACTOR_DTYPE``, float32 on any base, as `gemport.lora.apply_lora` and PEFT keep them; K/V of KV-shared
+    layers never run, so they get none;
     separate factors on fused modules cost what PEFT's adapters cost, no more). Adam keeps
     mu and nu, each shaped and sharded like the trainable params, in ``moments_dtype`` (default: the
     trainable params' dtype, as ``optax.adamw`` does).
@@ -154,15 +157,14 @@ def memory_plan(
       hbm_bytes: HBM per device in bytes, or a chip name from ``HBM`` (e.g. ``"v5p"``).
       batch, seq_len: rows per step (all devices) and tokens per row; with both, the plan adds the train
         step's gradients, activations (per ``remat``: ``"none"``, ``"block"``, ``"decoder"``, Tunix's
-        ``remat_config``), logits and loss temporaries (``gemport.mesh.activations.step_memory``).
+        ``remat_config``), logits and loss temporaries (``gemport.plan.activations.step_memory``).
       compute_dtype: the compute dtype of activations (default ``param_dtype``).
       backend: ``"cpu"`` adds the weight copies XLA:CPU makes for its dots, to compare with a CPU compile.
       fast: plan ``train.train_step``'s default step (segment attention in tiles, the loss in blocks of
         logits), as ``compiled_peak(fast=)`` compiles it; False: Tunix's own attention and logits. With a batch
         the plan also carries Tunix's step (``tunix_step``), what it would need.
       qlora: a 4-bit base (QLoRA): every projection weight counts its 4-bit codes and float32 block scales
-        as `gemport.checkpoint.quantize.load_qlora_model` places them, and the LoRA factors default to
-        float32, the dtype Qwix gives them on a 4-bit base. With ``backend="cpu"`` the plan adds the
+        as `gemport.checkpoint.quantize.load_qlora_model` places them. With ``backend="cpu"`` the plan adds the
         dequantized weights XLA:CPU holds through the step.
     """
     check(spec, fsdp, tp)
@@ -175,11 +177,10 @@ def memory_plan(
         base_bytes = sum(qlora_bytes_per_device(e, ann, sizes, qlora) if is_quantized(e)
                          else bytes_per_device(shape, ann, sizes, np.dtype(param_dtype).itemsize)
                          for _, shape, ann, e in params)
-        lora_dtype = lora_dtype or "float32"
     trainable_dtype = np.dtype(param_dtype)
     lora_elements = 0
     if lora_spec is not None:
-        trainable_dtype = np.dtype(lora_dtype or param_dtype)
+        trainable_dtype = np.dtype(lora_dtype or FACTOR_DTYPE)
         layout = LoraLayout(spec, lora_spec)
         lora_specs = layout.specs({path: ann for path, _, ann, _ in params})
         lora_elements = sum(bytes_per_device(shape, lora_specs[name], sizes, 1) for name, shape in layout.shapes().items())
@@ -227,44 +228,6 @@ def _weight_copy(params, sizes, param_dtype, fast: bool, qlora=None, compute_dty
     # the backward one, remat or not, instead of the transposed copy.
     compute = np.dtype(qlora.compute_dtype or compute_dtype or param_dtype).itemsize
     return view + sum(bytes_per_device(shape, ann, sizes, compute) for _, shape, ann, e in params if is_quantized(e))
-
-
-def compiled_peak(spec: GemmaSpec, lora_spec: LoraSpec, fsdp: int, tp: int, *, batch: int, seq_len: int,
-                  remat: str = "none", param_dtype="bfloat16", fast: bool = True,
-                  qlora: QLoraSpec | None = None, tpu: str | None = None) -> int:
-    """Per-device peak bytes XLA compiles the LoRA train step to on an (fsdp, tp) mesh: of this host's CPU
-    devices, or of TPU slice ``tpu``'s chips (e.g. "v5p-8", ``gemport.mesh.tpu.slice_devices``: libtpu's
-    compiler, on this host).
-
-    The step (``gemport.mesh.compiled``: forward, ``train.fast_loss`` or, with ``fast=False``, Tunix's attention
-    and logits, LoRA gradients, AdamW, state donated) is lowered for abstract inputs and compiled, never run:
-    nothing is allocated. For a TPU slice it is the program the slice would run, splash attention included.
-    XLA:CPU computes bfloat16 in float32, so its figure for a bf16 model includes float32 copies of weights
-    and activations a TPU would not make: an upper bound for the TPU's. With ``qlora`` the base is 4-bit as
-    ``load_qlora_model`` places it (``gemport.mesh.compiled.quantize_base``). On CPU, give XLA
-    ``gemport.mesh.compiled.CPU_MEMORY_SCHEDULER`` before JAX starts, or remat saves nothing.
-    Raises MeshError when the host has fewer than fsdp * tp CPU devices
-    (``--xla_force_host_platform_device_count``), or fsdp * tp is not the TPU slice's chip count.
-    """
-    import jax
-
-    from gemport.mesh.compiled import compile_step, lora_model
-    from gemport.mesh.factory import make_mesh
-    from gemport.mesh.tpu import slice_devices
-
-    if tpu is not None:
-        devices = slice_devices(tpu)
-        if len(devices) != fsdp * tp:
-            raise MeshError(f"fsdp={fsdp} tp={tp} is {fsdp * tp} devices; TPU slice {tpu} has {len(devices)} chips")
-    else:
-        devices = jax.devices("cpu")
-        if len(devices) < fsdp * tp:
-            raise MeshError(f"compiling for fsdp={fsdp} tp={tp} needs {fsdp * tp} CPU devices, the host has "
-                            f"{len(devices)}: set XLA_FLAGS=--xla_force_host_platform_device_count={fsdp * tp}")
-    model = lora_model(spec, lora_spec, remat=remat, param_dtype=np.dtype(param_dtype), qlora=qlora)
-    mesh = make_mesh(spec, fsdp=fsdp, tp=tp, devices=devices[: fsdp * tp])
-    compiled, _ = compile_step(model, mesh, batch, seq_len, fast=fast)
-    return compiled.peak_bytes
 
 
 def valid_meshes(spec: GemmaSpec, num_devices: int, **options) -> tuple[MemoryPlan, ...]:

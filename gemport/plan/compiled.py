@@ -1,0 +1,205 @@
+"""The train step gemport runs, lowered and compiled for abstract arguments: per-device memory and FLOPs, nothing
+allocated.
+
+There is one train step: ``HFPeftTrainer.jitted_train_step()``, the function ``SFTRun.train()`` runs (Tunix's
+``nnx.jit`` of the trainer's step: one micro-batch's ``hf_loss`` and LoRA gradients, the recipe's optimizer with
+its accumulation (``optax.MultiSteps``), clipping and schedule, the optimizer state donated). ``lower_step`` lowers
+it for a micro-batch's shapes on a mesh, the model and optimizer state as shapes and shardings only, so a model of
+any size is measured without materialising it; ``tests/test_one_step.py`` holds the lowering to the program
+``train()`` compiles. On CPU, set ``CPU_MEMORY_SCHEDULER`` in ``XLA_FLAGS`` before JAX starts; XLA:CPU computes
+bfloat16 in float32, so its figure for a bf16 model includes float32 copies of weights a TPU would not make.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from gemport.errors import MeshError
+from gemport.lora import LoraSpec, QLoraSpec
+from gemport.mesh.context import use_mesh
+from gemport._src.partition import padded, spec_of
+from gemport.specs import GemmaSpec
+from gemport.train.model import lora_model
+from gemport.train.step import BATCH_FIELDS
+
+# XLA:CPU orders a program for concurrency by default: it runs every layer's rematerialisation as early
+# as its inputs allow, so remat saves nothing. Accelerators schedule for memory; with this flag in XLA_FLAGS
+# (set before JAX starts; a per-compile option does not reach the CPU scheduler) so does the CPU.
+CPU_MEMORY_SCHEDULER = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+
+
+def micro_batch_shapes(rows: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
+    """One micro-batch as ``HFPeftTrainer``'s step takes it (``micro_batches``' elements without the accumulation
+    field): tokens, segment_ids, positions int32 [B, T], loss_mask bool [B, T], num_items_in_batch int32 [B]."""
+    from gemport.train.peft_trainer import NUM_ITEMS
+
+    shapes = {k: jax.ShapeDtypeStruct((rows, seq_len), jnp.bool_ if k == "loss_mask" else jnp.int32)
+              for k in BATCH_FIELDS}
+    return {**shapes, NUM_ITEMS: jax.ShapeDtypeStruct((rows,), jnp.int32)}
+
+
+def _placed(graph, mesh):
+    """``graph`` (a model or optimizer) with every Variable's value abstract, in the NamedSharding of its
+    annotation on ``mesh`` (an axis that does not divide its dimension left out), as the run places them."""
+
+    def one(var):
+        value = var.get_value()
+        spec = padded(spec_of(var), value.ndim)[: value.ndim]
+        spec = tuple(None if a is not None and value.shape[i] % mesh.shape[a] else a for i, a in enumerate(spec))
+        sharding = NamedSharding(mesh, PartitionSpec(*spec))
+        return var.replace(jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding))
+
+    graphdef, state = nnx.split(graph)
+    return nnx.merge(graphdef, jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
+@contextlib.contextmanager
+def _tunix_constraints(mesh):
+    # Tunix constrains activations to its layouts (``tunix.utils.sharding_utils.shard``) only when the process's
+    # own devices are accelerators. Traced on a CPU host for a TPU slice's compile-only devices, the step would
+    # lack the constraints the slice's run has, and XLA would reshard activations between rows and widths
+    # (all-to-alls of [B, T, D]) where the slice gathers weights. While it is traced, Tunix's models constrain
+    # on ``mesh`` as they do on the slice; a mesh of the host's own devices keeps Tunix's behaviour.
+    if mesh.devices.flat[0].platform == jax.devices()[0].platform:
+        yield
+        return
+    from tunix.models.gemma4 import model as gemma4
+    from tunix.utils import sharding_utils
+
+    def shard(x, spec, eager=False):
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
+
+    saved = sharding_utils.shard, gemma4.shard
+    sharding_utils.shard = gemma4.shard = shard
+    try:
+        yield
+    finally:
+        sharding_utils.shard, gemma4.shard = saved
+
+
+def lower_step(trainer: Any, mesh, rows: int, seq_len: int) -> jax.stages.Lowered:
+    """``trainer.jitted_train_step()`` lowered for a micro-batch of ``rows`` x ``seq_len`` tokens on ``mesh``.
+
+    trainer: an ``HFPeftTrainer`` (``SFTRun.make_trainer()``, on a loaded or an abstract run). Its model and
+    optimizer state enter as shapes in their annotations' shardings, the micro-batch sharded over the trainer's
+    ``data_sharding_axis``, as ``train()`` passes them. Traced under ``use_mesh(mesh)``; for a TPU slice's
+    compile-only devices (``mesh.tpu.slice_devices``) with Tunix's activation constraints, as on the slice.
+    """
+    rows_sharding = NamedSharding(mesh, PartitionSpec(*trainer.config.data_sharding_axis))
+    inputs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rows_sharding)
+              for k, v in micro_batch_shapes(rows, seq_len).items()}
+    model, optimizer = _placed(trainer.model, mesh), _placed(trainer.optimizer, mesh)
+    with use_mesh(mesh), _tunix_constraints(mesh):
+        return trainer.jitted_train_step().lower(model, optimizer, inputs)
+
+
+def fingerprint(program: str) -> str:
+    """The StableHLO of a lowered program (``Lowered.as_text()``, or a ``jax_dump_ir_to`` dump) without debug
+    locations, printed as MLIR prints it: equal for equal programs, whatever traced them."""
+    from jax._src.interpreters import mlir
+    from jax._src.lib.mlir import ir
+
+    with mlir.make_ir_context():
+        return ir.Module.parse(program).operation.get_asm(enable_debug_info=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """Per-device bytes of the compiled train step (XLA's ``memory_analysis``), its FLOPs (``cost_analysis``) and
+    the executable.
+
+    tokens: the micro-batch's tokens (all devices); devices: the mesh's.
+    """
+
+    argument_bytes: int
+    output_bytes: int
+    temp_bytes: int
+    alias_bytes: int
+    flops: float
+    tokens: int
+    devices: int
+    executable: object
+
+    @property
+    def peak_bytes(self) -> int:
+        """Arguments + outputs + temporaries, donated buffers counted once."""
+        return self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
+
+    @property
+    def flops_per_token(self) -> float:
+        """XLA's FLOPs of one device's program, times the devices, per token of the micro-batch."""
+        return self.flops * self.devices / self.tokens
+
+
+def compile_step(trainer: Any, mesh, rows: int, seq_len: int) -> Compiled:
+    """``lower_step`` compiled: what one device holds and computes for a micro-batch of ``rows`` x ``seq_len``."""
+    executable = lower_step(trainer, mesh, rows, seq_len).compile()
+    m = executable.memory_analysis()
+    cost = executable.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return Compiled(m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes, m.alias_size_in_bytes,
+                    float((cost or {}).get("flops", 0.0)), rows * seq_len, mesh.size, executable)
+
+
+def step_trainer(model: nnx.Module, args: Mapping[str, Any] | None = None, *, fast: bool = True):
+    """The ``HFPeftTrainer`` ``SFTRun`` builds for ``model`` and the ``SFTConfig`` fields ``args`` (TRL's defaults
+    for the rest; one optimizer step), without data: ``hf_optimizer``'s transformation and schedule, Tunix's
+    ``TrainingConfig`` with the recipe's accumulation, no checkpoints."""
+    from gemport.optim import hf_optimizer
+    from gemport.train.peft_trainer import HFPeftTrainer
+    from gemport.train.run import sft_fields, training_config
+
+    args = sft_fields(dict(args or {}))
+    return HFPeftTrainer(model, hf_optimizer(args, num_training_steps=1).tx, training_config(args, 1), fast=fast)
+
+
+def compiled_peak(spec: GemmaSpec, lora_spec: LoraSpec, fsdp: int, tp: int, *, batch: int, seq_len: int,
+                  remat: str | None = None, param_dtype="bfloat16", fast: bool = True,
+                  qlora: QLoraSpec | None = None, tpu: str | None = None,
+                  args: Mapping[str, Any] | None = None) -> int:
+    """Per-device peak bytes XLA compiles the train step to on an (fsdp, tp) mesh: of this host's CPU devices, or
+    of TPU slice ``tpu``'s chips (e.g. "v5p-8", ``gemport.mesh.tpu.slice_devices``: libtpu's compiler, on this host).
+
+    The step is the one ``SFTRun.train()`` runs (``lower_step`` of ``step_trainer``): ``batch`` rows of
+    ``seq_len`` tokens per micro-batch, the optimizer, accumulation, clipping and schedule of the ``SFTConfig``
+    fields ``args`` (TRL's defaults for the rest), on an abstract model of ``spec`` with ``lora_spec``; lowered for
+    abstract inputs and compiled, never run: nothing is allocated. remat: Tunix's ``remat_config``; default the
+    recipe's ``gradient_checkpointing`` (``train.sft.remat_of``: TRL's default is decoder remat). fast: the loss
+    of ``HFPeftTrainer(fast=)``. For a TPU slice it is the program the slice would run, splash attention included.
+    XLA:CPU computes bfloat16 in float32, so its figure for a bf16 model includes float32 copies of weights
+    and activations a TPU would not make: an upper bound for the TPU's. With ``qlora`` the base is 4-bit as
+    ``load_qlora_model`` places it (``gemport.train.model.quantize_base``). On CPU, give XLA
+    ``CPU_MEMORY_SCHEDULER`` before JAX starts, or remat saves nothing.
+    Raises MeshError when the host has fewer than fsdp * tp CPU devices
+    (``--xla_force_host_platform_device_count``), or fsdp * tp is not the TPU slice's chip count.
+    """
+    from gemport.mesh.factory import make_mesh
+    from gemport.mesh.tpu import slice_devices
+    from gemport.train.sft import remat_of
+
+    if tpu is not None:
+        devices = slice_devices(tpu)
+        if len(devices) != fsdp * tp:
+            raise MeshError(f"fsdp={fsdp} tp={tp} is {fsdp * tp} devices; TPU slice {tpu} has {len(devices)} chips")
+    else:
+        devices = jax.devices("cpu")
+        if len(devices) < fsdp * tp:
+            raise MeshError(f"compiling for fsdp={fsdp} tp={tp} needs {fsdp * tp} CPU devices, the host has "
+                            f"{len(devices)}: set XLA_FLAGS=--xla_force_host_platform_device_count={fsdp * tp}")
+    remat = remat if remat is not None else remat_of(dict(args or {}))
+    model = lora_model(spec, lora_spec, remat=remat, param_dtype=np.dtype(param_dtype), qlora=qlora)
+    mesh = make_mesh(spec, fsdp=fsdp, tp=tp, devices=devices[: fsdp * tp])
+    return compile_step(step_trainer(model, args, fast=fast), mesh, batch, seq_len).peak_bytes
+
+
+__all__ = ["CPU_MEMORY_SCHEDULER", "Compiled", "compile_step", "compiled_peak", "fingerprint", "lower_step",
+           "micro_batch_shapes", "step_trainer"]

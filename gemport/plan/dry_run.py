@@ -1,0 +1,104 @@
+"""A recipe checked whole before renting: the step a run would take, compiled for its chips, against their HBM.
+
+``dry_run(run)`` compiles the train step of an ``SFTRun`` (best built with ``SFTRun.create(..., abstract=True)``
+from ``config.json`` alone, on a mesh of a TPU slice's compile-only devices) for its first step's micro-batch
+shape, and reports per chip what XLA allocates, whether it fits and the step's FLOPs per token
+(``gemport sft --config sft.yaml --dry-run [--tpu v5p-8]``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from gemport.plan.compiled import compile_step
+from gemport.plan.memory import HBM
+
+GiB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class DryRun:
+    """What one chip holds and computes for a run's train step, compiled.
+
+    Attributes:
+      argument_bytes, temp_bytes, peak_bytes: per chip, from XLA's memory analysis (arguments: the model, LoRA,
+        optimizer state and micro-batch; temporaries: the step's activations, gradients and workspace; peak:
+        arguments + outputs + temporaries, donated buffers once).
+      hbm_bytes: the chip's HBM (``gemport.plan.HBM``), or None on a host whose memory gemport does not know.
+      flops_per_token: XLA's cost analysis of the step, per token of the micro-batch (all chips).
+      rows, seq_len: the micro-batch (all chips); mesh: the mesh's axis sizes; remat: the model's remat;
+      platform: what compiled it ("tpu": libtpu; "cpu": XLA:CPU, bfloat16 computed in float32, an upper bound).
+    """
+
+    argument_bytes: int
+    temp_bytes: int
+    peak_bytes: int
+    hbm_bytes: int | None
+    flops_per_token: float
+    rows: int
+    seq_len: int
+    mesh: dict[str, int]
+    remat: str
+    platform: str
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the peak fits the chip's HBM; None when the HBM is unknown."""
+        return None if self.hbm_bytes is None else self.peak_bytes <= self.hbm_bytes
+
+    def advice(self) -> str:
+        """What to change so that the step fits (empty when it fits or the HBM is unknown)."""
+        if self.fits is not False:
+            return ""
+        changes = []
+        if self.remat == "none":
+            changes.append("set gradient_checkpointing: true (decoder remat keeps one layer's activations)")
+        if self.rows > self.mesh.get("fsdp", 1):
+            changes.append(f"fewer rows per micro-batch (per_device_train_batch_size {self.rows}; raise "
+                           "gradient_accumulation_steps to keep the batch)")
+        changes.append("more chips or another mesh (--tpu a larger slice, --fsdp / --tp)")
+        changes.append(f"a shorter max_length (rows of {self.seq_len} tokens)")
+        return "to fit: " + "; or ".join(changes)
+
+    def __str__(self) -> str:
+        mesh = " ".join(f"{k}={v}" for k, v in self.mesh.items())
+        compiler = "libtpu" if self.platform == "tpu" else f"XLA:{self.platform.upper()}"
+        text = (f"train step, {self.rows} rows x {self.seq_len} tokens per micro-batch on {mesh}, remat {self.remat} "
+                f"({compiler}), per chip: arguments {self.argument_bytes / GiB:.2f} GiB, temporaries "
+                f"{self.temp_bytes / GiB:.2f} GiB, peak {self.peak_bytes / GiB:.2f} GiB")
+        if self.hbm_bytes is not None:
+            text += f" of {self.hbm_bytes / GiB:.2f} GiB HBM: {'fits' if self.fits else 'does not fit'}"
+        text += f"; {self.flops_per_token / 1e9:.3f} GFLOPs per token (XLA's cost analysis)"
+        return text + (f"\n{self.advice()}" if self.advice() else "")
+
+
+# libtpu's device kinds ("TPU v5p", "TPU v5 lite", "TPU v6 lite", "TPU v4") -> HBM's chip names
+_KINDS = {"tpuv4": "v4", "tpuv5p": "v5p", "tpuv5lite": "v5e", "tpuv5e": "v5e", "tpuv6lite": "v6e", "tpuv6e": "v6e"}
+
+
+def _hbm(mesh) -> int | None:
+    device = mesh.devices.flat[0]
+    generation = _KINDS.get(device.device_kind.lower().replace(" ", "")) if device.platform == "tpu" else None
+    return HBM.get(generation)
+
+
+def dry_run(run: Any, *, hbm_bytes: int | None = None) -> DryRun:
+    """Compile ``run``'s train step (``lower_step`` of ``run.make_trainer()``) for its first step's micro-batch on
+    ``run.mesh``, never running it; nothing is written.
+
+    run: an ``SFTRun``, abstract (``SFTRun.create(..., abstract=True)``: from ``config.json``, no weight read) or
+        loaded. For a TPU slice, build it on ``make_mesh(spec, devices=slice_devices("v5p-8"), ...)``.
+    hbm_bytes: the chip's HBM; default ``gemport.plan.HBM`` of the mesh's TPU generation (None on CPU).
+    Returns a ``DryRun``.
+    """
+    _, rows, seq_len = run.train_batches[0]["tokens"].shape
+    trainer = run.make_trainer() if run.trainer is None else run.trainer
+    compiled = compile_step(trainer, run.mesh, rows, seq_len)
+    remat = run.pipeline.remat
+    return DryRun(compiled.argument_bytes, compiled.temp_bytes, compiled.peak_bytes,
+                  hbm_bytes if hbm_bytes is not None else _hbm(run.mesh), compiled.flops_per_token, rows, seq_len,
+                  dict(run.mesh.shape), remat, run.mesh.devices.flat[0].platform)
+
+
+__all__ = ["DryRun", "dry_run"]
