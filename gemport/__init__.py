@@ -18,8 +18,8 @@ The common flow reads from here, one call per step::
     gemport.export_merged("checkpoints", "merged", base_dir="gemma-4-31b-it")      # for vLLM
 
 ``import gemport`` is cheap: every name, and the submodules (``specs``, ``names``, ``checkpoint``, ``mesh``, ``plan``,
-``sharding``, ``lora``, ``masks``, ``optim``, ``train``, ``parity``, ``verify``, ``engines``), load JAX and friends on first
-use. The submodules hold the rest of the API.
+``sharding``, ``lora``, ``masks``, ``optim``, ``train``, ``parity``, ``verify``, ``engines``, ``dpo``), load JAX and
+friends on first use. The submodules hold the rest of the API.
 """
 
 import importlib
@@ -51,7 +51,7 @@ from gemport.errors import (
 __version__ = "0.1.0"
 
 _SUBMODULES = ("specs", "names", "checkpoint", "mesh", "plan", "sharding", "lora", "masks", "optim", "train", "parity",
-               "verify", "engines")
+               "verify", "engines", "dpo")
 
 # Top-level name -> the module that defines it, imported on first access.
 _LAZY = {

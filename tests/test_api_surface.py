@@ -69,6 +69,10 @@ SUBPACKAGES = {
         "ContinuationReport", "LogitReport", "WITHIN", "compare_continuations", "compare_logits", "compare_vllm",
         "log_softmax", "model_dtype", "transformers_model", "tunix_logits",
     ],
+    "gemport.dpo": [
+        "METRICS", "PAIR_LOSSES", "DPOLoss", "Preference", "collate", "dpo_loss", "dpo_step", "from_dpo_config",
+        "preference_loss", "preferences", "sequence_logps", "split_prompt", "tokenize", "without_lora",
+    ],
     "gemport.names": ["AXES", "TEXT_PREFIXES", "Entry", "Rule", "detect_prefix", "entries", "owns"],
 }  # fmt: skip
 

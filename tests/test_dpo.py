@@ -1,0 +1,407 @@
+"""DPO as TRL 1.16's DPOTrainer + PEFT computes it: the same tokens and masks, loss, metrics and LoRA gradients.
+
+The peer is TRL's own DPOTrainer, built here on a tiny Gemma 3 (conversational records, chat template) and a tiny
+Gemma 4 (plain-text records) with a fresh PEFT adapter whose B factors are then given random values, so the
+policy differs from the reference (the base, adapter disabled) and every reward is non-zero. Tolerances: the
+distance of TRL's own float32 run from the same computation in float64 (no float32 step), per quantity, and
+never below float32's rounding; gemport in float32 must be within 10x of it.
+"""
+
+import float64
+import jax
+import jax.numpy as jnp
+import numpy as np
+import peft
+import pytest
+import torch
+import transformers
+from datasets import Dataset
+from flax import nnx
+from test_masks_tokenizers import GEMMA3_CONTROL, bpe_tokenizer
+from trl import DPOConfig, DPOTrainer
+from trl.chat_template_utils import gemma3_chat_template
+from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+import gemport.dpo as dpo
+import gemport.masks as masks
+from gemport.checkpoint import import_peft, load_model
+from gemport.errors import MaskError, RecipeError
+from gemport.lora import PROJECTIONS, LoraLayout, apply_lora
+from gemport.optim import hf_optimizer
+from gemport.specs import GemmaSpec
+from gemport.train.order import optimizer_steps
+from gemport.train.step import stack
+
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def assistant(text):
+    return {"role": "assistant", "content": text}
+
+
+RECORDS = {
+    "explicit": [
+        {"prompt": "What is 2+2?", "chosen": " It is 4.", "rejected": " Five"},
+        {"prompt": "user model", "chosen": "\nSure, go on", "rejected": "\nIt is"},
+        {"prompt": "Name a colour: ", "chosen": "blue<end_of_turn>", "rejected": "a long answer, not a colour"},
+        {"prompt": "Say yes", "chosen": " yes", "rejected": " no way"},
+    ],
+    "implicit": [
+        {"chosen": "The sky is blue.", "rejected": "The sky is green, often."},
+        {"chosen": "Q: 2+2? A: 4", "rejected": "Q: 2+2? A: 5"},
+        {"chosen": "same start", "rejected": "same start and more"},  # one a prefix of the other: TRL's quirk
+    ],
+    "conversational": [
+        {"prompt": [user("Hi")], "chosen": [assistant("Sure thing")], "rejected": [assistant("No.")]},
+        {"prompt": [{"role": "system", "content": "Be brief."}, user(" What is 2+2? "), assistant("It is 4. "),
+                    user("And 3+3?")],
+         "chosen": [assistant("Sure: 6")], "rejected": [assistant("It is seven, I think")]},
+        {"prompt": [user("user model\n\nuse")], "chosen": [assistant("model\nSure\n\n")],
+         "rejected": [assistant("")]},
+        {"prompt": [user("Colour?")], "chosen": [assistant("Blue")], "rejected": [assistant("Green, or red")]},
+    ],
+    "conversational_implicit": [
+        {"chosen": [user("Hi"), assistant("Sure thing")], "rejected": [user("Hi"), assistant("Never")]},
+        {"chosen": [user("a"), assistant("b"), user("c"), assistant("d")],
+         "rejected": [user("a"), assistant("b"), user("c"), assistant("e, f")]},
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    tokenizer = bpe_tokenizer(GEMMA3_CONTROL)
+    tokenizer.chat_template = gemma3_chat_template
+    tokenizer.eos_token = "<end_of_turn>"
+    return tokenizer
+
+
+def trl_trainer(path, tokenizer, records, out, dtype=torch.float32, **config):
+    """TRL's DPOTrainer with a fresh PEFT adapter on the checkpoint at ``path``, B factors then set at random."""
+    torch.manual_seed(0)
+    base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
+    config.setdefault("per_device_train_batch_size", len(records))
+    args = DPOConfig(output_dir=str(out), report_to=[], use_cpu=True, bf16=False, max_length=None, **config)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(PROJECTIONS), lora_dropout=0.0)
+    trainer = DPOTrainer(model=base, args=args, processing_class=tokenizer,
+                         train_dataset=Dataset.from_list(records), peft_config=lora)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in trainer.model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=g, dtype=param.dtype) * 0.05)
+    trainer.model.train()
+    return trainer
+
+
+def prepared(trainer, tokenizer, records, **args):
+    """TRL's tokenized dataset of ``records`` under ``args`` (DPOConfig fields set on the trainer's config)."""
+    saved = {k: getattr(trainer.args, k) for k in args}
+    for k, v in args.items():
+        setattr(trainer.args, k, v)
+    try:
+        return list(trainer._prepare_dataset(Dataset.from_list(records), tokenizer, trainer.args, "train"))
+    finally:
+        for k, v in saved.items():
+            setattr(trainer.args, k, v)
+
+
+@pytest.fixture(scope="module")
+def gemma3_trainer(hf_checkpoint, tokenizer, tmp_path_factory):
+    _, path = hf_checkpoint("gemma3_vllm")
+    return path, trl_trainer(path, tokenizer, RECORDS["conversational"], tmp_path_factory.mktemp("trl"))
+
+
+@pytest.mark.parametrize("kind", list(RECORDS))
+def test_tokens_equal_trl(gemma3_trainer, tokenizer, kind):
+    """Prompt, chosen and rejected ids of every record equal TRL's prepared dataset's, and with max_length
+    TRL's dropped records (prompt filling max_length under keep_start) are dropped too."""
+    _, trainer = gemma3_trainer
+    records = RECORDS[kind]
+    want = prepared(trainer, tokenizer, records)
+    got = dpo.preferences(records, tokenizer, masks.Gemma3(), max_length=None)
+    assert len(got) == len(want) == len(records)
+    for g, w in zip(got, want, strict=True):
+        for field in dpo.Preference._fields:
+            assert g._asdict()[field].tolist() == w[field], (kind, field)
+    prompts = sorted(len(w["prompt_ids"]) for w in want)
+    short = prompts[len(prompts) // 2]  # drops the records whose prompt has at least this many tokens
+    want = prepared(trainer, tokenizer, records, max_length=short)
+    got = dpo.preferences(records, tokenizer, masks.Gemma3(), max_length=short)
+    assert 0 < len(got) == len(want) < len(records)
+    assert [g.prompt_ids.tolist() for g in got] == [w["prompt_ids"] for w in want]
+    assert len(dpo.preferences(records, tokenizer, masks.Gemma3(), max_length=short,
+                               truncation_mode="keep_end")) == len(records)
+
+
+@pytest.mark.parametrize("truncation_mode", ["keep_start", "keep_end"])
+@pytest.mark.parametrize("max_length", [None, 9])
+def test_collated_batch_equals_trl(gemma3_trainer, tokenizer, max_length, truncation_mode):
+    """TRL's DataCollatorForPreference and dpo.collate lay a micro-batch out identically: input_ids, attention
+    and completion masks, chosen rows then rejected rows, truncated per row, padded on the right."""
+    _, trainer = gemma3_trainer
+    records = RECORDS["conversational"]
+    rows = prepared(trainer, tokenizer, records)
+    collator = DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id, max_length=max_length,
+                                         truncation_mode=truncation_mode, pad_to_multiple_of=4)
+    want = collator(rows)
+    pairs = dpo.preferences(records, tokenizer, masks.Gemma3(), max_length=None)
+    got = dpo.collate(pairs, max_length=max_length, truncation_mode=truncation_mode, pad_to_multiple_of=4,
+                      pad_id=tokenizer.pad_token_id)
+    assert got["tokens"].tolist() == want["input_ids"].tolist()
+    assert got["segment_ids"].tolist() == want["attention_mask"].tolist()
+    assert got["loss_mask"].astype(int).tolist() == want["completion_mask"].tolist()
+
+
+def test_bad_records_and_settings_are_refused(tokenizer):
+    with pytest.raises(MaskError, match=r"records\[1\].*'rejected'"):
+        dpo.preferences([RECORDS["explicit"][0], {"prompt": "a", "chosen": "b"}], tokenizer)
+    with pytest.raises(RecipeError, match="truncation_mode"):
+        dpo.preferences(RECORDS["explicit"], tokenizer, truncation_mode="keep_middle")
+    for field, value in (("loss_type", "aot"), ("loss_type", ["sigmoid", "sft"]), ("ld_alpha", 0.5),
+                         ("f_divergence_type", "js_divergence"), ("use_weighting", True),
+                         ("precompute_ref_log_probs", True)):
+        with pytest.raises(RecipeError, match=field if field != "loss_type" else "aot|sft"):
+            dpo.from_dpo_config({field: value})
+    with pytest.raises(RecipeError, match="label_smoothing"):
+        dpo.from_dpo_config({"loss_type": "robust", "label_smoothing": 0.5})
+
+
+def trl_loss(trainer, rows, backward=True):
+    """TRL's loss of one micro-batch of prepared rows, its logged metrics and (with backward) PEFT's gradients."""
+    batch = trainer.data_collator(rows)
+    trainer._metrics["train"].clear()
+    trainer.model.zero_grad()
+    loss = trainer.compute_loss(trainer.model, batch)
+    metrics = {k: trainer._metrics["train"][k][-1] for k in dpo.METRICS}
+    if not backward:
+        return float(loss), metrics, None
+    loss.backward()
+    grads = {n.replace(".default", ""): p.grad.double().numpy()
+             for n, p in trainer.model.named_parameters() if p.requires_grad}
+    return loss.item(), metrics, grads
+
+
+def tolerance(peer32, exact, operands=0.0):
+    """10x TRL's float32 distance from float64, relative to ``exact``, and never below float32's rounding of the
+    result or of the operands it was computed from (``operands``: their summed magnitude). Rewards, margins and
+    the loss are differences of log-probabilities of tens: TRL's own float32 error there can be far below their
+    rounding, because its policy and reference passes round alike and cancel, which another correct float32
+    implementation need not do."""
+    return 10 * max(abs(peer32 - exact), EPS32 * abs(exact), EPS32 * operands) / abs(exact)
+
+
+def reward_operands(beta, metrics):
+    """The summed magnitude of the log-probabilities a pair's reward difference is taken of: policy and
+    reference (about as large), chosen and rejected (log-probabilities are negative, so |mean| = mean |.|)."""
+    return beta * 2 * (abs(metrics["logps/chosen"]) + abs(metrics["logps/rejected"]))
+
+
+@pytest.fixture(scope="module", params=[("gemma3_vllm", "conversational"), ("gemma4_mesh", "explicit")],
+                ids=["gemma3-conversational", "gemma4-plain"])
+def dpo_case(request, hf_checkpoint, tokenizer, tmp_path_factory):
+    """TRL in float32 and float64 on the same adapter and data, and gemport's model with that adapter."""
+    name, kind = request.param
+    _, path = hf_checkpoint(name)
+    records = RECORDS[kind]
+    trainer = trl_trainer(path, tokenizer, records, tmp_path_factory.mktemp("trl32"))
+    adapter = tmp_path_factory.mktemp("adapter")
+    trainer.model.save_pretrained(adapter)
+    with float64.TorchFloat64() as mode:
+        trainer64 = trl_trainer(path, tokenizer, records, tmp_path_factory.mktemp("trl64"), dtype=torch.float64)
+        lora = {k: v for k, v in trainer.model.state_dict().items() if "lora_" in k}
+        trainer64.model.load_state_dict(lora, strict=False)
+        mode.float32_results.clear()
+    spec = GemmaSpec.from_hf(path)
+    lora_params = import_peft(adapter, spec=spec)
+    model = apply_lora(load_model(path), spec, lora_params)
+    pairs = dpo.preferences(records, tokenizer, masks.Gemma3(), max_length=None)
+    rows = prepared(trainer, tokenizer, records)
+    return trainer, trainer64, mode, model, spec, lora_params, pairs, rows
+
+
+def assert_step_equals_trl(trainer, trainer64, mode, model, spec, lora_spec, pairs, rows, reference=None):
+    """TRL's loss, six metrics and PEFT gradients of one micro-batch of every pair against gemport's
+    (``dpo_loss`` with ``reference``); returns gemport's (batch, policy logps, reference logps)."""
+    loss32, metrics32, grads32 = trl_loss(trainer, rows)
+    with mode:
+        loss64, metrics64, grads64 = trl_loss(trainer64, rows)
+    assert not mode.float32_results, mode.float32_results
+    batch = dpo.collate(pairs, max_length=None, pad_id=0)
+    config = dpo.from_dpo_config(trainer.args)
+
+    def value(m, reference):  # dpo.dpo_loss, keeping the log-probabilities for the other loss types
+        logps, ref_logps = dpo.sequence_logps(m, batch), dpo.sequence_logps(dpo.without_lora(m, reference), batch)
+        loss, metrics = dpo.preference_loss(logps, ref_logps, batch, config)
+        return loss, (metrics, logps, ref_logps)
+
+    grad_fn = nnx.jit(nnx.value_and_grad(value, argnums=nnx.DiffState(0, nnx.LoRAParam), has_aux=True))
+    (loss, (metrics, logps, ref_logps)), grads = grad_fn(model, reference)
+    operands = reward_operands(config.beta, metrics64)
+    assert abs(float(loss) - loss64) / loss64 <= tolerance(loss32, loss64, operands), (float(loss), loss32, loss64)
+    for k in dpo.METRICS:
+        if k == "rewards/accuracies":
+            assert float(metrics[k]) == metrics64[k] == metrics32[k]
+            continue
+        assert abs(metrics64[k]) > 1e-4, k  # the adapter moved the policy away from the reference
+        error = abs(float(metrics[k]) - metrics64[k]) / abs(metrics64[k])
+        bound = tolerance(metrics32[k], metrics64[k], operands if k.startswith("rewards/") else 0.0)
+        assert error <= bound, (k, float(metrics[k]), metrics32[k], metrics64[k], bound)
+    flat = {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(grads)}
+    floor = max(np.linalg.norm(grads32[k] - g) / np.linalg.norm(g) for k, g in grads64.items())
+    bound = 10 * max(floor, EPS32)
+    compared = 0
+    for adapter in LoraLayout(spec, lora_spec):
+        for module, (gA, gB) in zip(adapter.hf_modules, adapter.to_peft(flat[adapter.lora_a], flat[adapter.lora_b])):
+            for got, factor in ((gA, "lora_A"), (gB, "lora_B")):
+                want = grads64[f"base_model.model.model.{module}.{factor}.weight"]
+                assert np.linalg.norm(want) > 0
+                error = np.linalg.norm(got - want) / np.linalg.norm(want)
+                assert error <= bound, (module, factor, error, bound)
+                compared += 1
+    assert compared == len(grads64)
+    return batch, logps, ref_logps
+
+
+def test_loss_metrics_and_lora_gradients_equal_trl(dpo_case):
+    """One micro-batch of every pair: TRL's loss, its six logged metrics and every PEFT factor's gradient, from
+    the sigmoid loss with the reference as the base with the adapter disabled; then, on the same log-probabilities,
+    the loss of every other ported loss type (forward) against TRL's."""
+    trainer, trainer64, mode, model, spec, lora_params, pairs, rows = dpo_case
+    batch, logps, reference = assert_step_equals_trl(trainer, trainer64, mode, model, spec, lora_params.lora_spec,
+                                                     pairs, rows)
+    for loss_type in dpo.PAIR_LOSSES:
+        smoothing = {"robust": 0.1, "exo_pair": 1e-3}.get(loss_type, 0.0)
+        config = dpo.from_dpo_config({"loss_type": loss_type, "label_smoothing": smoothing, "beta": 0.5})
+        for t in (trainer, trainer64):
+            t.loss_types, t.loss_weights, t.label_smoothing, t.beta = [loss_type], [1.0], smoothing, 0.5
+        try:
+            loss32 = trl_loss(trainer, rows, backward=False)[0]
+            with mode:
+                loss64 = trl_loss(trainer64, rows, backward=False)[0]
+        finally:
+            for t in (trainer, trainer64):
+                t.loss_types, t.loss_weights, t.label_smoothing, t.beta = ["sigmoid"], [1.0], 0.0, 0.1
+        got = float(dpo.preference_loss(logps, reference, batch, config)[0])
+        assert abs(got - loss64) / abs(loss64) <= tolerance(loss32, loss64), (loss_type, got, loss32, loss64)
+
+
+def test_reference_from_an_existing_adapter_equals_trl(dpo_case, tmp_path):
+    """TRL given a PeftModel with an adapter keeps a frozen copy of it as the reference (its "ref" adapter, made
+    here as TRL makes it); after the policy's factors move, dpo_loss with reference= those initial factors gives
+    TRL's loss, metrics and gradients."""
+    trainer, trainer64, mode, model, spec, lora_params, pairs, rows = dpo_case
+    initial = jax.tree.map(jnp.copy, nnx.state(model, nnx.LoRAParam))  # values, not the model's variables
+    saved = [{k: v.clone() for k, v in t.model.state_dict().items() if ".default." in k} for t in (trainer, trainer64)]
+    g = torch.Generator().manual_seed(2)
+    try:
+        for t in (trainer, trainer64):
+            with mode if t is trainer64 else torch.no_grad():
+                t.model.add_adapter("ref", t.model.peft_config["default"])
+                with torch.no_grad():
+                    for name, param in t.model.named_parameters():
+                        if ".default." in name:
+                            t.model.get_parameter(name.replace(".default.", ".ref.")).data.copy_(param.data)
+        with torch.no_grad():
+            for name, param in trainer.model.named_parameters():
+                if ".default." in name and "lora_B" in name:
+                    param.add_(torch.randn(param.shape, generator=g) * 0.05)
+        moved = {k: v for k, v in trainer.model.state_dict().items() if ".default." in k}
+        trainer64.model.load_state_dict(moved, strict=False)
+        trainer.model.save_pretrained(tmp_path, selected_adapters=["default"])
+        nnx.update(model, import_peft(tmp_path, spec=spec).params)
+        for t in (trainer, trainer64):
+            for name, param in t.model.named_parameters():
+                param.requires_grad_(".default." in name and "lora_" in name)
+        assert_step_equals_trl(trainer, trainer64, mode, model, spec, lora_params.lora_spec, pairs, rows, initial)
+    finally:
+        nnx.update(model, initial)
+        for t, state in zip((trainer, trainer64), saved):
+            if "ref" in t.model.peft_config:
+                t.model.delete_adapter("ref")
+            t.model.load_state_dict(state, strict=False)
+
+
+STEPS = {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 2, "max_steps": 2, "learning_rate": 2e-2,
+         "max_grad_norm": 0.05, "logging_steps": 1, "beta": 0.5,
+         "gradient_checkpointing": False}  # torch recomputes outside TorchFloat64 (float32); the math is the same
+
+
+def test_optimizer_steps_with_accumulation_follow_trl(hf_checkpoint, tokenizer, tmp_path_factory):
+    """Two optimizer steps of two accumulated micro-batches each, in HF's sample order, with clipping: the logged
+    loss, grad_norm and metrics of every step equal TRL's training (float32 against float64, as above); the second
+    step's values depend on the first update. gemport's batches carry padding (an empty pair slot per micro-batch,
+    an empty micro-batch per step), which must change nothing."""
+    _, path = hf_checkpoint("gemma3_vllm")
+    records = RECORDS["conversational"]
+    trainer = trl_trainer(path, tokenizer, records, tmp_path_factory.mktemp("trl32"), **STEPS)
+    adapter = tmp_path_factory.mktemp("adapter")
+    trainer.model.save_pretrained(adapter)
+    with float64.TorchFloat64():
+        trainer64 = trl_trainer(path, tokenizer, records, tmp_path_factory.mktemp("trl64"), dtype=torch.float64,
+                                **STEPS)
+        trainer64.model.load_state_dict({k: v for k, v in trainer.model.state_dict().items() if "lora_" in k},
+                                        strict=False)
+        trainer64.train()
+    trainer.train()
+    logs32 = [h for h in trainer.state.log_history if "loss" in h]
+    logs64 = [h for h in trainer64.state.log_history if "loss" in h]
+    assert len(logs32) == len(logs64) == STEPS["max_steps"]
+
+    spec = GemmaSpec.from_hf(path)
+    lora_params = import_peft(adapter, spec=spec)
+    model = apply_lora(load_model(path), spec, lora_params)
+    pairs = dpo.preferences(records, tokenizer, masks.Gemma3(), max_length=None)
+    width = max(len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids)) for p in pairs)
+    optimizer = nnx.Optimizer(model, hf_optimizer(trainer.args, num_training_steps=STEPS["max_steps"]).tx,
+                              wrt=nnx.LoRAParam)
+    step = dpo.dpo_step(dpo.from_dpo_config(trainer.args))
+    for plan, want32, want64 in zip(optimizer_steps(trainer.args, len(pairs)), logs32, logs64, strict=True):
+        # Padded as a short last step would be: an empty pair slot in each micro-batch, and an empty micro-batch.
+        micro = [dpo.collate([pairs[i] for i in m], max_length=None, width=width, slots=2, pad_id=0)
+                 for m in plan.micro_batches]
+        got = step(model, optimizer, stack(micro, accumulation=STEPS["gradient_accumulation_steps"] + 1))
+        for k in ("loss", "grad_norm", *dpo.METRICS):
+            if k == "rewards/accuracies":
+                assert float(got[k]) == want64[k] == want32[k], plan.step
+                continue
+            error = abs(float(got[k]) - want64[k]) / abs(want64[k])
+            operands = reward_operands(STEPS["beta"], want64) if k == "loss" or k.startswith("rewards/") else 0.0
+            bound = tolerance(want32[k], want64[k], operands)
+            assert error <= bound, (plan.step, k, float(got[k]), want32[k], want64[k])
+            print(f"step {plan.step} {k}: {want64[k]:.6g}, error {error:.1e} of {bound:.1e}")
+    assert logs64[1]["loss"] != logs64[0]["loss"]
+    assert min(h["grad_norm"] for h in logs64) > STEPS["max_grad_norm"]  # clipping is in play
+
+
+def test_gemma4_conversational_tokens_equal_trl(tmp_path):
+    """Gemma 4 turns (TRL's shipped Gemma 4 template against masks.Gemma4), a system message and an implicit
+    prompt, tokenized by TRL's DPOTrainer data preparation (no model needed) and by dpo.preferences."""
+    from test_masks_tokenizers import GEMMA4_CONTROL
+    from trl.chat_template_utils import gemma4_v5_chat_template
+
+    tokenizer = bpe_tokenizer(GEMMA4_CONTROL)
+    tokenizer.chat_template = gemma4_v5_chat_template
+    tokenizer.eos_token = "<turn|>"
+    records = {
+        "explicit": [
+            {"prompt": [{"role": "system", "content": "Be brief."}, user("Hi")], "chosen": [assistant("Sure thing")],
+             "rejected": [assistant("No.")]},
+            {"prompt": [user("a"), assistant("b"), user("c")], "chosen": [assistant("d")],
+             "rejected": [assistant("e, f")]},
+        ],
+        "implicit": RECORDS["conversational_implicit"],
+    }
+    args = DPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, max_length=None)
+    for kind, rows in records.items():
+        trainer = type("Prep", (), {"_tokenizer": tokenizer})()
+        want = list(DPOTrainer._prepare_dataset(trainer, Dataset.from_list(rows), tokenizer, args, "train"))
+        got = dpo.preferences(rows, tokenizer, masks.Gemma4(), max_length=None)
+        assert len(got) == len(want) == len(rows)
+        for g, w in zip(got, want, strict=True):
+            for field in dpo.Preference._fields:
+                assert g._asdict()[field].tolist() == w[field], (kind, field)
