@@ -9,7 +9,7 @@ from flax import nnx
 from gemport import masks, train
 from gemport.checkpoint import load_model
 from gemport.lora import LoraSpec, apply_lora
-from gemport.mesh import memory_plan
+from gemport.plan import memory_plan
 from gemport.optim import hf_optimizer
 from gemport.specs import GemmaSpec
 from gemport.train.step import fast_loss
