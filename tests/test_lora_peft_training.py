@@ -1,7 +1,8 @@
 """LoRA trains as PEFT's does: same trainable parameters, same gradient per PEFT factor, same optimizer steps.
 
 Each case builds a tiny Gemma with transformers, puts PEFT LoRA on all seven projections (so Tunix's fused
-kv_einsum / qkv_einsum are involved) or on PEFT's default q_proj + v_proj (``+qv``: only some projections of a
+kv_einsum / qkv_einsum are involved; on the MoE miniature also PEFT's ``target_parameters`` on the stacked expert
+weights, gemport.lora.experts) or on PEFT's default q_proj + v_proj (``+qv``: only some projections of a
 fused module, whose others are zero slots), gives every factor random values (at PEFT's init B = 0 and A gets
 no gradient, which would hide a wrong A), imports the adapter, and compares against torch on the PEFT model.
 """
@@ -29,6 +30,7 @@ from gemport.specs import GemmaSpec
 
 CASES = ["gemma4_dense", "gemma4_moe", "gemma3_1b", "gemma3_qkv", "gemma4_dense+qv", "gemma3_qkv+qv"]
 QV = ["q_proj", "v_proj"]  # PEFT's default targets for gemma3_text and gemma4
+EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]  # PEFT's target_parameters on the MoE experts
 RECIPE = {"learning_rate": 5e-3, "weight_decay": 0.1, "max_grad_norm": 0.5, "warmup_steps": 3,
           "lr_scheduler_type": "cosine"}
 STEPS = 10
@@ -67,7 +69,9 @@ def case(request, hf_checkpoint, tmp_path_factory):
     """(PEFT model, HF checkpoint, spec, the adapter imported: state and lora_spec), all fp32."""
     name, qv = request.param.removesuffix("+qv"), request.param.endswith("+qv")
     _, path = hf_checkpoint(name)
-    model = peft_model(path, peft.LoraConfig(r=4, lora_alpha=8, target_modules=QV if qv else list(PROJECTIONS)))
+    experts = {"target_parameters": EXPERTS} if name == "gemma4_moe" else {}
+    model = peft_model(path, peft.LoraConfig(r=4, lora_alpha=8, target_modules=QV if qv else list(PROJECTIONS),
+                                              **experts))
     adapter = tmp_path_factory.mktemp(f"{request.param}-adapter")
     model.save_pretrained(adapter)
     spec = GemmaSpec.from_hf(path)
@@ -78,6 +82,18 @@ def zero_slots(layout, flat):
     """The slices of separate factors that belong to projections PEFT does not adapt (rank 0)."""
     return [(adapter.module, factor[i]) for adapter in layout for factor in (flat[adapter.lora_a], flat[adapter.lora_b])
             for i, r in enumerate(adapter.ranks) if adapter.separate and r == 0]
+
+
+def peft_tensors(layout, flat):
+    """gemport's factors, or their gradients, ``{dotted path: array}``, as PEFT's ``{key: array}``."""
+    out, text = {}, "base_model.model.model."
+    for adapter, a, b in layout.match(flat):
+        for module, (A, B) in zip(adapter.hf_modules, adapter.to_peft(a, b)):
+            out |= {f"{text}{module}.lora_A.weight": A, f"{text}{module}.lora_B.weight": B}
+    for adapter, a, b in layout.match_experts(flat):
+        key = text + adapter.peft_key(layout.lora_spec.parameters)
+        out |= dict(zip((f"{key}.lora_A.weight", f"{key}.lora_B.weight"), adapter.to_peft(a, b)))
+    return out
 
 
 def peft_grads(model):
@@ -127,15 +143,14 @@ def test_gradients_equal_peft_for_every_factor(case, monkeypatch):
     layout = LoraLayout(spec, lora_spec)
     assert set(flat) == set(layout.shapes())  # nothing else is trainable
     compared, worst = 0, 0.0
-    for adapter in layout:
-        for module, (gA, gB) in zip(adapter.hf_modules, adapter.to_peft(flat[adapter.lora_a], flat[adapter.lora_b])):
-            for got, factor in ((gA, "lora_A"), (gB, "lora_B")):
-                want = expected.pop(f"base_model.model.model.{module}.{factor}.weight")
-                error = np.linalg.norm(got - want) / np.linalg.norm(want)
-                assert error <= bound, (module, factor, error, bound)
-                worst = max(worst, error)
-                compared += 1
-    assert not expected and compared == 2 * sum(len(a.hf_modules) for a in layout)
+    for key, got in peft_tensors(layout, flat).items():
+        want = expected.pop(key)
+        error = np.linalg.norm(got - want) / np.linalg.norm(want)
+        assert error <= bound, (key, error, bound)
+        worst = max(worst, error)
+        compared += 1
+    assert not expected and compared == 2 * (sum(len(a.hf_modules) for a in layout) + len(layout.experts))
+    assert bool(layout.experts) == (spec.num_experts > 0)
     slots = zero_slots(layout, flat)
     assert bool(slots) == (list(lora_spec.targets) == QV)
     assert all(not g.any() for _, g in slots)  # an untargeted projection's slot gets no gradient at all
@@ -160,7 +175,7 @@ def torch_steps(model, vocab):
     return np.array(losses)
 
 
-# kv_einsum, qkv_einsum, the MoE block's routing (the experts frozen, differentiated through), and PEFT's
+# kv_einsum, qkv_einsum, the MoE block's routing (differentiated through) with LoRA on its experts, and PEFT's
 # default q_proj + v_proj (a zero slot of qkv_einsum).
 @pytest.mark.parametrize("case", ["gemma4_dense", "gemma4_moe", "gemma3_qkv", "gemma3_qkv+qv"], indirect=True)
 def test_ten_optimizer_steps_follow_torch(case):
@@ -194,13 +209,10 @@ def test_ten_optimizer_steps_follow_torch(case):
     assert all(not x.any() for _, x in zero_slots(layout, flat))
     want, torch32 = peft_factors(model64), peft_factors(model32)
     factor_floor, factor_error = 0.0, 0.0
-    for adapter in layout:
-        for module, pair in zip(adapter.hf_modules, adapter.to_peft(flat[adapter.lora_a], flat[adapter.lora_b])):
-            for got, factor in zip(pair, ("lora_A", "lora_B")):
-                key = f"base_model.model.model.{module}.{factor}.weight"
-                norm = np.linalg.norm(want[key])
-                factor_floor = max(factor_floor, np.linalg.norm(torch32.pop(key) - want[key]) / norm)
-                factor_error = max(factor_error, np.linalg.norm(got - want.pop(key)) / norm)
+    for key, got in peft_tensors(layout, flat).items():
+        norm = np.linalg.norm(want[key])
+        factor_floor = max(factor_floor, np.linalg.norm(torch32.pop(key) - want[key]) / norm)
+        factor_error = max(factor_error, np.linalg.norm(got - want.pop(key)) / norm)
     assert not want and not torch32 and 0 < factor_floor and factor_error <= 10 * factor_floor, \
         (factor_error, factor_floor)
 

@@ -31,6 +31,7 @@ def _classes():
             f"gemport's Gemma 4 MoE routing replaces parts of Tunix {TUNIX_VERSION}'s decoder layer, but Tunix "
             f"{found} is installed; install google-tunix=={TUNIX_VERSION} (pip install 'gemport[tunix]')"
         )
+    from flax import nnx
     from tunix.models.gemma4 import model as g4
     from tunix.models.gemma4 import moe
 
@@ -53,7 +54,37 @@ def _classes():
             x = x * self.router_scale.get_value().astype(x.dtype) * self.features**-0.5
             logits = jnp.einsum("btd,de->bte", x, self.router_logits.get_value().astype(x.dtype))
             weights, choices = route(logits, self.num_experts_per_datapoint)
-            return self._run_ffw_and_routing(normed, choices, weights)
+            return self._experts(normed, choices, weights)
+
+        def _experts(self, x, choices, weights):
+            """Tunix's ``_run_ffw_and_routing`` (its dispatch, ragged dots and combination), plus the LoRA of
+            each expert weight that carries one (`gemport.lora.experts`): x [B, T, D] -> [B, T, D]."""
+            counts, xs, reverse, combine = moe._expert_dispatch(x, choices, weights)
+            dtype = self.config.dtype
+            w_gate = jnp.transpose(self.gating_einsum.get_value(), (0, 3, 1, 2))
+            w_gate = w_gate.reshape(self.num_experts, self.features, 2 * self.hidden_dim)
+            gate = jax.lax.ragged_dot(xs, w_gate.astype(dtype), group_sizes=counts)
+            gate = self._lora("gating_einsum", xs, counts, gate).reshape(gate.shape[0], 2, self.hidden_dim)
+            hidden = nnx.gelu(gate[:, 0, :]) * gate[:, 1, :]
+            out = jax.lax.ragged_dot(hidden, self.linear.get_value().astype(dtype), group_sizes=counts)
+            out = self._lora("linear", hidden, counts, out)
+            expert = jnp.repeat(jnp.arange(self.num_experts), counts, total_repeat_length=out.shape[0])
+            out = out * self.per_expert_scale.get_value().astype(out.dtype)[expert, None]
+            out = moe._expert_collect(out, xs_reverse_argsort=reverse, xs_combine_weights=combine)
+            return jnp.einsum("blkd,blk->bld", out, combine, preferred_element_type=out.dtype)
+
+        def _lora(self, name, xs, counts, result):
+            """``result`` [N, out] of expert weight ``name`` on tokens ``xs`` [N, in] (sorted by expert,
+            ``counts`` [E] per expert), plus ``xs @ a_e @ b_e * scale`` for each token's expert e when the
+            weight has LoRA factors ``a`` [E, in, r], ``b`` [E, r, ...]; the sum in ``result``'s dtype."""
+            a = getattr(self, f"{name}_lora_a", None)
+            if a is None:
+                return result
+            b = getattr(self, f"{name}_lora_b").get_value()
+            a = a.get_value()
+            low = jax.lax.ragged_dot(xs.astype(jnp.promote_types(xs.dtype, a.dtype)), a, group_sizes=counts)
+            delta = jax.lax.ragged_dot(low, b.reshape(b.shape[0], b.shape[1], -1), group_sizes=counts)
+            return (result + delta * getattr(self, f"{name}_lora_scale")).astype(result.dtype)
 
     return {g4.RMSNorm: ResidualAndNorm, moe.MoERagged: HFRoutedMoE}
 
@@ -72,6 +103,30 @@ def route(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     top, choices = jax.lax.top_k(probs, k)
     return probs / jnp.sum(top, axis=-1, keepdims=True), choices
+
+
+def attach_expert_lora(module, weight: str, a, b, scale: float) -> None:
+    """Give the MoE block ``module`` (routed by gemport, see `hf_routed`) LoRA factors on its expert weight
+    ``weight`` (``gating_einsum`` or ``linear``): ``a`` [E, in, r] and ``b`` [E, r, ...] (``nnx.LoRAParam``),
+    and PEFT's ``scale``, which its experts then add to that weight's projection.
+
+    Raises:
+      LoraError: ``module`` is not a MoE block routed by gemport (Tunix's own routing has no LoRA hook).
+    """
+    from gemport.errors import LoraError
+
+    if type(module) is not _classes()[_tunix_moe()]:
+        raise LoraError(f"LoRA on the MoE experts needs the MoE block gemport routes (gemport._src.moe.model_class, "
+                        f"what gemport.load_model builds), not {type(module).__name__}")
+    setattr(module, f"{weight}_lora_a", a)
+    setattr(module, f"{weight}_lora_b", b)
+    setattr(module, f"{weight}_lora_scale", float(scale))
+
+
+def _tunix_moe():
+    from tunix.models.gemma4 import moe
+
+    return moe.MoERagged
 
 
 def hf_routed(model):
@@ -108,6 +163,7 @@ def model_class():
 
 __all__ = [
     "TUNIX_VERSION",
+    "attach_expert_lora",
     "hf_routed",
     "model_class",
     "route",

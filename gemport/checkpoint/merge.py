@@ -15,7 +15,7 @@ from gemport.checkpoint.adapters import load_lora
 from gemport.checkpoint.hf_dir import HFCheckpoint
 from gemport.checkpoint.load import matched_entries
 from gemport.checkpoint.output import atomic_dir, check_output, copy_side_files, write_sharded
-from gemport.checkpoint.safetensors import DTYPES, TensorInfo, TensorSource
+from gemport.checkpoint.safetensors import DTYPES, TensorInfo, TensorSource, read_array
 from gemport.errors import CorruptFileError
 from gemport.lora import LoraLayout, LoraSpec
 from gemport._src.params import flat_params
@@ -58,12 +58,16 @@ def export_merged(lora, out_dir: str | Path, *, base_dir: str | Path, lora_spec:
     ckpt = HFCheckpoint(base)
     prefix, _ = matched_entries(ckpt, spec)
     deltas = {}
-    for adapter, a, b in LoraLayout(spec, lora_spec).match(params):
+    layout = LoraLayout(spec, lora_spec)
+    for adapter, a, b in layout.match(params):
         for module, scale, (A, B) in zip(adapter.hf_modules, adapter.peft_scales, adapter.to_peft(a, b)):
             deltas[f"{prefix}{module}.weight"] = (A.astype(np.float32), B.astype(np.float32) * np.float32(scale))
+    experts = {f"{prefix}{adapter.parameter}": (adapter, a, b) for adapter, a, b in layout.match_experts(params)}
     ordered = sorted(ckpt.tensors.items(), key=lambda kv: (str(kv[1].file), kv[1].start))
     sources = [
-        _merged(name, info, *deltas[name]) if name in deltas else TensorSource.copy_of(name, info)
+        _merged(name, info, *deltas[name]) if name in deltas
+        else _merged_experts(name, info, *experts[name]) if name in experts
+        else TensorSource.copy_of(name, info)
         for name, info in ordered
     ]
     with atomic_dir(out) as tmp:
@@ -78,6 +82,16 @@ def _add_delta(w: jax.Array, b: jax.Array, a: jax.Array) -> tuple[jax.Array, jax
     # NaN/Inf check.
     merged = (w.astype(jnp.float32) + jnp.matmul(b, a, precision=jax.lax.Precision.HIGHEST)).astype(w.dtype)
     return merged, jnp.isfinite(merged).all()
+
+
+def _merged_experts(name: str, info: TensorInfo, adapter, a: np.ndarray, b: np.ndarray) -> TensorSource:
+    """A stacked expert parameter [E, out, in] plus ``adapter``'s delta (`gemport.lora.experts.ExpertAdapter`),
+    in float32, cast to its dtype: one layer's expert stack at a time."""
+
+    def make() -> np.ndarray:
+        return (read_array(info).astype(np.float32) + adapter.delta(a, b)).astype(DTYPES[info.dtype])
+
+    return TensorSource.from_array(name, make, DTYPES[info.dtype], info.shape)
 
 
 def _merged(name: str, info: TensorInfo, A: np.ndarray, B: np.ndarray) -> TensorSource:

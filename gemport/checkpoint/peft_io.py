@@ -1,7 +1,9 @@
 """Qwix LoRA <-> PEFT adapter directories (``adapter_config.json`` + ``adapter_model.safetensors``).
 
 PEFT keys are ``base_model.model.<text prefix><module>.lora_A.weight`` [r, in] and ``.lora_B.weight``
-[out, r], e.g. ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``.
+[out, r], e.g. ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``; LoRA on Gemma 4 MoE experts
+(``target_parameters``) is saved as ``...layers.0.experts[.base_layer].lora_A.weight`` [E r, in] and
+``.lora_B.weight`` [out, r E] (`gemport.lora.experts`).
 
 Gemma 4's k_eq_v global layers have a ``k_proj`` and no ``v_proj``: V is K, so transformers + PEFT give V the
 k_proj delta too. vLLM packs q/k/v into one ``qkv_proj``, loads K's weight into both the K and V slices and
@@ -82,6 +84,11 @@ def export_peft(lora, out_dir: str | Path, *, base_dir: str | Path | None = None
                     sources.append(_source(key + ".lora_A.weight", A))
                     sources.append(_source(key + ".lora_B.weight", B))
             ranks.append(A.shape[0])
+    for adapter, a, b in layout.match_experts(params):
+        key = PEFT_PREFIX + text_prefix + adapter.peft_key(lora_spec.parameters)
+        A, B = adapter.to_peft(a, b)
+        sources += [_source(key + ".lora_A.weight", A), _source(key + ".lora_B.weight", B)]
+        ranks.append(adapter.rank)
     top = max(ranks)
     if top not in VLLM_RANKS:
         fits = [r for r in VLLM_RANKS if r > top]
@@ -187,6 +194,10 @@ def import_peft(adapter_dir: str | Path, *, base_dir: str | Path | None = None,
         out_size, in_size = adapter.entry.hf_shape
         for (key_a, key_b), rank in zip(pairs, adapter.peft_ranks):
             wanted |= {key_a: (rank, in_size), key_b: (out_size, rank)}
+    expert_keys = {adapter: [f"{prefix}{adapter.peft_key(lora_spec.parameters)}.lora_{x}.weight" for x in "AB"]
+                   for adapter in layout.experts}
+    for adapter, keys_ab in expert_keys.items():
+        wanted |= dict(zip(keys_ab, adapter.peft_shapes))
     copies = _checked_copies(weights, prefix, layout)
     check_tensors(
         {k: info.shape for k, info in weights.tensors.items() if k not in copies},
@@ -201,6 +212,8 @@ def import_peft(adapter_dir: str | Path, *, base_dir: str | Path | None = None,
         factors = [tuple(_tensor(weights, key) for key in pair) for pair in pairs]
         for name, value in zip((adapter.lora_a, adapter.lora_b), adapter.from_peft(factors)):
             flat[name] = value
+    for adapter, pair in expert_keys.items():
+        flat |= dict(zip((adapter.lora_a, adapter.lora_b), adapter.from_peft(*(_tensor(weights, k) for k in pair))))
     return LoraParams(lora_state(flat), lora_spec)
 
 

@@ -25,6 +25,10 @@ from gemport._src.jsonfile import Fields, read_json
 # HF linear modules of a Gemma text layer that gemport maps to Qwix, in PEFT's spelling.
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
+# Gemma 4 MoE expert parameters PEFT's ``target_parameters`` can adapt and gemport carries
+# (`gemport.lora.experts`), in the order transformers registers them on ``Gemma4TextExperts``.
+EXPERT_PARAMETERS = ("experts.gate_up_proj", "experts.down_proj")
+
 # The dtype of LoRA factors on any base, hence of their gradients and Adam's moments: PEFT keeps adapters in
 # float32 on a half-precision base (``autocast_adapter_dtype``); in the base's bfloat16, late updates below its
 # resolution (0.4% of a factor) would be lost.
@@ -42,7 +46,10 @@ class LoraSpec:
       rank: r.
       alpha: PEFT's ``lora_alpha`` (default PEFT's, 8). The delta is ``B @ A * scale`` with ``scale = alpha / rank``, or
         ``alpha / sqrt(rank)`` with rsLoRA.
-      targets: PEFT target module names, a subset of ``PROJECTIONS``.
+      targets: PEFT target module names, a subset of ``PROJECTIONS`` (may be empty with ``parameters``).
+      parameters: PEFT's ``target_parameters`` on a Gemma 4 MoE, a subset of ``EXPERT_PARAMETERS``: one
+        rank-r LoRA per expert on the stacked expert weights (`gemport.lora.experts`). PEFT refuses
+        ``lora_dropout`` with them, and so does this spec.
       rslora: PEFT's ``use_rslora``.
       dropout: PEFT's ``lora_dropout``: in training steps only (`gemport.lora.qwix.lora_dropout`), on each
         adapted projection's input to the LoRA branch, as PEFT in train mode; never in evaluation.
@@ -66,6 +73,7 @@ class LoraSpec:
     rank: int
     alpha: float = 8.0
     targets: tuple[str, ...] = PROJECTIONS
+    parameters: tuple[str, ...] = ()
     rslora: bool = False
     dropout: float = 0.0
     fused: Literal["separate", "shared"] = "separate"
@@ -78,10 +86,18 @@ class LoraSpec:
         if not isinstance(self.rank, int) or self.rank < 1:
             raise LoraError(f"rank {self.rank!r}: a LoRA rank is a positive integer")
         unknown = sorted(set(self.targets) - set(PROJECTIONS))
-        if unknown or not self.targets:
+        if unknown or not (self.targets or self.parameters):
             raise LoraError(
                 f"targets {list(self.targets)}: gemport maps the projections {list(PROJECTIONS)} of Gemma text "
                 f"layers{f'; not {unknown}' if unknown else ''}"
+            )
+        named = {_expert_parameter(p) for p in self.parameters}
+        object.__setattr__(self, "parameters", tuple(p for p in EXPERT_PARAMETERS if p in named))
+        if self.parameters and self.dropout:
+            raise LoraError(
+                f"lora_dropout={self.dropout} with target_parameters {list(self.parameters)}: PEFT's ParamWrapper "
+                "refuses dropout on adapted parameters (it cannot be factored out of the merged weight); set "
+                "lora_dropout to 0, as the GPU recipe must"
             )
         if self.fused not in ("separate", "shared"):
             raise LoraError(f"fused={self.fused!r}: expected 'separate' or 'shared'")
@@ -130,8 +146,9 @@ class LoraSpec:
         """Read a PEFT LoRA config: a ``peft.LoraConfig``, its dict, or an adapter directory / its json.
 
         ``init_lora_weights`` ``True`` / ``"gaussian"`` become ``init="peft"`` / ``"gaussian"``;
-        ``rank_pattern`` / ``alpha_pattern`` are kept. Raises ``LoraError`` for what Qwix LoRA cannot
-        reproduce: DoRA, bias training, ``modules_to_save``, ``target_parameters``, layer subsets, other
+        ``rank_pattern`` / ``alpha_pattern`` are kept; ``target_parameters`` on the MoE experts become
+        ``parameters``. Raises ``LoraError`` for what gemport cannot reproduce: DoRA, bias training,
+        ``modules_to_save``, ``target_parameters`` other than the experts' (or with dropout), layer subsets, other
         initialisations (PiSSA, OLoRA, LoftQ...: import the initialised adapter with
         `gemport.checkpoint.import_peft` instead), or a regex ``target_modules``.
         """
@@ -141,7 +158,6 @@ class LoraSpec:
         refused = {
             "use_dora": "DoRA has no Qwix equivalent; train a plain LoRA",
             "modules_to_save": "Qwix LoRA trains adapters only (and vLLM refuses such adapters); drop them",
-            "target_parameters": "adapters on raw parameters (MoE experts) have no Qwix equivalent",
             "layers_to_transform": "Qwix targets are per module kind; adapt every layer",
         }
         for key, why in refused.items():
@@ -150,9 +166,14 @@ class LoraSpec:
         if cfg.get("bias", "none") != "none":
             raise LoraError(f"PEFT config sets bias={cfg['bias']!r}: Gemma projections have no bias; use 'none'")
         targets = cfg.get("target_modules")
+        parameters = cfg.get("target_parameters") or ()
+        if isinstance(parameters, str):
+            parameters = (parameters,)
         all_linear = targets == "all-linear"
         if all_linear:
             targets = PROJECTIONS
+        elif parameters and targets in (None, []):
+            targets = ()
         elif isinstance(targets, str) or not targets:
             raise LoraError(
                 f"target_modules {targets!r}: give a list of module names from {list(PROJECTIONS)} "
@@ -169,6 +190,7 @@ class LoraSpec:
             rank=int(cfg["r"]),
             alpha=float(cfg["lora_alpha"]),
             targets=tuple(targets),
+            parameters=tuple(parameters),
             rslora=bool(cfg.get("use_rslora", False)),
             dropout=float(cfg.get("lora_dropout") or 0.0),
             init="peft" if init is True else "gaussian",
@@ -186,6 +208,7 @@ class LoraSpec:
             "r": self.rank,
             "lora_alpha": self.alpha,
             "target_modules": "all-linear" if self.all_linear else list(self.targets),
+            **({"target_parameters": list(self.parameters)} if self.parameters else {}),
             "lora_dropout": self.dropout,
             "bias": "none",
             "use_rslora": self.rslora,
@@ -206,7 +229,7 @@ class LoraSpec:
     @classmethod
     def from_json(cls, text: str) -> LoraSpec:
         fields = json.loads(text)
-        return cls(**dict(fields, targets=tuple(fields["targets"]),
+        return cls(**dict(fields, targets=tuple(fields["targets"]), parameters=tuple(fields.get("parameters", ())),
                           rank_pattern=tuple(map(tuple, fields.get("rank_pattern", ()))),
                           alpha_pattern=tuple(map(tuple, fields.get("alpha_pattern", ())))))
 
@@ -274,6 +297,25 @@ def _peft_dict(config: Any) -> dict[str, Any]:
     for key in alphas.data:
         alphas.number(key)
     return cfg
+
+
+def _expert_parameter(target: str) -> str:
+    """PEFT's ``target_parameters`` entry as one of ``EXPERT_PARAMETERS``. PEFT matches an entry against
+    ``<module>.<parameter>`` names by equality or dotted suffix: ``gate_up_proj``, ``experts.gate_up_proj`` and
+    ``model.layers.experts.gate_up_proj``-like suffixes that name every layer map; the router's ``proj.weight``,
+    a layer subset or any other parameter is refused by name."""
+    for parameter in EXPERT_PARAMETERS:
+        full = f"model.language_model.layers.0.{parameter}"
+        if isinstance(target, str) and (target == full or full.endswith("." + target)) and ".0." not in "." + target:
+            return parameter
+    if isinstance(target, str) and target.endswith(("router.proj.weight", "router.proj")):
+        why = ("LoRA on the MoE router's proj is not carried by gemport (the routing is trained through, not "
+               "adapted); drop it from target_parameters")
+    elif isinstance(target, str) and re.search(r"\.\d+\.", "." + target):
+        why = "it names a layer subset; gemport adapts the experts of every MoE layer"
+    else:
+        why = f"gemport carries target_parameters on the Gemma 4 MoE experts only: {list(EXPERT_PARAMETERS)}"
+    raise LoraError(f"target_parameters entry {target!r}: {why}")
 
 
 def _lookup(pattern: tuple[tuple[str, Any], ...], module: str, default):

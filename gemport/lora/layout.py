@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import einops
 import numpy as np
@@ -42,6 +43,9 @@ from gemport._src.partition import Spec, padded
 from gemport._src.pattern import Pattern
 from gemport.specs import GemmaSpec
 from gemport._src.tensors import check_finite, check_tensors
+
+if TYPE_CHECKING:
+    from gemport.lora.experts import ExpertAdapter
 
 def factor_axes(
     weight_axes: Iterable[str], in_axes: Iterable[str], *, stack: str | None = None, rank: str = "r"
@@ -295,6 +299,13 @@ class LoraLayout:
             out.append(adapter)
         return tuple(out)
 
+    @functools.cached_property
+    def experts(self) -> tuple[ExpertAdapter, ...]:
+        """The LoRA on MoE expert parameters (``LoraSpec.parameters``, PEFT's ``target_parameters``)."""
+        from gemport.lora.experts import expert_adapters  # built on this module's factor_axes
+
+        return expert_adapters(self.spec, self.lora_spec)
+
     def __iter__(self):
         return iter(self.adapters)
 
@@ -305,17 +316,18 @@ class LoraLayout:
     def num_params(self) -> int:
         """PEFT's trainable count, ``PeftModel.get_nb_trainable_parameters()``, for separate factors (`Adapter.
         num_params`); ``shapes`` is what the factors hold, zero padding and zero slots included."""
-        return sum(a.num_params for a in self.adapters)
+        return sum(a.num_params for a in self.adapters + self.experts)
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        """``{"layers.0.attn.q_einsum.w_lora_a": (D, r), ...}`` for every factor."""
-        return {name: shape for a in self.adapters for name, shape in zip((a.lora_a, a.lora_b), a.shapes)}
+        """``{"layers.0.attn.q_einsum.w_lora_a": (D, r), ...}`` for every factor, the experts' included."""
+        return {name: shape for a in self.adapters + self.experts
+                for name, shape in zip((a.lora_a, a.lora_b), a.shapes)}
 
     def specs(self, base_specs: dict[str, Spec]) -> dict[str, Spec]:
         """The sharding of every factor, from ``{Tunix weight path: its annotation}`` of the base model."""
         return {
             name: spec
-            for a in self.adapters
+            for a in self.adapters + self.experts
             for name, spec in zip((a.lora_a, a.lora_b), a.specs(base_specs[a.entry.tunix]))
         }
 
@@ -328,22 +340,29 @@ class LoraLayout:
         NaN or Inf.
         """
         lora_spec = self.lora_spec
-        factors = {name: (t, axes) for t in self.adapters for name, axes in ((t.lora_a, t.a), (t.lora_b, t.b))}
+        factors = {name: (t, axes) for t in self.adapters + self.experts
+                   for name, axes in ((t.lora_a, t.a), (t.lora_b, t.b))}
 
         def about(name: str) -> str:
             t, axes = factors[name]
             sizes = ", ".join(f"{x}={n}" for x, n in t.entry.sizes if x in axes.split())
-            return f"{axes} of {t.module}; {sizes}, r={t.rank}, fused={lora_spec.fused!r}"
+            return f"{axes} of {t.entry.module}; {sizes}, r={t.rank}, fused={lora_spec.fused!r}"
 
         check_tensors(
             {name: tuple(array.shape) for name, array in params.items()},
             self.shapes(),
             source=source,
             fix=f"the adapter is for a different model, rank or fused form than this {self.spec.family} model "
-                f"with targets {list(lora_spec.targets)}; pass the LoraSpec of the training run",
+                f"with targets {list(lora_spec.targets + lora_spec.parameters)}; pass the LoraSpec of the training "
+                "run",
             about=about,
         )
         for name, array in params.items():
             check_finite(name, array, source=source, error=LoraError,
                          fix="the training diverged; export an earlier step")
         return [(t, params[t.lora_a], params[t.lora_b]) for t in self.adapters]
+
+    def match_experts(self, params: dict) -> list[tuple[ExpertAdapter, np.ndarray, np.ndarray]]:
+        """`match` for the expert adapters: each with its ``lora_a``, ``lora_b`` in ``params`` (same checks)."""
+        self.match(params)
+        return [(t, params[t.lora_a], params[t.lora_b]) for t in self.experts]

@@ -28,6 +28,7 @@ from qwix._src.providers import ptq
 from qwix._src.utils import flax_util
 
 from gemport.errors import LoraError
+from gemport.lora import experts
 from gemport.lora.config import FACTOR_DTYPE, LoraParams, LoraSpec
 from gemport.lora.layout import Adapter, LoraLayout, factor_axes
 from gemport._src.params import flat_params, path_str
@@ -279,6 +280,7 @@ def apply_lora(model, spec: GemmaSpec, lora: LoraSpec | LoraParams, *, seed: int
     mask = jnp.tril(jnp.ones((1, 2, 2), bool))
     rules = provider(layout, weight_qtype=qlora.qtype if qlora is not None else None)
     lora_model = qwix.apply_lora_to_model(model, rules, tokens, positions, None, mask, rngs=nnx.Rngs(seed))
+    experts.attach(lora_model, layout, seed=seed)  # PEFT's target_parameters: gemport's own LoRA, not Qwix's
     if params is not None:
         given = flat_params(params)
         layout.match(given, source="params")

@@ -28,12 +28,13 @@ QLORA = ("load_in_4bit", "bnb_4bit_quant_type", "use_bnb_nested_quant")
 """ModelConfig fields of a QLoRA recipe's 4-bit base (``gemport.lora.QLoraSpec.from_config``, with ``dtype``)."""
 
 MODEL = ("model_name_or_path", "dtype", "use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
-         "use_rslora", "lora_task_type") + QLORA
+         "lora_target_parameters", "use_rslora", "lora_task_type") + QLORA
 """ModelConfig fields gemport uses: the base checkpoint, its dtype (QLoRA's compute dtype), the LoRA and the
 4-bit base."""
 
 TRL_LORA = {"lora_r": "r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
-            "lora_target_modules": "target_modules", "use_rslora": "use_rslora"}
+            "lora_target_modules": "target_modules", "lora_target_parameters": "target_parameters",
+            "use_rslora": "use_rslora"}
 """TRL's ModelConfig names of the LoRA fields -> PEFT's ``LoraConfig`` names."""
 
 SFT = (

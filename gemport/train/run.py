@@ -441,7 +441,13 @@ def _with_peft_targets(lora: Any, base_dir: Path) -> Any:
     if not unset:
         return lora
     model_type = json.loads((base_dir / "config.json").read_text())["model_type"]
-    targets = list(peft_default_targets(model_type))
+    parameters = lora.get("target_parameters") if isinstance(lora, Mapping) else getattr(lora, "target_parameters", None)
+    try:
+        targets = list(peft_default_targets(model_type))
+    except LoraError:
+        if not parameters:
+            raise
+        targets = []  # PEFT adapts only the target_parameters where it has no default for model_type
     if isinstance(lora, Mapping):
         lora = {**lora, "target_modules": targets}
     else:
