@@ -20,7 +20,7 @@ from test_lora_peft_training import EXPERTS, peft_model
 
 from gemport.checkpoint import export_merged, export_peft, import_peft, load_model
 from gemport.errors import LoraError
-from gemport.lora import PROJECTIONS, LoraLayout, LoraParams, LoraSpec, apply_lora
+from gemport.lora import PROJECTIONS, LoraLayout, LoraParams, LoraSpec, experts
 from gemport.specs import GemmaSpec
 
 # r = 8, a rank vLLM accepts; r > 1 tells PEFT's expert-major lora_A rows from its rank-major lora_B columns.
@@ -76,12 +76,15 @@ def test_fresh_expert_adapters_start_and_count_as_peft(hf_checkpoint):
     """``LoraSpec.from_peft`` of the config: PEFT's trainable count; A in PEFT's kaiming-uniform range (fan-in
     the expert weight's input), B zero. PEFT's refusals (dropout) and what gemport does not carry are refused."""
     torch_model, path = hf_checkpoint("gemma4_moe")
-    # test_lora_peft_training's gemma4_moe config, whose compiles the suite has made already.
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(PROJECTIONS), target_parameters=EXPERTS)
     count, _ = peft.get_peft_model(copy.deepcopy(torch_model), config).get_nb_trainable_parameters()
     spec, lora_spec = GemmaSpec.from_hf(path), LoraSpec.from_peft(config)
     assert lora_spec.parameters == tuple(EXPERTS) and LoraLayout(spec, lora_spec).num_params == count
-    flat = flat_lora(nnx.state(apply_lora(load_model(path), spec, lora_spec), nnx.LoRAParam))
+    # What apply_lora does after Qwix's own factors (whose dummy forward would compile the whole model here).
+    model = load_model(path)
+    experts.attach(model, LoraLayout(spec, lora_spec), seed=3)
+    flat = flat_lora(nnx.state(model, nnx.LoRAParam))
+    assert set(flat) == {n for a in LoraLayout(spec, lora_spec).experts for n in (a.lora_a, a.lora_b)}
     for adapter in LoraLayout(spec, lora_spec).experts:
         a, b = flat[adapter.lora_a], flat[adapter.lora_b]
         bound = 1 / np.sqrt(adapter.peft_shapes[0][1])
