@@ -188,6 +188,23 @@ def check_lora_target_modules(tmp_path):
     assert kv and all(a.ranks == (0, unset["r"]) for a in kv)
 
 
+def check_lora_target_parameters(tmp_path):
+    # PEFT's LoRA on the MoE experts (equal to PEFT: test_lora_peft_training's gemma4_moe case), which PEFT
+    # refuses with dropout: TRL's default lora_dropout 0.05 is refused with it.
+    experts = ["experts.gate_up_proj", "experts.down_proj"]
+    assert lora(lora_dropout=0.0).parameters == ()
+    assert lora(lora_target_parameters=experts, lora_dropout=0.0).parameters == tuple(experts)
+    refused(LoraError, "lora_dropout", lambda: lora(lora_target_parameters=experts))
+    # Without lora_target_modules, on a model_type PEFT has no default for (gemma4_text), PEFT adapts the
+    # parameters alone.
+    from gemport.train.run import _with_peft_targets
+
+    text_config("gemma4_moe").save_pretrained(tmp_path / "moe")
+    unset = recipe.read({"use_peft": True, "lora_target_parameters": experts, "lora_dropout": 0.0}).lora()
+    resolved = LoraSpec.from_peft(_with_peft_targets(unset, tmp_path / "moe"))
+    assert resolved.targets == () and resolved.parameters == tuple(experts)
+
+
 def check_use_rslora(tmp_path):
     assert not lora().rslora and lora(use_rslora=True).rslora
 
