@@ -447,7 +447,7 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
 
 def _gpu_deltas(peft_model):
     """{HF module: s*B@A} of a PEFT model, float64."""
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer, ParamWrapper
 
     params = {k: v.detach().double().numpy() for k, v in peft_model.named_parameters() if "lora_" in k}
     scales = {k: v.scaling["default"] for k, v in peft_model.named_modules() if isinstance(v, LoraLayer)}
@@ -456,6 +456,9 @@ def _gpu_deltas(peft_model):
         if key.endswith(".lora_A.default.weight"):
             name = key[: -len(".lora_A.default.weight")]
             out[name] = params[name + ".lora_B.default.weight"] @ a * scales[name]
+    for name, module in peft_model.named_modules():
+        if isinstance(module, ParamWrapper):  # target_parameters: one delta per expert, [E, out, in]
+            out[name] = module.get_delta_weight("default").detach().double().numpy()
     return out
 
 
@@ -469,9 +472,12 @@ def _port_deltas(port, spec, lora_spec):
 
     params = {k: np.asarray(v, np.float64) for k, v in flat_params(port, nnx.LoRAParam).items()}
     out = {}
-    for adapter, a, b in LoraLayout(spec, lora_spec).match(params, source="port"):
+    layout = LoraLayout(spec, lora_spec)
+    for adapter, a, b in layout.match(params, source="port"):
         for module, (A, B), scale in zip(adapter.hf_modules, adapter.to_peft(a, b), adapter.peft_scales):
             out[module] = B @ A * scale
+    for adapter, a, b in layout.match_experts(params):
+        out[adapter.peft_key(lora_spec.parameters)] = adapter.delta(a, b).astype(np.float64)
     return out
 
 
