@@ -8,6 +8,10 @@ constant. Here, in the Tunix model gemport builds, two modules of each MoE layer
 parameters, paths and shardings unchanged): ``moe_pre_ffw_norm`` passes the residual on beside its output, and
 ``moe`` routes from that residual with an exact top k, then runs Tunix's experts on the normed input. This is
 the one place gemport touches Tunix's MoE internals; it checks the Tunix version it was written against.
+
+The experts run as Tunix's ``_run_ffw_and_routing`` runs them (its dispatch and collection helpers, two
+``ragged_dot``), with one addition Qwix cannot make (it does not intercept ``ragged_dot``): LoRA on the expert
+weights, PEFT's ``target_parameters`` (`gemport.lora.experts`, attached with `attach_expert_lora`).
 """
 
 from __future__ import annotations
