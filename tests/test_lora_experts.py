@@ -2,7 +2,7 @@
 import, fresh adapters and refusals, against the real PEFT.
 
 The MoE miniature with PEFT LoRA on both stacked expert parameters (``experts.gate_up_proj`` [E, 2I, D],
-``experts.down_proj`` [E, D, I]) and on o_proj, every lora_B random. Gradients and AdamW steps against PEFT are
+``experts.down_proj`` [E, D, I]), the router's ``proj.weight`` [E, D] and o_proj, every lora_B random. Gradients and AdamW steps against PEFT are
 the ``gemma4_moe`` case of tests/test_lora_peft_training.py, which targets the experts too.
 """
 
@@ -58,7 +58,7 @@ def test_exports_and_import_are_peft_exact(case, tmp_path):
     assert flat.keys() == flat2.keys() and all(np.array_equal(flat[k], flat2[k]) for k in flat)
     # gemport parity's adapter distances (each expert's delta, as PEFT's get_delta_weight), on the same adapter.
     distances = parity._distances(parity._port_deltas(state, spec, lora_spec), parity._gpu_deltas(model))
-    assert len(distances) == 3 * spec.num_layers and max(distances.values()) < 1e-6, distances
+    assert len(distances) == 4 * spec.num_layers and max(distances.values()) < 1e-6, distances
     ids = tiny.token_ids(spec.vocab)
     base = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
     loaded = peft.PeftModel.from_pretrained(base, out).eval()
@@ -73,7 +73,7 @@ def test_exports_and_import_are_peft_exact(case, tmp_path):
     changed = {k for k, v in transformers.AutoModelForCausalLM.from_pretrained(merged_dir).state_dict().items()
                if not torch.equal(v, base_state[k])}
     assert changed == {f"model.layers.{i}.{name}" for i in range(spec.num_layers)
-                       for name in ("self_attn.o_proj.weight", "experts.gate_up_proj", "experts.down_proj")}
+                       for name in ("self_attn.o_proj.weight", *EXPERTS)}
 
 
 def test_fresh_expert_adapters_start_and_count_as_peft(hf_checkpoint):
@@ -95,7 +95,7 @@ def test_fresh_expert_adapters_start_and_count_as_peft(hf_checkpoint):
         assert not b.any() and np.abs(a).max() <= bound and np.abs(a).max() > 0.8 * bound
     with pytest.raises(LoraError, match="lora_dropout"):
         LoraSpec.from_peft(config.to_dict() | {"lora_dropout": 0.05})
-    for target, why in (("router.proj.weight", "router"), ("layers.0.experts.down_proj", "layer subset"),
-                        ("router.scale", "experts only")):
+    for target, why in (("proj.weight", "MoE only"), ("layers.0.experts.down_proj", "layer subset"),
+                        ("router.scale", "MoE only")):
         with pytest.raises(LoraError, match=why):
             LoraSpec.from_peft(config.to_dict() | {"target_parameters": [target]})

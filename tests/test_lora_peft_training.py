@@ -2,7 +2,7 @@
 
 Each case builds a tiny Gemma with transformers, puts PEFT LoRA on all seven projections (so Tunix's fused
 kv_einsum / qkv_einsum are involved; on the MoE miniature also PEFT's ``target_parameters`` on the stacked expert
-weights, gemport.lora.experts) or on PEFT's default q_proj + v_proj (``+qv``: only some projections of a
+weights and the router, gemport.lora.experts) or on PEFT's default q_proj + v_proj (``+qv``: only some projections of a
 fused module, whose others are zero slots), gives every factor random values (at PEFT's init B = 0 and A gets
 no gradient, which would hide a wrong A), imports the adapter, and compares against torch on the PEFT model.
 """
@@ -30,7 +30,8 @@ from gemport.specs import GemmaSpec
 
 CASES = ["gemma4_dense", "gemma4_moe", "gemma3_1b", "gemma3_qkv", "gemma4_dense+qv", "gemma3_qkv+qv"]
 QV = ["q_proj", "v_proj"]  # PEFT's default targets for gemma3_text and gemma4
-EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]  # PEFT's target_parameters on the MoE experts
+# PEFT's target_parameters on the MoE experts and router
+EXPERTS = ["experts.gate_up_proj", "experts.down_proj", "router.proj.weight"]
 RECIPE = {"learning_rate": 5e-3, "weight_decay": 0.1, "max_grad_norm": 0.5, "warmup_steps": 3,
           "lr_scheduler_type": "cosine"}
 STEPS = 10

@@ -57,6 +57,12 @@ def _classes():
             x = (x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + 1e-06)).astype(residual.dtype)
             x = x * self.router_scale.get_value().astype(x.dtype) * self.features**-0.5
             logits = jnp.einsum("btd,de->bte", x, self.router_logits.get_value().astype(x.dtype))
+            if (a := getattr(self, "router_logits_lora_a", None)) is not None:  # PEFT's router.proj.weight LoRA
+                a, b = a.get_value(), self.router_logits_lora_b.get_value()
+                # Two einsums of two operands: Qwix's interception (on the whole model) takes no more.
+                low = jnp.einsum("btd,dr->btr", x.astype(jnp.promote_types(x.dtype, a.dtype)), a)
+                delta = jnp.einsum("btr,re->bte", low, b)
+                logits = (logits + delta * self.router_logits_lora_scale).astype(logits.dtype)
             weights, choices = route(logits, self.num_experts_per_datapoint)
             return self._experts(normed, choices, weights)
 
@@ -111,8 +117,9 @@ def route(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
 def attach_expert_lora(module, weight: str, a, b, scale: float) -> None:
     """Give the MoE block ``module`` (routed by gemport, see `hf_routed`) LoRA factors on its expert weight
-    ``weight`` (``gating_einsum`` or ``linear``): ``a`` [E, in, r] and ``b`` [E, r, ...] (``nnx.LoRAParam``),
-    and PEFT's ``scale``, which its experts then add to that weight's projection.
+    ``weight`` (``gating_einsum`` or ``linear``: ``a`` [E, in, r] and ``b`` [E, r, ...]; ``router_logits``: ``a``
+    [D, r], ``b`` [r, E]), ``nnx.LoRAParam``, and PEFT's ``scale``, which the block then adds to that weight's
+    projection.
 
     Raises:
       LoraError: ``module`` is not a MoE block routed by gemport (Tunix's own routing has no LoRA hook).

@@ -25,9 +25,9 @@ from gemport._src.jsonfile import Fields, read_json
 # HF linear modules of a Gemma text layer that gemport maps to Qwix, in PEFT's spelling.
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
-# Gemma 4 MoE expert parameters PEFT's ``target_parameters`` can adapt and gemport carries
-# (`gemport.lora.experts`), in the order transformers registers them on ``Gemma4TextExperts``.
-EXPERT_PARAMETERS = ("experts.gate_up_proj", "experts.down_proj")
+# Gemma 4 MoE parameters PEFT's ``target_parameters`` can adapt and gemport carries (`gemport.lora.experts`): the
+# experts' stacks, in the order transformers registers them on ``Gemma4TextExperts``, and the router's projection.
+EXPERT_PARAMETERS = ("experts.gate_up_proj", "experts.down_proj", "router.proj.weight")
 
 # The dtype of LoRA factors on any base, hence of their gradients and Adam's moments: PEFT keeps adapters in
 # float32 on a half-precision base (``autocast_adapter_dtype``); in the base's bfloat16, late updates below its
@@ -48,7 +48,8 @@ class LoraSpec:
         ``alpha / sqrt(rank)`` with rsLoRA.
       targets: PEFT target module names, a subset of ``PROJECTIONS`` (may be empty with ``parameters``).
       parameters: PEFT's ``target_parameters`` on a Gemma 4 MoE, a subset of ``EXPERT_PARAMETERS``: one
-        rank-r LoRA per expert on the stacked expert weights (`gemport.lora.experts`). PEFT refuses
+        rank-r LoRA per expert on the stacked expert weights, one on the router's projection
+        (`gemport.lora.experts`). PEFT refuses
         ``lora_dropout`` with them, and so does this spec.
       rslora: PEFT's ``use_rslora``.
       dropout: PEFT's ``lora_dropout``: in training steps only (`gemport.lora.qwix.lora_dropout`), on each
@@ -302,19 +303,18 @@ def _peft_dict(config: Any) -> dict[str, Any]:
 def _expert_parameter(target: str) -> str:
     """PEFT's ``target_parameters`` entry as one of ``EXPERT_PARAMETERS``. PEFT matches an entry against
     ``<module>.<parameter>`` names by equality or dotted suffix: ``gate_up_proj``, ``experts.gate_up_proj`` and
-    ``model.layers.experts.gate_up_proj``-like suffixes that name every layer map; the router's ``proj.weight``,
+    ``model.layers.experts.gate_up_proj``-like suffixes that name every layer map, and ``router.proj.weight``;
     a layer subset or any other parameter is refused by name."""
     for parameter in EXPERT_PARAMETERS:
         full = f"model.language_model.layers.0.{parameter}"
-        if isinstance(target, str) and (target == full or full.endswith("." + target)) and ".0." not in "." + target:
+        # A router entry must name router.proj: a shorter suffix ("weight") reaches every linear layer in PEFT.
+        named = target == full or full.endswith("." + target) if isinstance(target, str) else False
+        if named and ".0." not in "." + target and (target.endswith("router.proj.weight") or "router" not in parameter):
             return parameter
-    if isinstance(target, str) and target.endswith(("router.proj.weight", "router.proj")):
-        why = ("LoRA on the MoE router's proj is not carried by gemport (the routing is trained through, not "
-               "adapted); drop it from target_parameters")
-    elif isinstance(target, str) and re.search(r"\.\d+\.", "." + target):
-        why = "it names a layer subset; gemport adapts the experts of every MoE layer"
+    if isinstance(target, str) and re.search(r"\.\d+\.", "." + target):
+        why = "it names a layer subset; gemport adapts the MoE of every layer"
     else:
-        why = f"gemport carries target_parameters on the Gemma 4 MoE experts only: {list(EXPERT_PARAMETERS)}"
+        why = f"gemport carries target_parameters on the Gemma 4 MoE only: {list(EXPERT_PARAMETERS)}"
     raise LoraError(f"target_parameters entry {target!r}: {why}")
 
 

@@ -1,4 +1,5 @@
-"""LoRA on Gemma 4's MoE experts, as PEFT's ``target_parameters`` trains it (``experts.gate_up_proj``, ``down_proj``).
+"""LoRA on Gemma 4's MoE, as PEFT's ``target_parameters`` trains it (``experts.gate_up_proj``, ``experts.down_proj``,
+``router.proj.weight``).
 
 transformers stacks the experts of a layer in two parameters, ``gate_up_proj`` [E, 2I, D] and ``down_proj``
 [E, D, I] (each expert's weight [out, in]). PEFT's ``ParamWrapper`` gives such a parameter one rank-r LoRA per
@@ -15,6 +16,10 @@ gemport holds the same numbers per expert, stacked on the Tunix weight's expert 
 |---|---|---|---|
 | moe.gating_einsum | ``e (g i) d -> e g i d`` | ``e d r`` | ``e r g i`` |
 | moe.linear | ``e d i -> e i d`` | ``e i r`` | ``e r d`` |
+
+The router's projection ``router.proj.weight`` [E, D] is a plain weight to PEFT (``lora_A`` [r, D], ``lora_B``
+[E, r], saved as ``router.proj.lora_A.weight``); gemport's factors are ``moe.router_logits_lora_a`` [D, r] and
+``_lora_b`` [r, E], added to the router's logits before the top k.
 
 Each PEFT tensor maps to one gemport tensor by a reshape and a transpose (`ExpertAdapter.to_peft` /
 ``from_peft``), exactly; gemport's MoE block (`gemport._src.moe`) adds ``x @ a_e @ b_e * scale`` to each
@@ -82,10 +87,10 @@ class ExpertAdapter:
 
     @property
     def peft_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
-        """Shapes of PEFT's ``lora_A`` [E r, in] and ``lora_B`` [out, r E]."""
+        """Shapes of PEFT's ``lora_A`` [E r, in] and ``lora_B`` [out, r E] (the router's: [r, in], [out, r])."""
         sizes = dict(self.entry.sizes)
         size = lambda axes: math.prod(sizes[x] for x in axes.split())  # noqa: E731
-        experts = sizes["e"] * self.rank
+        experts = (sizes["e"] if self.stacked else 1) * self.rank
         return (experts, size(self.hf_in)), (size(self.hf_out), experts)
 
     @property
@@ -98,31 +103,44 @@ class ExpertAdapter:
         the base's entry (the expert axis too), r is unsharded."""
         return factor_specs(self.weight_axes, base_spec, self.a.split(), self.b.split())
 
+    @property
+    def stacked(self) -> bool:
+        """Whether the parameter stacks experts (``e`` leads both factors); the router's projection does not."""
+        return self.a.split()[0] == "e"
+
     def peft_key(self, targeted: tuple[str, ...]) -> str:
         """The key PEFT saves this parameter's factors under, relative to the text prefix and without
         ``.lora_A.weight``, given the spec's targeted ``parameters``: ``layers.0.experts`` or, nested inside a
         later-registered target, ``layers.0.experts.base_layer``."""
         module, name = self.parameter.rsplit(".", 1)
-        later = [p for p in targeted if EXPERT_PARAMETERS.index(p) > EXPERT_PARAMETERS.index(f"experts.{name}")]
+        if not self.stacked:
+            return module
+        experts = [p for p in EXPERT_PARAMETERS if p.startswith("experts.")]
+        later = [p for p in targeted if p in experts and experts.index(p) > experts.index(f"experts.{name}")]
         return module + ".base_layer" * len(later)
 
     def to_peft(self, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """gemport ``lora_a``, ``lora_b`` -> PEFT's ``lora_A`` [E r, in], ``lora_B`` [out, r E], exactly."""
-        lora_A = self._rearrange(a, f"{self.a} -> (e r) ({self.hf_in})")
-        lora_B = self._rearrange(b, f"{self.b} -> ({self.hf_out}) (r e)")
+        """gemport ``lora_a``, ``lora_b`` -> PEFT's ``lora_A`` [E r, in], ``lora_B`` [out, r E] (the router's:
+        [r, in], [out, r]), exactly."""
+        rows, cols = ("(e r)", "(r e)") if self.stacked else ("r", "r")
+        lora_A = self._rearrange(a, f"{self.a} -> {rows} ({self.hf_in})")
+        lora_B = self._rearrange(b, f"{self.b} -> ({self.hf_out}) {cols}")
         return lora_A, lora_B
 
     def from_peft(self, lora_A: np.ndarray, lora_B: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """PEFT's ``lora_A`` [E r, in], ``lora_B`` [out, r E] -> gemport ``lora_a``, ``lora_b``, exactly."""
-        a = self._rearrange(lora_A, f"(e r) ({self.hf_in}) -> {self.a}")
-        b = self._rearrange(lora_B, f"({self.hf_out}) (r e) -> {self.b}")
+        """PEFT's ``lora_A``, ``lora_B`` (see `to_peft`) -> gemport ``lora_a``, ``lora_b``, exactly."""
+        rows, cols = ("(e r)", "(r e)") if self.stacked else ("r", "r")
+        a = self._rearrange(lora_A, f"{rows} ({self.hf_in}) -> {self.a}")
+        b = self._rearrange(lora_B, f"({self.hf_out}) {cols} -> {self.b}")
         return a, b
 
     def delta(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        """``scale * B_e @ A_e`` of every expert in the HF parameter's layout [E, out, in], float32."""
-        a = self._rearrange(np.asarray(a, np.float32), f"{self.a} -> e r ({self.hf_in})")
-        b = self._rearrange(np.asarray(b, np.float32), f"{self.b} -> e ({self.hf_out}) r")
-        return np.einsum("eor,eri->eoi", b, a) * np.float32(self.scale)
+        """``scale * B_e @ A_e`` of every expert in the HF parameter's layout [E, out, in] (the router's
+        ``scale * B @ A`` [out, in]), float32."""
+        lead = "e " if self.stacked else ""
+        a = self._rearrange(np.asarray(a, np.float32), f"{self.a} -> {lead}r ({self.hf_in})")
+        b = self._rearrange(np.asarray(b, np.float32), f"{self.b} -> {lead}({self.hf_out}) r")
+        return np.einsum("...or,...ri->...oi", b, a) * np.float32(self.scale)
 
     def _rearrange(self, x: np.ndarray, layout: str) -> np.ndarray:
         sizes = dict(self.entry.sizes, r=self.rank)
@@ -131,15 +149,13 @@ class ExpertAdapter:
 
 def expert_adapters(spec: GemmaSpec, lora_spec: LoraSpec) -> tuple[ExpertAdapter, ...]:
     """The `ExpertAdapter` of every targeted expert parameter of every MoE layer of ``spec``, in layer order."""
-    wanted = {p.split(".")[-1] for p in lora_spec.parameters}
     out = []
     for entry in names.entries(spec):
-        if len(entry.hf) != 1 or entry.hf[0].split(".")[-2:-1] != ["experts"]:
+        if len(entry.hf) != 1 or not any(entry.hf[0].endswith("." + p) for p in lora_spec.parameters):
             continue
-        if entry.hf[0].rsplit(".", 1)[1] not in wanted:
-            continue
-        out_axes, in_axes = entry.pattern.left[-2:]  # an HF expert stack is [E, out, in]
-        a, b = factor_axes(words(entry.pattern.right), in_axes, stack="e")
+        out_axes, in_axes = entry.pattern.left[-2:]  # an HF expert stack is [E, out, in], the router [E, in]
+        stacked = len(entry.pattern.left) == 3
+        a, b = factor_axes(words(entry.pattern.right), in_axes, stack="e" if stacked else None)
         module = entry.hf[0]
         out.append(ExpertAdapter(
             entry=entry,
@@ -184,7 +200,8 @@ def attach(model, layout, *, seed: int = 0) -> None:
         dtype = jnp.promote_types(value.dtype, FACTOR_DTYPE)
         key = jax.random.fold_in(jax.random.key(seed), index)
         shape_a, shape_b = adapter.shapes
-        a = lora_a_init(layout.lora_spec.init, (adapter.rank,) * shape_a[0], True)(key, shape_a, dtype)
+        ranks = (adapter.rank,) * (shape_a[0] if adapter.stacked else 1)
+        a = lora_a_init(layout.lora_spec.init, ranks, adapter.stacked)(key, shape_a, dtype)
         b = lora_b_init(key, shape_b, dtype)
         # The annotation's key is Flax's (``out_sharding`` from 0.12.4, ``sharding_names`` before), as Qwix reads it.
         metadata = base.get_metadata()
