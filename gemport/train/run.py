@@ -441,7 +441,8 @@ def _with_peft_targets(lora: Any, base_dir: Path) -> Any:
     if not unset:
         return lora
     model_type = json.loads((base_dir / "config.json").read_text())["model_type"]
-    parameters = lora.get("target_parameters") if isinstance(lora, Mapping) else getattr(lora, "target_parameters", None)
+    parameters = (lora.get("target_parameters") if isinstance(lora, Mapping)
+                  else getattr(lora, "target_parameters", None))
     try:
         targets = list(peft_default_targets(model_type))
     except LoraError:
