@@ -1,0 +1,127 @@
+"""`gemport dpo --config dpo.yaml`: a `trl dpo` recipe run unchanged, equal to TRL's DPOTrainer + PEFT step for step.
+
+A tiny Gemma 3 with its tokenizer (Gemma's chat template) and conversational preference records. The recipe of
+TRL's documentation (use_peft, lora_r, the rest at TRL's defaults: lora_dropout 0.05, bf16) trains and leaves
+what TRL leaves: trainer_state.json with DPO's metrics, the adapter, merged/. From a PEFT adapter
+(``--init-adapter``, TRL given a PeftModel: a frozen copy of it is the reference) the run is SIGKILLed after step 2,
+resumed, and its every logged step and final adapter equal TRL's own training, within 10x the distance of TRL in
+float32 from TRL in float64 (``test_dpo.tolerance``).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from gemport.errors import RecipeError
+from gemport.train import recipe
+from test_cli import gemport, one_line_error
+from test_dpo import RECORDS, reward_operands, tolerance
+
+CHILD = Path(__file__).with_name("sft_child.py")
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Three pairs, one a micro-batch, two a step: step 2 is the epoch's short step (one micro-batch), step 3 the next
+# epoch's first.
+RECIPE = dict(per_device_train_batch_size=1, gradient_accumulation_steps=2, max_steps=3, learning_rate=2e-2,
+              max_grad_norm=0.05, beta=0.5, logging_steps=1, save_steps=1, seed=3, bf16=False)
+METRICS = ("loss", "grad_norm", "learning_rate", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
+           "rewards/margins", "logps/chosen", "logps/rejected")
+
+
+@pytest.fixture(scope="module")
+def workdir(hf_checkpoint, tmp_path_factory):
+    """A tiny Gemma 3 with its tokenizer, a data folder of three preference records and a PEFT adapter."""
+    import peft
+    import torch
+    import transformers
+    from test_masks_tokenizers import GEMMA3_CONTROL, bpe_tokenizer
+    from trl.chat_template_utils import gemma3_chat_template
+
+    _, base = hf_checkpoint("gemma3_vllm")
+    root = tmp_path_factory.mktemp("dpo")
+    tokenizer = bpe_tokenizer(GEMMA3_CONTROL)
+    tokenizer.chat_template = gemma3_chat_template
+    tokenizer.eos_token = "<end_of_turn>"
+    tokenizer.save_pretrained(root / "base")
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager")
+    model.save_pretrained(root / "base")
+    (root / "data").mkdir()
+    (root / "data" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS["conversational"][:3]))
+    torch.manual_seed(0)
+    start = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0))
+    with torch.no_grad():  # an adapter as if trained by SFT: B away from PEFT's zero init
+        for name, p in start.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    start.save_pretrained(root / "adapter0")
+    return root
+
+
+def write_recipe(path, root, **fields):
+    path.write_text(yaml.safe_dump({"model_name_or_path": str(root / "base"), "dataset_name": str(root / "data"),
+                                    **fields}))
+    return path
+
+
+def peft_logits(base, adapter, ids):
+    import peft
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float64, attn_implementation="eager")
+    if adapter is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter)
+    with torch.no_grad():
+        return model(torch.as_tensor(ids)).logits.numpy()
+
+
+def test_a_trl_documentation_recipe_runs_unchanged(workdir, tmp_path):
+    """TRL's documented recipe shape: use_peft with lora_r and lora_alpha, everything else TRL's default (lora_dropout
+    0.05, which TRL's disable_dropout turns off; bf16; gradient_checkpointing). trainer_state.json has TRL's DPO
+    metric names at every step; PEFT loads the adapter, which moved away from the base, and merged/ gives the same
+    logits as the base with it (within float32's rounding of a bfloat16-trained delta)."""
+    out = tmp_path / "out"
+    config = write_recipe(tmp_path / "dpo.yaml", workdir, output_dir=str(out), use_peft=True, lora_r=8,
+                          lora_alpha=16, lora_target_modules="all-linear", max_steps=2, logging_steps=1,
+                          per_device_train_batch_size=2, learning_rate=1e-3)
+    result = gemport("dpo", "--config", config, "--merge")
+    assert "reference: the base, LoRA off" in result.stdout
+    state = json.loads((out / "trainer_state.json").read_text())
+    logged = [e for e in state["log_history"] if "loss" in e]
+    assert [e["step"] for e in logged] == [1, 2]
+    for entry in logged:
+        assert set(METRICS) <= set(entry) and all(np.isfinite(entry[k]) for k in METRICS), entry
+    assert logged[0]["rewards/margins"] == 0.0  # step 1: the fresh adapter's B is zero, policy = reference
+    adapter = json.loads((out / "adapter_config.json").read_text())
+    assert adapter["lora_dropout"] == 0.05 and adapter["r"] == 8
+    ids = np.array([[2, 5, 9, 14, 3, 7, 11, 4]])
+    base, tuned = peft_logits(workdir / "base", None, ids), peft_logits(workdir / "base", out, ids)
+    merged = peft_logits(out / "merged", None, ids)
+    delta = np.abs(tuned - base).max()
+    assert delta > 0
+    assert np.abs(merged - tuned).max() <= 1e-5 * np.abs(tuned).max() + 1e-3 * delta, (np.abs(merged - tuned).max(), delta)
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"precompute_ref_log_probs": True}, "precompute_ref_log_probs=True"),
+    ({"loss_type": ["aot"]}, "loss_type=['aot']"),
+    ({"rpo_alpha": 1.0}, "rpo_alpha: not a field of trl dpo"),
+    ({"router_aux_loss_coef": 0.01}, "router_aux_loss_coef=0.01: gemport dpo does not reproduce"),
+    ({"eval_strategy": "steps"}, "eval_strategy='steps'"),
+])
+def test_fields_gemport_does_not_reproduce_are_refused_by_name(workdir, tmp_path, fields, words):
+    config = write_recipe(tmp_path / "dpo.yaml", workdir, output_dir=str(tmp_path / "out"), use_peft=True, **fields)
+    one_line_error(gemport("dpo", "--config", config, ok=False), words)
+
+
+def test_mapped_fields_are_said():
+    notes = recipe.read({"padding_free": True, "ref_model_sync_steps": 64}, command="dpo").notes
+    assert any(n.startswith("padding_free=True") for n in notes) and any("sync_ref_model" in n for n in notes)
+    with pytest.raises(RecipeError, match="completion_only_loss: not a field of trl dpo"):
+        recipe.read({"completion_only_loss": True}, command="dpo")
