@@ -22,7 +22,7 @@ import yaml
 from gemport.errors import RecipeError
 from gemport.train import recipe
 from test_cli import gemport, one_line_error
-from test_dpo import RECORDS, reward_operands, tolerance
+from test_dpo import EPS32, RECORDS, reward_operands, tolerance
 
 CHILD = Path(__file__).with_name("sft_child.py")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -125,3 +125,88 @@ def test_mapped_fields_are_said():
     assert any(n.startswith("padding_free=True") for n in notes) and any("sync_ref_model" in n for n in notes)
     with pytest.raises(RecipeError, match="completion_only_loss: not a field of trl dpo"):
         recipe.read({"completion_only_loss": True}, command="dpo")
+
+
+def trl_run(root, out, dtype):
+    """TRL's DPOTrainer on a PeftModel of adapter0 (its frozen "ref" copy the reference), the recipe's DPOConfig
+    fields, on torch's CPU; returns its log history and trained model."""
+    import datasets
+    import peft
+    import torch
+    import transformers
+    from trl import DPOConfig, DPOTrainer
+
+    # gradient_checkpointing off: torch recomputes outside TorchFloat64 (float32); the math is the same.
+    args = DPOConfig(output_dir=str(out), use_cpu=True, report_to="none", save_strategy="no",
+                     gradient_checkpointing=False, **{k: v for k, v in RECIPE.items() if k != "save_steps"})
+    torch.manual_seed(args.seed)
+    model = transformers.AutoModelForCausalLM.from_pretrained(root / "base", dtype=dtype, attn_implementation="eager")
+    model = peft.PeftModel.from_pretrained(model, root / "adapter0", is_trainable=True)
+    trainer = DPOTrainer(model=model, args=args, train_dataset=datasets.load_dataset(str(root / "data"))["train"],
+                         processing_class=transformers.AutoTokenizer.from_pretrained(root / "base"))
+    trainer.train()
+    return [e for e in trainer.state.log_history if "loss" in e], model
+
+
+def lora_factors(model):
+    return {n.replace(".default", ""): p.detach().double().numpy() for n, p in model.named_parameters()
+            if ".default." in n}
+
+
+def test_gemport_dpo_equals_trl_through_a_sigkill_and_resumes(workdir, tmp_path):
+    """`gemport dpo --init-adapter` SIGKILLed once step 2 is logged (checkpoint 2 complete), run again: it resumes
+    from step 2, and every logged step (loss, grad_norm, learning_rate, rewards, logps) and the final adapter equal
+    TRL's uninterrupted training from the same adapter; the adapter left in output_dir gives TRL's logits in PEFT.
+    Step 2 is an epoch's short step (one micro-batch of two), whose mean TRL takes over the one."""
+    import float64
+    import torch
+    from safetensors.numpy import load_file
+
+    out = tmp_path / "out"
+    config = write_recipe(tmp_path / "dpo.yaml", workdir, output_dir=str(out), **RECIPE)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+               # The restart loads the first process's executables instead of compiling again.
+               JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax-cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    command = [sys.executable, str(CHILD), "kill:2", "dpo", "--config", str(config), "--init-adapter",
+               str(workdir / "adapter0")]
+    killed = subprocess.run(command, env=env, cwd=CHILD.parent, capture_output=True, text=True, timeout=900)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert not (out / "adapter_config.json").exists()
+    resumed = subprocess.run(command[:2] + ["kill:99"] + command[3:], env=env, cwd=CHILD.parent,
+                             capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "reference: the starting adapter" in resumed.stdout
+    logged = [e for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in e]
+    assert [e["step"] for e in logged] == [1, 2, 3]
+
+    logs32, model32 = trl_run(workdir, tmp_path / "trl32", torch.float32)
+    with float64.TorchFloat64():
+        logs64, model64 = trl_run(workdir, tmp_path / "trl64", torch.float64)
+    assert logs64[0]["rewards/margins"] == 0.0 != logs64[2]["rewards/margins"]  # the reference: adapter0
+    for got, want32, want64 in zip(logged, logs32, logs64, strict=True):
+        assert got["step"] == want64["step"]
+        for k in METRICS:
+            if k == "rewards/accuracies" or want64[k] == 0.0:
+                assert got[k] == want64[k] == want32[k], (got["step"], k)
+                continue
+            operands = reward_operands(RECIPE["beta"], want64) if k == "loss" or k.startswith("rewards/") else 0.0
+            error = abs(got[k] - want64[k]) / abs(want64[k])
+            assert error <= tolerance(want32[k], want64[k], operands), (got["step"], k, got[k], want32[k], want64[k])
+    assert min(e["grad_norm"] for e in logs64) > RECIPE["max_grad_norm"]  # clipping is in play
+
+    trained = {k.replace(".weight", ""): v for k, v in load_file(out / "adapter_model.safetensors").items()}
+    want32 = lora_factors(model32)
+    want64 = lora_factors(model64)
+    assert sorted(trained) == sorted(k.replace(".weight", "") for k in want64)
+    floor = max(np.linalg.norm(want32[k] - v) / np.linalg.norm(v) for k, v in want64.items())
+    for k, v in want64.items():
+        error = np.linalg.norm(trained[k.replace(".weight", "")] - v) / np.linalg.norm(v)
+        assert error <= 10 * max(floor, EPS32), (k, error, floor)
+    ids = np.array([[2, 5, 9, 14, 3, 7, 11, 4]])
+    with torch.no_grad():
+        exact = model64(torch.as_tensor(ids)).logits.double().numpy()
+        rounded = model32(torch.as_tensor(ids)).logits.double().numpy()
+    got = peft_logits(workdir / "base", out, ids)
+    bound = 10 * max(np.abs(rounded - exact).max(), EPS32 * np.abs(exact).max())
+    assert np.abs(got - exact).max() <= bound, (np.abs(got - exact).max(), bound)
