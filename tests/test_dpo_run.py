@@ -29,7 +29,7 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 # Three pairs, one a micro-batch, two a step: step 2 is the epoch's short step (one micro-batch), step 3 the next
 # epoch's first.
 RECIPE = dict(per_device_train_batch_size=1, gradient_accumulation_steps=2, max_steps=3, learning_rate=2e-2,
-              max_grad_norm=0.05, beta=0.5, logging_steps=1, save_steps=1, seed=3, bf16=False)
+              max_grad_norm=0.05, beta=0.5, logging_steps=1, save_steps=2, seed=3, bf16=False)
 METRICS = ("loss", "grad_norm", "learning_rate", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
            "rewards/margins", "logps/chosen", "logps/rejected")
 
@@ -154,10 +154,11 @@ def lora_factors(model):
 
 
 def test_gemport_dpo_equals_trl_through_a_sigkill_and_resumes(workdir, tmp_path):
-    """`gemport dpo --init-adapter` SIGKILLed once step 2 is logged (checkpoint 2 complete), run again: it resumes
-    from step 2, and every logged step (loss, grad_norm, learning_rate, rewards, logps) and the final adapter equal
-    TRL's uninterrupted training from the same adapter; the adapter left in output_dir gives TRL's logits in PEFT.
-    Step 2 is an epoch's short step (one micro-batch of two), whose mean TRL takes over the one."""
+    """`gemport dpo --init-adapter` SIGKILLed once step 3 is logged (checkpoint 2 complete, no 3), run again: it
+    resumes from step 2 and its step 3 is the killed run's exactly; every logged step (loss, grad_norm,
+    learning_rate, rewards, logps) and the final adapter equal TRL's uninterrupted training from the same adapter;
+    the adapter left in output_dir gives TRL's logits in PEFT. Step 2 is an epoch's short step (one micro-batch of
+    two), whose mean TRL takes over the one."""
     import float64
     import torch
     from safetensors.numpy import load_file
@@ -168,24 +169,28 @@ def test_gemport_dpo_equals_trl_through_a_sigkill_and_resumes(workdir, tmp_path)
                PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
                # The restart loads the first process's executables instead of compiling again.
                JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax-cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
-    command = [sys.executable, str(CHILD), "kill:2", "dpo", "--config", str(config), "--init-adapter",
+    command = [sys.executable, str(CHILD), "kill:3", "dpo", "--config", str(config), "--init-adapter",
                str(workdir / "adapter0")]
     killed = subprocess.run(command, env=env, cwd=CHILD.parent, capture_output=True, text=True, timeout=900)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert not (out / "adapter_config.json").exists()
+    assert max(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == 2
+    before = json.loads((out / "trainer_state.json").read_text())["log_history"]
     resumed = subprocess.run(command[:2] + ["kill:99"] + command[3:], env=env, cwd=CHILD.parent,
                              capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "reference: the starting adapter" in resumed.stdout
+    assert "| 2/3 [" in resumed.stderr and "| 0/3 [" not in resumed.stderr  # the bar starts at the checkpoint's step
     logged = [e for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in e]
     assert [e["step"] for e in logged] == [1, 2, 3]
+    assert [e for e in before if "loss" in e] == logged  # step 3 trained again from checkpoint 2: the same, exactly
 
     logs32, model32 = trl_run(workdir, tmp_path / "trl32", torch.float32)
     with float64.TorchFloat64():
         logs64, model64 = trl_run(workdir, tmp_path / "trl64", torch.float64)
     assert logs64[0]["rewards/margins"] == 0.0 != logs64[2]["rewards/margins"]  # the reference: adapter0
     for got, want32, want64 in zip(logged, logs32, logs64, strict=True):
-        assert got["step"] == want64["step"]
+        assert got["step"] == want64["step"] and got["epoch"] == pytest.approx(want64["epoch"])
         for k in METRICS:
             if k == "rewards/accuracies" or want64[k] == 0.0:
                 assert got[k] == want64[k] == want32[k], (got["step"], k)
