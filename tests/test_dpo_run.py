@@ -69,6 +69,13 @@ def write_recipe(path, root, **fields):
     return path
 
 
+def one_device(tmp_path):
+    """A subprocess's environment: JAX on one CPU device, compiled executables cached in ``tmp_path``."""
+    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
+                PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+                JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax-cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+
+
 def peft_logits(base, adapter, ids):
     import peft
     import torch
@@ -90,7 +97,10 @@ def test_a_trl_documentation_recipe_runs_unchanged(workdir, tmp_path):
     config = write_recipe(tmp_path / "dpo.yaml", workdir, output_dir=str(out), use_peft=True, lora_r=8,
                           lora_alpha=16, lora_target_modules="all-linear", max_steps=2, logging_steps=1,
                           per_device_train_batch_size=2, learning_rate=1e-3)
-    result = gemport("dpo", "--config", config, "--merge")
+    # One device (a subprocess): the step compiles faster than on the suite's eight simulated ones.
+    result = subprocess.run([sys.executable, "-m", "gemport", "dpo", "--config", str(config), "--merge"],
+                            env=one_device(tmp_path), cwd=CHILD.parent, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
     assert "reference: the base, LoRA off" in result.stdout
     state = json.loads((out / "trainer_state.json").read_text())
     logged = [e for e in state["log_history"] if "loss" in e]
@@ -118,6 +128,11 @@ def test_a_trl_documentation_recipe_runs_unchanged(workdir, tmp_path):
 def test_fields_gemport_does_not_reproduce_are_refused_by_name(workdir, tmp_path, fields, words):
     config = write_recipe(tmp_path / "dpo.yaml", workdir, output_dir=str(tmp_path / "out"), use_peft=True, **fields)
     one_line_error(gemport("dpo", "--config", config, ok=False), words)
+
+
+def test_help_speaks_trl():
+    shown = gemport("dpo", "--help").stdout
+    assert "usage: gemport dpo" in shown and "trl dpo --config" in shown and "rewards/margins" in shown
 
 
 def test_mapped_fields_are_said():
@@ -165,10 +180,7 @@ def test_gemport_dpo_equals_trl_through_a_sigkill_and_resumes(workdir, tmp_path)
 
     out = tmp_path / "out"
     config = write_recipe(tmp_path / "dpo.yaml", workdir, output_dir=str(out), **RECIPE)
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
-               PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
-               # The restart loads the first process's executables instead of compiling again.
-               JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax-cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    env = one_device(tmp_path)  # the restart loads the first process's executables instead of compiling again
     command = [sys.executable, str(CHILD), "kill:3", "dpo", "--config", str(config), "--init-adapter",
                str(workdir / "adapter0")]
     killed = subprocess.run(command, env=env, cwd=CHILD.parent, capture_output=True, text=True, timeout=900)
