@@ -76,23 +76,27 @@ def one_device(tmp_path):
                 JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax-cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
 
 
-def peft_logits(base, adapter, ids):
+def peft_logits(base, adapter, ids, dtype="float64", merge=False):
+    """transformers' logits float64 [B, T, V] of ``base`` with the PEFT ``adapter`` (None: without), in ``dtype``;
+    ``merge``: PEFT's ``merge_and_unload`` first."""
     import peft
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float64, attn_implementation="eager")
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=getattr(torch, dtype),
+                                                              attn_implementation="eager")
     if adapter is not None:
         model = peft.PeftModel.from_pretrained(model, adapter)
+        model = model.merge_and_unload() if merge else model
     with torch.no_grad():
-        return model(torch.as_tensor(ids)).logits.numpy()
+        return model(torch.as_tensor(ids)).logits.double().numpy()
 
 
 def test_a_trl_documentation_recipe_runs_unchanged(workdir, tmp_path):
     """TRL's documented recipe shape: use_peft with lora_r and lora_alpha, everything else TRL's default (lora_dropout
     0.05, which TRL's disable_dropout turns off; bf16; gradient_checkpointing). trainer_state.json has TRL's DPO
     metric names at every step; PEFT loads the adapter, which moved away from the base, and merged/ gives the same
-    logits as the base with it (within float32's rounding of a bfloat16-trained delta)."""
+    logits as the base with it, within 10x the distance of PEFT's own float32 merge from the float64 adapter."""
     out = tmp_path / "out"
     config = write_recipe(tmp_path / "dpo.yaml", workdir, output_dir=str(out), use_peft=True, lora_r=8,
                           lora_alpha=16, lora_target_modules="all-linear", max_steps=2, logging_steps=1,
@@ -112,10 +116,11 @@ def test_a_trl_documentation_recipe_runs_unchanged(workdir, tmp_path):
     assert adapter["lora_dropout"] == 0.05 and adapter["r"] == 8
     ids = np.array([[2, 5, 9, 14, 3, 7, 11, 4]])
     base, tuned = peft_logits(workdir / "base", None, ids), peft_logits(workdir / "base", out, ids)
+    assert np.abs(tuned - base).max() > 0
     merged = peft_logits(out / "merged", None, ids)
-    delta = np.abs(tuned - base).max()
-    assert delta > 0
-    assert np.abs(merged - tuned).max() <= 1e-5 * np.abs(tuned).max() + 1e-3 * delta, (np.abs(merged - tuned).max(), delta)
+    floor = np.abs(peft_logits(workdir / "base", out, ids, "float32", merge=True) - tuned).max()
+    bound = 10 * max(floor, EPS32 * np.abs(tuned).max())
+    assert np.abs(merged - tuned).max() <= bound, (np.abs(merged - tuned).max(), bound)
 
 
 @pytest.mark.parametrize("fields, words", [

@@ -314,5 +314,6 @@ def check_strategies(sft: Mapping[str, Any], where: str = "") -> None:
                               f"'steps' with {name.split('_')[0]}_steps")
 
 
-__all__ = ["COMMANDS", "DPO", "DPO_MAPPED", "MAPPED", "MODEL", "QLORA", "SCRIPT", "SFT", "STRATEGIES", "USED", "Recipe", "check_strategies",
+__all__ = ["COMMANDS", "DPO", "DPO_MAPPED", "MAPPED", "MODEL", "QLORA", "SCRIPT", "SFT", "STRATEGIES", "USED", "Recipe",
+           "check_strategies",
            "parse_overrides", "read"]
