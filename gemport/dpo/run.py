@@ -11,7 +11,7 @@ base with LoRA off, as TRL given ``peft_config`` (or the starting adapter, as TR
 TRL's gradient accumulation for DPO is the mean over the step's micro-batches of each one's mean per-pair loss
 (HF divides each by the step's micro-batch count). Tunix's accumulation (``optax.MultiSteps``) takes that mean
 with equal weights over A micro-batches; a short last step of an epoch is padded with empty micro-batches, so
-each micro-batch carries ``MICRO_BATCHES`` (the step's real ones, n) and its loss is scaled by A / n: the mean is
+each micro-batch carries ``trainer.MICRO_BATCHES`` (the step's real ones, n) and its loss is scaled by A / n: the mean is
 then over the real ones, as TRL's.
 """
 
@@ -37,7 +37,7 @@ from gemport.optim.hf import hf_optimizer
 from gemport.specs import GemmaSpec
 from gemport.train.order import optimizer_steps
 from gemport.train.run import SFTRun, _with_peft_targets, checkpoint_root, lora_spec_of, training_config
-from gemport.train.step import BATCH_FIELDS, stack
+from gemport.train.step import stack
 
 Reference = Literal["base", "adapter"]
 
