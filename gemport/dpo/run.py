@@ -11,8 +11,8 @@ base with LoRA off, as TRL given ``peft_config`` (or the starting adapter, as TR
 TRL's gradient accumulation for DPO is the mean over the step's micro-batches of each one's mean per-pair loss
 (HF divides each by the step's micro-batch count). Tunix's accumulation (``optax.MultiSteps``) takes that mean
 with equal weights over A micro-batches; a short last step of an epoch is padded with empty micro-batches, so
-each micro-batch carries ``trainer.MICRO_BATCHES`` (the step's real ones, n) and its loss is scaled by A / n: the mean is
-then over the real ones, as TRL's.
+each micro-batch carries ``trainer.MICRO_BATCHES`` (the step's real ones, n) and its loss is scaled by A / n: the
+mean is then over the real ones, as TRL's.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def preference_batches(pairs: list[Preference], args: Mapping[str, Any], *, pad_
 
 def preference_micro_batches(steps: Iterable[Mapping[str, np.ndarray]]) -> Any:
     """``train.peft_trainer.micro_batches`` of DPO steps [A, 2B, T], each micro-batch also carrying
-    ````dpo.trainer.MICRO_BATCHES`` (its step's micro-batches that hold a pair) in place of the target count."""
+    ``dpo.trainer.MICRO_BATCHES`` (its step's micro-batches that hold a pair) in place of the target count."""
     import grain
 
     from gemport.dpo.trainer import MICRO_BATCHES
