@@ -10,6 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from gemport.cli_dpo import add_parser as add_dpo_parser
 from gemport.cli_sft import add_parser as add_sft_parser
 from gemport.errors import CheckpointError, GemportError, LoraError, MeshError, SpecError
 
@@ -424,13 +425,14 @@ def parser() -> argparse.ArgumentParser:
     c.set_defaults(run=parity)
 
     add_sft_parser(sub)
+    add_dpo_parser(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args, args.extra = p.parse_known_args(argv)
-    if args.extra and not getattr(args, "overrides", False):  # only `gemport sft` takes --key value overrides
+    if args.extra and not getattr(args, "overrides", False):  # only `gemport sft` / `dpo` take --key value overrides
         p.error(f"unrecognized arguments: {' '.join(args.extra)}")
     try:
         return args.run(args)

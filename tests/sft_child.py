@@ -1,6 +1,8 @@
-"""``gemport sft`` in a process that signals itself, for tests/test_sft_cli.py and tests/multihost_child.py.
+"""``gemport sft`` in a process that signals itself, for tests/test_sft_cli.py and tests/multihost_child.py
+(``gemport dpo`` for tests/test_dpo_run.py, when its arguments begin with ``dpo``).
 
     python sft_child.py SIGNAL:AFTER [gemport sft arguments]        SIGNAL = kill | term
+    python sft_child.py SIGNAL:AFTER dpo [gemport dpo arguments]
 
 Once the log entry of step AFTER is written, the process sends itself SIGKILL (``kill``, after the checkpoint
 before it is complete: no exit handler, no flush, no final checkpoint or adapter) or SIGTERM (``term``, as a
@@ -37,4 +39,5 @@ if __name__ == "__main__":
 
     kind, after = sys.argv[1].split(":")
     signal_after(kind, int(after))
-    sys.exit(main(["sft", *sys.argv[2:]]))
+    command = sys.argv[2:3] if sys.argv[2:3] == ["dpo"] else ["sft"]
+    sys.exit(main([*command, *sys.argv[2 + (command == ["dpo"]):]]))

@@ -70,9 +70,11 @@ SUBPACKAGES = {
         "log_softmax", "model_dtype", "transformers_model", "tunix_logits",
     ],
     "gemport.dpo": [
-        "METRICS", "PAIR_LOSSES", "DPOLoss", "Preference", "collate", "dpo_loss", "dpo_step", "from_dpo_config",
+        "METRICS", "PAIR_LOSSES", "DPOLoss", "DPORun", "Preference", "collate", "dpo_loss", "dpo_step", "from_dpo_config",
         "preference_loss", "preferences", "sequence_logps", "split_prompt", "tokenize", "without_lora",
     ],
+    "gemport.dpo.run": ["DPORun", "dpo_fields", "preference_batches", "preference_micro_batches"],
+    "gemport.dpo.trainer": ["MICRO_BATCHES", "DPOPeftTrainer", "trainer_loss"],
     "gemport.names": ["AXES", "TEXT_PREFIXES", "Entry", "Rule", "detect_prefix", "entries", "owns"],
 }  # fmt: skip
 

@@ -77,7 +77,7 @@ def outputs(tmp_path, **fields):
     run = types.SimpleNamespace(args=args, max_steps=len(plan), plan=[s for s, _ in plan], train_batches=batches,
                                 num_units=len(examples(**fields)[0]), optimizer=None,
                                 training_config=training_config(args, len(plan), evaluate=True),
-                                base_dir=base, lora_spec=lora(), num_parameters=0)
+                                base_dir=base, lora_spec=lora(), num_parameters=0, COMMAND="sft")
     hooks = HFOutputs(run, tmp_path)
     hooks._begin(types.SimpleNamespace(train_steps=0))
     return hooks

@@ -4,7 +4,8 @@ Data (``data``): ``preferences`` tokenizes TRL's preference records (explicit or
 conversational) and ``collate`` lays out a micro-batch of pairs as TRL's collator does. Loss (``loss``):
 ``from_dpo_config`` reads a ``DPOConfig``, ``dpo_loss`` gives one micro-batch's loss and TRL's metrics, the
 reference being the same model with its LoRA off (``without_lora``). Step (``step``): ``dpo_step``, one
-optimizer step with TRL's gradient accumulation. See docs/dpo.md for what is not ported yet.
+optimizer step with TRL's gradient accumulation. Run (``run``): ``DPORun``, a ``trl dpo`` recipe as one object
+(``gemport dpo --config``), on the SFT run's primitives with ``trainer.DPOPeftTrainer``. See docs/dpo.md.
 """
 
 from gemport.dpo.data import Preference, collate, preferences, split_prompt, tokenize
@@ -18,12 +19,14 @@ from gemport.dpo.loss import (
     sequence_logps,
     without_lora,
 )
+from gemport.dpo.run import DPORun
 from gemport.dpo.step import dpo_step
 
 __all__ = [
     "METRICS",
     "PAIR_LOSSES",
     "DPOLoss",
+    "DPORun",
     "Preference",
     "collate",
     "dpo_loss",

@@ -28,7 +28,6 @@ from tunix.sft import hooks
 from gemport.errors import RecipeError
 from gemport.optim.hf import fields_of
 from gemport.train import trackers
-from gemport.train.peft_trainer import SCOPES
 
 TRAINER_STATE = "trainer_state.json"
 
@@ -92,8 +91,8 @@ class HFOutputs(hooks.TrainingHooks):
         if self.start_step and state.is_file():
             self.history = [e for e in json.loads(state.read_text()).get("log_history", [])
                             if e.get("step", 0) <= self.start_step]
-        self.bar = tqdm(total=self.max_steps, initial=self.start_step, desc="gemport sft", unit="step",
-                        disable=bool(self.fields["disable_tqdm"]) or not self.primary)
+        self.bar = tqdm(total=self.max_steps, initial=self.start_step, desc=f"gemport {self.run.COMMAND}",
+                        unit="step", disable=bool(self.fields["disable_tqdm"]) or not self.primary)
         if self.primary:
             base = self.run.base_dir
             self.trackers = trackers.open_trackers(
@@ -126,7 +125,7 @@ class HFOutputs(hooks.TrainingHooks):
         if step % self.logging_steps == 0 or (self.first and step == 1):
             entry = {"epoch": self.epochs[step - 1], "grad_norm": grad_norm, "learning_rate": learning_rate,
                      "loss": float(np.mean(self.window)), "step": step}
-            entry.update({name: self._latest(trainer, name, "train") for name in SCOPES})
+            entry.update({name: self._latest(trainer, name, "train") for name in trainer.LOGGED})
             self.window = []
             self._log(entry)
         self._flush(step)
@@ -139,7 +138,7 @@ class HFOutputs(hooks.TrainingHooks):
             return  # Tunix also evaluates when train() starts; HF does not, unless eval_on_start
         entry = {"epoch": self.epochs[step - 1] if step else 0.0, "eval_loss": self._latest(trainer, "loss", "eval"),
                  "step": step}
-        entry.update({f"eval_{name}": self._latest(trainer, name, "eval") for name in SCOPES})
+        entry.update({f"eval_{name}": self._latest(trainer, name, "eval") for name in trainer.LOGGED})
         self.pending.append(entry)
         if step <= self.start_step:  # the evaluation when a run starts or resumes: its train entry is written
             self._flush(step)

@@ -213,6 +213,9 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
     ``"train"`` and ``"eval"``). The logged ``loss`` and ``grad_norm`` (before clipping) per step are HF's.
     """
 
+    LOGGED: tuple[str, ...] = SCOPES
+    """The metrics ``train.outputs.HFOutputs`` logs beside ``loss``, ``grad_norm`` and ``learning_rate``."""
+
     def __init__(self, model: nnx.Module, optimizer: optax.GradientTransformation,
                  training_config: peft_trainer.TrainingConfig, *, lora_spec: LoraSpec | None = None,
                  preemption: Preemption | None = None, fast: bool = True, seed: int = 0, **kwargs: Any) -> None:

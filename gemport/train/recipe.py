@@ -59,6 +59,31 @@ SFT = (
 
 USED = frozenset(SCRIPT + MODEL + SFT)
 
+DPO = (
+    # data (gemport.dpo.preferences, gemport.dpo.collate)
+    "max_length", "truncation_mode", "pad_to_multiple_of",
+    # loss (gemport.dpo.from_dpo_config: the fields it does not reproduce are refused there, by name)
+    "beta", "loss_type", "loss_weights", "label_smoothing", "discopop_tau", "ld_alpha", "f_divergence_type",
+    "use_weighting", "precompute_ref_log_probs", "sync_ref_model",
+    # LoRA dropout off while training, as TRL sets every dropout module's p to 0 (gemport.dpo.run)
+    "disable_dropout",
+) + tuple(f for f in SFT[SFT.index("per_device_train_batch_size"):] if f not in ("eval_steps", "eval_on_start"))
+"""DPOConfig fields ``gemport dpo`` uses: its data and loss fields and SFT's run fields (order, optimizer, logging,
+checkpoints, remat); evaluation is not ported (``eval_strategy`` other than ``"no"`` is refused)."""
+
+DPO_MAPPED = {
+    "padding_free": "TRL 1.16 turns padding_free off itself (it falls back to padded rows); so does gemport",
+    "pad_token": "padding is outside every row's attention and loss; its id changes nothing",
+    "precompute_ref_batch_size": "acts only with precompute_ref_log_probs, which is left at False",
+    "ref_model_mixup_alpha": "acts only with sync_ref_model, which is left at False",
+    "ref_model_sync_steps": "acts only with sync_ref_model, which is left at False",
+    "f_alpha_divergence_coef": "acts only with f_divergence_type alpha_divergence, which is not ported",
+}
+"""DPOConfig fields accepted without a counterpart (beside ``MAPPED``), with why."""
+
+COMMANDS = {"sft": "SFTConfig", "dpo": "DPOConfig"}
+"""The trainer config class each command reads (``read``'s ``command``)."""
+
 MAPPED = {
     "attn_implementation": "Tunix's attention (segment-aware, so packed rows stay apart) replaces torch's",
     "model_revision": "model_name_or_path is read as a local directory; no revision is fetched",
@@ -114,7 +139,8 @@ _REFUSED_WHEN_SET = {
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     """A ``trl sft`` recipe: each dataclass' fields as set by the YAML and the overrides (TRL's defaults not
-    filled in, except ``sft``, which holds every SFTConfig field: the recipe's over TRL 1.16's defaults).
+    filled in, except ``sft``, which holds every SFTConfig field (DPOConfig's, for ``gemport dpo``): the recipe's
+    over TRL 1.16's defaults).
 
     script, model: the ScriptArguments and ModelConfig fields set; sft: the SFTConfig fields; notes: one line
     per mapped field the recipe sets, saying what gemport does instead; source: the YAML path.
@@ -157,10 +183,12 @@ class Recipe:
         return jnp.dtype(jnp.bfloat16 if self.sft["bf16"] else jnp.float32)
 
 
-def _classes():
-    from trl import ModelConfig, ScriptArguments, SFTConfig
+def _classes(command: str = "sft"):
+    import trl
+    from trl import ModelConfig, ScriptArguments
 
-    return {"ScriptArguments": ScriptArguments, "ModelConfig": ModelConfig, "SFTConfig": SFTConfig}
+    return {"ScriptArguments": ScriptArguments, "ModelConfig": ModelConfig,
+            COMMANDS[command]: getattr(trl, COMMANDS[command])}
 
 
 def _defaults(cls) -> dict[str, Any]:
@@ -211,8 +239,10 @@ def parse_overrides(argv: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def read(config: str | os.PathLike | Mapping[str, Any] | None, overrides: Mapping[str, Any] = ()) -> Recipe:
-    """The recipe of a ``trl sft --config`` YAML (or a dict of its fields) with ``overrides`` on top.
+def read(config: str | os.PathLike | Mapping[str, Any] | None, overrides: Mapping[str, Any] = (), *,
+         command: str = "sft") -> Recipe:
+    """The recipe of a ``trl sft --config`` YAML (or a dict of its fields) with ``overrides`` on top; with
+    ``command="dpo"``, of a ``trl dpo --config`` YAML (DPOConfig's fields, ``DPO`` used, ``DPO_MAPPED`` mapped).
 
     ``env`` (a mapping) is set in ``os.environ``, as ``trl sft`` does. Raises ``RecipeError`` naming
     a field that is no field of ScriptArguments, ModelConfig or SFTConfig, or one gemport does not reproduce
@@ -240,31 +270,33 @@ def read(config: str | os.PathLike | Mapping[str, Any] | None, overrides: Mappin
     for key, val in env.items():
         os.environ[str(key)] = str(val)
 
-    classes = _classes()
+    classes = _classes(command)
+    trainer = COMMANDS[command]
+    used, mapped = (USED, MAPPED) if command == "sft" else (frozenset(SCRIPT + MODEL + DPO), {**MAPPED, **DPO_MAPPED})
     defaults = {name: _defaults(cls) for name, cls in classes.items()}
     parts: dict[str, dict[str, Any]] = {name: {} for name in classes}
     notes = []
     for name, val in fields.items():
-        owner = next((c for c in ("ScriptArguments", "ModelConfig", "SFTConfig") if name in defaults[c]), None)
+        owner = next((c for c in ("ScriptArguments", "ModelConfig", trainer) if name in defaults[c]), None)
         if owner is None:
-            raise RecipeError(f"{where}{name}: not a field of trl sft's ScriptArguments, ModelConfig or "
-                                       "SFTConfig; check its spelling")
+            raise RecipeError(f"{where}{name}: not a field of trl {command}'s ScriptArguments, ModelConfig or "
+                              f"{trainer}; check its spelling")
         parts[owner][name] = val
         default = defaults[owner][name]
         if name in _REFUSED_WHEN_SET and val and val != default:
             raise RecipeError(f"{where}{name}={val!r}: {_REFUSED_WHEN_SET[name]}")
         # hub_* only act with push_to_hub, which is refused above.
-        if name in USED or val == default or name.startswith("hub_"):
+        if name in used or val == default or name.startswith("hub_"):
             continue
-        if MAPPED.get(name):
-            notes.append(f"{name}={val!r}: {MAPPED[name]}")
+        if mapped.get(name):
+            notes.append(f"{name}={val!r}: {mapped[name]}")
             continue
-        raise RecipeError(f"{where}{name}={val!r}: gemport sft does not reproduce this field; leave it at "
-                                   f"TRL's default {default!r} (docs/sft.md lists every field)")
+        raise RecipeError(f"{where}{name}={val!r}: gemport {command} does not reproduce this field; leave it at "
+                          f"TRL's default {default!r} (docs/{command}.md lists every field)")
     model = parts["ModelConfig"]
     if model.get("lora_task_type", "CAUSAL_LM") != "CAUSAL_LM":
         raise RecipeError(f"{where}lora_task_type={model['lora_task_type']!r}: gemport trains causal LMs")
-    sft = {**defaults["SFTConfig"], **parts["SFTConfig"]}
+    sft = {**defaults[trainer], **parts[trainer]}
     if sft["pad_to_multiple_of"] == "auto":  # TRL: 128 on Neuron, else None
         sft["pad_to_multiple_of"] = None
     if sft["bf16"] is None:  # TRL: bf16 unless fp16
@@ -283,5 +315,6 @@ def check_strategies(sft: Mapping[str, Any], where: str = "") -> None:
                               f"'steps' with {name.split('_')[0]}_steps")
 
 
-__all__ = ["MAPPED", "MODEL", "QLORA", "SCRIPT", "SFT", "STRATEGIES", "USED", "Recipe", "check_strategies",
+__all__ = ["COMMANDS", "DPO", "DPO_MAPPED", "MAPPED", "MODEL", "QLORA", "SCRIPT", "SFT", "STRATEGIES", "USED", "Recipe",
+           "check_strategies",
            "parse_overrides", "read"]

@@ -24,7 +24,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -140,6 +140,8 @@ class SFTRun:
     training_config: Any
     trainer: Any = None
     record: dict[str, Any] | None = None
+
+    COMMAND: ClassVar[str] = "sft"
 
     @classmethod
     def create(cls, sft_config: Any, base_dir: str | os.PathLike, train_dataset: Any, *, lora: Any = None,
@@ -375,7 +377,7 @@ class SFTRun:
             self.trainer = self.make_trainer(preemption=preemption)
         if hooks is not None:
             self.trainer.with_training_hooks(hooks)
-        train_ds = micro_batches(self.train_batches)
+        train_ds = self.micro_batches(self.train_batches)
         eval_ds = micro_batches(self.eval_batches) if self.eval_batches else None
         try:
             with use_mesh(self.mesh):
@@ -386,6 +388,12 @@ class SFTRun:
             if preemption is not None:
                 preemption.close()
         return self.trainer
+
+    def micro_batches(self, steps: Sequence[Mapping[str, np.ndarray]]) -> Any:
+        """The trainer's dataset of ``steps`` (``train_batches``): ``train.peft_trainer.micro_batches``."""
+        from gemport.train.peft_trainer import micro_batches
+
+        return micro_batches(steps)
 
     def lora_params(self) -> LoraParams:
         """The trained factors on the host, with their spec. Under ``jax.distributed`` every process must call

@@ -1,0 +1,130 @@
+"""``gemport dpo --config dpo.yaml [--key value ...]``: a ``trl dpo`` recipe, unchanged, on the JAX devices present."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from gemport.cli_sft import _put, _resume_point
+from gemport.errors import CheckpointError, LoraError
+
+DESCRIPTION = """\
+Run a `trl dpo --config dpo.yaml` recipe on the JAX devices present (a TPU slice; CPU for a miniature):
+the same YAML (ScriptArguments, ModelConfig and DPOConfig fields) and the same `--key value` overrides.
+
+What it does as TRL's DPOTrainer + PEFT does: the preference dataset (dataset_name as `gemport sft` reads
+it; records with prompt/chosen/rejected or chosen/rejected, plain or conversational), TRL's tokens,
+truncation (max_length, truncation_mode) and padding, DPO's loss (beta, loss_type, loss_weights,
+label_smoothing), the reference being the base with the adapter disabled, HF's sample order and steps, AdamW,
+schedule, clipping and gradient accumulation, logging every logging_steps, checkpoints every save_steps.
+
+output_dir receives what a TRL user expects: trainer_state.json (log_history with loss, grad_norm,
+learning_rate, rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen,
+logps/rejected), checkpoints/<step>, runs/ (TensorBoard, per report_to) and at the end adapter_config.json +
+adapter_model.safetensors; --merge adds merged/. Running the command again resumes from the last complete
+checkpoint, exactly, when the recipe is the one they trained; on SIGTERM the run saves the step it reaches and
+exits with status 143.
+
+Fields without a TPU counterpart are accepted and said; a field gemport does not reproduce (DPO evaluation,
+precompute_ref_log_probs, sync_ref_model, the aot/sft loss types...), set away from TRL's default, is an
+error naming it. docs/dpo.md lists every field."""
+
+EPILOG = """\
+examples:
+  gemport dpo --config dpo.yaml
+  gemport dpo --config dpo.yaml --beta 0.2 --max_steps 200 --output_dir out
+  gemport dpo --config dpo.yaml --init-adapter sft_adapter/ --merge"""
+
+
+def add_parser(sub) -> None:
+    """Register ``gemport dpo`` on the ``gemport`` subparsers."""
+    c = sub.add_parser("dpo", help="run a `trl dpo --config` recipe (YAML + --key value overrides) on JAX devices",
+                       usage="gemport dpo [--config dpo.yaml] [--key value ...] [--init-adapter DIR] [--merge] "
+                             "[--fsdp N] [--tp N]",
+                       description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       allow_abbrev=False)
+    c.add_argument("--config", help="the recipe YAML, as `trl dpo --config` takes it")
+    c.add_argument("--init-adapter", metavar="DIR",
+                   help="start from this PEFT adapter (e.g. the SFT stage's), as TRL does when handed a PeftModel: "
+                        "a frozen copy of it is the reference; its adapter_config.json replaces the lora_* fields")
+    c.add_argument("--merge", action="store_true", help="also write output_dir/merged: the base with the adapter "
+                                                        "merged in")
+    c.add_argument("--fsdp", type=int, help="mesh fsdp size (default: from the plan)")
+    c.add_argument("--tp", type=int, help="mesh tp size (default: the largest that fits)")
+    c.set_defaults(run=run, overrides=True)
+
+
+def run(args) -> int:
+    from gemport.checkpoint import export_merged, export_peft
+    from gemport.checkpoint.output import check_outside
+    from gemport.checkpoint.peft_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+    from gemport.dpo.run import DPORun
+    from gemport.train import recipe as trl_recipe
+    from gemport.train.data import load_splits
+    from gemport.train.lock import claim_output
+    from gemport.train.outputs import TRAINER_STATE
+    from gemport.train.preemption import Preempted
+    from gemport.train.run import CHECKPOINTS
+    from gemport.train.trackers import names
+
+    recipe = trl_recipe.read(args.config, trl_recipe.parse_overrides(args.extra), command="dpo")
+    config, model, script = recipe.sft, recipe.model, recipe.script
+    names(config["report_to"])  # each tracker named is installed, before anything loads
+    base = model.get("model_name_or_path")
+    if not base:
+        raise CheckpointError("model_name_or_path: not set; give the HF Gemma checkpoint directory")
+    if not script.get("dataset_name"):
+        raise CheckpointError("dataset_name: not set; give a data file, folder, saved dataset or hub name")
+    lora = recipe.lora()
+    if args.init_adapter:
+        lora = None
+    elif lora is None:
+        raise LoraError("use_peft is not set: gemport dpo trains LoRA (the reference being the base with it "
+                        "disabled); set use_peft: true with lora_r, lora_alpha and lora_target_modules, or pass "
+                        "--init-adapter DIR")
+    if recipe.qlora() is not None:
+        raise LoraError("load_in_4bit: gemport dpo does not train on a 4-bit base yet; train on the bfloat16 base")
+    output_dir = Path(config["output_dir"] or "trainer_output")  # HF's default
+    config["output_dir"] = str(output_dir)
+    check_outside(output_dir, *(p for p in (base, script["dataset_name"], args.init_adapter, args.config)
+                                if p and Path(p).exists()))
+    claim_output(output_dir)  # writable, and no other run in it: before anything long starts
+    _resume_point(config["resume_from_checkpoint"], output_dir / CHECKPOINTS)
+    for note in recipe.notes:
+        print(f"  {note}", flush=True)
+
+    train_data, _ = load_splits(script["dataset_name"], script.get("dataset_config"),
+                                train_split=script.get("dataset_train_split", "train"))
+    dpo_run = DPORun.create(config, base, train_data, lora=lora, init_adapter=args.init_adapter, fsdp=args.fsdp,
+                            tp=args.tp, dtype=recipe.dtype(), progress=not config["disable_tqdm"])
+    spec, loss = dpo_run.lora_spec, dpo_run.loss
+    print(f"data: {len(dpo_run.pairs)} preference pairs; {dpo_run.max_steps} optimizer steps of "
+          f"{config['gradient_accumulation_steps']} x {config['per_device_train_batch_size']} pairs; "
+          f"loss {'+'.join(loss.loss_types)} beta={loss.beta}; reference: "
+          f"{'the starting adapter' if dpo_run.reference is not None else 'the base, LoRA off'}; mesh "
+          f"{dict(dpo_run.mesh.shape)}; LoRA r={spec.rank} alpha={spec.alpha} on {', '.join(spec.targets)}",
+          flush=True)
+    try:
+        trainer = dpo_run.train()  # with HFOutputs in output_dir
+    except Preempted as e:
+        print(f"gemport dpo: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+    print(f"trained to step {trainer.train_steps}; {output_dir / TRAINER_STATE}", flush=True)
+
+    trained = dpo_run.lora_params()
+    staged = output_dir / ".adapter"
+    _put(lambda tmp: export_peft(trained, tmp, base_dir=dpo_run.base_dir, base_model_name_or_path=str(base)), staged)
+    for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):  # the config last: a killed move leaves no new config on old weights
+        os.replace(staged / name, output_dir / name)
+    shutil.rmtree(staged)
+    print(f"wrote {output_dir / ADAPTER_CONFIG}, {output_dir / ADAPTER_WEIGHTS}", flush=True)
+    if args.merge:
+        _put(lambda tmp: export_merged(trained, tmp, base_dir=dpo_run.base_dir), output_dir / "merged")
+        print(f"wrote {output_dir / 'merged'}", flush=True)
+    return 0
+
+
+__all__ = ["DESCRIPTION", "add_parser", "run"]

@@ -1,0 +1,266 @@
+"""One TRL DPO run on JAX devices, as one object: ``DPORun.create(dpo_config, base_dir, data, lora=...)``.
+
+``DPORun`` is ``train.run.SFTRun`` with DPO's data and loss: the same model loading, mesh, HF sample order
+(``train.order``: each optimizer step's pairs), optimizer and schedule (``optim.hf_optimizer``), Tunix trainer
+with Orbax checkpoints, exact resume and SIGTERM handling (``train.peft_trainer.HFPeftTrainer``), recipe record
+(``train.record``), outputs (``train.outputs.HFOutputs``: ``trainer_state.json`` with TRL's DPO metric names,
+TensorBoard...) and PEFT exports. What changes: the rows are ``dpo.collate``'s pairs ([chosen; rejected], each
+micro-batch [2B, T]) and the trainer's loss is ``dpo.dpo_loss`` (``DPOPeftTrainer``), the reference being the
+base with LoRA off, as TRL given ``peft_config`` (or the starting adapter, as TRL given a ``PeftModel``).
+
+TRL's gradient accumulation for DPO is the mean over the step's micro-batches of each one's mean per-pair loss
+(HF divides each by the step's micro-batch count). Tunix's accumulation (``optax.MultiSteps``) takes that mean
+with equal weights over A micro-batches; a short last step of an epoch is padded with empty micro-batches, so
+each micro-batch carries ``trainer.MICRO_BATCHES`` (the step's real ones, n) and its loss is scaled by A / n: the
+mean is then over the real ones, as TRL's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, ClassVar, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gemport.dpo.data import Preference, collate, preferences
+from gemport.dpo.loss import DPOLoss, from_dpo_config
+from gemport.errors import LoraError, RecipeError
+from gemport.lora import LoraParams, LoraSpec
+from gemport.masks.truncation import TruncationReport
+from gemport.mesh import make_mesh, use_mesh
+from gemport.optim.hf import hf_optimizer
+from gemport.specs import GemmaSpec
+from gemport.train.order import optimizer_steps
+from gemport.train.run import SFTRun, _with_peft_targets, checkpoint_root, lora_spec_of, training_config
+from gemport.train.step import stack
+
+Reference = Literal["base", "adapter"]
+
+
+def dpo_fields(config: Any) -> dict[str, Any]:
+    """Every ``DPOConfig`` field of ``config``: a ``DPOConfig``, a dict of its fields (the others at TRL's
+    defaults, read from ``trl.DPOConfig``), or a ``trl dpo --config`` YAML (``train.recipe.read``)."""
+    from trl import DPOConfig
+
+    from gemport.train.recipe import _defaults, read
+
+    if isinstance(config, (str, os.PathLike)):
+        return read(config, command="dpo").sft
+    if isinstance(config, Mapping):
+        args = {**_defaults(DPOConfig), **config}
+    elif isinstance(config, DPOConfig):
+        args = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
+    else:
+        raise RecipeError(f"{config!r:.80} is not a DPOConfig, a dict of its fields or a YAML path")
+    if args["bf16"] is None:  # TRL: bf16 unless fp16
+        args["bf16"] = not args["fp16"]
+    if args["pad_to_multiple_of"] == "auto":  # TRL: 128 on Neuron, else None
+        args["pad_to_multiple_of"] = None
+    return args
+
+
+class _Row(NamedTuple):  # what train.record.data_hash reads of a row
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+
+
+def preference_batches(pairs: list[Preference], args: Mapping[str, Any], *, pad_id: int = 0
+                       ) -> tuple[list[Any], list[dict[str, np.ndarray]]]:
+    """(``train.order.OptimizerStep``s, batches) of HF's sample order over ``pairs``: step s's batch maps
+    ``BATCH_FIELDS`` to [A, 2B, T] (A = gradient_accumulation_steps micro-batches of ``dpo.collate``'s B pair
+    slots; a short micro-batch or step padded with empty ones), T one width for every step (the longest
+    truncated row, rounded up to ``pad_to_multiple_of``), so the step compiles once."""
+    plan = list(optimizer_steps(args, len(pairs)))
+    cut = args["max_length"]
+    longest = max(min(len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids)), cut or np.inf)
+                  for p in pairs)
+    multiple = args["pad_to_multiple_of"] or 1
+    width = -(-int(longest) // multiple) * multiple
+    batches = []
+    for s in plan:
+        micro = [collate([pairs[i] for i in m], max_length=cut, truncation_mode=args["truncation_mode"], width=width,
+                         slots=args["per_device_train_batch_size"], pad_id=pad_id) for m in s.micro_batches]
+        batches.append(stack(micro, accumulation=args["gradient_accumulation_steps"]))
+    return plan, batches
+
+
+def preference_micro_batches(steps: Iterable[Mapping[str, np.ndarray]]) -> Any:
+    """``train.peft_trainer.micro_batches`` of DPO steps [A, 2B, T], each micro-batch also carrying
+    ``dpo.trainer.MICRO_BATCHES`` (its step's micro-batches that hold a pair) in place of the target count."""
+    import grain
+
+    from gemport.dpo.trainer import MICRO_BATCHES
+    from gemport.train.peft_trainer import NUM_ITEMS, micro_batches
+
+    steps = list(steps)
+    elements = micro_batches(steps)
+    accumulation = steps[0]["tokens"].shape[0]
+    real = [int(np.asarray(s["segment_ids"]).any(axis=(1, 2)).sum()) for s in steps]
+
+    def element(index):
+        out = dict(elements[index])
+        rows = out.pop(NUM_ITEMS).shape
+        out[MICRO_BATCHES] = np.full(rows, real[index // accumulation], np.int32)
+        return out
+
+    return grain.MapDataset.range(len(elements)).map(element)
+
+
+@dataclasses.dataclass
+class DPORun(SFTRun):
+    """A TRL DPO recipe on JAX devices: ``SFTRun`` whose data are preference pairs and whose loss is DPO's.
+
+    Built by ``create``. ``pairs``: the tokenized ``dpo.Preference``s kept (TRL drops a pair whose prompt fills
+    ``max_length`` under ``keep_start``); ``train_batches[s]`` maps ``BATCH_FIELDS`` to [A, 2B, T];
+    ``loss``: the ``DPOLoss``; ``reference``: None (the base, LoRA off) or the LoRA factors the run started from
+    (an ``nnx.State``); ``peft_spec``: the adapter's spec as the recipe gives it (its ``lora_dropout`` too, which
+    the model trains without under TRL's ``disable_dropout``). ``pipeline``, ``examples``, ``eval_*``: unused.
+    """
+
+    pairs: list[Preference] = dataclasses.field(default_factory=list)
+    loss: DPOLoss = dataclasses.field(default_factory=DPOLoss)
+    reference: Any = None
+    peft_spec: LoraSpec | None = None
+
+    COMMAND: ClassVar[str] = "dpo"
+
+    @classmethod
+    def create(cls, dpo_config: Any, base_dir: str | os.PathLike, train_dataset: Any, *, lora: Any = None,
+               init_adapter: str | os.PathLike | None = None, reference: Reference | None = None, mesh=None,
+               fsdp: int | None = None, tp: int | None = None, dtype: Any = None, tokenizer: Any = None,
+               chat_format: Any = None, checkpoint_dir: str | os.PathLike | None = None,
+               progress: bool = True) -> DPORun:
+        """Build the DPO run of ``dpo_config`` on ``base_dir`` and ``train_dataset``.
+
+        dpo_config: ``DPOConfig``, a dict of its fields, or a ``trl dpo --config`` YAML (its ``use_peft`` +
+            ``lora_*`` fields the default ``lora``, its ``dtype`` the default ``dtype``). base_dir: the HF Gemma
+            checkpoint (with its tokenizer unless ``tokenizer`` is given). train_dataset: TRL preference records
+            (``dpo.preferences``) in any form ``masks.formats.read`` reads (a list, a ``datasets.Dataset``, a
+            .jsonl/.json/.parquet file).
+        lora, init_adapter, mesh, fsdp, tp, dtype, checkpoint_dir: as ``SFTRun.create``'s.
+        reference: ``"base"`` (the base with LoRA off: TRL given ``peft_config``, a fresh adapter) or
+            ``"adapter"`` (the factors the run starts from, frozen: TRL given a ``PeftModel``); default
+            ``"adapter"`` with ``init_adapter``, else ``"base"``.
+        chat_format: renders conversational records (default: the tokenizer's, ``masks.template.chat_format``).
+
+        Raises RecipeError naming a field gemport does not reproduce (``eval_strategy`` other than ``"no"``: DPO
+        evaluation is not ported; the loss fields ``dpo.from_dpo_config`` refuses), LoraError, MaskError.
+        """
+        import transformers
+
+        from gemport.checkpoint import import_peft, load_model
+        from gemport.lora import apply_lora
+        from gemport.masks.formats import read as records
+        from gemport.train.recipe import check_strategies
+        from gemport.train.record import recipe_record
+        from gemport.train.remat import set_remat
+        from gemport.train.sft import remat_of
+        from gemport.train.vocabulary import check_token_ids
+
+        if isinstance(dpo_config, (str, os.PathLike)):
+            from gemport.train.recipe import read
+
+            recipe = read(dpo_config, command="dpo")
+            args, lora = recipe.sft, lora if lora is not None else recipe.lora()
+            dtype = dtype if dtype is not None else recipe.dtype()
+        else:
+            args = dpo_fields(dpo_config)
+        check_strategies(args)
+        if args["eval_strategy"] != "no":
+            raise RecipeError(f"DPOConfig.eval_strategy={args['eval_strategy']!r}: DPO evaluation is not ported "
+                              "yet; set eval_strategy: 'no'")
+        if jax.process_count() > 1:
+            raise RecipeError("DPORun: DPO under jax.distributed (several processes) is not ported yet; run it on "
+                              "one host")
+        loss = from_dpo_config(args)
+        from gemport.train import trackers
+
+        trackers.names(args["report_to"])  # a missing tracker fails before the load
+        base_dir = Path(base_dir)
+        spec = GemmaSpec.from_hf(base_dir)
+        if lora is not None:
+            lora = _with_peft_targets(lora, base_dir)
+        start: LoraSpec | LoraParams
+        if init_adapter is not None:
+            start = import_peft(init_adapter, base_dir=base_dir)
+            if lora is not None and lora_spec_of(lora) != start.lora_spec:
+                raise LoraError(f"{init_adapter}: its adapter_config.json ({start.lora_spec}) differs from the "
+                                f"LoRA config given ({lora_spec_of(lora)}); pass one of them")
+            peft_spec = start.lora_spec
+        elif lora is None:
+            raise LoraError("DPORun: no LoRA config; pass lora= (a LoraConfig, adapter_config.json or lora_* "
+                            "fields) or init_adapter=; gemport trains DPO with LoRA, the base being the reference")
+        else:
+            start = peft_spec = lora_spec_of(lora)
+        if args["disable_dropout"]:  # TRL sets every dropout module's p to 0, PEFT's lora_dropout included
+            trained = dataclasses.replace(peft_spec, dropout=0.0)
+            start = trained if isinstance(start, LoraSpec) else start._replace(lora_spec=trained)
+        reference = reference or ("adapter" if init_adapter is not None else "base")
+        if reference not in ("base", "adapter") or (reference == "adapter" and init_adapter is None):
+            raise RecipeError(f"DPORun: reference={reference!r}; give 'base', or 'adapter' with init_adapter")
+
+        tokenizer = tokenizer or transformers.AutoTokenizer.from_pretrained(base_dir)
+        pairs = preferences(records(train_dataset), tokenizer, chat_format, max_length=args["max_length"],
+                            truncation_mode=args["truncation_mode"])
+        if not pairs:
+            raise RecipeError(f"no preference pair is left: every prompt fills max_length={args['max_length']} "
+                              "(TRL drops those under truncation_mode keep_start); raise max_length")
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        plan, batches = preference_batches(pairs, args, pad_id=pad_id)
+        rows = [_Row(np.concatenate([p.prompt_ids, c]), np.r_[np.zeros(len(p.prompt_ids), bool), np.ones(len(c), bool)])
+                for p in pairs for c in (p.chosen_ids, p.rejected_ids)]
+        check_token_ids(rows, spec.vocab, tokenizer, pad_id=pad_id)  # before the model loads
+        mesh = mesh if mesh is not None else make_mesh(spec, fsdp=fsdp, tp=tp)
+        if dtype is None:
+            dtype = jnp.bfloat16 if args["bf16"] else jnp.float32
+        with use_mesh(mesh):
+            model = apply_lora(load_model(base_dir, spec=spec, mesh=mesh, param_dtype=dtype), spec, start,
+                               seed=args["seed"])
+        set_remat(model, spec.family, remat_of(args))
+        factors = None
+        if reference == "adapter":
+            from flax import nnx
+
+            factors = jax.tree.map(jnp.copy, nnx.state(model, nnx.LoRAParam))  # values, frozen
+        if checkpoint_dir is None:
+            checkpoint_dir = checkpoint_root(args)
+        record = recipe_record(args, base_dir=base_dir, dtype=dtype, lora_spec=model.lora_spec, qlora=None,
+                               examples=rows)
+        record["reference"] = reference
+        return cls(args=args, base_dir=base_dir, spec=spec, mesh=mesh, model=model, tokenizer=tokenizer,
+                   pipeline=None, examples=[], report=TruncationReport(), plan=plan, train_batches=batches,
+                   eval_examples=None, eval_batches=None,
+                   optimizer=hf_optimizer(args, num_training_steps=len(batches)),
+                   training_config=training_config(args, len(batches), checkpoint_dir=checkpoint_dir),
+                   record=record, pairs=pairs, loss=loss, reference=factors, peft_spec=peft_spec)
+
+    @property
+    def lora_spec(self) -> LoraSpec:
+        """The adapter's spec as the recipe gives it (what exports and checkpoints record)."""
+        return self.peft_spec
+
+    @property
+    def num_units(self) -> int:
+        """The rows HF's sampler orders: the pairs."""
+        return len(self.pairs)
+
+    def micro_batches(self, steps):
+        """The trainer's dataset of ``train_batches`` (``preference_micro_batches``)."""
+        return preference_micro_batches(steps)
+
+    def make_trainer(self, **kwargs: Any):
+        """A ``DPOPeftTrainer`` of the current ``model``, ``optimizer``, ``training_config``, ``loss`` and
+        ``reference``; as ``SFTRun.make_trainer`` otherwise (resumes from the latest checkpoint in its root)."""
+        from gemport.dpo.trainer import DPOPeftTrainer
+
+        with use_mesh(self.mesh):
+            return DPOPeftTrainer(self.model, self.optimizer.tx, self.training_config, lora_spec=self.lora_spec,
+                                  seed=self.args["seed"], loss=self.loss, reference=self.reference, **kwargs)
+
+
+__all__ = ["DPORun", "dpo_fields", "preference_batches", "preference_micro_batches"]

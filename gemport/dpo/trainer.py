@@ -1,0 +1,57 @@
+"""Tunix's trainer taking TRL's DPO steps: ``HFPeftTrainer`` with DPO's loss and TRL's logged metrics.
+
+HF's Trainer divides each DPO micro-batch's mean per-pair loss by the step's micro-batch count, so a step's
+gradient is the mean of its micro-batches' gradients; ``optax.MultiSteps`` (Tunix's accumulation) takes that
+mean over A micro-batches. A short last step of an epoch is padded with empty micro-batches: each micro-batch
+carries its step's real count n (``MICRO_BATCHES``) and its loss is scaled by A / n, so the mean is over the
+real ones, as TRL's.
+"""
+
+from typing import Any
+
+import jax.numpy as jnp
+
+from gemport.dpo.loss import METRICS, DPOLoss, dpo_loss
+from gemport.train.peft_trainer import HFPeftTrainer, _last, _ratio
+
+MICRO_BATCHES = "micro_batches_in_step"
+"""The field every DPO micro-batch carries: the micro-batches of its optimizer step that hold a pair, int32 [2B]."""
+
+
+def trainer_loss(loss: DPOLoss, accumulation: int, reference: Any = None):
+    """``DPOPeftTrainer``'s loss (``has_aux=True``) for steps of ``accumulation`` (A) micro-batches:
+    ``(model, tokens, loss_mask, segment_ids, positions, micro_batches_in_step) -> (A / n * dpo_loss float32 [],
+    {name in METRICS: float32 [2] = [value, 1]})``, both zero for a micro-batch of padding (n: its step's real
+    micro-batches, ``MICRO_BATCHES``). ``reference``: ``dpo.dpo_loss``'s."""
+
+    def fn(model, tokens, loss_mask, segment_ids, positions, micro_batches_in_step, **_):
+        batch = dict(tokens=tokens, loss_mask=loss_mask, segment_ids=segment_ids, positions=positions)
+        value, metrics = dpo_loss(model, batch, loss, reference)
+        used = jnp.any(segment_ids > 0).astype(jnp.float32)
+        scale = accumulation / jnp.maximum(jnp.max(micro_batches_in_step), 1).astype(jnp.float32)
+        return value * used * scale, {k: jnp.stack([v * used, used]) for k, v in metrics.items()}
+
+    return fn
+
+
+class DPOPeftTrainer(HFPeftTrainer):
+    """``HFPeftTrainer`` whose loss is TRL's DPO loss (``trainer_loss``) and whose logged metrics are TRL's
+    (``dpo.METRICS``, each the mean over the step's real micro-batches, beside ``loss`` and ``grad_norm``).
+    loss: ``DPOLoss``; reference: ``dpo.dpo_loss``'s (None: the base, LoRA off)."""
+
+    LOGGED = METRICS
+
+    def __init__(self, model, optimizer, training_config, *, loss: DPOLoss, reference: Any = None, **kwargs):
+        super().__init__(model, optimizer, training_config, **kwargs)
+        accumulation = training_config.get_with_default("gradient_accumulation_steps", 1)
+        self.with_loss_fn(trainer_loss(loss, accumulation, reference), has_aux=True)
+
+    def _post_process_train_step(self, aux):
+        buffer = self._buffered_train_metrics
+        values, _ = buffer.additional_metrics["grad_norm"]
+        buffer.additional_metrics["grad_norm"] = (values, _last)
+        for name in METRICS:
+            buffer.additional_metrics.setdefault(name, ([], _ratio))[0].append(aux[name])
+
+
+__all__ = ["MICRO_BATCHES", "DPOPeftTrainer", "trainer_loss"]

@@ -1,0 +1,234 @@
+"""`gemport dpo --config dpo.yaml`: a `trl dpo` recipe run unchanged, equal to TRL's DPOTrainer + PEFT step for step.
+
+A tiny Gemma 3 with its tokenizer (Gemma's chat template) and conversational preference records. The recipe of
+TRL's documentation (use_peft, lora_r, the rest at TRL's defaults: lora_dropout 0.05, bf16) trains and leaves
+what TRL leaves: trainer_state.json with DPO's metrics, the adapter, merged/. From a PEFT adapter
+(``--init-adapter``, TRL given a PeftModel: a frozen copy of it is the reference) the run is SIGKILLed after step 2,
+resumed, and its every logged step and final adapter equal TRL's own training, within 10x the distance of TRL in
+float32 from TRL in float64 (``test_dpo.tolerance``).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from gemport.errors import RecipeError
+from gemport.train import recipe
+from test_cli import gemport, one_line_error
+from test_dpo import EPS32, RECORDS, reward_operands, tolerance
+
+CHILD = Path(__file__).with_name("sft_child.py")
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Three pairs, one a micro-batch, two a step: step 2 is the epoch's short step (one micro-batch), step 3 the next
+# epoch's first.
+RECIPE = dict(per_device_train_batch_size=1, gradient_accumulation_steps=2, max_steps=3, learning_rate=2e-2,
+              max_grad_norm=0.05, beta=0.5, logging_steps=1, save_steps=2, seed=3, bf16=False)
+METRICS = ("loss", "grad_norm", "learning_rate", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
+           "rewards/margins", "logps/chosen", "logps/rejected")
+
+
+@pytest.fixture(scope="module")
+def workdir(hf_checkpoint, tmp_path_factory):
+    """A tiny Gemma 3 with its tokenizer, a data folder of three preference records and a PEFT adapter."""
+    import peft
+    import torch
+    import transformers
+    from test_masks_tokenizers import GEMMA3_CONTROL, bpe_tokenizer
+    from trl.chat_template_utils import gemma3_chat_template
+
+    _, base = hf_checkpoint("gemma3_vllm")
+    root = tmp_path_factory.mktemp("dpo")
+    tokenizer = bpe_tokenizer(GEMMA3_CONTROL)
+    tokenizer.chat_template = gemma3_chat_template
+    tokenizer.eos_token = "<end_of_turn>"
+    tokenizer.save_pretrained(root / "base")
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager")
+    model.save_pretrained(root / "base")
+    (root / "data").mkdir()
+    (root / "data" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS["conversational"][:3]))
+    torch.manual_seed(0)
+    start = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0))
+    with torch.no_grad():  # an adapter as if trained by SFT: B away from PEFT's zero init
+        for name, p in start.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    start.save_pretrained(root / "adapter0")
+    return root
+
+
+def write_recipe(path, root, **fields):
+    path.write_text(yaml.safe_dump({"model_name_or_path": str(root / "base"), "dataset_name": str(root / "data"),
+                                    **fields}))
+    return path
+
+
+def one_device(tmp_path):
+    """A subprocess's environment: JAX on one CPU device, compiled executables cached in ``tmp_path``."""
+    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
+                PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+                JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax-cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+
+
+def peft_logits(base, adapter, ids, dtype="float64", merge=False):
+    """transformers' logits float64 [B, T, V] of ``base`` with the PEFT ``adapter`` (None: without), in ``dtype``;
+    ``merge``: PEFT's ``merge_and_unload`` first."""
+    import peft
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=getattr(torch, dtype),
+                                                              attn_implementation="eager")
+    if adapter is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter)
+        model = model.merge_and_unload() if merge else model
+    with torch.no_grad():
+        return model(torch.as_tensor(ids)).logits.double().numpy()
+
+
+def test_a_trl_documentation_recipe_runs_unchanged(workdir, tmp_path):
+    """TRL's documented recipe shape: use_peft with lora_r and lora_alpha, everything else TRL's default (lora_dropout
+    0.05, which TRL's disable_dropout turns off; bf16; gradient_checkpointing). trainer_state.json has TRL's DPO
+    metric names at every step; PEFT loads the adapter, which moved away from the base, and merged/ gives the same
+    logits as the base with it, within 10x the distance of PEFT's own float32 merge from the float64 adapter."""
+    out = tmp_path / "out"
+    config = write_recipe(tmp_path / "dpo.yaml", workdir, output_dir=str(out), use_peft=True, lora_r=8,
+                          lora_alpha=16, lora_target_modules="all-linear", max_steps=2, logging_steps=1,
+                          per_device_train_batch_size=2, learning_rate=1e-3)
+    # One device (a subprocess): the step compiles faster than on the suite's eight simulated ones.
+    result = subprocess.run([sys.executable, "-m", "gemport", "dpo", "--config", str(config), "--merge"],
+                            env=one_device(tmp_path), cwd=CHILD.parent, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "reference: the base, LoRA off" in result.stdout
+    state = json.loads((out / "trainer_state.json").read_text())
+    logged = [e for e in state["log_history"] if "loss" in e]
+    assert [e["step"] for e in logged] == [1, 2]
+    for entry in logged:
+        assert set(METRICS) <= set(entry) and all(np.isfinite(entry[k]) for k in METRICS), entry
+    assert logged[0]["rewards/margins"] == 0.0  # step 1: the fresh adapter's B is zero, policy = reference
+    adapter = json.loads((out / "adapter_config.json").read_text())
+    assert adapter["lora_dropout"] == 0.05 and adapter["r"] == 8
+    ids = np.array([[2, 5, 9, 14, 3, 7, 11, 4]])
+    base, tuned = peft_logits(workdir / "base", None, ids), peft_logits(workdir / "base", out, ids)
+    assert np.abs(tuned - base).max() > 0
+    merged = peft_logits(out / "merged", None, ids)
+    floor = np.abs(peft_logits(workdir / "base", out, ids, "float32", merge=True) - tuned).max()
+    bound = 10 * max(floor, EPS32 * np.abs(tuned).max())
+    assert np.abs(merged - tuned).max() <= bound, (np.abs(merged - tuned).max(), bound)
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"precompute_ref_log_probs": True}, "precompute_ref_log_probs=True"),
+    ({"loss_type": ["aot"]}, "loss_type=['aot']"),
+    ({"rpo_alpha": 1.0}, "rpo_alpha: not a field of trl dpo"),
+    ({"router_aux_loss_coef": 0.01}, "router_aux_loss_coef=0.01: gemport dpo does not reproduce"),
+    ({"eval_strategy": "steps"}, "eval_strategy='steps'"),
+])
+def test_fields_gemport_does_not_reproduce_are_refused_by_name(workdir, tmp_path, fields, words):
+    config = write_recipe(tmp_path / "dpo.yaml", workdir, output_dir=str(tmp_path / "out"), use_peft=True, **fields)
+    one_line_error(gemport("dpo", "--config", config, ok=False), words)
+
+
+def test_help_speaks_trl():
+    shown = gemport("dpo", "--help").stdout
+    assert "usage: gemport dpo" in shown and "trl dpo --config" in shown and "rewards/margins" in shown
+
+
+def test_mapped_fields_are_said():
+    notes = recipe.read({"padding_free": True, "ref_model_sync_steps": 64}, command="dpo").notes
+    assert any(n.startswith("padding_free=True") for n in notes) and any("sync_ref_model" in n for n in notes)
+    with pytest.raises(RecipeError, match="completion_only_loss: not a field of trl dpo"):
+        recipe.read({"completion_only_loss": True}, command="dpo")
+
+
+def trl_run(root, out, dtype):
+    """TRL's DPOTrainer on a PeftModel of adapter0 (its frozen "ref" copy the reference), the recipe's DPOConfig
+    fields, on torch's CPU; returns its log history and trained model."""
+    import datasets
+    import peft
+    import torch
+    import transformers
+    from trl import DPOConfig, DPOTrainer
+
+    # gradient_checkpointing off: torch recomputes outside TorchFloat64 (float32); the math is the same.
+    args = DPOConfig(output_dir=str(out), use_cpu=True, report_to="none", save_strategy="no",
+                     gradient_checkpointing=False, **{k: v for k, v in RECIPE.items() if k != "save_steps"})
+    torch.manual_seed(args.seed)
+    model = transformers.AutoModelForCausalLM.from_pretrained(root / "base", dtype=dtype, attn_implementation="eager")
+    model = peft.PeftModel.from_pretrained(model, root / "adapter0", is_trainable=True)
+    trainer = DPOTrainer(model=model, args=args, train_dataset=datasets.load_dataset(str(root / "data"))["train"],
+                         processing_class=transformers.AutoTokenizer.from_pretrained(root / "base"))
+    trainer.train()
+    return [e for e in trainer.state.log_history if "loss" in e], model
+
+
+def lora_factors(model):
+    return {n.replace(".default", ""): p.detach().double().numpy() for n, p in model.named_parameters()
+            if ".default." in n}
+
+
+def test_gemport_dpo_equals_trl_through_a_sigkill_and_resumes(workdir, tmp_path):
+    """`gemport dpo --init-adapter` SIGKILLed once step 3 is logged (checkpoint 2 complete, no 3), run again: it
+    resumes from step 2 and its step 3 is the killed run's exactly; every logged step (loss, grad_norm,
+    learning_rate, rewards, logps) and the final adapter equal TRL's uninterrupted training from the same adapter;
+    the adapter left in output_dir gives TRL's logits in PEFT. Step 2 is an epoch's short step (one micro-batch of
+    two), whose mean TRL takes over the one."""
+    import float64
+    import torch
+    from safetensors.numpy import load_file
+
+    out = tmp_path / "out"
+    config = write_recipe(tmp_path / "dpo.yaml", workdir, output_dir=str(out), **RECIPE)
+    env = one_device(tmp_path)  # the restart loads the first process's executables instead of compiling again
+    command = [sys.executable, str(CHILD), "kill:3", "dpo", "--config", str(config), "--init-adapter",
+               str(workdir / "adapter0")]
+    killed = subprocess.run(command, env=env, cwd=CHILD.parent, capture_output=True, text=True, timeout=900)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert not (out / "adapter_config.json").exists()
+    assert max(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == 2
+    before = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    resumed = subprocess.run(command[:2] + ["kill:99"] + command[3:], env=env, cwd=CHILD.parent,
+                             capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "reference: the starting adapter" in resumed.stdout
+    assert "| 2/3 [" in resumed.stderr and "| 0/3 [" not in resumed.stderr  # the bar starts at the checkpoint's step
+    logged = [e for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in e]
+    assert [e["step"] for e in logged] == [1, 2, 3]
+    assert [e for e in before if "loss" in e] == logged  # step 3 trained again from checkpoint 2: the same, exactly
+
+    logs32, model32 = trl_run(workdir, tmp_path / "trl32", torch.float32)
+    with float64.TorchFloat64():
+        logs64, model64 = trl_run(workdir, tmp_path / "trl64", torch.float64)
+    assert logs64[0]["rewards/margins"] == 0.0 != logs64[2]["rewards/margins"]  # the reference: adapter0
+    for got, want32, want64 in zip(logged, logs32, logs64, strict=True):
+        assert got["step"] == want64["step"] and got["epoch"] == pytest.approx(want64["epoch"])
+        for k in METRICS:
+            if k == "rewards/accuracies" or want64[k] == 0.0:
+                assert got[k] == want64[k] == want32[k], (got["step"], k)
+                continue
+            operands = reward_operands(RECIPE["beta"], want64) if k == "loss" or k.startswith("rewards/") else 0.0
+            error = abs(got[k] - want64[k]) / abs(want64[k])
+            assert error <= tolerance(want32[k], want64[k], operands), (got["step"], k, got[k], want32[k], want64[k])
+    assert min(e["grad_norm"] for e in logs64) > RECIPE["max_grad_norm"]  # clipping is in play
+
+    trained = {k.replace(".weight", ""): v for k, v in load_file(out / "adapter_model.safetensors").items()}
+    want32 = lora_factors(model32)
+    want64 = lora_factors(model64)
+    assert sorted(trained) == sorted(k.replace(".weight", "") for k in want64)
+    floor = max(np.linalg.norm(want32[k] - v) / np.linalg.norm(v) for k, v in want64.items())
+    for k, v in want64.items():
+        error = np.linalg.norm(trained[k.replace(".weight", "")] - v) / np.linalg.norm(v)
+        assert error <= 10 * max(floor, EPS32), (k, error, floor)
+    ids = np.array([[2, 5, 9, 14, 3, 7, 11, 4]])
+    with torch.no_grad():
+        exact = model64(torch.as_tensor(ids)).logits.double().numpy()
+        rounded = model32(torch.as_tensor(ids)).logits.double().numpy()
+    got = peft_logits(workdir / "base", out, ids)
+    bound = 10 * max(np.abs(rounded - exact).max(), EPS32 * np.abs(exact).max())
+    assert np.abs(got - exact).max() <= bound, (np.abs(got - exact).max(), bound)
