@@ -70,7 +70,7 @@ SUBPACKAGES = {
         "log_softmax", "model_dtype", "transformers_model", "tunix_logits",
     ],
     "gemport.dpo": [
-        "METRICS", "PAIR_LOSSES", "DPOLoss", "DPORun", "Preference", "collate", "dpo_loss", "dpo_step", "from_dpo_config",
+        "METRICS", "PAIR_LOSSES", "DPOLoss", "DPORun", "Preference", "collate", "dpo_loss", "from_dpo_config",
         "preference_loss", "preferences", "sequence_logps", "split_prompt", "tokenize", "without_lora",
     ],
     "gemport.dpo.run": ["DPORun", "dpo_fields", "preference_batches", "preference_micro_batches"],

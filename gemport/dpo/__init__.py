@@ -3,8 +3,8 @@
 Data (``data``): ``preferences`` tokenizes TRL's preference records (explicit or implicit prompt, plain or
 conversational) and ``collate`` lays out a micro-batch of pairs as TRL's collator does. Loss (``loss``):
 ``from_dpo_config`` reads a ``DPOConfig``, ``dpo_loss`` gives one micro-batch's loss and TRL's metrics, the
-reference being the same model with its LoRA off (``without_lora``). Step (``step``): ``dpo_step``, one
-optimizer step with TRL's gradient accumulation. Run (``run``): ``DPORun``, a ``trl dpo`` recipe as one object
+reference being the same model with its LoRA off (``without_lora``). Step (``trainer``): ``DPOPeftTrainer``, the
+SFT trainer's one step with DPO's loss and TRL's gradient accumulation. Run (``run``): ``DPORun``, a ``trl dpo`` recipe as one object
 (``gemport dpo --config``), on the SFT run's primitives with ``trainer.DPOPeftTrainer``. See docs/dpo.md.
 """
 
@@ -20,7 +20,6 @@ from gemport.dpo.loss import (
     without_lora,
 )
 from gemport.dpo.run import DPORun
-from gemport.dpo.step import dpo_step
 
 __all__ = [
     "METRICS",
@@ -30,7 +29,6 @@ __all__ = [
     "Preference",
     "collate",
     "dpo_loss",
-    "dpo_step",
     "from_dpo_config",
     "preference_loss",
     "preferences",
