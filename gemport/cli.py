@@ -251,6 +251,7 @@ def peft_for_vllm(args) -> int:
 
 def parity(args) -> int:
     from gemport.parity import Tolerances, dropout_note, miniature, read_recipe, trajectory, without_dropout
+    from gemport.train import segment_loss, tunix_loss
     from gemport.plots import write_parity
 
     sft, lora = read_recipe(args.config)
@@ -271,7 +272,7 @@ def parity(args) -> int:
             base = miniature(args.base, Path(work) / "miniature", vocab_size=args.vocab_size)
             print(f"miniature of {args.base}: {base}")
         report = trajectory(base, args.data, sft_config=sft, lora_config=lora, steps=args.steps, tokenizer=tokenizer,
-                            port_sft_config=port, fast=args.fast,
+                            port_sft_config=port, loss_fn=segment_loss if args.fast else tunix_loss,
                             tolerances=Tolerances(**_given(args, loss="rtol", grad_norm="rtol"),
                                                   adapter=args.adapter_rtol))
     numbers, picture = write_parity(report, args.out)

@@ -41,7 +41,7 @@ SUBPACKAGES = {
     "gemport.specs": ["GLOBAL", "SLIDING", "GemmaSpec"],
     "gemport.train": [
         "BATCH_FIELDS", "LAYOUTS", "Layout", "OptimizerStep", "SFTPipeline", "SFTRun", "SamplingStrategy", "StepMetrics",
-        "fast_loss", "from_sft_config", "optimizer_steps", "randperm", "sample_order", "stack",
+        "segment_loss", "from_sft_config", "optimizer_steps", "randperm", "sample_order", "stack",
         "train_step",
         "tunix_loss",
     ],

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 from gemport.errors import MeshError
+from gemport.train import segment_loss, tunix_loss
 from gemport.lora import LoraSpec
 from gemport.mesh import TpuSlice, make_mesh, slice_devices
 from gemport.mesh.tpu import platform
@@ -86,7 +87,7 @@ def compiled_for_v5p():
     out = {}
     for fast in (True, False):
         model = lora_model(spec, LoraSpec(4, 8.0), param_dtype=jnp.bfloat16)
-        out[fast] = compile_step(step_trainer(model, fast=fast), mesh, 4, 256)
+        out[fast] = compile_step(step_trainer(model, loss_fn=segment_loss if fast else tunix_loss), mesh, 4, 256)
     return out
 
 

@@ -29,7 +29,7 @@ from gemport.mesh.context import use_mesh
 from gemport._src.partition import padded, spec_of
 from gemport.specs import GemmaSpec
 from gemport.train.model import lora_model
-from gemport.train.step import BATCH_FIELDS
+from gemport.train.step import BATCH_FIELDS, LossFn, segment_loss
 
 # XLA:CPU orders a program for concurrency by default: it runs every layer's rematerialisation as early
 # as its inputs allow, so remat saves nothing. Accelerators schedule for memory; with this flag in XLA_FLAGS
@@ -150,7 +150,7 @@ def compile_step(trainer: Any, mesh, rows: int, seq_len: int) -> Compiled:
                     float((cost or {}).get("flops", 0.0)), rows * seq_len, mesh.size, executable)
 
 
-def step_trainer(model: nnx.Module, args: Mapping[str, Any] | None = None, *, fast: bool = True):
+def step_trainer(model: nnx.Module, args: Mapping[str, Any] | None = None, *, loss_fn: LossFn = segment_loss):
     """The ``HFPeftTrainer`` ``SFTRun`` builds for ``model`` and the ``SFTConfig`` fields ``args`` (TRL's defaults
     for the rest; one optimizer step), without data: ``hf_optimizer``'s transformation and schedule, Tunix's
     ``TrainingConfig`` with the recipe's accumulation, no checkpoints."""
@@ -159,11 +159,11 @@ def step_trainer(model: nnx.Module, args: Mapping[str, Any] | None = None, *, fa
     from gemport.train.run import sft_fields, training_config
 
     args = sft_fields(dict(args or {}))
-    return HFPeftTrainer(model, hf_optimizer(args, num_training_steps=1).tx, training_config(args, 1), fast=fast)
+    return HFPeftTrainer(model, hf_optimizer(args, num_training_steps=1).tx, training_config(args, 1), loss_fn=loss_fn)
 
 
 def compiled_peak(spec: GemmaSpec, lora_spec: LoraSpec, fsdp: int, tp: int, *, batch: int, seq_len: int,
-                  remat: str | None = None, param_dtype="bfloat16", fast: bool = True,
+                  remat: str | None = None, param_dtype="bfloat16", loss_fn: LossFn = segment_loss,
                   qlora: QLoraSpec | None = None, tpu: str | None = None,
                   args: Mapping[str, Any] | None = None) -> int:
     """Per-device peak bytes XLA compiles the train step to on an (fsdp, tp) mesh: of this host's CPU devices, or
@@ -173,8 +173,8 @@ def compiled_peak(spec: GemmaSpec, lora_spec: LoraSpec, fsdp: int, tp: int, *, b
     ``seq_len`` tokens per micro-batch, the optimizer, accumulation, clipping and schedule of the ``SFTConfig``
     fields ``args`` (TRL's defaults for the rest), on an abstract model of ``spec`` with ``lora_spec``; lowered for
     abstract inputs and compiled, never run: nothing is allocated. remat: Tunix's ``remat_config``; default the
-    recipe's ``gradient_checkpointing`` (``train.sft.remat_of``: TRL's default is decoder remat). fast: the loss
-    of ``HFPeftTrainer(fast=)``. For a TPU slice it is the program the slice would run, splash attention included.
+    recipe's ``gradient_checkpointing`` (``train.sft.remat_of``: TRL's default is decoder remat). loss_fn: the loss
+    of ``HFPeftTrainer(loss_fn=)``. For a TPU slice it is the program the slice would run, splash attention included.
     XLA:CPU computes bfloat16 in float32, so its figure for a bf16 model includes float32 copies of weights
     and activations a TPU would not make: an upper bound for the TPU's. With ``qlora`` the base is 4-bit as
     ``load_qlora_model`` places it (``gemport.train.model.quantize_base``). On CPU, give XLA
@@ -198,7 +198,7 @@ def compiled_peak(spec: GemmaSpec, lora_spec: LoraSpec, fsdp: int, tp: int, *, b
     remat = remat if remat is not None else remat_of(dict(args or {}))
     model = lora_model(spec, lora_spec, remat=remat, param_dtype=np.dtype(param_dtype), qlora=qlora)
     mesh = make_mesh(spec, fsdp=fsdp, tp=tp, devices=devices[: fsdp * tp])
-    return compile_step(step_trainer(model, args, fast=fast), mesh, batch, seq_len).peak_bytes
+    return compile_step(step_trainer(model, args, loss_fn=loss_fn), mesh, batch, seq_len).peak_bytes
 
 
 __all__ = ["CPU_MEMORY_SCHEDULER", "Compiled", "compile_step", "compiled_peak", "fingerprint", "lower_step",
