@@ -6,31 +6,23 @@ tokens from the normed input, and picks experts with ``jax.lax.approx_max_k`` (a
 experts take the normed input (``pre_feedforward_layernorm_2``). The two agree only where that norm's weights are
 constant. Here, in the Tunix model gemport builds, two modules of each MoE layer take other classes (their
 parameters, paths and shardings unchanged): ``moe_pre_ffw_norm`` passes the residual on beside its output, and
-``moe`` routes from that residual with an exact top k, then runs Tunix's experts on the normed input. This is
-the one place gemport touches Tunix's MoE internals; it checks the Tunix version it was written against.
+``moe`` routes from that residual with an exact top k, then runs Tunix's experts on the normed input. Tunix's
+private expert call and the Tunix version this was written against are in ``gemport._src.upstream``.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 
 import jax
 import jax.numpy as jnp
 
-from gemport.errors import MissingDependencyError
-
-TUNIX_VERSION = "0.1.7"
+from gemport._src import upstream
+from gemport._src.upstream import TUNIX_VERSION  # the version this was written against, checked there at import
 
 
 @functools.cache
 def _classes():
-    found = importlib.metadata.version("google-tunix")
-    if found != TUNIX_VERSION:
-        raise MissingDependencyError(
-            f"gemport's Gemma 4 MoE routing replaces parts of Tunix {TUNIX_VERSION}'s decoder layer, but Tunix "
-            f"{found} is installed; install google-tunix=={TUNIX_VERSION} (pip install 'gemport[tunix]')"
-        )
     from tunix.models.gemma4 import model as g4
     from tunix.models.gemma4 import moe
 
@@ -53,7 +45,7 @@ def _classes():
             x = x * self.router_scale.get_value().astype(x.dtype) * self.features**-0.5
             logits = jnp.einsum("btd,de->bte", x, self.router_logits.get_value().astype(x.dtype))
             weights, choices = route(logits, self.num_experts_per_datapoint)
-            return self._run_ffw_and_routing(normed, choices, weights)
+            return upstream.run_experts(self, normed, choices, weights)
 
     return {g4.RMSNorm: ResidualAndNorm, moe.MoERagged: HFRoutedMoE}
 

@@ -12,7 +12,6 @@ bfloat16 in float32, so its figure for a bf16 model includes float32 copies of w
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Mapping
 from typing import Any
@@ -26,6 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from gemport.errors import MeshError
 from gemport.lora import LoraSpec, QLoraSpec
 from gemport.mesh.context import use_mesh
+from gemport._src import upstream
 from gemport._src.partition import padded, spec_of
 from gemport.specs import GemmaSpec
 from gemport.train.model import lora_model
@@ -62,30 +62,6 @@ def _placed(graph, mesh):
     return nnx.merge(graphdef, jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
-@contextlib.contextmanager
-def _tunix_constraints(mesh):
-    # Tunix constrains activations to its layouts (``tunix.utils.sharding_utils.shard``) only when the process's
-    # own devices are accelerators. Traced on a CPU host for a TPU slice's compile-only devices, the step would
-    # lack the constraints the slice's run has, and XLA would reshard activations between rows and widths
-    # (all-to-alls of [B, T, D]) where the slice gathers weights. While it is traced, Tunix's models constrain
-    # on ``mesh`` as they do on the slice; a mesh of the host's own devices keeps Tunix's behaviour.
-    if mesh.devices.flat[0].platform == jax.devices()[0].platform:
-        yield
-        return
-    from tunix.models.gemma4 import model as gemma4
-    from tunix.utils import sharding_utils
-
-    def shard(x, spec, eager=False):
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
-
-    saved = sharding_utils.shard, gemma4.shard
-    sharding_utils.shard = gemma4.shard = shard
-    try:
-        yield
-    finally:
-        sharding_utils.shard, gemma4.shard = saved
-
-
 def lower_step(trainer: Any, mesh, rows: int, seq_len: int) -> jax.stages.Lowered:
     """``trainer.jitted_train_step()`` lowered for a micro-batch of ``rows`` x ``seq_len`` tokens on ``mesh``.
 
@@ -98,7 +74,7 @@ def lower_step(trainer: Any, mesh, rows: int, seq_len: int) -> jax.stages.Lowere
     inputs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rows_sharding)
               for k, v in micro_batch_shapes(rows, seq_len).items()}
     model, optimizer = _placed(trainer.model, mesh), _placed(trainer.optimizer, mesh)
-    with use_mesh(mesh), _tunix_constraints(mesh):
+    with use_mesh(mesh), upstream.tunix_shard_on(mesh):
         return trainer.jitted_train_step().lower(model, optimizer, inputs)
 
 

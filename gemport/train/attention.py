@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, PartitionSpec as P
 
+from gemport._src import upstream
 from gemport.errors import GemportError
 from gemport.mesh.dims import FSDP, TP
 from gemport.mesh.tpu import platform
@@ -305,7 +306,7 @@ def _gemma4_class():
             rope = functools.partial(g4.apply_rope, positions=segment_pos, base_frequency=self.rope_base_frequency,
                                      scale_factor=self.rope_scale_factor, rope_proportion=self.rope_proportion)
             x = x.astype(cfg.dtype)
-            query = rope(self._query_norm(g4.shard(self.q_einsum(x), cfg.shd_config.act_btnh)))
+            query = rope(upstream.query_norm(self)(g4.shard(self.q_einsum(x), cfg.shd_config.act_btnh)))
             if kv_shared_cache is not None:
                 key, value = kv_shared_cache["k"], kv_shared_cache["v"]
             else:
@@ -316,7 +317,7 @@ def _gemma4_class():
                 key = g4.shard(key, cfg.shd_config.act_btnh)
                 value = g4.shard(value, cfg.shd_config.act_btnh)
                 value = value * jax.lax.rsqrt(jnp.mean(jnp.square(value), axis=-1, keepdims=True) + 1e-06)
-                key = rope(self._key_norm(key))
+                key = rope(upstream.key_norm(self)(key))
             window = cfg.sliding_window_size if self.attn_type == g4.AttentionType.LOCAL_SLIDING else None
             encoded = attend(query, key, value, _segments(attn_mask), window, self.segment_block)
             out = g4.shard(self.attn_vec_einsum(encoded), cfg.shd_config.act_btd)
@@ -343,8 +344,8 @@ def _gemma3_class():
             query, key, value = (g3.sharding_utils.shard(a, shd.act_btnh) for a in (query, key, value))
             rope = functools.partial(g3.apply_rope, positions=segment_pos, head_dim=self.head_dim,
                                      base_frequency=self.rope_base_frequency, scale_factor=self.rope_scale_factor)
-            query = rope(self._query_norm(query)) * self.query_pre_attn_scalar
-            key = rope(self._key_norm(key))
+            query = rope(upstream.query_norm(self)(query)) * self.query_pre_attn_scalar
+            key = rope(upstream.key_norm(self)(key))
             window = self.sliding_window_size if self.attn_type == g3.AttentionType.LOCAL_SLIDING else None
             encoded = attend(query, key, value, _segments(attn_mask), window, self.segment_block)
             return None, g3.sharding_utils.shard(self.attn_vec_einsum(encoded), shd.act_btd)

@@ -103,9 +103,7 @@ class HFOutputs(hooks.TrainingHooks):
 
     def on_train_start(self, trainer: Any) -> None:
         self._begin(trainer)
-        if trainer._pbar is not None:  # Tunix's own bar (loss and perplexity only): this one replaces it
-            trainer._pbar.close()
-            trainer._pbar = None
+        trainer.close_progress_bar()  # Tunix's own bar (loss and perplexity only): this one replaces it
         self.clock = time.perf_counter()
 
     def _latest(self, trainer: Any, name: str, mode: str) -> float:

@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from gemport.checkpoint.adapters import save_lora_spec
 from gemport.checkpoint.integrity import resume_step, steps
 from gemport.errors import BatchError, CheckpointError, TrainingError
+from gemport._src import upstream
 from gemport._src.extras import require
 from gemport.lora import LoraSpec, dropout_key, lora_dropout
 from gemport.masks.loss import nll_scopes
@@ -186,7 +187,7 @@ class _Checkpoints:
             raise self._failed(None, e) from e
 
 
-class HFPeftTrainer(peft_trainer.PeftTrainer):
+class HFPeftTrainer(upstream.peft_trainer_class()):
     """``tunix.sft.PeftTrainer`` whose gradient accumulation is HF's and whose metrics have both loss scopes.
 
     model: a Tunix Gemma with LoRA (``lora.apply_lora``) or without (full fine-tune).
@@ -259,7 +260,7 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
         what ``gemport.plan`` compiles; ``tests/test_one_step.py`` holds it to the program ``train()`` lowers."""
         return nnx.jit(self.create_train_step_fn(), donate_argnames=("optimizer",))
 
-    def _prepare_inputs(self, input_data: Any) -> Any:
+    def prepare_inputs(self, input_data: Any, training: bool) -> Any:
         """Refuses packed rows to a segment-blind attention (with ``train.tunix_loss``) and a training micro-batch
         laid out for another accumulation than the config's, and drops that field; under ``jax.distributed``,
         each field's global array from this process's rows, sharded over ``data_sharding_axis``. (Tunix 0.1.7 checks the axis divides the *local* rows and otherwise treats each
@@ -269,7 +270,7 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
         given = input_data.pop(ACCUMULATION, None)
         expected = self.config.get_with_default("gradient_accumulation_steps", 1)
         laid_out = None if given is None else int(np.asarray(given).flat[0])
-        if self._mode == "train" and laid_out not in (None, expected):
+        if training and laid_out not in (None, expected):
             raise BatchError(
                 f"HFPeftTrainer: the batches were laid out for gradient_accumulation_steps={laid_out} but "
                 f"TrainingConfig.gradient_accumulation_steps={expected}; build both from one SFTConfig "
@@ -281,16 +282,12 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
         sharding = NamedSharding(mesh, PartitionSpec(*self.config.data_sharding_axis))
         return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in input_data.items()}
 
-    def _write_train_metrics(self):
-        # Called once per optimizer step, after it and before PeftTrainer's periodic checkpoint.
-        if self._buffered_train_metrics is not None:
-            self._check_finite(self._buffered_train_metrics)
-        super()._write_train_metrics()
+    def after_step(self, step: int) -> None:
+        # Called once per optimizer step, after its metrics are written and before PeftTrainer's periodic checkpoint.
         if self._preemption is not None:
-            self._preemption.check(self._train_steps, self._stop,
-                                   where=str(self.config.checkpoint_root_directory))
+            self._preemption.check(step, self._stop, where=str(self.config.checkpoint_root_directory))
 
-    def _check_finite(self, buffer) -> None:
+    def check_step(self, buffer) -> None:
         """Refuses the step just taken when its loss or gradient norm is not finite, before it is checkpointed.
 
         HF's Trainer logs such a step (``logging_nan_inf_filter`` only hides it from the logged mean) and goes
@@ -305,7 +302,7 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
         last = self.checkpoint_manager.latest_step()
         self.checkpoint_manager.close()  # waits for a checkpoint still being written
         raise TrainingError(
-            f"step {self._train_steps}: the loss is {loss.tolist()} (per micro-batch) and the gradient norm "
+            f"step {self.train_steps}: the loss is {loss.tolist()} (per micro-batch) and the gradient norm "
             f"{float(grad_norm)}; the weights this step made are not finite, so the run stops before "
             "checkpointing them ("
             + (f"the last checkpoint, step {last} in {root}, is kept" if last is not None else "no checkpoint")
@@ -317,13 +314,13 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
         self._preemption = None  # close() writes the metrics again
         self.close()  # the last step's metrics, its checkpoint (waited for), the logger
 
-    def _post_process_train_step(self, aux):
-        values, _ = self._buffered_train_metrics.additional_metrics["grad_norm"]
-        self._buffered_train_metrics.additional_metrics["grad_norm"] = (values, _last)
-        self._buffer_scopes(self._buffered_train_metrics, aux)
+    def post_train_step(self, buffer, aux):
+        values, _ = buffer.additional_metrics["grad_norm"]
+        buffer.additional_metrics["grad_norm"] = (values, _last)
+        self._buffer_scopes(buffer, aux)
 
-    def _post_process_eval_step(self, aux):
-        self._buffer_scopes(self._buffered_eval_metrics, aux)
+    def post_eval_step(self, buffer, aux):
+        self._buffer_scopes(buffer, aux)
 
     @staticmethod
     def _buffer_scopes(buffer, aux):
