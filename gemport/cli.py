@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from gemport.cli_sft import add_parser as add_sft_parser
-from gemport.errors import CheckpointError, GemportError, LoraError, MeshError, SpecError
+from gemport.errors import CheckpointError, GemportError, LoraError, MeshError, RecipeError, SpecError
 
 
 class Default:
@@ -258,7 +258,7 @@ def parity(args) -> int:
     if args.lora_config:
         lora = args.lora_config
     if not lora:
-        raise LoraError(f"{args.config}: no lora_r/lora_target_modules; pass --lora-config adapter_config.json")
+        raise RecipeError(f"{args.config}: no lora_r/lora_target_modules; pass --lora-config adapter_config.json")
     lora, dropout = without_dropout(lora)
     if dropout:
         print(dropout_note(dropout))

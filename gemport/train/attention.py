@@ -23,16 +23,12 @@ from flax import nnx
 from jax.sharding import AxisType, PartitionSpec as P
 
 from gemport._src import upstream
-from gemport.errors import GemportError
+from gemport.errors import BatchError, SpecError
 from gemport.mesh.dims import FSDP, TP
 from gemport.mesh.tpu import platform
 
 BLOCK = 512
 """Query and key tile length of the blockwise attention (rows are padded up to a multiple of it)."""
-
-
-class SegmentAttentionError(GemportError, ValueError):
-    """Packed rows given to an attention that ignores segments, or a segment-attention model used wrongly."""
 
 
 def _tile_mask(seg_q, seg_k, q_idx, k_idx, window):
@@ -281,7 +277,7 @@ def attend(q, k, v, segment_ids, window, block=BLOCK):
 
 def _segments(attn_mask):
     if attn_mask is None or jnp.ndim(attn_mask) != 2:
-        raise SegmentAttentionError(
+        raise BatchError(
             "a segment-attention model takes segment_ids int [B, T] where Tunix takes attention_mask; got "
             f"{None if attn_mask is None else jnp.shape(attn_mask)}"
         )
@@ -290,7 +286,7 @@ def _segments(attn_mask):
 
 def _no_cache(cache):
     if cache is not None:
-        raise SegmentAttentionError("segment attention is for training (no KV cache); sample with the Tunix model")
+        raise BatchError("segment attention is for training (no KV cache); sample with the Tunix model")
 
 
 @functools.cache
@@ -371,7 +367,7 @@ def segment_attention_model(model: nnx.Module, *, block: int = BLOCK) -> nnx.Mod
     Tunix model with ``segment_ids`` int [B, T] in place of ``attention_mask`` [B, T, S]:
     ``copy(tokens, positions, None, segment_ids)``. Training only: no KV cache. ``model`` is not changed.
     block: ``segment_attention``'s tile length (TPU's splash kernel tiles on its own).
-    Raises SegmentAttentionError for a model with no Tunix Gemma 3 / Gemma 4 attention.
+    Raises SpecError for a model with no Tunix Gemma 3 / Gemma 4 attention.
     """
     copy = nnx.merge(*nnx.split(model))
     replacements = _replacements()
@@ -383,7 +379,7 @@ def segment_attention_model(model: nnx.Module, *, block: int = BLOCK) -> nnx.Mod
             module.segment_block = block
             found = True
     if not found:
-        raise SegmentAttentionError(
+        raise SpecError(
             f"segment_attention_model: {type(model).__name__} has no Tunix Gemma 3 / Gemma 4 attention layer"
         )
     return copy
@@ -400,7 +396,7 @@ def segment_blind(model: nnx.Module) -> bool:
 def check_segments(model: nnx.Module, segment_ids: jax.typing.ArrayLike, where: str) -> None:
     """Refuse rows with more than one segment for a ``segment_blind`` model (``segment_ids`` int [..., T]).
 
-    Raises SegmentAttentionError naming ``where`` (the step or trainer) and the fix.
+    Raises BatchError naming ``where`` (the step or trainer) and the fix.
     """
     if not segment_blind(model):
         return
@@ -409,7 +405,7 @@ def check_segments(model: nnx.Module, segment_ids: jax.typing.ArrayLike, where: 
     first = np.where(rows > 0, rows, np.iinfo(rows.dtype).max).min(axis=-1, keepdims=True)
     packed = ((rows > 0) & (rows != first)).any(axis=-1)
     if packed.any():
-        raise SegmentAttentionError(
+        raise BatchError(
             f"{where}: row {int(np.argmax(packed))} of the batch packs several examples (segment_ids), but the "
             "model was built with Tunix's use_flash_attention, whose splash attention ignores segments and would "
             "let them attend to each other; train with gemport's segment attention (the default), or build the "

@@ -112,7 +112,7 @@ def train_step(*, wrt: Any = nnx.LoRAParam, loss_fn: LossFn = segment_loss,
         default (segment attention, chunked cross-entropy: the same loss and gradients without [T, S] scores
         or [B, T, V] logits); ``tunix_loss`` runs Tunix's own attention and logits. With any other than
         ``segment_loss``, a model whose attention ignores segments (Tunix's ``use_flash_attention``) is refused
-        packed rows (``attention.SegmentAttentionError``).
+        packed rows (``BatchError``).
     seed: the LoRA dropout stream's (HF's ``seed``); with a ``model.lora_spec.dropout`` above 0, micro-batch
         ``a`` of the optimizer's step ``n`` trains under ``lora.lora_dropout(model, lora.dropout_key(seed,
         n * A + a))``, the masks ``HFPeftTrainer`` draws for it, and a resumed run (whose optimizer state has
