@@ -66,7 +66,7 @@ def updates(**fields):
 
 def outputs(tmp_path, **fields):
     """``HFOutputs`` of a run of ``fields`` (its plan, batches and cadence; no model), started."""
-    from gemport.train.outputs import HFOutputs
+    from gemport.train.outputs import HFOutputs, step_epochs, step_tokens
 
     args = sft(**fields)
     order, batches = steps(**fields)
@@ -74,11 +74,10 @@ def outputs(tmp_path, **fields):
     base = tmp_path / "base"
     if not base.is_dir():  # the run config trackers upload reads the base's config.json
         text_config("gemma3_1b").save_pretrained(base)
-    run = types.SimpleNamespace(args=args, max_steps=len(plan), plan=[s for s, _ in plan], train_batches=batches,
-                                num_units=len(examples(**fields)[0]), optimizer=None,
-                                training_config=training_config(args, len(plan), evaluate=True),
-                                base_dir=base, lora_spec=lora(), num_parameters=0)
-    hooks = HFOutputs(run, tmp_path)
+    hooks = HFOutputs(tmp_path, args, epochs=step_epochs([s for s, _ in plan], len(examples(**fields)[0]), args),
+                      tokens=step_tokens(batches), learning_rate=None,
+                      eval_every=training_config(args, len(plan), evaluate=True).eval_every_n_steps,
+                      tracker_config=dict(base_dir=base, lora_config=lora().to_peft(str(base)), num_parameters=0))
     hooks._begin(types.SimpleNamespace(train_steps=0))
     return hooks
 

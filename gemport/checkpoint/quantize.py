@@ -28,7 +28,7 @@ from gemport.checkpoint.safetensors import DTYPES
 from gemport.errors import LoraError, MissingDependencyError
 from gemport.lora.qlora import NESTED_BLOCK_SIZE, QLoraSpec, is_quantized, scale_spec, tile_shape
 from gemport._src import upstream
-from gemport._src.params import abstract_model, flat_params, path_str
+from gemport._src.params import abstract_model, path_str
 from gemport.specs import GemmaSpec
 
 def nf4_values() -> np.ndarray:
@@ -167,12 +167,3 @@ def _scale_sharding(sharding, shape):
     return NamedSharding(sharding.mesh, PartitionSpec(*scale_spec(sharding.spec, shape, dict(sharding.mesh.shape))))
 
 
-def dequantized(model) -> dict[str, np.ndarray]:
-    """``{Tunix weight path: float32 array}`` of a model's 4-bit weights, dequantized as Qwix computes them."""
-    flat = flat_params(model)
-    suffix = ".array.qvalue"
-    return {
-        key[: -len(suffix)]: np.asarray(qwix.dequantize(qwix.QArray(
-            value, flat[key[: -len("qvalue")] + "scale"], qtype="nf4")), np.float32)
-        for key, value in flat.items() if key.endswith(suffix)
-    }

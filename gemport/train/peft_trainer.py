@@ -38,6 +38,7 @@ from gemport._src.extras import require
 from gemport.lora import LoraSpec, dropout_key, lora_dropout
 from gemport.masks.loss import nll_scopes
 from gemport.train.attention import check_segments
+from gemport.train.distributed import global_batch
 from gemport.train.preemption import Preemption
 from gemport.train.step import BATCH_FIELDS, LossFn, per_target, segment_loss
 
@@ -280,7 +281,7 @@ class HFPeftTrainer(upstream.peft_trainer_class()):
         if jax.process_count() == 1 or mesh.empty:
             return input_data
         sharding = NamedSharding(mesh, PartitionSpec(*self.config.data_sharding_axis))
-        return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in input_data.items()}
+        return global_batch(input_data, sharding, None, axis=0)
 
     def after_step(self, step: int) -> None:
         # Called once per optimizer step, after its metrics are written and before PeftTrainer's periodic checkpoint.

@@ -352,7 +352,7 @@ class SFTRun:
         changed recipe raises ``RecipeError`` naming what changed, unless ``resume_from_checkpoint`` is set.
         """
         from gemport.train.lock import claim_output
-        from gemport.train.outputs import HFOutputs
+        from gemport.train.outputs import HFOutputs, step_epochs, step_tokens
         from gemport.train.peft_trainer import micro_batches
         from gemport.train.preemption import Preemption
 
@@ -367,7 +367,12 @@ class SFTRun:
         if output_dir is not None and jax.process_index() == 0:
             claim_output(output_dir)  # one run per output_dir
         if hooks is None and output_dir is not None:
-            hooks = HFOutputs(self, output_dir)
+            hooks = HFOutputs(
+                output_dir, self.args, epochs=step_epochs(self.plan, self.num_units, self.args),
+                tokens=step_tokens(self.train_batches), eval_every=self.training_config.eval_every_n_steps,
+                learning_rate=self.optimizer.schedule,
+                tracker_config=dict(base_dir=self.base_dir, lora_config=self.lora_spec.to_peft(str(self.base_dir)),
+                                    num_parameters=self.num_parameters))
         preemption = None
         if self.trainer is None:
             if root is not None:
