@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from gemport._src.extras import require
-from gemport.errors import CheckpointError, LoraError, MeshError
+from gemport.errors import CheckpointError, MeshError, RecipeError
 
 DESCRIPTION = """\
 Run a `trl sft --config sft.yaml` recipe on the JAX devices present (a TPU slice; CPU for a miniature):
@@ -158,14 +158,14 @@ def run(args) -> int:
         require("matplotlib", "gemport sft --plot")
     base = model.get("model_name_or_path")
     if not base:
-        raise CheckpointError("model_name_or_path: not set; give the HF Gemma checkpoint directory")
+        raise RecipeError("model_name_or_path: not set; give the HF Gemma checkpoint directory")
     if not script.get("dataset_name") and not args.dry_run:
-        raise CheckpointError("dataset_name: not set; give a data file, folder, saved dataset or hub name")
+        raise RecipeError("dataset_name: not set; give a data file, folder, saved dataset or hub name")
     lora = recipe.lora()
     if args.init_adapter:
         lora = None
     elif lora is None:
-        raise LoraError("use_peft is not set: gemport sft trains LoRA; set use_peft: true with lora_r, lora_alpha "
+        raise RecipeError("use_peft is not set: gemport sft trains LoRA; set use_peft: true with lora_r, lora_alpha "
                         "and lora_target_modules, or pass --init-adapter DIR")
     if args.dry_run:
         return _dry_run(args, recipe, lora, say)

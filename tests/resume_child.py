@@ -84,11 +84,11 @@ class Recorder(hooks.TrainingHooks):
 
 
 class RecordingTrainer(HFPeftTrainer):
-    def _prepare_inputs(self, input_data):
+    def prepare_inputs(self, input_data, training):
         # Called for the micro-batches trained, not for those skipped on resume.
         index = int(input_data.pop("index")[0])
         self.training_hooks.consumed.setdefault(self.train_steps + 1, []).append(index)
-        return super()._prepare_inputs(input_data)
+        return super().prepare_inputs(input_data, training)
 
 
 def peft(model, steps, out, kill_after):
