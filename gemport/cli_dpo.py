@@ -8,7 +8,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from gemport.cli_sft import _put, _resume_point
+from gemport.cli_sft import check_resume_point, put_atomically
 from gemport.errors import CheckpointError, LoraError
 
 DESCRIPTION = """\
@@ -92,7 +92,7 @@ def run(args) -> int:
     check_outside(output_dir, *(p for p in (base, script["dataset_name"], args.init_adapter, args.config)
                                 if p and Path(p).exists()))
     claim_output(output_dir)  # writable, and no other run in it: before anything long starts
-    _resume_point(config["resume_from_checkpoint"], output_dir / CHECKPOINTS)
+    check_resume_point(config["resume_from_checkpoint"], output_dir / CHECKPOINTS)
     for note in recipe.notes:
         print(f"  {note}", flush=True)
 
@@ -116,13 +116,14 @@ def run(args) -> int:
 
     trained = dpo_run.lora_params()
     staged = output_dir / ".adapter"
-    _put(lambda tmp: export_peft(trained, tmp, base_dir=dpo_run.base_dir, base_model_name_or_path=str(base)), staged)
+    put_atomically(lambda tmp: export_peft(trained, tmp, base_dir=dpo_run.base_dir, base_model_name_or_path=str(base)),
+                   staged)
     for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):  # the config last: a killed move leaves no new config on old weights
         os.replace(staged / name, output_dir / name)
     shutil.rmtree(staged)
     print(f"wrote {output_dir / ADAPTER_CONFIG}, {output_dir / ADAPTER_WEIGHTS}", flush=True)
     if args.merge:
-        _put(lambda tmp: export_merged(trained, tmp, base_dir=dpo_run.base_dir), output_dir / "merged")
+        put_atomically(lambda tmp: export_merged(trained, tmp, base_dir=dpo_run.base_dir), output_dir / "merged")
         print(f"wrote {output_dir / 'merged'}", flush=True)
     return 0
 

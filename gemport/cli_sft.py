@@ -102,7 +102,7 @@ def _initialize(args) -> None:
         jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
 
 
-def _resume_point(value, root: Path) -> None:
+def check_resume_point(value, root: Path) -> None:
     """Check ``resume_from_checkpoint`` against the checkpoints Tunix resumes from (the latest in ``root``)."""
     if value in (None, False, "", "false", "False"):
         return
@@ -117,7 +117,7 @@ def _resume_point(value, root: Path) -> None:
                               f"output_dir ({root / str(steps[-1])}); pass that, or true")
 
 
-def _put(build, target: Path) -> None:
+def put_atomically(build, target: Path) -> None:
     """Write with ``build(tmp)`` beside ``target``, then move it into place (replacing an older one)."""
     tmp = target.with_name(f".{target.name}.{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -175,7 +175,7 @@ def run(args) -> int:
     check_outside(output_dir, *(p for p in inputs if p and Path(p).exists()))
     if primary:  # writable, and no other run in it: before anything long starts
         claim_output(output_dir)
-    _resume_point(sft["resume_from_checkpoint"], output_dir / CHECKPOINTS)
+    check_resume_point(sft["resume_from_checkpoint"], output_dir / CHECKPOINTS)
     qlora = recipe.qlora()
     for note in recipe.notes:
         say(f"  {note}")
@@ -214,13 +214,14 @@ def run(args) -> int:
     if not primary:
         return 0
     staged = output_dir / ".adapter"
-    _put(lambda tmp: export_peft(trained, tmp, base_dir=sft_run.base_dir, base_model_name_or_path=str(base)), staged)
+    put_atomically(lambda tmp: export_peft(trained, tmp, base_dir=sft_run.base_dir, base_model_name_or_path=str(base)),
+                   staged)
     for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):  # the config last: a killed move leaves no new config on old weights
         os.replace(staged / name, output_dir / name)
     shutil.rmtree(staged)
     say(f"wrote {output_dir / ADAPTER_CONFIG}, {output_dir / ADAPTER_WEIGHTS}")
     if args.merge:
-        _put(lambda tmp: export_merged(trained, tmp, base_dir=sft_run.base_dir), output_dir / "merged")
+        put_atomically(lambda tmp: export_merged(trained, tmp, base_dir=sft_run.base_dir), output_dir / "merged")
         say(f"wrote {output_dir / 'merged'}")
     if args.plot:
         from gemport.plots import loss_curves

@@ -66,8 +66,8 @@ def micro_batches(steps: Iterable[Mapping[str, np.ndarray]]) -> grain.MapDataset
         (``train.stack``, or ``SFTPipeline.batches``' second items), all of one shape; it is read once.
 
     Element ``s * A + a`` is micro-batch ``a`` of step ``s``: ``BATCH_FIELDS`` [B, T], ``NUM_ITEMS`` [B]
-    (the targets of the whole step) and ``ACCUMULATION`` [B] (A). Give ``PeftTrainer`` ``gradient_accumulation_steps=A``. A held-out split
-    laid out as steps of A = 1 is an eval dataset.
+    (the targets of the whole step) and ``ACCUMULATION`` [B] (A). Give ``PeftTrainer``
+    ``gradient_accumulation_steps=A``. A held-out split laid out as steps of A = 1 is an eval dataset.
 
     Under ``jax.distributed``, give each process the rows it holds (``train.distributed.process_step``),
     every process the same steps: the step's targets are then summed over processes (one collective, here),
@@ -109,7 +109,8 @@ def _scoped(model, tokens, loss_mask, segment_ids, positions, loss_fn):
     }
 
 
-def hf_loss(accumulation: int, *, loss_fn: LossFn = segment_loss) -> Callable[..., tuple[jax.Array, dict[str, jax.Array]]]:
+def hf_loss(accumulation: int, *,
+            loss_fn: LossFn = segment_loss) -> Callable[..., tuple[jax.Array, dict[str, jax.Array]]]:
     """PeftTrainer's ``loss_fn`` (with ``has_aux=True``) for steps of ``accumulation`` (A) micro-batches.
 
     loss_fn: the step's loss, ``train.segment_loss`` (segment attention, chunked cross-entropy; the default) or
@@ -218,7 +219,8 @@ class HFPeftTrainer(upstream.peft_trainer_class()):
 
     def __init__(self, model: nnx.Module, optimizer: optax.GradientTransformation,
                  training_config: peft_trainer.TrainingConfig, *, lora_spec: LoraSpec | None = None,
-                 preemption: Preemption | None = None, loss_fn: LossFn = segment_loss, seed: int = 0, **kwargs: Any) -> None:
+                 preemption: Preemption | None = None, loss_fn: LossFn = segment_loss, seed: int = 0,
+                 **kwargs: Any) -> None:
         if training_config.checkpoint_root_directory is not None:  # Tunix resumes from the newest step dir
             resume_step(training_config.checkpoint_root_directory)
         super().__init__(model, optimizer, training_config, **kwargs)
@@ -267,8 +269,9 @@ class HFPeftTrainer(upstream.peft_trainer_class()):
     def prepare_inputs(self, input_data: Any, training: bool) -> Any:
         """Refuses packed rows to a segment-blind attention (with ``train.tunix_loss``) and a training micro-batch
         laid out for another accumulation than the config's, and drops that field; under ``jax.distributed``,
-        each field's global array from this process's rows, sharded over ``data_sharding_axis``. (Tunix 0.1.7 checks the axis divides the *local* rows and otherwise treats each
-        process's rows as the whole replicated batch, which silently trains on other data.)"""
+        each field's global array from this process's rows, sharded over ``data_sharding_axis``. (Tunix 0.1.7
+        checks the axis divides the *local* rows and otherwise treats each process's rows as the whole replicated
+        batch, which silently trains on other data.)"""
         if self.step_loss is not segment_loss:
             check_segments(self.model, input_data["segment_ids"], "HFPeftTrainer")
         given = input_data.pop(ACCUMULATION, None)
