@@ -1,7 +1,7 @@
 """LoRA train step: step time, tokens/s, MFU and peak device memory, beside the memory plan's prediction.
 
 The step is the one ``SFTRun.train()`` runs (``HFPeftTrainer.jitted_train_step``, compiled as ``gemport.plan``
-compiles it: TRL's default recipe, HF's AdamW with clipping, optimizer state donated) on a Gemma 4 with Gemma 4
+compiles it: TRL's default recipe, HF's AdamW with clipping, model and optimizer state donated) on a Gemma 4 with Gemma 4
 31B's layout, twice: Tunix's own attention and logits (``HFPeftTrainer(fast=False)``), and gemport's fast loss
 (segment attention, chunked cross-entropy: ``train.fast_loss``). MFU is model FLOPs per trained token (``4 x`` the
 weights a token passes through, forward and backward through the activations, plus ``12 x`` keys seen x head
