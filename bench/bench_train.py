@@ -1,9 +1,10 @@
 """LoRA train step: step time, tokens/s, MFU and peak device memory, beside the memory plan's prediction.
 
 The step is the one ``SFTRun.train()`` runs (``HFPeftTrainer.jitted_train_step``, compiled as ``gemport.plan``
-compiles it: TRL's default recipe, HF's AdamW with clipping, optimizer state donated) on a Gemma 4 with Gemma 4
-31B's layout, twice: Tunix's own attention and logits (``HFPeftTrainer(loss_fn=train.tunix_loss)``), and gemport's fast loss
-(segment attention, chunked cross-entropy: ``train.segment_loss``). MFU is model FLOPs per trained token (``4 x`` the
+compiles it: TRL's default recipe, HF's AdamW with clipping, model and optimizer state donated) on a Gemma 4
+with Gemma 4 31B's layout, twice: Tunix's own attention and logits (``HFPeftTrainer(loss_fn=train.tunix_loss)``),
+and gemport's segment loss (segment attention, chunked cross-entropy: ``train.segment_loss``). MFU is model FLOPs
+per trained token (``4 x`` the
 weights a token passes through, forward and backward through the activations, plus ``12 x`` keys seen x head
 width x heads per layer for attention) times tokens/s over the device's bf16 peak (``PEAK_TFLOPS``); on CPU
 there is no accelerator figure. On CPU (default: tiny widths, under a minute) the peak is what XLA's

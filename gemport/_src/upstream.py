@@ -136,7 +136,9 @@ def peft_trainer_class():
     ``prepare_inputs(inputs, training)`` (each micro-batch before its step; ``training`` False in evaluation),
     ``check_step(buffer)`` (each optimizer step's metrics buffer, before they are written and checkpointed),
     ``after_step(step)`` (after they are written), ``post_train_step(buffer, aux)`` / ``post_eval_step(buffer,
-    aux)`` (a step's auxiliary outputs, with the buffer of metrics they go to), ``close_progress_bar()``.
+    aux)`` (a step's auxiliary outputs, with the buffer of metrics they go to), ``close_progress_bar()``,
+    ``jitted_train_step()`` (the jitted ``step(model, optimizer, inputs)`` that ``train()`` runs; Tunix's own
+    donates the optimizer only).
     """
     from gemport._src.extras import require
 
@@ -157,6 +159,25 @@ def peft_trainer_class():
 
         def post_eval_step(self, buffer, aux) -> None:
             pass
+
+        def jitted_train_step(self):
+            from flax import nnx
+
+            return nnx.jit(self.create_train_step_fn(), donate_argnames=("optimizer",))
+
+        def jit_train_and_eval_step(self, skip_jit: bool = False, cache_nnx_graph: bool = False):
+            # Tunix builds its train step inline; the one train() runs is jitted_train_step(), bound to the
+            # trainer's model and optimizer as Tunix binds its own.
+            from flax import nnx
+
+            fresh = self._jitted_train_step_fn is None
+            train_step, eval_step = super().jit_train_and_eval_step(skip_jit, cache_nnx_graph)
+            if fresh and not skip_jit:
+                step = self.jitted_train_step()
+                bound = nnx.cached_partial(step, self.model, self.optimizer) if cache_nnx_graph else step
+                args = () if cache_nnx_graph else (self.model, self.optimizer)
+                self._jitted_train_step_fn = train_step = functools.partial(bound, *args)
+            return train_step, eval_step
 
         def close_progress_bar(self) -> None:
             """Closes Tunix's own progress bar (loss and perplexity only), for one that replaces it."""

@@ -260,11 +260,20 @@ class HFPeftTrainer(upstream.peft_trainer_class()):
         return train_step
 
     def jitted_train_step(self) -> Any:
-        """The train step ``train()`` runs, jitted as Tunix jits it (``nnx.jit`` of ``create_train_step_fn``, the
-        optimizer donated): ``step(model, optimizer, inputs) -> (loss, aux, grad_norm)``, with ``inputs`` a
-        micro-batch of ``micro_batches`` without ``ACCUMULATION``. Its ``.lower(...)`` on abstract arguments is
-        what ``gemport.plan`` compiles; ``tests/test_one_step.py`` holds it to the program ``train()`` lowers."""
-        return nnx.jit(self.create_train_step_fn(), donate_argnames=("optimizer",))
+        """The train step ``train()`` runs: ``nnx.jit`` of ``create_train_step_fn`` with the model and the optimizer
+        donated, ``step(model, optimizer, inputs) -> (loss, aux, grad_norm)``, with ``inputs`` a micro-batch of
+        ``micro_batches`` without ``ACCUMULATION``. Its ``.lower(...)`` on abstract arguments is what
+        ``gemport.plan`` compiles; ``tests/test_one_step.py`` holds it to the program ``train()`` lowers.
+
+        ``nnx.jit`` returns the model's whole state, the frozen base included; Tunix donates only the optimizer,
+        so every step would write the base into new buffers, a second copy of it at the step's peak. Donated,
+        the outputs alias the inputs. Nothing reads the replaced arrays between steps: Orbax's save (checkpoints,
+        preemption, ``close``) copies every array to the host before it returns (Tunix's handlers set no
+        device-to-host byte limit, so no transfer is deferred), and eval and exports read the model's current
+        arrays. Arrays of the model held elsewhere before ``train()`` (``nnx.state(model)`` kept aside) are
+        deleted by the first step.
+        """
+        return nnx.jit(self.create_train_step_fn(), donate_argnames=("model", "optimizer"))
 
     def prepare_inputs(self, input_data: Any, training: bool) -> Any:
         """Refuses packed rows to a segment-blind attention (with ``train.tunix_loss``) and a training micro-batch
