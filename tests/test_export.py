@@ -192,9 +192,9 @@ def test_unequal_k_and_v_ranks_import_padded_and_export_exactly(run, tmp_path):
 
 
 def test_exports_of_a_real_scale_checkpoint_agree_within_the_floor(real_checkpoint, tmp_path):
-    """Logits at Gemma 4's cap of 30 (`tiny.real_magnitudes`), where the miniatures' fixed 1e-4 above says nothing: both exports
-    of a random LoRA on every projection, judged as `gemport verify` judges them, against transformers' eager vs sdpa
-    floor measured on the same tokens."""
+    """Logits at Gemma 4's cap of 30 (`tiny.real_magnitudes`), where the miniatures' fixed 1e-4 above says nothing:
+    both exports of a random LoRA on every projection, judged as `gemport verify` judges them, against transformers'
+    eager vs sdpa floor measured on the same tokens."""
     from gemport.verify import compare_logits
 
     _, base = real_checkpoint("gemma4_dense")
