@@ -239,8 +239,9 @@ def test_a_bf16_recipe_agrees_in_bfloat16_against_its_floor(recipe, tmp_path):
     assert len(report["steps"]) == 3 and all(r["loss_floor"] > 1e-5 for r in report["steps"])  # bfloat16's rounding
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="eager vs sdpa measures attention's float32 rounding only: on real magnitudes "
-                                       "the first step's grad_norm floor is 2.5e-7 while the port lands 9e-6 away (36 x)")
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="eager vs sdpa measures attention's float32 rounding only: on real magnitudes the first "
+                          "step's grad_norm floor is 2.5e-7 while the port lands 9e-6 away (36 x)")
 def test_a_real_scale_checkpoint_agrees_against_its_floor(recipe, real_checkpoint, tmp_path):
     """A checkpoint with a real one's magnitudes (logits of order 100, norm gains to 50; `tiny.real_magnitudes`),
     float32: the first step's loss and grad_norm within 10 x the floor TRL's eager vs sdpa runs measure. They
