@@ -265,6 +265,8 @@ def parity(args) -> int:
     if args.dtype == "float32" and sft.get("bf16", not sft.get("fp16")):  # TRL: bf16 unless fp16
         print(f"{args.config} trains in bfloat16 (bf16, TRL's default): compared in float32, where a disagreement is "
               "in what is computed; --dtype bfloat16 compares it in bfloat16, against the bfloat16 floor")
+    # In bfloat16 each step is judged against the floor; in float32 by the fixed bound unless --rtol gives another.
+    bounds = dict(loss=args.rtol, grad_norm=args.rtol) if args.rtol is not None or args.dtype == "bfloat16" else {}
     with tempfile.TemporaryDirectory(prefix="gemport-miniature-") as work:
         base, tokenizer = args.base, None
         if args.miniature:
@@ -275,8 +277,7 @@ def parity(args) -> int:
             print(f"miniature of {args.base}: {base}")
         report = trajectory(base, args.data, sft_config=sft, lora_config=lora, steps=args.steps, tokenizer=tokenizer,
                             port_sft_config=port, fast=args.fast, dtype=args.dtype,
-                            tolerances=Tolerances(**_given(args, loss="rtol", grad_norm="rtol"),
-                                                  adapter=args.adapter_rtol))
+                            tolerances=Tolerances(**bounds, adapter=args.adapter_rtol))
     numbers, picture = write_parity(report, args.out)
     print(f"wrote {numbers}" + (f", {picture}" if picture else
                                  " (parity.png needs matplotlib: pip install 'gemport[plot]')"))
@@ -402,8 +403,8 @@ def parser() -> argparse.ArgumentParser:
                                    "Tunix + gemport.train from the same step-0 adapter, on CPU (float32, or the "
                                    "recipe's bfloat16 with --dtype), and print lr, loss and grad_norm of both per "
                                    "step, each as N x the floor measured in the same run (the GPU recipe trained "
-                                   "again). Exit status 1 on a disagreement beyond 10 x the floor (or --rtol), "
-                                   "naming the first step and quantity.")
+                                   "again). Exit status 1 on a disagreement beyond --rtol (in bfloat16: 10 x the "
+                                   "floor), naming the first step and quantity.")
     c.add_argument("base", help="an HF Gemma checkpoint (or a miniature of it) with its tokenizer")
     c.add_argument("data", help="a sample of the training data (.jsonl/.json/.parquet, TRL's formats)")
     c.add_argument("--config", required=True, help="the recipe: YAML/JSON of SFTConfig fields, as `trl sft --config`")
@@ -411,9 +412,10 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--port-config", help="the port's SFTConfig, if it differs from --config")
     c.add_argument("--steps", type=int, help="optimizer steps (default: max_steps of --config)")
     c.add_argument("--rtol", type=float,
-                   help="a fixed relative tolerance on loss and grad_norm (default: 10 x each step's floor, how far "
-                        "the GPU recipe trained again logs them: with sdpa attention instead of eager in float32, in "
-                        "float32 instead of bfloat16 with --dtype bfloat16; at least one float32 unit)")
+                   help="a fixed relative tolerance on loss and grad_norm (default: 1e-4 in float32; with --dtype "
+                        "bfloat16, 10 x each step's floor, how far the GPU recipe's float32 run logs them from its "
+                        "bfloat16 one). Each step is printed as N x its floor either way (in float32: the GPU recipe "
+                        "again with sdpa attention instead of eager)")
     c.add_argument("--adapter-rtol", type=float,
                    help="a fixed relative tolerance on each module's final s*B@A (default: 10 x the floor measured "
                         "by the GPU recipe's second run and, in float32, the port's again with more padding; at "

@@ -223,8 +223,8 @@ def test_parity_json_holds_every_figure_and_the_picture_draws_them(tmp_path):
 
     rows = (StepRow(0, 0.0, 0.0, 2.0, 2.0, 1.0, 1.0, 1e-7, 1e-7),
             StepRow(1, 1e-3, 1e-3, 1.9, 1.9 * (1 + 3e-5), 1.0, 1.01, 1e-5, 1e-4))
-    report = Trajectory(rows, Tolerances(), {"layers.0.mlp.up_proj": 2e-4}, adapter_floor=1e-5,
-                        floor_name="TRL eager vs sdpa attention, float32")
+    report = Trajectory(rows, Tolerances(loss=None, grad_norm=None), {"layers.0.mlp.up_proj": 2e-4},
+                        adapter_floor=1e-5, floor_name="TRL eager vs sdpa attention, float32")
     numbers, picture = write_parity(report, tmp_path / "report")
     written = json.loads(numbers.read_text())
     assert not written["ok"] and written["first_disagreement"] == report.first_disagreement()
