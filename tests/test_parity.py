@@ -124,16 +124,14 @@ def test_cli_on_a_miniature_of_the_31b_config(recipe, tmp_path):
                    "--steps", 3, "--adapter-rtol", 1e-2)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
-    assert lines[-1].startswith("agree within loss 0.0001, grad_norm 0.0001")
-    assert lines[-2].startswith("floor: TRL eager vs sdpa attention, float32, per step")
-    assert [line.split()[0] for line in lines[-6:-3]] == ["0", "1", "2"] and lines[-3].startswith("final adapters")
+    assert lines[-1].startswith("agree within loss 0.0001, grad_norm 0.0001")  # every bound fixed: no second run
+    assert [line.split()[0] for line in lines[-5:-2]] == ["0", "1", "2"] and lines[-2].startswith("final adapters")
     # Beside the table: every figure as JSON, and the curves as a PNG.
     report = json.loads((tmp_path / "gemport-parity" / "parity.json").read_text())
     assert report["ok"] and [r["step"] for r in report["steps"]] == [0, 1, 2]
-    for r, line in zip(report["steps"], lines[-6:-3]):
+    for r, line in zip(report["steps"], lines[-5:-2]):
         assert f"{r['loss_gpu']:.6f}" == line.split()[2] and f"{r['grad_norm_port']:.6f}" == line.split()[6]
-        assert r["loss_floor"] >= LEAST_FLOOR and r["loss_bound"] == 1e-4
-        assert float(line.split()[-1]) == pytest.approx(r["grad_norm_relative"] / r["grad_norm_floor"], abs=0.01)
+        assert r["loss_floor"] is None and r["loss_bound"] == 1e-4
     assert report["adapter_tolerance"] == 1e-2 and max(report["adapters"].values()) <= 1e-2
     assert_picture(tmp_path / "gemport-parity" / "parity.png", (560, 480))
 
