@@ -234,7 +234,7 @@ def _verify_vllm(args, hf_dir: Path, adapter: Path | None, tunix_model) -> int:
               "the adapter vLLM serves exactly")
     reports = compare_vllm(hf_dir, adapter_dir=adapter, tunix_model=tunix_model, python=args.vllm_python,
                            **_given(args, num_prompts="prompts", seq_len="seq_len", max_tokens="max_tokens",
-                                    atol="atol", dtype="dtype"))
+                                    within="within", atol="atol", dtype="dtype"))
     for report in reports:
         print(report)
     return 0 if all(r.ok for r in reports) else 1
@@ -264,6 +264,11 @@ def parity(args) -> int:
     if dropout:
         print(dropout_note(dropout))
     port = read_recipe(args.port_config)[0] if args.port_config else None
+    if args.dtype == "float32" and sft.get("bf16", not sft.get("fp16")):  # TRL: bf16 unless fp16
+        print(f"{args.config} trains in bfloat16 (bf16, TRL's default): compared in float32, where a disagreement is "
+              "in what is computed; --dtype bfloat16 compares it in bfloat16, against the bfloat16 floor")
+    # In bfloat16 each step is judged against the floor; in float32 by the fixed bound unless --rtol gives another.
+    bounds = dict(loss=args.rtol, grad_norm=args.rtol) if args.rtol is not None or args.dtype == "bfloat16" else {}
     with tempfile.TemporaryDirectory(prefix="gemport-miniature-") as work:
         base, tokenizer = args.base, None
         if args.miniature:
@@ -274,8 +279,7 @@ def parity(args) -> int:
             print(f"miniature of {args.base}: {base}")
         report = trajectory(base, args.data, sft_config=sft, lora_config=lora, steps=args.steps, tokenizer=tokenizer,
                             port_sft_config=port, loss_fn=segment_loss if args.fast else tunix_loss,
-                            tolerances=Tolerances(**_given(args, loss="rtol", grad_norm="rtol"),
-                                                  adapter=args.adapter_rtol))
+                            dtype=args.dtype, tolerances=Tolerances(**bounds, adapter=args.adapter_rtol))
     numbers, picture = write_parity(report, args.out)
     print(f"wrote {numbers}" + (f", {picture}" if picture else
                                  " (parity.png needs matplotlib: pip install 'gemport[plot]')"))
@@ -363,12 +367,12 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--seq-len", type=int, default=Default("gemport.verify.compare_logits", "seq_len"),
                    help="tokens per row (default %(default)s)")
     c.add_argument("--within", type=float, default=Default("gemport.verify.compare_logits", "within"),
-                   help="--engine tunix: agree within this multiple of the floor measured on the same tokens "
-                        "(transformers eager vs sdpa in float32; transformers bfloat16 vs float32 in bfloat16) "
-                        "(default %(default)s)")
-    c.add_argument("--atol", type=float, default=Default("gemport.verify.compare_vllm", "atol"),
-                   help="--engine tunix: a fixed max-abs tolerance on logits, chosen instead of --within; --engine "
-                        "vllm: the tolerance on log-probabilities (default %(default)s there)")
+                   help="agree within this multiple of the floor measured on the same tokens (transformers eager "
+                        "vs sdpa in float32; transformers bfloat16 vs float32 in bfloat16): on logits with --engine "
+                        "tunix, on log-probabilities with --engine vllm (default %(default)s)")
+    c.add_argument("--atol", type=float,
+                   help="a fixed tolerance chosen instead of --within (the floor is still reported): max-abs on "
+                        "logits with --engine tunix, on log-probabilities with --engine vllm")
     c.add_argument("--engine", choices=("tunix", "vllm"), default="tunix",
                    help="tunix (default): logits of Tunix and transformers; vllm: serve HF_DIR (a merged export, "
                         "or a PEFT adapter on --base) on vLLM and compare its greedy continuations and top-5 "
@@ -383,7 +387,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", default=Default("gemport.verify.compare_vllm", "dtype"), choices=("float32", "bfloat16"),
                    help="float32 or bfloat16 (default %(default)s). --engine tunix: Tunix and transformers both "
                         "load in it, judged against its floor; --engine vllm: vLLM's dtype (the references "
-                        "compute in float32; bfloat16 for a model too large for it, with a looser --atol)")
+                        "compute in float32, judged against the floor of transformers in that dtype)")
     c.set_defaults(run=verify)
 
     c = sub.add_parser("peft-for-vllm", help="a PEFT adapter made elsewhere -> one vLLM serves exactly",
@@ -398,21 +402,31 @@ def parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("parity", help="the GPU recipe (TRL + PEFT) and the port, step by step, on CPU",
                        description="Train N steps of the recipe with TRL's SFTTrainer + PEFT on torch and with "
-                                   "Tunix + gemport.train from the same step-0 adapter, float32 on CPU, and print "
-                                   "lr, loss and grad_norm of both per step. Exit status 1 on a disagreement "
-                                   "beyond --rtol, naming the first step and quantity.")
+                                   "Tunix + gemport.train from the same step-0 adapter, on CPU (float32, or the "
+                                   "recipe's bfloat16 with --dtype), and print lr, loss and grad_norm of both per "
+                                   "step, each as N x the floor measured in the same run (the GPU recipe trained "
+                                   "again). Exit status 1 on a disagreement beyond --rtol (in bfloat16: 10 x the "
+                                   "floor), naming the first step and quantity.")
     c.add_argument("base", help="an HF Gemma checkpoint (or a miniature of it) with its tokenizer")
     c.add_argument("data", help="a sample of the training data (.jsonl/.json/.parquet, TRL's formats)")
     c.add_argument("--config", required=True, help="the recipe: YAML/JSON of SFTConfig fields, as `trl sft --config`")
     c.add_argument("--lora-config", help="PEFT adapter_config.json (default: lora_* fields of --config)")
     c.add_argument("--port-config", help="the port's SFTConfig, if it differs from --config")
     c.add_argument("--steps", type=int, help="optimizer steps (default: max_steps of --config)")
-    c.add_argument("--rtol", type=float, default=Default("gemport.parity.Tolerances", "loss"),
-                   help="relative tolerance on loss and grad_norm (default %(default)s)")
+    c.add_argument("--rtol", type=float,
+                   help="a fixed relative tolerance on loss and grad_norm (default: 1e-4 in float32; with --dtype "
+                        "bfloat16, 10 x each step's floor, how far the GPU recipe's float32 run logs them from its "
+                        "bfloat16 one). Each step is printed as N x its floor either way (in float32: the GPU recipe "
+                        "again with sdpa attention instead of eager)")
     c.add_argument("--adapter-rtol", type=float,
-                   help="relative tolerance on each module's final s*B@A (default: 10x the float32 floor measured "
-                        "by training the recipe again with sdpa attention and the port again with more padding, "
-                        "at least 5e-4)")
+                   help="a fixed relative tolerance on each module's final s*B@A (default: 10 x the floor measured "
+                        "by the GPU recipe's second run and, in float32, the port's again with more padding; at "
+                        "least 5e-4)")
+    c.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="float32 (default): both sides in float32, a disagreement is in what is computed; bfloat16: "
+                        "the recipe as bf16 trains it (TRL under torch's CPU bfloat16 autocast on a bfloat16 base, "
+                        "the port on a bfloat16 base; LoRA factors float32 on both), judged against the floor of "
+                        "the GPU recipe's own float32 run")
     c.add_argument("--fast", action=argparse.BooleanOptionalAction, default=True,
                    help="the port's step: segment attention and chunked cross-entropy, as gemport trains (default); "
                         "--no-fast runs Tunix's own attention and logits")

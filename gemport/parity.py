@@ -3,17 +3,21 @@
 ``trajectory`` runs N steps of the recipe as the GPU side runs it (TRL's ``SFTTrainer`` + PEFT on torch)
 and of the port (Tunix + ``gemport.train``) from the same step-0 adapter, on the user's own ``SFTConfig`` /
 ``LoraConfig`` and a sample of their data, and compares the learning rate, loss and grad_norm of every
-step. Both sides run in float32 on CPU: a disagreement is a difference in what is computed, not in
-precision.
+step, each against a floor measured in the same run (the GPU recipe trained again, computing the same thing
+with other roundings). Both sides run in float32 on CPU, where a disagreement is a difference in what is
+computed, not in precision; or, asked, in the recipe's bfloat16.
 """
 
 import copy
 import dataclasses
+import itertools
 import json
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
+
+import numpy as np
 
 from gemport.errors import GemportError, LoraError, RecipeError, SpecError
 from gemport.train.recipe import TRL_LORA as _TRL_LORA  # TRL's ModelConfig names for the LoRA fields
@@ -25,8 +29,13 @@ _GPU_OVERRIDES = dict(logging_steps=1, report_to="none", save_strategy="no", use
 
 
 FLOOR_MULTIPLE = 10
-"""The adapter tolerance over the run's measured adapter floor (``Trajectory.adapter_floor``): the floor is one
-draw of the float32 noise between two correct implementations, the port's distance another."""
+"""How far beyond the floors measured in the run (``StepRow.loss_floor``, ``StepRow.grad_norm_floor``,
+``Trajectory.adapter_floor``) the port may land: each floor is one draw of the noise between two correct runs
+of the recipe, the port's distance another."""
+
+LEAST_FLOOR = float(np.finfo(np.float32).eps)
+"""The least relative floor: one float32 unit of the quantity. Two runs can log the same loss to the bit (a step
+whose sums round alike), and a floor of 0 would call any port wrong; a float32 value is only known to a unit."""
 
 LEAST_ADAPTER_TOLERANCE = 5e-4
 """The least default adapter bound: the fixed one held before the floor was measured. The measured floor alone
@@ -39,25 +48,35 @@ FLOOR_PADDING = 8
 
 @dataclasses.dataclass(frozen=True)
 class Tolerances:
-    """Relative tolerances: loss, grad_norm and learning rate per step; each module's final s*B@A (max-abs
-    difference over the GPU delta's max-abs).
+    """Fixed relative tolerances, each chosen instead of the floor measured in the run: loss, grad_norm and
+    learning rate per step; each module's final s*B@A (max-abs difference over the GPU delta's max-abs).
 
+    loss, grad_norm: 1e-4 (fixed, the default), or None for ``FLOOR_MULTIPLE`` times the step's floor
+    (``StepRow.loss_floor``, ``StepRow.grad_norm_floor``: the GPU recipe trained again with another attention
+    implementation, or in bfloat16 its float32 run; ``trajectory``). The floors are measured and printed either
+    way. In float32 the fixed bound stays the default: eager vs sdpa share every operation but attention bit for
+    bit, and on the Gemma 3 1B miniature (padded) their grad_norm floor is 1.4e-7 for four steps while the port
+    lands 3e-6 away (22 x); a floor of the whole float32 rounding is still to come. In bfloat16 (``gemport parity
+    --dtype bfloat16``) the floor judges.
+    learning_rate: the schedule is arithmetic on both sides (HF's in float64, the port's in float32): a few
+    float32 units.
     adapter: None (the default) for ``FLOOR_MULTIPLE`` times the floor ``trajectory`` measures in the run
-    (``Trajectory.adapter_floor``: the GPU recipe trained again with sdpa attention, the port with more
-    padding), at least ``LEAST_ADAPTER_TOLERANCE``. Adam maps an element whose gradient is near its epsilon
-    (1e-8) almost linearly to its update, so float32 noise of 1e-9 on such a gradient moves that element by a
-    tenth of the learning rate: how far two correct float32 runs end apart depends on the recipe and the data,
-    and no fixed bound holds for all.
+    (``Trajectory.adapter_floor``), at least ``LEAST_ADAPTER_TOLERANCE``. Adam maps an element whose gradient is
+    near its epsilon (1e-8) almost linearly to its update, so float32 noise of 1e-9 on such a gradient moves
+    that element by a tenth of the learning rate: how far two correct float32 runs end apart depends on the
+    recipe and the data, and no fixed bound holds for all.
     """
 
-    loss: float = 1e-4
-    grad_norm: float = 1e-4
+    loss: float | None = 1e-4
+    grad_norm: float | None = 1e-4
     learning_rate: float = 1e-6
     adapter: float | None = None
 
 
 class StepRow(NamedTuple):
-    """One step on both sides: HF's logged learning rate, loss and grad_norm, and the port's."""
+    """One step on both sides: HF's logged learning rate, loss and grad_norm, and the port's; and the step's
+    relative floors (None when not measured): how far the GPU recipe's own second run (``trajectory``) logged
+    its loss and grad_norm from the first, at least ``LEAST_FLOOR``."""
 
     step: int
     learning_rate_gpu: float
@@ -66,6 +85,8 @@ class StepRow(NamedTuple):
     loss_port: float
     grad_norm_gpu: float
     grad_norm_port: float
+    loss_floor: float | None = None
+    grad_norm_floor: float | None = None
 
 
 def _relative(a, b):
@@ -77,17 +98,19 @@ class Trajectory:
     """The compared steps, each HF module's final adapter difference, and the tolerances; ``ok`` and
     ``first_disagreement`` judge them (steps first, then the final adapters).
 
-    adapter_floor: the largest final s*B@A difference (same measure as ``adapters``) within two pairs of
-    correct float32 runs: the GPU recipe with eager and with sdpa attention, and the port with and without
-    ``FLOOR_PADDING`` more padding columns (``trajectory``); at least float32's epsilon. ``adapter_tolerance``
-    is ``FLOOR_MULTIPLE`` times it, and at least ``LEAST_ADAPTER_TOLERANCE``, unless ``tolerances.adapter``
-    fixes one.
+    floor_name: what the run's floors compare, e.g. ``"TRL eager vs sdpa attention, float32"``.
+    adapter_floor: the largest final s*B@A difference (same measure as ``adapters``) within the pairs of
+    correct runs ``trajectory`` trains (the GPU recipe's two runs; in float32 also the port with and without
+    ``FLOOR_PADDING`` more padding columns); at least float32's epsilon. ``adapter_tolerance`` is
+    ``FLOOR_MULTIPLE`` times it, and at least ``LEAST_ADAPTER_TOLERANCE``, unless ``tolerances.adapter`` fixes
+    one.
     """
 
     rows: tuple
     tolerances: Tolerances
     adapters: Mapping = dataclasses.field(default_factory=dict)
     adapter_floor: float | None = None
+    floor_name: str | None = None
 
     @property
     def adapter_tolerance(self):
@@ -99,19 +122,36 @@ class Trajectory:
             raise GemportError("Trajectory: no adapter tolerance: set Tolerances(adapter=) or measure adapter_floor")
         return max(LEAST_ADAPTER_TOLERANCE, FLOOR_MULTIPLE * self.adapter_floor)
 
+    def bound(self, row, name):
+        """The relative bound on ``name`` (``"learning_rate"``, ``"loss"``, ``"grad_norm"``) at ``row``: the
+        fixed tolerance if one is set, else ``FLOOR_MULTIPLE`` x the step's floor."""
+        fixed = getattr(self.tolerances, name)
+        if fixed is not None:
+            return fixed
+        floor = getattr(row, f"{name}_floor")
+        if floor is None:
+            raise GemportError(f"Trajectory: no {name} tolerance: set Tolerances({name}=) or measure the step floors")
+        return FLOOR_MULTIPLE * floor
+
+    def multiples(self, name):
+        """Per step, the port's relative distance on ``name`` (``"loss"``, ``"grad_norm"``) in units of the
+        step's floor (None where no floor was measured)."""
+        return [None if getattr(r, f"{name}_floor") is None
+                else _relative(getattr(r, f"{name}_gpu"), getattr(r, f"{name}_port")) / getattr(r, f"{name}_floor")
+                for r in self.rows]
+
     def disagreements(self):
-        """Every (step, quantity, gpu, port, relative difference) beyond its tolerance, in step order."""
+        """Every (step, quantity, gpu, port, relative difference, bound) beyond its bound, in step order."""
         found = []
         for row in self.rows:
-            for name, tolerance in (("learning_rate", self.tolerances.learning_rate),
-                                    ("loss", self.tolerances.loss), ("grad_norm", self.tolerances.grad_norm)):
+            for name in ("learning_rate", "loss", "grad_norm"):
                 gpu, port = getattr(row, f"{name}_gpu"), getattr(row, f"{name}_port")
-                rel = _relative(gpu, port)
-                if not rel <= tolerance:
-                    found.append((row.step, name, gpu, port, rel))
+                rel, bound = _relative(gpu, port), self.bound(row, name)
+                if not rel <= bound:
+                    found.append((row.step, name, gpu, port, rel, bound))
         for module, rel in self.adapters.items():
             if not rel <= self.adapter_tolerance:
-                found.append(("final", f"adapter {module} s*B@A", None, None, rel))
+                found.append(("final", f"adapter {module} s*B@A", None, None, rel, self.adapter_tolerance))
         return found
 
     @property
@@ -123,30 +163,58 @@ class Trajectory:
         found = self.disagreements()
         if not found:
             return None
-        step, name, gpu, port, rel = found[0]
+        step, name, gpu, port, rel, bound = found[0]
         if step == "final":
-            return f"after the last step: {name} differs by {rel:.2e} (relative) > {self.adapter_tolerance:.2g}"
-        tolerance = getattr(self.tolerances, name)
-        return f"step {step}: {name} {port:.6g} (port) vs {gpu:.6g} (GPU recipe), relative {rel:.2e} > {tolerance:g}"
+            return f"after the last step: {name} differs by {rel:.2e} (relative) > {bound:.2g}"
+        row = next(r for r in self.rows if r.step == step)
+        floor = getattr(row, f"{name}_floor", None)
+        by = (f" = {rel / floor:.3g} x the floor {floor:.2g}" if floor is not None and getattr(self.tolerances, name)
+              is None else "")
+        return (f"step {step}: {name} {port:.6g} (port) vs {gpu:.6g} (GPU recipe), relative {rel:.2e}{by} > "
+                f"{bound:.2g}")
 
     def table(self):
-        """The per-step table: learning rate, loss and grad_norm on both sides, relative differences."""
+        """The per-step table: learning rate, loss and grad_norm on both sides, relative differences and their
+        multiples of the step's floor; the final adapters; the verdict."""
+        floors = all(r.loss_floor is not None for r in self.rows)
         lines = [f"{'step':>4} {'lr':>10} {'loss GPU':>11} {'loss port':>11} {'rel':>8} "
-                 f"{'grad_norm GPU':>13} {'grad_norm port':>14} {'rel':>8}"]
-        for r in self.rows:
+                 f"{'grad_norm GPU':>13} {'grad_norm port':>14} {'rel':>8}"
+                 + (f" {'loss/floor':>10} {'gn/floor':>8}" if floors else "")]
+        for r, lm, gm in zip(self.rows, self.multiples("loss"), self.multiples("grad_norm")):
             lines.append(f"{r.step:>4} {r.learning_rate_gpu:>10.3e} {r.loss_gpu:>11.6f} {r.loss_port:>11.6f} "
                          f"{_relative(r.loss_gpu, r.loss_port):>8.1e} {r.grad_norm_gpu:>13.6f} "
-                         f"{r.grad_norm_port:>14.6f} {_relative(r.grad_norm_gpu, r.grad_norm_port):>8.1e}")
+                         f"{r.grad_norm_port:>14.6f} {_relative(r.grad_norm_gpu, r.grad_norm_port):>8.1e}"
+                         + (f" {lm:>10.2f} {gm:>8.2f}" if floors else ""))
         if self.adapters:
             worst = max(self.adapters, key=self.adapters.get)
-            floor = "" if self.adapter_floor is None else f", float32 floor {self.adapter_floor:.1e}"
+            floor = "" if self.adapter_floor is None else (
+                f" = {self.adapters[worst] / self.adapter_floor:.3g} x the floor {self.adapter_floor:.1e}")
             lines.append(f"final adapters: {len(self.adapters)} modules, largest s*B@A difference "
                          f"{self.adapters[worst]:.1e} ({worst}){floor}")
+        if self.floor_name:
+            lines.append(f"floor: {self.floor_name}, per step (at least {LEAST_FLOOR:.2g}, one float32 unit)")
         verdict = self.first_disagreement()
-        bounds = dict(dataclasses.asdict(self.tolerances), adapter=self.adapter_tolerance if self.adapters else None)
-        lines.append("agree within " + ", ".join(f"{k} {v:.2g}" for k, v in bounds.items() if v is not None)
-                     if verdict is None else f"DISAGREE at {verdict}")
+        lines.append("agree within " + ", ".join(self._bounds()) if verdict is None else f"DISAGREE at {verdict}")
         return "\n".join(lines)
+
+    def _bounds(self):
+        """What the verdict held each quantity to, as words."""
+        out = []
+        for name in ("loss", "grad_norm"):
+            fixed = getattr(self.tolerances, name)
+            if fixed is not None:
+                out.append(f"{name} {fixed:.2g}")
+            elif self.rows:
+                worst = max(self.multiples(name))
+                out.append(f"{name} {FLOOR_MULTIPLE:g} x the floor (at most {worst:.3g} x)")
+        out.append(f"learning_rate {self.tolerances.learning_rate:.2g}")
+        if self.adapters:
+            if self.tolerances.adapter is not None or self.adapter_floor is None:
+                out.append(f"adapter {self.adapter_tolerance:.2g}")
+            else:
+                out.append(f"adapter {FLOOR_MULTIPLE:g} x the floor, at least {LEAST_ADAPTER_TOLERANCE:.2g} "
+                           f"(at most {max(self.adapters.values()) / self.adapter_floor:.3g} x)")
+        return out
 
     def __str__(self):
         return self.table()
@@ -309,7 +377,8 @@ def miniature(config, out_dir, *, num_layers=6, hidden_size=64, head_dim=16, sli
 
 
 def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer=None, chat_format=None,
-               port_sft_config=None, tolerances=Tolerances(), progress=True, qlora=None, loss_fn=None):
+               port_sft_config=None, tolerances=Tolerances(), progress=True, qlora=None, loss_fn=None,
+               dtype="float32"):
     """Run the GPU recipe and the port for the same steps from the same step-0 adapter; a ``Trajectory``.
 
     base_dir: an HF Gemma checkpoint (the real one, or a miniature of it) with its tokenizer, unless
@@ -326,9 +395,17 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
     The GPU side is TRL's ``SFTTrainer`` on a ``get_peft_model`` of ``base_dir`` (PEFT's initialisation
     under ``torch.manual_seed(seed)``); that adapter is imported into Tunix (``import_peft``) and trained
     with ``train.from_sft_config`` batches, ``optim.hf_optimizer`` and ``train.train_step``. Unless
-    ``tolerances.adapter`` is set, the GPU side trains again from that adapter with sdpa attention instead of
-    eager, and the port with ``FLOOR_PADDING`` more padding columns per row; the final adapters are held to
-    ``FLOOR_MULTIPLE`` times the farthest either pair ends apart (``Trajectory.adapter_floor``).
+    the tolerances fix all, the GPU side trains again from that adapter: in float32 with sdpa attention instead
+    of eager. Each step's loss and grad_norm are held to ``FLOOR_MULTIPLE`` times how far that second run logged
+    them from the first (``StepRow.loss_floor``, ``StepRow.grad_norm_floor``, at least ``LEAST_FLOOR``). The
+    final adapters are held to ``FLOOR_MULTIPLE`` times the farthest the two GPU runs end apart, or in float32
+    the port with ``FLOOR_PADDING`` more padding columns per row from the port (``Trajectory.adapter_floor``).
+    dtype: ``"float32"`` (the default: a disagreement is a difference in what is computed, not in precision) or
+        ``"bfloat16"``, the recipe as ``bf16: true`` trains it: the GPU side loads the base in bfloat16 (PEFT's
+        adapters stay float32) and computes under torch's CPU bfloat16 autocast, as TRL does on a GPU; the port
+        loads a bfloat16 base with float32 factors, as ``SFTRun`` does. The floor is then the GPU recipe's own
+        float32 run against its bfloat16 one: the rounding of the dtype, which the port and TRL each add, at
+        different points of the computation (eager vs sdpa would differ in attention's rounding only).
     loss_fn: the port's step's loss (default ``train.segment_loss``: segment attention, chunked cross-entropy, as
         ``train_step`` and ``HFPeftTrainer`` train by default); ``train.tunix_loss`` runs Tunix's own attention and
         logits.
@@ -353,12 +430,17 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
     from gemport import train
     from gemport.checkpoint import import_peft, load_model
     from gemport.checkpoint.quantize import load_qlora_model
-    from gemport.lora import apply_lora
+    from gemport.lora import LoraSpec, apply_lora
     from gemport.masks import formats
     from gemport.masks.training_template import gemma4_training_template
     from gemport.optim import hf_optimizer
     from gemport.specs import GemmaSpec
 
+    if dtype not in ("float32", "bfloat16"):
+        raise RecipeError(f"trajectory: dtype {dtype!r}; compare in float32 or bfloat16")
+    bf16 = dtype == "bfloat16"
+    if bf16 and qlora is not None:
+        raise LoraError("trajectory: a QLoRA recipe is compared in float32 (its compute dtype is overridden)")
     records = list(formats.read(data)) if isinstance(data, (str, Path)) else list(data)
     lora = _lora_config(lora_config)
     with tempfile.TemporaryDirectory(prefix="gemport-parity-") as work:
@@ -368,13 +450,20 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
             overrides["max_steps"] = steps
         gpu_config = _sft_config(sft_config, overrides)
         port_config = gpu_config if port_sft_config is None else _sft_config(port_sft_config, overrides)
+        float32_config = gpu_config
+        if bf16:  # torch's CPU autocast, as accelerate sets it up for bf16 on a CPU
+            gpu_config = dataclasses.replace(gpu_config, bf16=True)
         if gpu_config.max_steps is None or gpu_config.max_steps <= 0:
             raise RecipeError("trajectory: set max_steps in the SFTConfig or pass steps=")
         tokenizer = tokenizer or transformers.AutoTokenizer.from_pretrained(base_dir)
         template = getattr(tokenizer, "chat_template", None) or ""
         if gpu_config.assistant_only_loss and "<|turn>" in template and not has_generation_markers(template):
             tokenizer.chat_template = gemma4_training_template()
-        # Everything the port needs of tokenizer, template and data is checked before either side trains.
+        # Everything the port needs of the model, LoRA config, optimizer, tokenizer, template and data is checked
+        # before either side trains.
+        spec = GemmaSpec.from_hf(base_dir)
+        LoraSpec.from_peft(lora)
+        hf = hf_optimizer(port_config, num_training_steps=port_config.max_steps)
         pipeline = train.from_sft_config(port_config, tokenizer, chat_format=chat_format)
         examples, _ = pipeline.examples(records, tokenizer, progress=False)
 
@@ -383,11 +472,15 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
         quantization = transformers.BitsAndBytesConfig(**qlora.to_bnb()) if qlora is not None else None
         import datasets
 
-        def gpu_run(attention):
+        def gpu_run(attention, config):
+            # A fresh TrainingArguments sets accelerate's process-wide state up again, mixed precision included:
+            # one set up for a run in the other dtype refuses to change.
+            config = dataclasses.replace(config)
             first = not (work / "adapter0").exists()
             if first:
                 torch.manual_seed(gpu_config.seed)
-            model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32,
+            model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16 if config.bf16
+                                                                      else torch.float32,
                                                                       attn_implementation=attention,
                                                                       quantization_config=quantization)
             if qlora is not None:
@@ -400,7 +493,7 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
             # TRL 1.x casts a quantized model's adapters to bfloat16; Qwix trains them in float32 (the dtype of the
             # 4-bit base's scales), as PEFT creates them: compare the float32 recipe (docs/qlora.md).
             adapters = {n: p.data for n, p in model.named_parameters() if p.requires_grad} if qlora is not None else {}
-            trainer = SFTTrainer(model=model, args=gpu_config, train_dataset=datasets.Dataset.from_list(records),
+            trainer = SFTTrainer(model=model, args=config, train_dataset=datasets.Dataset.from_list(records),
                                  processing_class=tokenizer)
             for name, p in model.named_parameters():
                 if name in adapters:
@@ -408,13 +501,12 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
             trainer.train()
             return model, [e for e in trainer.state.log_history if "loss" in e and "grad_norm" in e]
 
-        model, logs = gpu_run("eager")
+        model, logs = gpu_run("eager", gpu_config)
 
-        spec = GemmaSpec.from_hf(base_dir)
         start = import_peft(work / "adapter0", base_dir=base_dir)
         lora_spec = start.lora_spec
-        base = load_model(base_dir, spec=spec) if qlora is None else load_qlora_model(base_dir, qlora, spec=spec)
-        hf = hf_optimizer(port_config, num_training_steps=port_config.max_steps)
+        base = (load_model(base_dir, spec=spec, param_dtype=dtype) if qlora is None
+                else load_qlora_model(base_dir, qlora, spec=spec))
         step = train.train_step(wrt=nnx.LoRAParam, loss_fn=loss_fn or train.segment_loss)
         batches = [batch for batch, _ in zip(pipeline.batches(examples), logs)]
 
@@ -427,23 +519,30 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
             return port, metrics
 
         port, metrics = port_run(0, "port")
-        rows = [StepRow(s.step, float(log["learning_rate"]), float(hf.schedule(s.step)), float(log["loss"]),
-                        float(m.loss), float(log["grad_norm"]), float(m.grad_norm))
-                for (s, _), log, m in zip(batches, logs, metrics)]
         gpu, trained = _gpu_deltas(model), _port_deltas(port, spec, lora_spec)
         adapters = _distances(trained, gpu)
-        floor = None
-        if tolerances.adapter is None and rows:
-            # Pairs of correct float32 runs, each pair computing the same loss and gradient with other float32
-            # sums: the GPU recipe with sdpa attention instead of eager, and the port with FLOOR_PADDING more
-            # padding columns (no target, seen by no real token; every contraction over tokens changes length).
-            sdpa = _distances(_gpu_deltas(gpu_run("sdpa")[0]), gpu)
-            padded = _distances(_port_deltas(port_run(FLOOR_PADDING, "port, padded")[0], spec, lora_spec), gpu,
-                                trained)
-            floor = max(*sdpa.values(), *padded.values(), float(np.finfo(np.float32).eps))
+        floors, floor, floor_name = [(None, None)] * len(logs), None, None
+        if None in (tolerances.loss, tolerances.grad_norm, tolerances.adapter) and logs:
+            # The recipe trained again, computing the same loss and gradient with other roundings: in float32 with
+            # sdpa attention instead of eager (other sums), in bfloat16 in float32 (the dtype's rounding).
+            floor_name = "TRL float32 vs bfloat16 (autocast)" if bf16 else "TRL eager vs sdpa attention, float32"
+            again, again_logs = gpu_run("eager", float32_config) if bf16 else gpu_run("sdpa", gpu_config)
+            floors = list(itertools.accumulate(
+                [tuple(max(_relative(float(log[k]), float(other[k])), LEAST_FLOOR) for k in ("loss", "grad_norm"))
+                 for log, other in zip(logs, again_logs)], lambda a, b: tuple(map(max, a, b))))
+            pairs = [_distances(_gpu_deltas(again), gpu)]
+            if not bf16 and tolerances.adapter is None:
+                # And the port with FLOOR_PADDING more padding columns (no target, seen by no real token; every
+                # contraction over tokens changes length).
+                padded = port_run(FLOOR_PADDING, "port, padded")[0]
+                pairs.append(_distances(_port_deltas(padded, spec, lora_spec), gpu, trained))
+            floor = max(*(d for pair in pairs for d in pair.values()), LEAST_FLOOR)
+        rows = [StepRow(s.step, float(log["learning_rate"]), float(hf.schedule(s.step)), float(log["loss"]),
+                        float(m.loss), float(log["grad_norm"]), float(m.grad_norm), *f)
+                for (s, _), log, m, f in zip(batches, logs, metrics, floors)]
     if not rows:
         raise GemportError("trajectory: the GPU recipe logged no step; is the data empty?")
-    return Trajectory(tuple(rows), tolerances, adapters, floor)
+    return Trajectory(tuple(rows), tolerances, adapters, floor, floor_name)
 
 
 def _gpu_deltas(peft_model):

@@ -83,14 +83,16 @@ def _relative(a: float, b: float) -> float:
 
 
 def parity_dict(trajectory: Any) -> dict[str, Any]:
-    """Every figure of a ``parity.Trajectory``: per step the learning rate, loss and grad_norm of both sides and
-    their relative differences; the tolerances; each module's final s*B@A difference, the measured floor and
-    the bound; the verdict."""
+    """Every figure of a ``parity.Trajectory``: per step the learning rate, loss and grad_norm of both sides,
+    their relative differences, the step's measured floors and the bounds the verdict holds them to; the fixed
+    tolerances (None where the floor judges); each module's final s*B@A difference, the measured floor and the
+    bound; the verdict."""
     steps = []
     for r in trajectory.rows:
         row = dict(r._asdict())
         for name in ("learning_rate", "loss", "grad_norm"):
             row[f"{name}_relative"] = _relative(row[f"{name}_gpu"], row[f"{name}_port"])
+            row[f"{name}_bound"] = trajectory.bound(r, name)
         steps.append(row)
     tolerances = {k: getattr(trajectory.tolerances, k) for k in ("loss", "grad_norm", "learning_rate", "adapter")}
     return {
@@ -100,13 +102,15 @@ def parity_dict(trajectory: Any) -> dict[str, Any]:
         "steps": steps,
         "adapters": dict(trajectory.adapters),
         "adapter_floor": trajectory.adapter_floor,
+        "floor_name": trajectory.floor_name,
         "adapter_tolerance": trajectory.adapter_tolerance if trajectory.adapters else None,
     }
 
 
 def parity_figure(trajectory: Any, out: str | os.PathLike) -> Path:
     """Plot a ``parity.Trajectory`` as a PNG at ``out``: loss and grad_norm per step of the GPU recipe and the
-    port, and below their relative differences (log scale) with the tolerances the verdict holds them to.
+    port, and below their relative differences (log scale) with the bounds the verdict holds them to (a fixed
+    tolerance, or a multiple of each step's measured floor).
 
     Returns:
       ``out`` as a Path.
@@ -126,9 +130,10 @@ def parity_figure(trajectory: Any, out: str | os.PathLike) -> Path:
                         markersize=3, label="|port - GPU| / |GPU|")
         equal = [s for s, v in zip(steps, relative) if v == 0]
         if equal:  # no place on a log axis: marked at its bottom
-            bottom.plot(equal, [data["tolerances"][name] * 1e-4] * len(equal), "v", color="tab:green",
-                        label="equal (0)")
-        bottom.axhline(data["tolerances"][name], color="tab:red", linestyle=":", label="tolerance")
+            bottom.plot(equal, [min(r[f"{name}_bound"] for r in data["steps"]) * 1e-4] * len(equal), "v",
+                        color="tab:green", label="equal (0)")
+        bottom.step(steps, [r[f"{name}_bound"] for r in data["steps"]], where="mid", color="tab:red", linestyle=":",
+                    label="tolerance" if data["tolerances"][name] is not None else "bound (x the floor)")
         bottom.set_xlabel("step")
         bottom.grid(alpha=0.3, which="both")
         bottom.legend(fontsize="small")

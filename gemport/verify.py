@@ -162,8 +162,12 @@ class ContinuationReport:
       engine, reference: e.g. ``"vLLM 0.32.0"`` and ``"transformers + peft"``.
       max_abs_diff: max |engine - reference| log-probability over the engine's top entries at every position.
       shape: (prompts, generated tokens per prompt).
-      atol: the tolerance ``ok`` is judged by.
+      atol: the tolerance ``ok`` is judged by: ``within`` x ``floor``, or a fixed one chosen instead.
       first: ``None``, or what differs first (prompt-major): ``"prompt 1, position 3: ..."``.
+      floor: the same distance between two correct runs of the reference's peer on the same tokens
+        (``floor_name``), or None when ``atol`` was fixed without one.
+      floor_name: what the floor compares, e.g. ``"transformers eager vs sdpa, float32"``.
+      within: the multiple of ``floor`` that ``atol`` is, or None when ``atol`` is fixed.
     """
 
     engine: str
@@ -172,6 +176,9 @@ class ContinuationReport:
     shape: tuple[int, int]
     atol: float
     first: str | None
+    floor: float | None = None
+    floor_name: str | None = None
+    within: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -179,14 +186,31 @@ class ContinuationReport:
 
     def __str__(self) -> str:
         verdict = "agree" if self.ok else f"DISAGREE at {self.first}"
+        if self.floor is None:
+            judged = f"(atol {self.atol:g})"
+        else:
+            rule = f"agree within {self.within:g} x" if self.within is not None else f"atol {self.atol:g}"
+            judged = (f"= {self.max_abs_diff / self.floor:.3g} x the floor {self.floor:.3g} ({self.floor_name}; "
+                      f"{rule})")
         return (f"{self.engine} and {self.reference} {verdict}: greedy continuations of {self.shape[0]} prompts x "
-                f"{self.shape[1]} tokens, max |top logprob difference| {self.max_abs_diff:.3g} (atol {self.atol:g})")
+                f"{self.shape[1]} tokens, max |top logprob difference| {self.max_abs_diff:.3g} {judged}")
 
 
-def compare_continuations(served: Served, reference: np.ndarray, *, name: str,
-                          atol: float = 1e-4) -> ContinuationReport:
+def compare_continuations(served: Served, reference: np.ndarray, *, name: str, atol: float = 1e-4,
+                          floor: float | None = None, floor_name: str | None = None,
+                          within: float | None = None) -> ContinuationReport:
     """Judge ``served`` against ``reference`` log-probabilities float [B, P + T, V] of each prompt (P tokens)
-    followed by its T served tokens (position P - 1 + j predicts served token j)."""
+    followed by its T served tokens (position P - 1 + j predicts served token j).
+
+    Args:
+      atol: the tolerance in log-probability; with ``within`` and ``floor``, ``within * floor`` instead.
+      floor, floor_name: the floor measured on these tokens (`logprob_floor`), reported beside the distance.
+      within: judge within this multiple of ``floor``.
+    """
+    if within is not None:
+        if floor is None:
+            raise ValueError("compare_continuations: within= judges against a floor: pass floor=")
+        atol = within * floor
     b, t = served.tokens.shape
     start = reference.shape[1] - t - 1
     first, worst = None, 0.0
@@ -205,7 +229,7 @@ def compare_continuations(served: Served, reference: np.ndarray, *, name: str,
                 k = max(diffs, key=diffs.get)
                 first = (f"prompt {i}, position {j}: token {k} has log-probability "
                          f"{served.top_logprobs[i][j][k]:.6g} in {served.engine}, {lp[k]:.6g} in {name}")
-    return ContinuationReport(served.engine, name, float(worst), (b, t), atol, first)
+    return ContinuationReport(served.engine, name, float(worst), (b, t), atol, first, floor, floor_name, within)
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -215,12 +239,31 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
+def logprob_floor(served: Served, a: np.ndarray, b: np.ndarray, logits: np.ndarray) -> float:
+    """The floor for `compare_continuations`: max |a - b| over the entries ``served`` reports (every position's
+    top log-probabilities), ``a`` and ``b`` two correct runs' log-probabilities float [B, P + T, V] of the same
+    tokens; at least one float32 unit of the largest |logit| at those positions (``logits`` [B, P + T, V]),
+    the least a log-probability computed from float32 logits is known to."""
+    b_, t = served.tokens.shape
+    start = a.shape[1] - t - 1
+    worst = max(abs(float(a[i, start + j, k]) - float(b[i, start + j, k]))
+                for i in range(b_) for j in range(t) for k in served.top_logprobs[i][j])
+    unit = float(np.abs(logits[:, start:start + t]).max()) * float(np.finfo(np.float32).eps)
+    return max(worst, unit)
+
+
 def compare_vllm(hf_dir: str | Path, *, adapter_dir: str | Path | None = None, tunix_model=None,
                  prompts: np.ndarray | None = None, num_prompts: int = 3, seq_len: int = 16, max_tokens: int = 8,
-                 seed: int = 0, atol: float = 1e-4, dtype: str = "float32",
+                 seed: int = 0, within: float = WITHIN, atol: float | None = None, dtype: str = "float32",
                  python: str | None = None) -> list[ContinuationReport]:
     """Serve ``hf_dir`` (with the PEFT adapter ``adapter_dir`` as a LoRA request) on vLLM and compare its greedy
-    continuations and top-5 logprobs with transformers (+ PEFT) and, if given, ``tunix_model``.
+    continuations and top-5 logprobs with transformers (+ PEFT) and, if given, ``tunix_model``, judged against a
+    floor measured on the same tokens.
+
+    The references compute in float32 with transformers' eager attention. In float32 the floor is the
+    reference against transformers with sdpa attention (two correct kernels); with ``dtype="bfloat16"`` (vLLM
+    in bfloat16), transformers' own bfloat16 run against its float32 run (the dtype's rounding, which vLLM adds
+    as well). Both over the entries vLLM reports (`logprob_floor`).
 
     Args:
       hf_dir: a merged export, or the base of ``adapter_dir``.
@@ -228,7 +271,8 @@ def compare_vllm(hf_dir: str | Path, *, adapter_dir: str | Path | None = None, t
       tunix_model: a Tunix model computing what the export should (e.g. the base with the Qwix LoRA).
       prompts: int [B, P] token ids; default ``num_prompts`` random rows of ``seq_len`` tokens drawn with ``seed``.
       max_tokens: tokens generated per prompt.
-      atol: in log-probability.
+      within: agree within this multiple of the floor (in log-probability).
+      atol: a fixed tolerance in log-probability instead (the floor is still reported).
       dtype: vLLM's dtype; the references run in float32.
       python: the interpreter with vLLM (`gemport.engines.vllm_python`).
 
@@ -236,20 +280,33 @@ def compare_vllm(hf_dir: str | Path, *, adapter_dir: str | Path | None = None, t
       One `ContinuationReport` per reference: transformers first, then Tunix.
     """
     torch = require("torch", "verifying against transformers")
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"compare_vllm: dtype {dtype!r}; verify float32 or bfloat16")
     if prompts is None:
         vocab = GemmaSpec.from_hf(hf_dir).vocab
         prompts = np.random.default_rng(seed).integers(0, vocab, (num_prompts, seq_len), dtype=np.int32)
     served = serve_vllm([(hf_dir, [adapter_dir])], prompts, max_tokens=max_tokens, dtype=dtype, python=python)[0][0]
     tokens = np.concatenate([prompts, served.tokens.astype(prompts.dtype)], axis=1)
-    # Loaded after vLLM is done, so that the host holds one model at a time.
-    hf = transformers_model(hf_dir, adapter_dir=adapter_dir)
-    with torch.no_grad():
-        logits = hf(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()
+
+    def logits(**kwargs):
+        # Loaded after vLLM is done, one at a time, so that the host holds one model at a time.
+        hf = transformers_model(hf_dir, adapter_dir=adapter_dir, **kwargs)
+        with torch.no_grad():
+            return hf(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()
+
+    expected = logits()
+    if dtype == "float32":
+        other, floor_name = logits(attention="sdpa"), "transformers eager vs sdpa, float32"
+    else:
+        other, floor_name = logits(dtype=dtype), "transformers bfloat16 vs float32"
+    reference = log_softmax(expected)
+    floor = logprob_floor(served, reference, log_softmax(other), expected)
+    judge = dict(floor=floor, floor_name=floor_name, **({"atol": atol} if atol is not None else {"within": within}))
     name = "transformers + peft" if adapter_dir is not None else "transformers"
-    reports = [compare_continuations(served, log_softmax(logits), name=name, atol=atol)]
+    reports = [compare_continuations(served, reference, name=name, **judge)]
     if tunix_model is not None:
         reports.append(compare_continuations(served, log_softmax(tunix_logits(tunix_model, tokens)), name="tunix",
-                                             atol=atol))
+                                             **judge))
     return reports
 
 
@@ -261,6 +318,7 @@ __all__ = [
     "compare_logits",
     "compare_vllm",
     "log_softmax",
+    "logprob_floor",
     "model_dtype",
     "transformers_model",
     "tunix_logits",

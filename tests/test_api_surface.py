@@ -67,7 +67,7 @@ SUBPACKAGES = {
     ],
     "gemport.verify": [
         "ContinuationReport", "LogitReport", "WITHIN", "compare_continuations", "compare_logits", "compare_vllm",
-        "log_softmax", "model_dtype", "transformers_model", "tunix_logits",
+        "log_softmax", "logprob_floor", "model_dtype", "transformers_model", "tunix_logits",
     ],
     "gemport.dpo": [
         "METRICS", "PAIR_LOSSES", "DPOLoss", "DPORun", "Preference", "collate", "dpo_loss", "from_dpo_config",

@@ -90,7 +90,7 @@ def test_help_shows_the_library_defaults_it_does_not_repeat():
     assert f"(default {default(save_hf, 'max_shard_size')})" in gemport("convert", "--help").stdout
     shown = " ".join(gemport("verify", "--help").stdout.split())
     for function, name in ((compare_logits, "seq_len"), (compare_logits, "within"), (compare_vllm, "num_prompts"),
-                           (compare_vllm, "max_tokens"), (compare_vllm, "dtype"), (compare_vllm, "atol")):
+                           (compare_vllm, "max_tokens"), (compare_vllm, "dtype"), (compare_vllm, "within")):
         assert f"(default {default(function, name)}" in shown, name
 
 

@@ -4,11 +4,13 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
-from gemport.errors import MaskError, RecipeError
-from gemport.parity import Tolerances, Trajectory, StepRow, dropout_note, read_recipe, trajectory, without_dropout
+from gemport.errors import LoraError, MaskError, OptimizerConfigError, RecipeError
+from gemport.parity import (LEAST_FLOOR, Tolerances, Trajectory, StepRow, dropout_note, read_recipe, trajectory,
+                            without_dropout)
 from test_cli import gemport
 from test_trackers import assert_picture
 from test_train_sft import chats, tokenizer
@@ -67,11 +69,39 @@ def test_lora_dropout_and_missing_steps_are_refused(recipe):
         trajectory(recipe / "base", chats(), sft_config={}, lora_config={"r": 4, "lora_dropout": 0.1})
 
 
+def test_what_the_port_cannot_take_is_refused_before_either_side_trains(recipe, monkeypatch):
+    """The recipe's optimizer, its LoRA config and its dtype are checked with the tokenizer, template and data,
+    before TRL trains (here, training at all fails the test)."""
+    import trl
+
+    monkeypatch.setattr(trl.SFTTrainer, "train", lambda self: pytest.fail("the GPU side trained"))
+    sft = {k: v for k, v in RECIPE.items() if not k.startswith("lora_")} | {"max_steps": 1}
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
+    with pytest.raises(OptimizerConfigError, match="optim"):
+        trajectory(recipe / "base", chats(4), sft_config=sft | {"optim": "adafactor"}, lora_config=lora,
+                   tokenizer=tokenizer(), progress=False)
+    with pytest.raises(LoraError, match="use_dora"):
+        trajectory(recipe / "base", chats(4), sft_config=sft, lora_config=lora | {"use_dora": True},
+                   tokenizer=tokenizer(), progress=False)
+    with pytest.raises(RecipeError, match="dtype 'float16'"):
+        trajectory(recipe / "base", chats(4), sft_config=sft, lora_config=lora, dtype="float16")
+
+
 def test_the_verdict_names_the_first_quantity_beyond_tolerance():
-    rows = (StepRow(0, 0.0, 0.0, 2.0, 2.0, 1.0, 1.0), StepRow(1, 1e-3, 1e-3, 1.9, 1.9, 1.0, 1.01))
-    report = Trajectory(rows, Tolerances())
-    assert not report.ok and report.first_disagreement().startswith("step 1: grad_norm 1.01 (port) vs 1 (GPU")
-    assert Trajectory(rows[:1], Tolerances()).ok
+    # Each step is held to FLOOR_MULTIPLE x its own measured floor; a fixed tolerance only when chosen.
+    rows = (StepRow(0, 0.0, 0.0, 2.0, 2.0, 1.0, 1.0, LEAST_FLOOR, LEAST_FLOOR),
+            StepRow(1, 1e-3, 1e-3, 1.9, 1.9 * (1 + 5e-5), 1.0, 1.01, 1e-6, 5e-4))
+    floors = Tolerances(loss=None, grad_norm=None)
+    report = Trajectory(rows, floors)
+    assert not report.ok and report.first_disagreement() == (
+        "step 1: loss 1.9001 (port) vs 1.9 (GPU recipe), relative 5.00e-05 = 50 x the floor 1e-06 > 1e-05")
+    assert Trajectory(rows, Tolerances(grad_norm=None)).first_disagreement().startswith("step 1: grad_norm 1.01")
+    assert not Trajectory(rows, Tolerances()).ok and Trajectory(rows, Tolerances(grad_norm=2e-2)).ok  # fixed 1e-4
+    assert Trajectory(rows[:1], floors).ok
+    # A floor of 0 (two runs logging the same value to the bit) is one float32 unit: a port one bit off agrees.
+    same = StepRow(0, 0.0, 0.0, 2.0, 2.0 * (1 + LEAST_FLOOR), 1.0, 1.0, LEAST_FLOOR, LEAST_FLOOR)
+    assert Trajectory((same,), floors).ok
+    assert not Trajectory((same._replace(loss_port=2.0 * (1 + 20 * LEAST_FLOOR)),), floors).ok
     # The adapter bound: FLOOR_MULTIPLE x the run's measured floor, unless Tolerances(adapter=) fixes it.
     drifted = Trajectory(rows[:1], Tolerances(), {"layers.0.mlp.up_proj": 1e-3}, adapter_floor=9e-5)
     assert drifted.first_disagreement().startswith("after the last step: adapter layers.0.mlp.up_proj")
@@ -94,13 +124,14 @@ def test_cli_on_a_miniature_of_the_31b_config(recipe, tmp_path):
                    "--steps", 3, "--adapter-rtol", 1e-2)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
-    assert lines[-1].startswith("agree within loss 0.0001")
+    assert lines[-1].startswith("agree within loss 0.0001, grad_norm 0.0001")  # every bound fixed: no second run
     assert [line.split()[0] for line in lines[-5:-2]] == ["0", "1", "2"] and lines[-2].startswith("final adapters")
     # Beside the table: every figure as JSON, and the curves as a PNG.
     report = json.loads((tmp_path / "gemport-parity" / "parity.json").read_text())
     assert report["ok"] and [r["step"] for r in report["steps"]] == [0, 1, 2]
     for r, line in zip(report["steps"], lines[-5:-2]):
         assert f"{r['loss_gpu']:.6f}" == line.split()[2] and f"{r['grad_norm_port']:.6f}" == line.split()[6]
+        assert r["loss_floor"] is None and r["loss_bound"] == 1e-4
     assert report["adapter_tolerance"] == 1e-2 and max(report["adapters"].values()) <= 1e-2
     assert_picture(tmp_path / "gemport-parity" / "parity.png", (560, 480))
 
@@ -182,6 +213,48 @@ def test_prompt_completion_text_needs_no_chat_template(recipe):
         "assistant_only_loss": False, "completion_only_loss": True, "max_steps": 3}
     lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "down_proj"]}
     report = trajectory(recipe / "base", records, sft_config=sft, lora_config=lora, tokenizer=plain, progress=False)
+    print(report.table())
     assert len(report.rows) == 3 and report.ok, report.table()
     with pytest.raises(MaskError, match="record 0: a conversation .* chat template"):
         trajectory(recipe / "base", chats(4), sft_config=sft, lora_config=lora, tokenizer=plain, progress=False)
+
+
+def test_a_bf16_recipe_agrees_in_bfloat16_against_its_floor(recipe, tmp_path):
+    """`bf16: true` and TRL's defaults for the rest (learning rate, schedule, gradient checkpointing, lora_dropout):
+    `--dtype bfloat16` trains TRL under torch's CPU bfloat16 autocast on a bfloat16 base and the port on a bfloat16
+    base with float32 factors, each step judged against how far TRL's own float32 run lands. The bfloat16 floor
+    is coarse: on this random miniature a port taking the loss on every token lands 9.8 x it at step 0 (and
+    thousands of times the float32 floor), so float32 stays the default (docs/train.md)."""
+    bf16 = {"bf16": True, "max_steps": 3, "per_device_train_batch_size": 2, "max_length": 128,
+            "assistant_only_loss": True, "lora_r": 4, "lora_alpha": 8, "lora_target_modules": ["q_proj", "down_proj"]}
+    (tmp_path / "bf16.yaml").write_text(yaml.safe_dump(bf16))
+    done = run_cli(recipe / "base", recipe / "data.jsonl", "--config", tmp_path / "bf16.yaml", "--dtype", "bfloat16")
+    print(done.stdout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[-2].startswith("floor: TRL float32 vs bfloat16 (autocast), per step")
+    assert lines[-1].startswith("agree within loss 10 x the floor (at most ")
+    report = json.loads(Path("gemport-parity/parity.json").read_text())
+    assert len(report["steps"]) == 3 and all(r["loss_floor"] > 1e-5 for r in report["steps"])  # bfloat16's rounding
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="eager vs sdpa measures attention's float32 rounding only: on real magnitudes the first "
+                          "step's grad_norm floor is 2.5e-7 while the port lands 9e-6 away (36 x)")
+def test_a_real_scale_checkpoint_agrees_against_its_floor(recipe, real_checkpoint, tmp_path):
+    """A checkpoint with a real one's magnitudes (logits of order 100, norm gains to 50; `tiny.real_magnitudes`),
+    float32: the first step's loss and grad_norm within 10 x the floor TRL's eager vs sdpa runs measure. They
+    share every operation but attention bit for bit, and at these magnitudes the rest of the arithmetic (norms
+    with gains of 50, the loss over logits of 100) is where the port's float32 sums differ: a floor of the whole
+    float32 rounding (TRL in float64 against float32) is what this case needs (issue 33, left)."""
+    _, real = real_checkpoint("gemma4_mesh")
+    base = tmp_path / "real"
+    shutil.copytree(real, base)
+    tokenizer().save_pretrained(base)
+    sft = {k: v for k, v in RECIPE.items() if not k.startswith("lora_")} | {"max_steps": 1, "learning_rate": 2e-4}
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+    report = trajectory(base, chats(12), sft_config=sft, lora_config=lora, tokenizer=tokenizer(), progress=False,
+                        tolerances=Tolerances(loss=None, grad_norm=None, adapter=1.0))  # the per-step floors only
+    print(report.table())
+    assert report.ok, report.table()
+    assert report.rows[0].loss_gpu > 10  # real-scale logits: a large first loss

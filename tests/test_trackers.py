@@ -221,14 +221,18 @@ def test_parity_json_holds_every_figure_and_the_picture_draws_them(tmp_path):
     from gemport.parity import StepRow, Tolerances, Trajectory
     from gemport.plots import write_parity
 
-    rows = (StepRow(0, 0.0, 0.0, 2.0, 2.0, 1.0, 1.0), StepRow(1, 1e-3, 1e-3, 1.9, 1.9 * (1 + 3e-5), 1.0, 1.01))
-    report = Trajectory(rows, Tolerances(), {"layers.0.mlp.up_proj": 2e-4}, adapter_floor=1e-5)
+    rows = (StepRow(0, 0.0, 0.0, 2.0, 2.0, 1.0, 1.0, 1e-7, 1e-7),
+            StepRow(1, 1e-3, 1e-3, 1.9, 1.9 * (1 + 3e-5), 1.0, 1.01, 1e-5, 1e-4))
+    report = Trajectory(rows, Tolerances(loss=None, grad_norm=None), {"layers.0.mlp.up_proj": 2e-4},
+                        adapter_floor=1e-5, floor_name="TRL eager vs sdpa attention, float32")
     numbers, picture = write_parity(report, tmp_path / "report")
     written = json.loads(numbers.read_text())
     assert not written["ok"] and written["first_disagreement"] == report.first_disagreement()
     assert written["steps"][1]["loss_port"] == rows[1].loss_port
     assert written["steps"][1]["loss_relative"] == pytest.approx(3e-5)
     assert written["steps"][1]["grad_norm_relative"] == pytest.approx(1e-2) and written["steps"][0]["loss_relative"] == 0
-    assert written["tolerances"]["loss"] == 1e-4 and written["adapter_tolerance"] == report.adapter_tolerance == 5e-4
+    assert written["tolerances"]["loss"] is None and written["steps"][1]["loss_bound"] == pytest.approx(1e-4)
+    assert written["steps"][1]["grad_norm_floor"] == 1e-4 and written["floor_name"].startswith("TRL eager vs sdpa")
+    assert written["adapter_tolerance"] == report.adapter_tolerance == 5e-4
     assert written["adapters"] == {"layers.0.mlp.up_proj": 2e-4} and written["adapter_floor"] == 1e-5
     assert_picture(picture, (560, 480))
