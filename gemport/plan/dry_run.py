@@ -87,15 +87,18 @@ def dry_run(run: Any, *, hbm_bytes: int | None = None) -> DryRun:
     """Compile ``run``'s train step (``lower_step`` of ``run.make_trainer()``) for its first step's micro-batch on
     ``run.mesh``, never running it; nothing is written.
 
-    run: an ``SFTRun``, abstract (``SFTRun.create(..., abstract=True)``: from ``config.json``, no weight read) or
-        loaded. For a TPU slice, build it on ``make_mesh(spec, devices=slice_devices("v5p-8"), ...)``.
+    run: an ``SFTRun`` or a ``DPORun`` (its step: chosen and rejected rows of each pair, the reference pass),
+        abstract (``create(..., abstract=True)``: from ``config.json``, no weight read) or loaded. For a TPU slice, build it on ``make_mesh(spec, devices=slice_devices("v5p-8"), ...)``.
     hbm_bytes: the chip's HBM; default ``gemport.plan.HBM`` of the mesh's TPU generation (None on CPU).
     Returns a ``DryRun``.
     """
-    _, rows, seq_len = run.train_batches[0]["tokens"].shape
+    first = run.micro_batches(run.train_batches[:1])[0]  # the trainer's first micro-batch, its fields and shapes
+    rows, seq_len = first["tokens"].shape
     trainer = run.make_trainer() if run.trainer is None else run.trainer
-    compiled = compile_step(trainer, run.mesh, rows, seq_len)
-    remat = run.pipeline.remat
+    compiled = compile_step(trainer, run.mesh, rows, seq_len, micro_batch=first)
+    from gemport.train.sft import remat_of
+
+    remat = remat_of(run.args)  # the model's, as create set it
     return DryRun(compiled.argument_bytes, compiled.temp_bytes, compiled.peak_bytes,
                   hbm_bytes if hbm_bytes is not None else _hbm(run.mesh), compiled.flops_per_token, rows, seq_len,
                   dict(run.mesh.shape), remat, run.mesh.devices.flat[0].platform)
