@@ -1,6 +1,6 @@
 """Compiled peak per device of the train step ``SFTRun.train()`` runs (``gemport.plan.compiled``: HFPeftTrainer's
 jitted step with TRL's default recipe, HF's AdamW with clipping) at Gemma 4 31B's widths, with Tunix's attention and
-logits (``HFPeftTrainer(fast=False)``) against gemport's fast loss.
+logits (``HFPeftTrainer(loss_fn=train.tunix_loss)``) against gemport's fast loss.
 
 Two layers (one sliding, one global), vocabulary 262144, LoRA r=16 on all seven projections, bf16, decoder
 remat, one row per device: lowered for abstract arguments and compiled on this host (nothing allocated), XLA's
@@ -24,6 +24,7 @@ os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_MEMORY_SCHEDU
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from gemport.plan.compiled import compile_step, step_trainer  # noqa: E402
+from gemport.train import segment_loss, tunix_loss  # noqa: E402
 from gemport.train.model import lora_model  # noqa: E402
 
 from gemport.lora import LoraSpec  # noqa: E402
@@ -58,7 +59,7 @@ def main():
     for seq_len in args.seq_len:
         for name in args.steps:
             start = time.perf_counter()
-            compiled = compile_step(step_trainer(model, fast=name == "fast"), mesh, len(devices), seq_len)
+            compiled = compile_step(step_trainer(model, loss_fn=segment_loss if name == "fast" else tunix_loss), mesh, len(devices), seq_len)
             print(f"{seq_len:6d} tokens  {name:5s} step: peak {compiled.peak_bytes / GiB:6.2f} GiB "
                   f"(arguments {compiled.argument_bytes / GiB:.2f}, temporaries {compiled.temp_bytes / GiB:.2f}), "
                   f"{compiled.flops_per_token / 1e9:.2f} GFLOPs/token "

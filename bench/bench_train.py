@@ -1,9 +1,10 @@
 """LoRA train step: step time, tokens/s, MFU and peak device memory, beside the memory plan's prediction.
 
 The step is the one ``SFTRun.train()`` runs (``HFPeftTrainer.jitted_train_step``, compiled as ``gemport.plan``
-compiles it: TRL's default recipe, HF's AdamW with clipping, optimizer state donated) on a Gemma 4 with Gemma 4
-31B's layout, twice: Tunix's own attention and logits (``HFPeftTrainer(fast=False)``), and gemport's fast loss
-(segment attention, chunked cross-entropy: ``train.fast_loss``). MFU is model FLOPs per trained token (``4 x`` the
+compiles it: TRL's default recipe, HF's AdamW with clipping, model and optimizer state donated) on a Gemma 4
+with Gemma 4 31B's layout, twice: Tunix's own attention and logits (``HFPeftTrainer(loss_fn=train.tunix_loss)``),
+and gemport's segment loss (segment attention, chunked cross-entropy: ``train.segment_loss``). MFU is model FLOPs
+per trained token (``4 x`` the
 weights a token passes through, forward and backward through the activations, plus ``12 x`` keys seen x head
 width x heads per layer for attention) times tokens/s over the device's bf16 peak (``PEAK_TFLOPS``); on CPU
 there is no accelerator figure. On CPU (default: tiny widths, under a minute) the peak is what XLA's
@@ -39,6 +40,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 from gemport.plan.compiled import _placed, compile_step, step_trainer  # noqa: E402
+from gemport.train import segment_loss, tunix_loss  # noqa: E402
 from gemport.train.model import lora_model  # noqa: E402
 from gemport.train.peft_trainer import NUM_ITEMS  # noqa: E402
 
@@ -107,12 +109,12 @@ def batch_arrays(batch, seq_len, vocab, mesh):
     return {k: jax.device_put(v, rows) for k, v in values.items()}
 
 
-def jax_step(args, spec, lora_spec, dtype, fast):
+def jax_step(args, spec, lora_spec, dtype, loss_fn):
     """The step ``SFTRun.train()`` runs (``HFPeftTrainer.jitted_train_step``, TRL's default recipe: HF's AdamW with
     clipping), compiled as ``gemport.plan`` compiles it and then run on random weights."""
     mesh = make_mesh(spec, fsdp=args.fsdp, tp=args.tp, devices=jax.devices()[: args.fsdp * args.tp])
     model = lora_model(spec, lora_spec, param_dtype=dtype, remat=args.remat, abstract=False)
-    trainer = step_trainer(model, {"gradient_checkpointing": args.remat == "decoder"}, fast=fast)
+    trainer = step_trainer(model, {"gradient_checkpointing": args.remat == "decoder"}, loss_fn=loss_fn)
     compiled = compile_step(trainer, mesh, args.batch, args.seq_len)
     model, optimizer = placed(trainer.model, mesh), placed(trainer.optimizer, mesh)
     batch = batch_arrays(args.batch, args.seq_len, spec.vocab, mesh)
@@ -186,8 +188,8 @@ def main():
     print(f"  plan (the fast step): {plan}")
     print(f"    {plan.tunix_line}")
     step_seconds = {}
-    for name, fast in (("Tunix step", False), ("fast step", True)):
-        seconds, peak, compiled, loss = jax_step(args, spec, lora_spec, dtype, fast)
+    for name, loss_fn in (("Tunix step", tunix_loss), ("fast step", segment_loss)):
+        seconds, peak, compiled, loss = jax_step(args, spec, lora_spec, dtype, loss_fn)
         measured, how = (peak, "peak_bytes_in_use") if peak else (compiled.peak_bytes, "compiled memory analysis")
         rate = tokens / seconds
         if peak_flops is None:

@@ -38,6 +38,7 @@ from gemport.errors import (
     MissingDependencyError,
     MissingTensorError,
     OptimizerConfigError,
+    Preempted,
     RecipeError,
     ShapeMismatchError,
     SpecError,

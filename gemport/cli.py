@@ -12,7 +12,7 @@ from pathlib import Path
 
 from gemport.cli_dpo import add_parser as add_dpo_parser
 from gemport.cli_sft import add_parser as add_sft_parser
-from gemport.errors import CheckpointError, GemportError, LoraError, MeshError, SpecError
+from gemport.errors import CheckpointError, GemportError, LoraError, MeshError, RecipeError, SpecError
 
 
 class Default:
@@ -252,13 +252,14 @@ def peft_for_vllm(args) -> int:
 
 def parity(args) -> int:
     from gemport.parity import Tolerances, dropout_note, miniature, read_recipe, trajectory, without_dropout
+    from gemport.train import segment_loss, tunix_loss
     from gemport.plots import write_parity
 
     sft, lora = read_recipe(args.config)
     if args.lora_config:
         lora = args.lora_config
     if not lora:
-        raise LoraError(f"{args.config}: no lora_r/lora_target_modules; pass --lora-config adapter_config.json")
+        raise RecipeError(f"{args.config}: no lora_r/lora_target_modules; pass --lora-config adapter_config.json")
     lora, dropout = without_dropout(lora)
     if dropout:
         print(dropout_note(dropout))
@@ -272,7 +273,7 @@ def parity(args) -> int:
             base = miniature(args.base, Path(work) / "miniature", vocab_size=args.vocab_size)
             print(f"miniature of {args.base}: {base}")
         report = trajectory(base, args.data, sft_config=sft, lora_config=lora, steps=args.steps, tokenizer=tokenizer,
-                            port_sft_config=port, fast=args.fast,
+                            port_sft_config=port, loss_fn=segment_loss if args.fast else tunix_loss,
                             tolerances=Tolerances(**_given(args, loss="rtol", grad_norm="rtol"),
                                                   adapter=args.adapter_rtol))
     numbers, picture = write_parity(report, args.out)

@@ -8,7 +8,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from gemport.cli_sft import _compile_here, _put, _report, _resume_point
+from gemport.cli_sft import check_resume_point, compile_for_dry_run, put_atomically, report_dry_run
 from gemport.errors import CheckpointError, LoraError, MeshError
 
 DESCRIPTION = """\
@@ -69,7 +69,7 @@ def run(args) -> int:
     if args.tpu and not args.dry_run:
         raise MeshError(f"--tpu {args.tpu} compiles for a slice this host is not: give it with --dry-run")
     if args.dry_run:
-        _compile_here(args)
+        compile_for_dry_run(args)
     from gemport.checkpoint import export_merged, export_peft
     from gemport.checkpoint.output import check_outside
     from gemport.checkpoint.peft_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS
@@ -106,7 +106,7 @@ def run(args) -> int:
     check_outside(output_dir, *(p for p in (base, script["dataset_name"], args.init_adapter, args.config)
                                 if p and Path(p).exists()))
     claim_output(output_dir)  # writable, and no other run in it: before anything long starts
-    _resume_point(config["resume_from_checkpoint"], output_dir / CHECKPOINTS)
+    check_resume_point(config["resume_from_checkpoint"], output_dir / CHECKPOINTS)
     for note in recipe.notes:
         print(f"  {note}", flush=True)
 
@@ -130,13 +130,14 @@ def run(args) -> int:
 
     trained = dpo_run.lora_params()
     staged = output_dir / ".adapter"
-    _put(lambda tmp: export_peft(trained, tmp, base_dir=dpo_run.base_dir, base_model_name_or_path=str(base)), staged)
+    put_atomically(lambda tmp: export_peft(trained, tmp, base_dir=dpo_run.base_dir, base_model_name_or_path=str(base)),
+                   staged)
     for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):  # the config last: a killed move leaves no new config on old weights
         os.replace(staged / name, output_dir / name)
     shutil.rmtree(staged)
     print(f"wrote {output_dir / ADAPTER_CONFIG}, {output_dir / ADAPTER_WEIGHTS}", flush=True)
     if args.merge:
-        _put(lambda tmp: export_merged(trained, tmp, base_dir=dpo_run.base_dir), output_dir / "merged")
+        put_atomically(lambda tmp: export_merged(trained, tmp, base_dir=dpo_run.base_dir), output_dir / "merged")
         print(f"wrote {output_dir / 'merged'}", flush=True)
     return 0
 
@@ -155,7 +156,7 @@ def _dry_run(args, recipe, lora) -> int:
     mesh = make_mesh(GemmaSpec.from_hf(base), fsdp=args.fsdp, tp=args.tp, devices=devices)
     dpo_run = DPORun.create(config, base, data, lora=lora, init_adapter=args.init_adapter, mesh=mesh,
                             dtype=recipe.dtype(), progress=not config["disable_tqdm"], abstract=True)
-    return _report(dpo_run, args.tpu, f"the first step of {len(dpo_run.pairs)} preference pairs",
+    return report_dry_run(dpo_run, args.tpu, f"the first step of {len(dpo_run.pairs)} preference pairs",
                    lambda line: print(line, flush=True))
 
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from gemport._src.extras import require
-from gemport.errors import CheckpointError, LoraError, MeshError
+from gemport.errors import CheckpointError, MeshError, RecipeError
 
 DESCRIPTION = """\
 Run a `trl sft --config sft.yaml` recipe on the JAX devices present (a TPU slice; CPU for a miniature):
@@ -102,7 +102,7 @@ def _initialize(args) -> None:
         jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
 
 
-def _resume_point(value, root: Path) -> None:
+def check_resume_point(value, root: Path) -> None:
     """Check ``resume_from_checkpoint`` against the checkpoints Tunix resumes from (the latest in ``root``)."""
     if value in (None, False, "", "false", "False"):
         return
@@ -117,7 +117,7 @@ def _resume_point(value, root: Path) -> None:
                               f"output_dir ({root / str(steps[-1])}); pass that, or true")
 
 
-def _put(build, target: Path) -> None:
+def put_atomically(build, target: Path) -> None:
     """Write with ``build(tmp)`` beside ``target``, then move it into place (replacing an older one)."""
     tmp = target.with_name(f".{target.name}.{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -131,7 +131,7 @@ def run(args) -> int:
     if args.tpu and not args.dry_run:
         raise MeshError(f"--tpu {args.tpu} compiles for a slice this host is not: give it with --dry-run")
     if args.dry_run:
-        _compile_here(args)
+        compile_for_dry_run(args)
     _initialize(args)
     import jax
 
@@ -158,14 +158,14 @@ def run(args) -> int:
         require("matplotlib", "gemport sft --plot")
     base = model.get("model_name_or_path")
     if not base:
-        raise CheckpointError("model_name_or_path: not set; give the HF Gemma checkpoint directory")
+        raise RecipeError("model_name_or_path: not set; give the HF Gemma checkpoint directory")
     if not script.get("dataset_name") and not args.dry_run:
-        raise CheckpointError("dataset_name: not set; give a data file, folder, saved dataset or hub name")
+        raise RecipeError("dataset_name: not set; give a data file, folder, saved dataset or hub name")
     lora = recipe.lora()
     if args.init_adapter:
         lora = None
     elif lora is None:
-        raise LoraError("use_peft is not set: gemport sft trains LoRA; set use_peft: true with lora_r, lora_alpha "
+        raise RecipeError("use_peft is not set: gemport sft trains LoRA; set use_peft: true with lora_r, lora_alpha "
                         "and lora_target_modules, or pass --init-adapter DIR")
     if args.dry_run:
         return _dry_run(args, recipe, lora, say)
@@ -175,7 +175,7 @@ def run(args) -> int:
     check_outside(output_dir, *(p for p in inputs if p and Path(p).exists()))
     if primary:  # writable, and no other run in it: before anything long starts
         claim_output(output_dir)
-    _resume_point(sft["resume_from_checkpoint"], output_dir / CHECKPOINTS)
+    check_resume_point(sft["resume_from_checkpoint"], output_dir / CHECKPOINTS)
     qlora = recipe.qlora()
     for note in recipe.notes:
         say(f"  {note}")
@@ -214,13 +214,14 @@ def run(args) -> int:
     if not primary:
         return 0
     staged = output_dir / ".adapter"
-    _put(lambda tmp: export_peft(trained, tmp, base_dir=sft_run.base_dir, base_model_name_or_path=str(base)), staged)
+    put_atomically(lambda tmp: export_peft(trained, tmp, base_dir=sft_run.base_dir, base_model_name_or_path=str(base)),
+                   staged)
     for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):  # the config last: a killed move leaves no new config on old weights
         os.replace(staged / name, output_dir / name)
     shutil.rmtree(staged)
     say(f"wrote {output_dir / ADAPTER_CONFIG}, {output_dir / ADAPTER_WEIGHTS}")
     if args.merge:
-        _put(lambda tmp: export_merged(trained, tmp, base_dir=sft_run.base_dir), output_dir / "merged")
+        put_atomically(lambda tmp: export_merged(trained, tmp, base_dir=sft_run.base_dir), output_dir / "merged")
         say(f"wrote {output_dir / 'merged'}")
     if args.plot:
         from gemport.plots import loss_curves
@@ -229,9 +230,10 @@ def run(args) -> int:
     return 0
 
 
-def _compile_here(args) -> None:
-    # Before JAX starts: a compile for a TPU slice runs on this host's CPU (and must not take a TPU a run may
-    # hold); XLA:CPU orders a program for memory, as accelerators do, only with this flag.
+def compile_for_dry_run(args) -> None:
+    """Set the environment of a ``--dry-run [--tpu SLICE]`` compile (``sft`` and ``dpo``), before JAX starts."""
+    # A compile for a TPU slice runs on this host's CPU (and must not take a TPU a run may hold); XLA:CPU orders a
+    # program for memory, as accelerators do, only with this flag.
     from gemport.plan.compiled import CPU_MEMORY_SCHEDULER
 
     if args.tpu and "JAX_PLATFORMS" not in os.environ:
@@ -259,11 +261,11 @@ def _dry_run(args, recipe, lora, say) -> int:
     sft_run = SFTRun.create(sft, base, data, lora=lora, init_adapter=args.init_adapter, mesh=mesh,
                             dtype=recipe.dtype(), qlora=recipe.qlora(), progress=not sft["disable_tqdm"],
                             abstract=True)
-    return _report(sft_run, args.tpu, "the first step of the data" if data is not None else "rows of max_length",
-                   say)
+    return report_dry_run(sft_run, args.tpu,
+                          "the first step of the data" if data is not None else "rows of max_length", say)
 
 
-def _report(run, tpu: str | None, rows: str, say) -> int:
+def report_dry_run(run, tpu: str | None, rows: str, say) -> int:
     """``gemport.plan.dry_run`` of ``run`` (an abstract ``SFTRun`` or ``DPORun``) said; 1 when it does not fit."""
     from gemport.mesh import TpuSlice
     from gemport.plan import HBM, dry_run

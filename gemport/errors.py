@@ -53,6 +53,20 @@ class MeshError(GemportError, ValueError):
     """A mesh does not fit the model: an axis does not divide a dimension it shards."""
 
 
+class Preempted(GemportError):
+    """Not bad input: a run stopped on SIGTERM after saving a checkpoint; run the same command again to resume."""
+
+    exit_code = 128 + 15  # SIGTERM
+    """The status a command line exits with (a process ended by SIGTERM reports 143)."""
+
+    def __init__(self, step: int, where: str, seconds: float) -> None:
+        self.step = step
+        super().__init__(
+            f"SIGTERM received: saved the checkpoint of step {step} in {where} ({seconds:.1f} s) and stopped; run "
+            "the same command again to resume from it"
+        )
+
+
 class LoraError(GemportError, ValueError):
     """A LoRA config or adapter cannot be mapped between PEFT and Qwix/Tunix."""
 
@@ -107,6 +121,7 @@ __all__ = [
     "MissingDependencyError",
     "MissingTensorError",
     "OptimizerConfigError",
+    "Preempted",
     "RecipeError",
     "ShapeMismatchError",
     "SpecError",

@@ -309,7 +309,7 @@ def miniature(config, out_dir, *, num_layers=6, hidden_size=64, head_dim=16, sli
 
 
 def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer=None, chat_format=None,
-               port_sft_config=None, tolerances=Tolerances(), progress=True, qlora=None, fast=True):
+               port_sft_config=None, tolerances=Tolerances(), progress=True, qlora=None, loss_fn=None):
     """Run the GPU recipe and the port for the same steps from the same step-0 adapter; a ``Trajectory``.
 
     base_dir: an HF Gemma checkpoint (the real one, or a miniature of it) with its tokenizer, unless
@@ -329,8 +329,9 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
     ``tolerances.adapter`` is set, the GPU side trains again from that adapter with sdpa attention instead of
     eager, and the port with ``FLOOR_PADDING`` more padding columns per row; the final adapters are held to
     ``FLOOR_MULTIPLE`` times the farthest either pair ends apart (``Trajectory.adapter_floor``).
-    fast: the port's step is ``train.fast_loss`` (segment attention, chunked cross-entropy), as ``train_step``
-        and ``HFPeftTrainer`` train by default; False runs Tunix's own attention and logits (``train.tunix_loss``).
+    loss_fn: the port's step's loss (default ``train.segment_loss``: segment attention, chunked cross-entropy, as
+        ``train_step`` and ``HFPeftTrainer`` train by default); ``train.tunix_loss`` runs Tunix's own attention and
+        logits.
 
     qlora: a `gemport.lora.QLoraSpec` (QLoRA): the GPU side loads ``base_dir`` through bitsandbytes
     (``BitsAndBytesConfig(**qlora.to_bnb())``, then ``peft.prepare_model_for_kbit_training`` as TRL does),
@@ -414,7 +415,7 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
         lora_spec = start.lora_spec
         base = load_model(base_dir, spec=spec) if qlora is None else load_qlora_model(base_dir, qlora, spec=spec)
         hf = hf_optimizer(port_config, num_training_steps=port_config.max_steps)
-        step = train.train_step(wrt=nnx.LoRAParam, loss_fn=train.fast_loss if fast else train.tunix_loss)
+        step = train.train_step(wrt=nnx.LoRAParam, loss_fn=loss_fn or train.segment_loss)
         batches = [batch for batch, _ in zip(pipeline.batches(examples), logs)]
 
         def port_run(pad, desc):

@@ -4,8 +4,8 @@
 
 LOOP is ``peft`` (gemport.train.peft_trainer.HFPeftTrainer) or ``nnx`` (the user's own loop with
 gemport.train.train_step and Tunix's CheckpointManager). Each job trains a tiny Gemma 3 with LoRA (dropout
-DROPOUT[LOOP]) for STEPS optimizer steps of 2 micro-batches, checkpointing every 2 steps into DIR/checkpoints,
-resuming from the latest checkpoint there if any. It appends to DIR/log.jsonl one line per optimizer step trained: the step, its loss
+DROPOUT[LOOP]) for STEPS optimizer steps of 2 micro-batches, checkpointing into DIR/checkpoints (every EVERY[LOOP]
+steps, asynchronously: Orbax's default), resuming from the latest checkpoint there if any. It appends to DIR/log.jsonl one line per optimizer step trained: the step, its loss
 and the micro-batches (by index in the run's data) it consumed; at the end it writes DIR/lora.npz. With
 KILL_AFTER, once step KILL_AFTER has been trained (and the previous checkpoint is on disk) the process kills
 itself with SIGKILL: no exit handler, no flush, no final checkpoint.
@@ -33,7 +33,10 @@ from gemport.specs import GemmaSpec
 from gemport.train.peft_trainer import HFPeftTrainer, micro_batches
 
 STEPS = 5
-EVERY = 2
+# The PeftTrainer loop checkpoints every step: each save is still being written while the next step runs with the
+# model and optimizer donated (HFPeftTrainer.jitted_train_step), so a save that read a donated buffer after
+# returning would fail or write other values, and the resume would differ.
+EVERY = {"peft": 1, "nnx": 2}
 ARGS = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=STEPS, learning_rate=5e-3,
             weight_decay=0.1, max_grad_norm=0.5, lr_scheduler_type="cosine", warmup_steps=1, seed=7)
 LORA = LoraSpec.from_peft({"peft_type": "LORA", "r": 8, "lora_alpha": 16,
@@ -41,7 +44,10 @@ LORA = LoraSpec.from_peft({"peft_type": "LORA", "r": 8, "lora_alpha": 16,
 # The PeftTrainer loop (gemport sft's) trains with TRL's default LoRA dropout, whose masks a resume must redraw;
 # the nnx loop without.
 DROPOUT = {"peft": 0.05, "nnx": 0.0}
-OPTIONS = ocp.CheckpointManagerOptions(save_interval_steps=EVERY, max_to_keep=2)
+
+
+def options(loop):
+    return ocp.CheckpointManagerOptions(save_interval_steps=EVERY[loop], max_to_keep=2)
 
 
 def data(vocab):
@@ -84,16 +90,16 @@ class Recorder(hooks.TrainingHooks):
 
 
 class RecordingTrainer(HFPeftTrainer):
-    def _prepare_inputs(self, input_data):
+    def prepare_inputs(self, input_data, training):
         # Called for the micro-batches trained, not for those skipped on resume.
         index = int(input_data.pop("index")[0])
         self.training_hooks.consumed.setdefault(self.train_steps + 1, []).append(index)
-        return super()._prepare_inputs(input_data)
+        return super().prepare_inputs(input_data, training)
 
 
 def peft(model, steps, out, kill_after):
     config = TrainingConfig(eval_every_n_steps=STEPS + 1, max_steps=STEPS, gradient_accumulation_steps=2,
-                            checkpoint_root_directory=str(out / "checkpoints"), checkpointing_options=OPTIONS,
+                            checkpoint_root_directory=str(out / "checkpoints"), checkpointing_options=options("peft"),
                             pbar_description=None)
     trainer = RecordingTrainer(model, hf_optimizer(ARGS, num_training_steps=STEPS).tx, config,
                                lora_spec=model.lora_spec, seed=ARGS["seed"])
@@ -104,7 +110,7 @@ def peft(model, steps, out, kill_after):
 
 def nnx_loop(model, steps, out, kill_after):
     optimizer = nnx.Optimizer(model, hf_optimizer(ARGS, num_training_steps=STEPS).tx, wrt=nnx.LoRAParam)
-    manager = checkpoint_manager.CheckpointManager(str(out / "checkpoints"), OPTIONS)
+    manager = checkpoint_manager.CheckpointManager(str(out / "checkpoints"), options("nnx"))
     start, _ = manager.maybe_restore(model, optimizer, restore_only_lora_params=True)
     step_fn = train.train_step(wrt=nnx.LoRAParam)
     for s in range(start, STEPS):  # the data position is the optimizer step: HF's order is a function of it

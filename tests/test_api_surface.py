@@ -15,7 +15,7 @@ import gemport
 TOP_LEVEL = [
     "BatchError", "CheckpointError", "CheckpointWarning", "CorruptFileError", "EngineError", "GemmaSpec", "GemportError", "HFPeftTrainer", "LoraError", "LoraLayout",
     "LoraParams", "LoraSpec", "MaskError", "MeshError", "MissingDependencyError", "MissingTensorError",
-    "OptimizerConfigError", "RecipeError", "SFTRun", "ShapeMismatchError", "SpecError", "TemplateMismatchError",
+    "OptimizerConfigError", "Preempted", "RecipeError", "SFTRun", "ShapeMismatchError", "SpecError", "TemplateMismatchError",
     "TemplateMismatchWarning", "TrainingError", "UnexpectedTensorError", "UnsafePathError",
     "QLoraSpec", "apply_lora", "audit", "compare_logits", "export_merged", "export_peft", "fix_lora", "from_sft_config",
     "hf_optimizer", "import_peft", "load_hf", "load_model", "load_orbax", "load_qlora_model", "make_mesh", "memory_plan",
@@ -41,7 +41,7 @@ SUBPACKAGES = {
     "gemport.specs": ["GLOBAL", "SLIDING", "GemmaSpec"],
     "gemport.train": [
         "BATCH_FIELDS", "LAYOUTS", "Layout", "OptimizerStep", "SFTPipeline", "SFTRun", "SamplingStrategy", "StepMetrics",
-        "fast_loss", "from_sft_config", "optimizer_steps", "randperm", "sample_order", "stack",
+        "segment_loss", "from_sft_config", "optimizer_steps", "randperm", "sample_order", "stack",
         "train_step",
         "tunix_loss",
     ],

@@ -12,7 +12,7 @@ from gemport.lora import LoraSpec, apply_lora
 from gemport.plan import memory_plan
 from gemport.optim import hf_optimizer
 from gemport.specs import GemmaSpec
-from gemport.train.step import fast_loss
+from gemport.train.step import segment_loss
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -43,7 +43,7 @@ def test_a_bfloat16_base_trains_float32_factors_gradients_and_moments(real_check
     x = jnp.ones((1, 3, spec.hidden), jnp.bfloat16)
     assert attn.q_einsum(x).dtype == jnp.bfloat16 and all(y.dtype == jnp.bfloat16 for y in attn.kv_einsum(x))
     micro = {k: jnp.asarray(v[0]) for k, v in batch.items()}
-    grads = nnx.grad(lambda m: fast_loss(m, micro)[0], argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
+    grads = nnx.grad(lambda m: segment_loss(m, micro)[0], argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
     assert dtypes(grads) == {"float32"} and any(np.abs(g).max() > 0 for g in jax.tree.leaves(grads))
 
     args = {"learning_rate": 1e-4, "max_steps": 1, "warmup_steps": 0, "lr_scheduler_type": "constant"}

@@ -58,13 +58,13 @@ def test_fast_step_trains_as_tunix_step(hf_checkpoint):
     batch = train.stack(micro + [flipped])
     runs = {}
     lr = 1e-3
-    for loss_fn in (train.tunix_loss, train.fast_loss):
+    for loss_fn in (train.tunix_loss, train.segment_loss):
         m = nnx.clone(model)
         optimizer = nnx.Optimizer(m, optax.adamw(lr), wrt=nnx.LoRAParam)
         step = train.train_step(loss_fn=loss_fn)
         metrics = [jax.device_get(step(m, optimizer, batch)) for _ in range(3)]
         runs[loss_fn.__name__] = metrics, nnx.state(m, nnx.LoRAParam)
-    (ref, ref_lora), (got, got_lora) = runs["tunix_loss"], runs["fast_loss"]
+    (ref, ref_lora), (got, got_lora) = runs["tunix_loss"], runs["segment_loss"]
     for r, g in zip(ref, got):
         assert int(r.num_tokens) == int(g.num_tokens) > 0
         np.testing.assert_allclose(g.loss, r.loss, rtol=1e-5)

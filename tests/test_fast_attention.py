@@ -17,7 +17,8 @@ from gemport.lora import LoraSpec, apply_lora
 from gemport.masks import attention_mask
 from gemport.specs import GemmaSpec
 from gemport.train import attention
-from gemport.train.attention import (SegmentAttentionError, check_segments, segment_attention,
+from gemport.errors import BatchError
+from gemport.train.attention import (check_segments, segment_attention,
                                      segment_attention_model, segment_blind)
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -149,7 +150,7 @@ def test_segment_blind_attention_refuses_packed_rows(hf_checkpoint):
     assert segment_blind(model)
     _, _, segment_ids, _ = rows(spec.vocab)
     check_segments(model, segment_ids[1:], "train_step")  # one example per row (and padding) is fine
-    with pytest.raises(SegmentAttentionError, match="train_step: row 0 .*use_flash_attention"):
+    with pytest.raises(BatchError, match="train_step: row 0 .*use_flash_attention"):
         check_segments(model, segment_ids, "train_step")
     assert not segment_blind(segment_attention_model(model))
 

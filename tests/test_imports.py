@@ -73,3 +73,85 @@ def test_no_import_circle_between_packages():
 
 def test_a_circle_is_found():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+
+
+# Upstream privates (Tunix's, Qwix's) are touched in gemport._src.upstream only; gemport's own private names stay in
+# their package.
+UPSTREAM = "gemport/_src/upstream.py"
+_NAMEDTUPLE = {"_asdict", "_fields", "_make", "_replace"}  # public API of namedtuples despite the underscore
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _privacy(sources: dict[str, str]) -> list[str]:
+    """What in ``sources`` ({path under the repo: text}) breaks the rules above, one line each."""
+    trees = {path: ast.parse(text) for path, text in sources.items()}
+    defined = set(_NAMEDTUPLE)  # private names gemport itself gives (upstream.py's assignments are upstream's)
+    for path, tree in trees.items():
+        if path == UPSTREAM:
+            continue
+        for n in ast.walk(tree):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.add(n.name)
+            elif isinstance(n, ast.arg):
+                defined.add(n.arg)
+            elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                defined.add(n.id)
+            elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store):
+                defined.add(n.attr)
+            elif isinstance(n, ast.alias):
+                defined.add((n.asname or n.name).split(".")[0])
+            elif isinstance(n, ast.keyword) and n.arg:
+                defined.add(n.arg)
+    found = []
+    for path, tree in trees.items():
+        parts = Path(path).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        for n in ast.walk(tree):
+            if isinstance(n, ast.ImportFrom) and n.module:
+                top = n.module.split(".")[0]
+                names = [a.name for a in n.names]
+                if top in ("tunix", "qwix") and path != UPSTREAM and (
+                        any(_private(p) for p in n.module.split(".")) or any(map(_private, names))):
+                    found.append(f"{path}:{n.lineno}: imports {n.module} ({', '.join(names)})")
+                if top == "gemport" and _unit(n.module) != _unit(module):
+                    found += [f"{path}:{n.lineno}: imports {n.module}.{a}" for a in names if _private(a)]
+            elif isinstance(n, ast.Import):
+                found += [f"{path}:{n.lineno}: imports {a.name}" for a in n.names
+                          if a.name.split(".")[0] in ("tunix", "qwix") and path != UPSTREAM
+                          and any(_private(p) for p in a.name.split("."))]
+            elif (isinstance(n, ast.Attribute) and _private(n.attr) and n.attr not in defined
+                  and path != UPSTREAM):
+                found.append(f"{path}:{n.lineno}: reads .{n.attr}, a private name gemport does not define")
+    return found
+
+
+def test_upstream_privates_are_touched_in_one_module_and_no_private_name_crosses_packages():
+    sources = {str(p.relative_to(ROOT.parent)): p.read_text() for p in ROOT.rglob("*.py")}
+    assert UPSTREAM in sources
+    assert _privacy(sources) == []
+
+
+def test_the_privacy_rules_find_what_they_forbid():
+    found = _privacy({
+        UPSTREAM: "from qwix._src.core import qarray\ntrainer._pbar.close()\n",
+        "gemport/lora/x.py": "from qwix._src.providers import ptq\nimport tunix._private\n",
+        "gemport/train/y.py": "from gemport.masks.formats import _tools\nfrom gemport.train.z import _ok\n"
+                              "trainer._mode\nself._own = 1\nself._own\nrow._replace(a=1)\n",
+    })
+    assert [f.split(":")[0] + ":" + f.split(":")[1] for f in found] == [
+        "gemport/lora/x.py:1", "gemport/lora/x.py:2", "gemport/train/y.py:1", "gemport/train/y.py:3"], found
+
+
+def test_subclasses_of_upstream_classes_override_no_upstream_private():
+    """gemport's Tunix trainer and Qwix provider override public hooks of ``gemport._src.upstream``'s bases, never
+    a private method of Tunix's or Qwix's classes."""
+    from gemport.lora.qwix import Provider
+    from gemport.train.peft_trainer import HFPeftTrainer
+
+    for cls, upstream_base in ((HFPeftTrainer, HFPeftTrainer.__mro__[2]), (Provider, Provider.__mro__[2])):
+        assert upstream_base.__module__.split(".")[0] in ("tunix", "qwix"), cls.__mro__
+        overridden = [name for name in vars(cls) if _private(name) and hasattr(upstream_base, name)]
+        assert overridden == [], (cls, overridden)

@@ -14,7 +14,7 @@ import pytest
 
 from gemport import SFTRun
 from gemport.mesh import make_mesh
-from gemport.plan.compiled import fingerprint, lower_step, step_trainer
+from gemport.plan.compiled import compile_step, fingerprint, lower_step, micro_batch_shapes, step_trainer
 from gemport.specs import GemmaSpec
 from gemport.train.model import lora_model
 from test_train_sft import chats, tokenizer
@@ -37,7 +37,8 @@ def runs(hf_checkpoint):
         return SFTRun.create(args, base, chats(12), lora=LORA, tokenizer=tokenizer(), mesh=mesh, progress=False,
                              **kwargs)
 
-    return create, mesh, _planned(create(ARGS, abstract=True), mesh)
+    abstract = create(ARGS, abstract=True)
+    return create, mesh, _planned(abstract, mesh), abstract
 
 
 def _planned(run, mesh):
@@ -58,7 +59,7 @@ def _trained(run, tmp_path):
 
 
 def test_planning_lowers_the_program_training_compiles(runs, tmp_path):
-    create, mesh, planned = runs
+    create, mesh, planned, _ = runs
     run = create(ARGS)
     _, rows, seq_len = run.train_batches[0]["tokens"].shape
     # compiled_peak's model and trainer, from the architecture and the recipe's fields
@@ -73,9 +74,25 @@ def test_planning_lowers_the_program_training_compiles(runs, tmp_path):
 def test_the_fingerprint_tells_another_step_apart(runs):
     """Without gradient checkpointing the planned program differs (and has no remat barrier): the identity above is
     not one that any step would pass."""
-    create, mesh, planned = runs
+    create, mesh, planned, _ = runs
     other = _planned(create({**ARGS, "gradient_checkpointing": False}, abstract=True), mesh)
     assert other != planned and "optimization_barrier" not in other
+
+
+def test_the_step_returns_the_model_and_optimizer_in_their_own_buffers(runs):
+    """The step donates the model with the optimizer (``HFPeftTrainer.jitted_train_step``): every argument but the
+    micro-batch is aliased to an output, so the frozen base is not returned as a second copy, and what the outputs
+    hold beyond the aliased state is the loss, its scopes and the gradient norm. With the optimizer alone donated
+    (Tunix's ``nnx.jit``) the model's whole state, base included, was returned in new buffers."""
+    _, mesh, _, run = runs
+    _, rows, seq_len = run.train_batches[0]["tokens"].shape
+    compiled = compile_step(run.make_trainer(), mesh, rows, seq_len)
+    batch = sum(v.size * v.dtype.itemsize for v in micro_batch_shapes(rows, seq_len).values()) // mesh.shape["fsdp"]
+    assert compiled.argument_bytes - compiled.alias_bytes == batch
+    # loss float32 [], masked_loss and full_sequence_loss float32 [2], grad_norm float32 []: 24 bytes; and XLA's
+    # table of the outputs' addresses, 8 bytes an output.
+    outputs = compiled.executable.out_tree.num_leaves
+    assert compiled.output_bytes - compiled.alias_bytes == 24 + 8 * outputs, (compiled, outputs)
 
 
 def test_dpo_planning_lowers_the_program_dpo_training_compiles(runs, hf_checkpoint, tmp_path):
@@ -84,7 +101,7 @@ def test_dpo_planning_lowers_the_program_dpo_training_compiles(runs, hf_checkpoi
     from gemport.dpo import DPORun
     from test_dpo import RECORDS
 
-    _, mesh, sft_planned = runs
+    _, mesh, sft_planned, _ = runs
     args = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=1, learning_rate=5e-3,
                 max_grad_norm=0.5, beta=0.2, seed=3, save_strategy="no", bf16=False)
     _, base = hf_checkpoint("gemma4_mesh")

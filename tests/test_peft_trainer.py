@@ -99,7 +99,10 @@ def test_peft_trainer_takes_hf_steps(hf_checkpoint, tmp_path, name, mesh_shape, 
 
     with on_mesh(mesh):
         model = lora_model(hf_dir, spec, lora_spec, mesh)
-        reference = nnx.clone(model)  # the same step-0 LoRA, trained below by train.train_step
+        # The same step-0 model, trained below by train.train_step, in arrays of its own: the trainer's step donates
+        # the model's (a clone would share them).
+        graphdef, state = nnx.split(model)
+        reference = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
         trainer = HFPeftTrainer(model, hf.tx, config, lora_spec=lora_spec, seed=ARGS["seed"])
         trainer.train(micro_batches(steps), micro_batches(evals))
         logger = trainer.metrics_logger

@@ -10,11 +10,12 @@ import transformers as tf
 from flax import nnx
 
 from gemport import names
-from gemport.checkpoint.quantize import dequantized, load_qlora_model, nf4, nf4_values, to_qarray
+from gemport.checkpoint.quantize import load_qlora_model, nf4, nf4_values, to_qarray
 from gemport.lora.qlora import tile_shape
 from gemport.errors import LoraError
 from gemport.lora import LoraSpec, QLoraSpec, apply_lora
 from gemport.specs import GemmaSpec
+from quantized import dequantized
 from tiny import hf_logits, randomize, token_ids
 
 bnb_f = pytest.importorskip("bitsandbytes.functional")

@@ -66,7 +66,7 @@ def updates(**fields):
 
 def outputs(tmp_path, **fields):
     """``HFOutputs`` of a run of ``fields`` (its plan, batches and cadence; no model), started."""
-    from gemport.train.outputs import HFOutputs
+    from gemport.train.outputs import HFOutputs, step_epochs, step_tokens
 
     args = sft(**fields)
     order, batches = steps(**fields)
@@ -74,11 +74,10 @@ def outputs(tmp_path, **fields):
     base = tmp_path / "base"
     if not base.is_dir():  # the run config trackers upload reads the base's config.json
         text_config("gemma3_1b").save_pretrained(base)
-    run = types.SimpleNamespace(args=args, max_steps=len(plan), plan=[s for s, _ in plan], train_batches=batches,
-                                num_units=len(examples(**fields)[0]), optimizer=None,
-                                training_config=training_config(args, len(plan), evaluate=True),
-                                base_dir=base, lora_spec=lora(), num_parameters=0, COMMAND="sft")
-    hooks = HFOutputs(run, tmp_path)
+    hooks = HFOutputs(tmp_path, args, epochs=step_epochs([s for s, _ in plan], len(examples(**fields)[0]), args),
+                      tokens=step_tokens(batches), learning_rate=None,
+                      eval_every=training_config(args, len(plan), evaluate=True).eval_every_n_steps,
+                      tracker_config=dict(base_dir=base, lora_config=lora().to_peft(str(base)), num_parameters=0))
     hooks._begin(types.SimpleNamespace(train_steps=0))
     return hooks
 
@@ -177,12 +176,12 @@ def check_lora_target_modules(tmp_path):
     # the run: test_sft_fields; equal to PEFT: test_lora_peft_training's +qv cases).
     from gemport.lora import LoraLayout
     from gemport.specs import GemmaSpec
-    from gemport.train.run import _with_peft_targets
+    from gemport.train.run import with_peft_targets
 
     unset = recipe.read({"use_peft": True}).lora()
     assert unset["target_modules"] is None
     text_config("gemma3_1b").save_pretrained(tmp_path / "base")
-    resolved = LoraSpec.from_peft(_with_peft_targets(unset, tmp_path / "base"))
+    resolved = LoraSpec.from_peft(with_peft_targets(unset, tmp_path / "base"))
     assert resolved.targets == ("q_proj", "v_proj")
     kv = [a for a in LoraLayout(GemmaSpec.from_hf(tmp_path / "base"), resolved) if a.module.endswith("kv_einsum")]
     assert kv and all(a.ranks == (0, unset["r"]) for a in kv)
@@ -197,11 +196,11 @@ def check_lora_target_parameters(tmp_path):
     refused(LoraError, "lora_dropout", lambda: lora(lora_target_parameters=experts))
     # Without lora_target_modules, on a model_type PEFT has no default for (gemma4_text), PEFT adapts the
     # parameters alone.
-    from gemport.train.run import _with_peft_targets
+    from gemport.train.run import with_peft_targets
 
     text_config("gemma4_moe").save_pretrained(tmp_path / "moe")
     unset = recipe.read({"use_peft": True, "lora_target_parameters": experts, "lora_dropout": 0.0}).lora()
-    resolved = LoraSpec.from_peft(_with_peft_targets(unset, tmp_path / "moe"))
+    resolved = LoraSpec.from_peft(with_peft_targets(unset, tmp_path / "moe"))
     assert resolved.targets == () and resolved.parameters == tuple(experts)
 
 
@@ -512,7 +511,7 @@ def _other_value(default):
 def _trl_fields():
     out = {}
     for cls in recipe._classes().values():
-        out.update(recipe._defaults(cls))
+        out.update(recipe.class_defaults(cls))
     return out
 
 

@@ -18,7 +18,7 @@ from gemport.lora import LoraSpec
 from gemport.mesh import make_mesh, slice_devices
 from gemport.plan.compiled import compile_step, step_trainer
 from gemport.specs import GemmaSpec
-from gemport.train import fast_loss
+from gemport.train import segment_loss
 from gemport.train import remat as remat_lib
 from gemport.train.remat import set_remat
 
@@ -27,7 +27,7 @@ def _loss_and_grads(model, batch):
     # nnx's transforms, as HFPeftTrainer's step differentiates (Tunix's nnx.remat on Gemma 3 mutates its params'
     # trace state, which jax.value_and_grad over split params does not allow)
     def loss(model):
-        return fast_loss(model, batch)[0]
+        return segment_loss(model, batch)[0]
 
     loss, grads = nnx.jit(lambda m: nnx.value_and_grad(loss, argnums=nnx.DiffState(0, nnx.LoRAParam))(m))(model)
     return loss, [v.get_value() for _, v in nnx.to_flat_state(grads)]
@@ -35,7 +35,7 @@ def _loss_and_grads(model, batch):
 
 @pytest.mark.parametrize("name", ["gemma4_dense", "gemma3_1b"])
 def test_the_fast_steps_remat_gives_tunixs_loss_and_lora_grads(hf_checkpoint, name, monkeypatch):
-    """Summed loss and LoRA gradients of ``fast_loss`` under decoder remat (what ``gradient_checkpointing: true``
+    """Summed loss and LoRA gradients of ``segment_loss`` under decoder remat (what ``gradient_checkpointing: true``
     sets: on Gemma 4 the layers' recomputation tied to their cotangents, on Gemma 3 Tunix's ``nnx.remat``) against
     the same step without remat (``false``) and, on Gemma 4, under Tunix's ``nnx.remat``: within 1e-5 relative
     (float32; the arithmetic is the same, fused differently)."""

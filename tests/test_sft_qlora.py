@@ -9,18 +9,20 @@ grad_norm agree to float32 reordering, as tests/test_peft_trainer.py bounds HFPe
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
 from flax import nnx
 
 from gemport import SFTRun, train
-from gemport.checkpoint.quantize import dequantized, load_qlora_model
+from gemport.checkpoint.quantize import load_qlora_model
 from gemport.errors import LoraError
 from gemport.lora import QLoraSpec
 from gemport.mesh import make_mesh
 from gemport.specs import GemmaSpec
 from gemport.train import recipe
+from quantized import dequantized
 from test_qlora import TARGETS, base  # noqa: F401 (the 4-bit-friendly tiny Gemma 4 fixture)
 from test_train_sft import chats, tokenizer
 
@@ -46,7 +48,9 @@ def test_gemport_sft_trains_a_qlora_recipe_as_the_python_path(base, tmp_path):  
         np.testing.assert_array_equal(got_base[key], nested[key], err_msg=key)
     assert any(not np.array_equal(got_base[k], plain[k]) for k in plain)
 
-    reference = nnx.clone(run.model)  # the same step-0 model, for the Python path
+    # The same step-0 model for the Python path, in arrays of its own: the trainer's step donates the model's.
+    graphdef, state = nnx.split(run.model)
+    reference = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
     logger = run.train().metrics_logger
     got = np.stack([logger.get_metric_history("", name, "train") for name in ("loss", "grad_norm")], axis=1)
     optimizer = nnx.Optimizer(reference, run.optimizer.tx, wrt=nnx.LoRAParam)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 from gemport.errors import MeshError
+from gemport.train import segment_loss, tunix_loss
 from gemport.lora import LoraSpec
 from gemport.mesh import TpuSlice, make_mesh, slice_devices
 from gemport.mesh.tpu import platform
@@ -86,7 +87,7 @@ def compiled_for_v5p():
     out = {}
     for fast in (True, False):
         model = lora_model(spec, LoraSpec(4, 8.0), param_dtype=jnp.bfloat16)
-        out[fast] = compile_step(step_trainer(model, fast=fast), mesh, 4, 256)
+        out[fast] = compile_step(step_trainer(model, loss_fn=segment_loss if fast else tunix_loss), mesh, 4, 256)
     return out
 
 
@@ -138,7 +139,7 @@ def test_tunix_constrains_activations_in_a_step_compiled_for_the_slice():
     from flax import nnx
     from tunix.utils import sharding_utils
 
-    from gemport.plan.compiled import _tunix_constraints
+    from gemport._src.upstream import tunix_shard_on
     from gemport.train.model import lora_model
     from gemport.mesh.context import use_mesh
 
@@ -151,7 +152,7 @@ def test_tunix_constrains_activations_in_a_step_compiled_for_the_slice():
         def forward(state, tokens, mask):  # a new function each time: JAX reuses the trace of a function it has seen
             return nnx.merge(graphdef, state)(tokens, tokens, None, mask)[0]
 
-        with use_mesh(mesh), (_tunix_constraints(mesh) if patched else contextlib.nullcontext()):
+        with use_mesh(mesh), (tunix_shard_on(mesh) if patched else contextlib.nullcontext()):
             return jax.jit(forward).lower(state, rows, mask).as_text().count("sharding_constraint")
 
     shard = sharding_utils.shard

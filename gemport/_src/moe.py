@@ -6,8 +6,8 @@ tokens from the normed input, and picks experts with ``jax.lax.approx_max_k`` (a
 experts take the normed input (``pre_feedforward_layernorm_2``). The two agree only where that norm's weights are
 constant. Here, in the Tunix model gemport builds, two modules of each MoE layer take other classes (their
 parameters, paths and shardings unchanged): ``moe_pre_ffw_norm`` passes the residual on beside its output, and
-``moe`` routes from that residual with an exact top k, then runs Tunix's experts on the normed input. This is
-the one place gemport touches Tunix's MoE internals; it checks the Tunix version it was written against.
+``moe`` routes from that residual with an exact top k, then runs Tunix's experts on the normed input. Tunix's
+private expert helpers and the Tunix version this was written against are in ``gemport._src.upstream``.
 
 The experts run as Tunix's ``_run_ffw_and_routing`` runs them (its dispatch and collection helpers, two
 ``ragged_dot``), with one addition Qwix cannot make (it does not intercept ``ragged_dot``): LoRA on the expert
@@ -17,24 +17,16 @@ weights, PEFT's ``target_parameters`` (`gemport.lora.experts`, attached with `at
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 
 import jax
 import jax.numpy as jnp
 
-from gemport.errors import MissingDependencyError
-
-TUNIX_VERSION = "0.1.7"
+from gemport._src import upstream
+from gemport._src.upstream import TUNIX_VERSION  # the version this was written against, checked there at import
 
 
 @functools.cache
 def _classes():
-    found = importlib.metadata.version("google-tunix")
-    if found != TUNIX_VERSION:
-        raise MissingDependencyError(
-            f"gemport's Gemma 4 MoE routing replaces parts of Tunix {TUNIX_VERSION}'s decoder layer, but Tunix "
-            f"{found} is installed; install google-tunix=={TUNIX_VERSION} (pip install 'gemport[tunix]')"
-        )
     from flax import nnx
     from tunix.models.gemma4 import model as g4
     from tunix.models.gemma4 import moe
@@ -69,7 +61,7 @@ def _classes():
         def _experts(self, x, choices, weights):
             """Tunix's ``_run_ffw_and_routing`` (its dispatch, ragged dots and combination), plus the LoRA of
             each expert weight that carries one (`gemport.lora.experts`): x [B, T, D] -> [B, T, D]."""
-            counts, xs, reverse, combine = moe._expert_dispatch(x, choices, weights)
+            counts, xs, reverse, combine = upstream.expert_dispatch(x, choices, weights)
             dtype = self.config.dtype
             w_gate = jnp.transpose(self.gating_einsum.get_value(), (0, 3, 1, 2))
             w_gate = w_gate.reshape(self.num_experts, self.features, 2 * self.hidden_dim)
@@ -80,7 +72,7 @@ def _classes():
             out = self._lora("linear", hidden, counts, out)
             expert = jnp.repeat(jnp.arange(self.num_experts), counts, total_repeat_length=out.shape[0])
             out = out * self.per_expert_scale.get_value().astype(out.dtype)[expert, None]
-            out = moe._expert_collect(out, xs_reverse_argsort=reverse, xs_combine_weights=combine)
+            out = upstream.expert_collect(out, xs_reverse_argsort=reverse, xs_combine_weights=combine)
             return jnp.einsum("blkd,blk->bld", out, combine, preferred_element_type=out.dtype)
 
         def _lora(self, name, xs, counts, result):

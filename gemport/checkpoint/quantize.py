@@ -18,8 +18,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
-from qwix._src.core import numerics, qarray
-from qwix._src.providers import ptq
+import qwix
 from tqdm.auto import tqdm
 
 from gemport import names
@@ -28,12 +27,13 @@ from gemport.checkpoint.load import _place, _sharding, matched_entries
 from gemport.checkpoint.safetensors import DTYPES
 from gemport.errors import LoraError, MissingDependencyError
 from gemport.lora.qlora import NESTED_BLOCK_SIZE, QLoraSpec, is_quantized, scale_spec, tile_shape
-from gemport._src.params import abstract_model, flat_params, path_str
+from gemport._src import upstream
+from gemport._src.params import abstract_model, path_str
 from gemport.specs import GemmaSpec
 
 def nf4_values() -> np.ndarray:
     """The 16 NF4 values, from Qwix (the same float32 values as bitsandbytes' ``get_4bit_type("nf4")``)."""
-    return np.asarray(numerics.get_nf4_buckets(), np.float32)
+    return np.asarray(upstream.nf4_buckets(), np.float32)
 
 
 def nf4(weight: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -71,7 +71,7 @@ def nested_absmax(absmax: np.ndarray) -> np.ndarray:
     return (bnb_f.dequantize_blockwise(quantized, state) + offset).numpy()
 
 
-def to_qarray(entry: names.Entry, arrays: list[np.ndarray], qlora: QLoraSpec) -> qarray.QArray:
+def to_qarray(entry: names.Entry, arrays: list[np.ndarray], qlora: QLoraSpec) -> qwix.QArray:
     """The Qwix ``QArray`` of ``entry``'s Tunix weight from its HF tensors, quantized as bitsandbytes does.
 
     Each HF tensor is quantized on its own (one ``Linear4bit`` each); ``qvalue`` (uint4, NF4 codes) has the
@@ -88,13 +88,13 @@ def to_qarray(entry: names.Entry, arrays: list[np.ndarray], qlora: QLoraSpec) ->
         full_scales.append(np.repeat(absmax.reshape(array.shape[0], -1), qlora.block_size, axis=-1))
     scale = entry.to_tunix(full_scales)[tuple(slice(None, None, t) for t in tile)]
     qvalue = entry.to_tunix(codes).astype(ml_dtypes.uint4)
-    return qarray.QArray(np.ascontiguousarray(qvalue), np.ascontiguousarray(scale, np.float32), qtype=qlora.qtype)
+    return qwix.QArray(np.ascontiguousarray(qvalue), np.ascontiguousarray(scale, np.float32), qtype=qlora.qtype)
 
 
-def how_to_quantize(entry: names.Entry, qlora: QLoraSpec) -> qarray.HowToQuantize:
+def how_to_quantize(entry: names.Entry, qlora: QLoraSpec):
     """Qwix's description of the blocks `to_qarray` makes: tiled axes with tiles > 1, the others per channel."""
     tile = tile_shape(entry, qlora.block_size)
-    return qarray.HowToQuantize(
+    return upstream.how_to_quantize(
         qtype=qlora.qtype,
         channelwise_axes=tuple(i for i, t in enumerate(tile) if t == 1),
         tiled_axes={i: t for i, t in enumerate(tile) if t > 1},
@@ -144,7 +144,7 @@ def load_qlora_model(hf_dir: str | Path, qlora: QLoraSpec, *, spec: GemmaSpec | 
         qvalue = jax.device_put(q.qvalue, sharding)
         scale = jax.device_put(q.scale, _scale_sharding(sharding, q.scale.shape))
         flat.append((path, var.replace(qvalue)))
-        quantized.append((path, qarray.QArray(qvalue, scale, qtype=q.qtype), how_to_quantize(entry, qlora)))
+        quantized.append((path, qwix.QArray(qvalue, scale, qtype=q.qtype), how_to_quantize(entry, qlora)))
     model = nnx.merge(graphdef, nnx.from_flat_state(flat))
     for path, q, how in quantized:
         set_quantized(model, path, q, how)
@@ -158,7 +158,7 @@ def set_quantized(model, path, q, how) -> None:
     for key in path[:-1]:
         module = module[key] if isinstance(key, int) else getattr(module, key)
     param = getattr(module, path[-1])
-    setattr(module, path[-1], jax.tree.map(param.replace, ptq.WithAux(q, how)))
+    setattr(module, path[-1], jax.tree.map(param.replace, upstream.with_aux(q, how)))
 
 
 def _scale_sharding(sharding, shape):
@@ -167,12 +167,3 @@ def _scale_sharding(sharding, shape):
     return NamedSharding(sharding.mesh, PartitionSpec(*scale_spec(sharding.spec, shape, dict(sharding.mesh.shape))))
 
 
-def dequantized(model) -> dict[str, np.ndarray]:
-    """``{Tunix weight path: float32 array}`` of a model's 4-bit weights, dequantized as Qwix computes them."""
-    flat = flat_params(model)
-    suffix = ".array.qvalue"
-    return {
-        key[: -len(suffix)]: np.asarray(qarray.dequantize(qarray.QArray(
-            value, flat[key[: -len("qvalue")] + "scale"], qtype="nf4")), np.float32)
-        for key, value in flat.items() if key.endswith(suffix)
-    }

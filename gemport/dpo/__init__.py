@@ -3,9 +3,9 @@
 Data (``data``): ``preferences`` tokenizes TRL's preference records (explicit or implicit prompt, plain or
 conversational) and ``collate`` lays out a micro-batch of pairs as TRL's collator does. Loss (``loss``):
 ``from_dpo_config`` reads a ``DPOConfig``, ``dpo_loss`` gives one micro-batch's loss and TRL's metrics, the
-reference being the same model with its LoRA off (``without_lora``). Step (``trainer``): ``DPOPeftTrainer``, the
-SFT trainer's one step with DPO's loss and TRL's gradient accumulation. Run (``run``): ``DPORun``, a ``trl dpo`` recipe as one object
-(``gemport dpo --config``), on the SFT run's primitives with ``trainer.DPOPeftTrainer``. See docs/dpo.md.
+reference being the same model with its LoRA off (``without_lora``). Step (``trainer``): ``DPOPeftTrainer``,
+the SFT trainer's one step with DPO's loss and TRL's gradient accumulation. Run (``run``): ``DPORun``, a
+``trl dpo`` recipe as one object (``gemport dpo --config``), on the SFT run's primitives. See docs/dpo.md.
 """
 
 from gemport.dpo.data import Preference, collate, preferences, split_prompt, tokenize

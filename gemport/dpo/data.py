@@ -18,7 +18,7 @@ import numpy as np
 
 from gemport.errors import MaskError, RecipeError
 from gemport.masks.batching import pad
-from gemport.masks.formats import _tools, for_record
+from gemport.masks.formats import for_record, record_tools
 from gemport.masks.gemma3 import Gemma3
 from gemport.masks.gemma4 import Gemma4
 from gemport.masks.packing import Rows
@@ -97,7 +97,7 @@ def tokenize(record: Mapping[str, Any], tokenizer: Any, chat_format: Gemma3 | Ge
 
             chat_format = from_tokenizer(tokenizer)
         chat_format = for_record(chat_format, record)
-        tools = _tools(record.get("tools"))
+        tools = record_tools(record.get("tools"))
 
         def render(messages, generation_prompt=False):
             try:

@@ -36,7 +36,7 @@ from gemport.mesh import make_mesh, use_mesh
 from gemport.optim.hf import hf_optimizer
 from gemport.specs import GemmaSpec
 from gemport.train.order import optimizer_steps
-from gemport.train.run import SFTRun, _with_peft_targets, checkpoint_root, lora_spec_of, training_config
+from gemport.train.run import SFTRun, checkpoint_root, lora_spec_of, training_config, with_peft_targets
 from gemport.train.step import stack
 
 Reference = Literal["base", "adapter"]
@@ -47,12 +47,12 @@ def dpo_fields(config: Any) -> dict[str, Any]:
     defaults, read from ``trl.DPOConfig``), or a ``trl dpo --config`` YAML (``train.recipe.read``)."""
     from trl import DPOConfig
 
-    from gemport.train.recipe import _defaults, read
+    from gemport.train.recipe import class_defaults, read
 
     if isinstance(config, (str, os.PathLike)):
         return read(config, command="dpo").sft
     if isinstance(config, Mapping):
-        args = {**_defaults(DPOConfig), **config}
+        args = {**class_defaults(DPOConfig), **config}
     elif isinstance(config, DPOConfig):
         args = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
     else:
@@ -187,7 +187,7 @@ class DPORun(SFTRun):
         base_dir = Path(base_dir)
         spec = GemmaSpec.from_hf(base_dir)
         if lora is not None:
-            lora = _with_peft_targets(lora, base_dir)
+            lora = with_peft_targets(lora, base_dir)
         start: LoraSpec | LoraParams
         if init_adapter is not None:
             start = import_peft(init_adapter, base_dir=base_dir)

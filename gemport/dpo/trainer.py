@@ -12,7 +12,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from gemport.dpo.loss import METRICS, DPOLoss, dpo_loss
-from gemport.train.peft_trainer import HFPeftTrainer, _last, _ratio
+from gemport.train.peft_trainer import HFPeftTrainer
 
 MICRO_BATCHES = "micro_batches_in_step"
 """The field every DPO micro-batch carries: the micro-batches of its optimizer step that hold a pair, int32 [2B]."""
@@ -45,13 +45,6 @@ class DPOPeftTrainer(HFPeftTrainer):
         super().__init__(model, optimizer, training_config, **kwargs)
         accumulation = training_config.get_with_default("gradient_accumulation_steps", 1)
         self.with_loss_fn(trainer_loss(loss, accumulation, reference), has_aux=True)
-
-    def _post_process_train_step(self, aux):
-        buffer = self._buffered_train_metrics
-        values, _ = buffer.additional_metrics["grad_norm"]
-        buffer.additional_metrics["grad_norm"] = (values, _last)
-        for name in METRICS:
-            buffer.additional_metrics.setdefault(name, ([], _ratio))[0].append(aux[name])
 
 
 __all__ = ["MICRO_BATCHES", "DPOPeftTrainer", "trainer_loss"]

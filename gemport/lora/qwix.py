@@ -22,15 +22,11 @@ import jax.numpy as jnp
 import qwix
 from flax import nnx
 
-# Qwix 0.1.x keeps its einsum interception and parameter creation private; gemport pins qwix<0.2.
-from qwix._src.providers import lora as qwix_lora
-from qwix._src.providers import ptq
-from qwix._src.utils import flax_util
-
 from gemport.errors import LoraError
 from gemport.lora import experts
 from gemport.lora.config import FACTOR_DTYPE, LoraParams, LoraSpec
 from gemport.lora.layout import Adapter, LoraLayout, factor_axes
+from gemport._src import upstream
 from gemport._src.params import flat_params, path_str
 from gemport._src.pattern import Equation
 from gemport.specs import GemmaSpec
@@ -71,7 +67,7 @@ def lora_b_init(key, shape, dtype=jnp.float32):
 def _base_dtype(lhs, rhs):
     """The dtype the frozen projection computes in, which its output keeps with the float32 adapter's delta
     added (PEFT casts the sum back); None for a 4-bit weight, whose factors already have its scales' dtype."""
-    return None if isinstance(rhs, ptq.WithAux) else jnp.result_type(lhs, rhs)
+    return None if upstream.is_with_aux(rhs) else jnp.result_type(lhs, rhs)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -94,22 +90,21 @@ def _dropping(module) -> bool:
     return isinstance(rngs, nnx.Rngs) and "dropout" in rngs
 
 
-class Provider(qwix.LoraProvider):
+class Provider(upstream.lora_provider_class()):
     """``qwix.LoraProvider`` that gives fused modules one A and one B per projection (see the module doc), and
     applies a rule's dropout only inside `lora_dropout` (training), as PEFT's ``nn.Dropout`` in train mode."""
 
-    def _get_current_rule_and_op_id(self, op_name, **kwargs):
+    def rule_for(self, rule):
         # Qwix drops out on every call whose rule has a dropout rate (and then needs rngs); both its plain path
         # and `einsum`'s per-projection one read the rate from here.
-        rule, op_id = super()._get_current_rule_and_op_id(op_name, **kwargs)
-        if isinstance(rule, qwix.LoraRule) and rule.dropout > 0 and not _dropping(flax_util.get_current_module()):
+        if isinstance(rule, qwix.LoraRule) and rule.dropout > 0 and not _dropping(upstream.current_module()):
             rule = dataclasses.replace(rule, dropout=0.0)
-        return rule, op_id
+        return rule
 
     def astype(self, x, dtype, *args, **kwargs):
         # Tunix's Gemma 4 einsums cast their weight to the compute dtype, which Qwix does not intercept; a
         # 4-bit weight casts its scales, the dtype Qwix dequantizes in.
-        if isinstance(x, ptq.WithAux):
+        if upstream.is_with_aux(x):
             return x.replace(array=x.array.astype(dtype))
         return jnp.astype(x, dtype, *args, **kwargs)
 
@@ -117,13 +112,13 @@ class Provider(qwix.LoraProvider):
         return super().get_intercept_map() | {"jax.numpy.astype": self.astype}
 
     def einsum(self, einsum_str, *operands, **kwargs):
-        rule, _ = self._get_current_rule_and_op_id("einsum", only_rule=True)
+        rule = self.current_rule("einsum")
         if not (isinstance(rule, Rule) and rule.stack is not None):
             out, dtype = super().einsum(einsum_str, *operands, **kwargs), _base_dtype(*operands)
             return out if dtype is None or not isinstance(rule, Rule) else out.astype(dtype)
-        result = ptq.PtqProvider.einsum(self, einsum_str, *operands, **kwargs)
+        result = upstream.ptq_einsum(self, einsum_str, *operands, **kwargs)
         lhs, rhs = operands
-        name = flax_util.find_param(rhs, ptq.WithAux)
+        name = upstream.find_weight(rhs)
         if name is None:
             return result
         if "..." in einsum_str:
@@ -136,9 +131,9 @@ class Provider(qwix.LoraProvider):
         sizes = dict(zip(w_axes, rhs.shape), **{r: rule.rank})
         transpose = {r: None} | {c: i for i, c in enumerate(w_axes)}
         stack = sizes[s]
-        flax_util.get_current_module().__setattr__(name + "_lora_einsum_str", f"{x_axes},{a_axes},{b_axes}->{out_axes}")
-        lora_a, lora_b = qwix_lora._get_or_create_lora_params(
-            name=name,
+        lora_a, lora_b = upstream.lora_params(
+            name,
+            f"{x_axes},{a_axes},{b_axes}->{out_axes}",
             rule=rule,
             a_shape=tuple(sizes[c] for c in a_axes),
             b_shape=tuple(sizes[c] for c in b_axes),
@@ -148,7 +143,7 @@ class Provider(qwix.LoraProvider):
         if rule.dropout > 0:
             # PEFT drops out each projection's input independently: one mask per slice of the stack.
             lhs = nnx.Dropout(rule.dropout, deterministic=False)(
-                jnp.broadcast_to(lhs, (stack, *lhs.shape)), rngs=flax_util.make_rng("dropout")
+                jnp.broadcast_to(lhs, (stack, *lhs.shape)), rngs=upstream.make_rng("dropout")
             )
             x_axes = s + x_axes
         delta = jnp.einsum(f"{x_axes},{a_axes},{b_axes}->{out_axes}", lhs, lora_a, lora_b, **kwargs)
@@ -156,7 +151,7 @@ class Provider(qwix.LoraProvider):
             tuple(stack if c == s else 1 for c in out_axes)
         )
         out = result + delta * scales
-        return out if isinstance(rhs, ptq.WithAux) else out.astype(result.dtype)
+        return out if upstream.is_with_aux(rhs) else out.astype(result.dtype)
 
 
 def _alternation(paths: list[str]) -> str:

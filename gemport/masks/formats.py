@@ -143,7 +143,7 @@ def render(record: Mapping[str, Any], chat_format: "Gemma3 | Gemma4 | None", *, 
                         "template and the tokenizer has none; set chat_template_path, or give text or "
                         "prompt/completion strings, which TRL tokenizes without one")
     chat_format = for_record(chat_format, record) if chat_format is not None else None
-    tools = _tools(record.get("tools"))
+    tools = record_tools(record.get("tools"))
     if fmt == "messages":
         segments = chat_format.render(_messages(record), tools)
         return Rendered(key, segments, policy.select(segments))
@@ -175,7 +175,7 @@ def conversation(record: Mapping[str, Any]) -> tuple[list[Any], Any]:
         messages = _message_list(record["prompt"], "prompt") + _message_list(record["completion"], "completion")
     else:
         messages = _messages(record)
-    return messages, _tools(record.get("tools"))
+    return messages, record_tools(record.get("tools"))
 
 
 def for_record(chat_format: "Gemma3 | Gemma4", record: Any) -> "Gemma3 | Gemma4":
@@ -221,8 +221,9 @@ def _message_list(value, field):
     return list(value)
 
 
-def _tools(tools):
-    # TRL reads a "tools" column that holds JSON text (Arrow cannot hold free-form schemas) or a list.
+def record_tools(tools):
+    """A record's ``tools`` as a list of tool schemas: TRL reads a "tools" column that holds JSON text (Arrow cannot
+    hold free-form schemas) or a list; None stays None."""
     if isinstance(tools, str):
         return _json(tools, "record['tools']")
     return tools

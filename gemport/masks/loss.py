@@ -5,7 +5,9 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 
-def _target_nll(logits: ArrayLike, tokens: ArrayLike) -> jax.Array:
+def next_token_nll(logits: ArrayLike, tokens: ArrayLike) -> jax.Array:
+    """Per-target losses float32 [B, T - 1] from logits [B, T, V] and tokens int [B, T]: position t's loss of
+    token t + 1."""
     # Position t predicts token t + 1; the float32 log-softmax keeps bf16 logits from skewing the mean.
     log_probs = jax.nn.log_softmax(jnp.asarray(logits[:, :-1], jnp.float32), axis=-1)
     return -jnp.take_along_axis(log_probs, jnp.asarray(tokens)[:, 1:, None], axis=-1)[..., 0]
@@ -23,7 +25,7 @@ def masked_cross_entropy(logits: ArrayLike, tokens: ArrayLike, loss_mask: ArrayL
     token t is a target predicted at t - 1 (column 0 is ignored). Normalised by the number of
     targets in the batch, not per row. Returns float32 []; 0 when there is no target.
     """
-    return _mean(_target_nll(logits, tokens), jnp.asarray(loss_mask, bool)[:, 1:])[0]
+    return _mean(next_token_nll(logits, tokens), jnp.asarray(loss_mask, bool)[:, 1:])[0]
 
 
 def summed_cross_entropy(logits: ArrayLike, tokens: ArrayLike, loss_mask: ArrayLike) -> tuple[jax.Array, jax.Array]:
@@ -34,7 +36,7 @@ def summed_cross_entropy(logits: ArrayLike, tokens: ArrayLike, loss_mask: ArrayL
     dividing by the targets of the whole accumulated batch) and the number of targets.
     """
     targets = jnp.asarray(loss_mask, bool)[:, 1:]
-    return jnp.where(targets, _target_nll(logits, tokens), 0.0).sum(), targets.sum(dtype=jnp.int32)
+    return jnp.where(targets, next_token_nll(logits, tokens), 0.0).sum(), targets.sum(dtype=jnp.int32)
 
 
 def loss_scopes(logits: ArrayLike, tokens: ArrayLike, loss_mask: ArrayLike,
@@ -48,7 +50,7 @@ def loss_scopes(logits: ArrayLike, tokens: ArrayLike, loss_mask: ArrayLike,
     and padding never count. Returns {"masked": float32 [], "full_sequence": float32 [],
     "masked_targets": int32 [], "full_sequence_targets": int32 []}.
     """
-    return nll_scopes(_target_nll(logits, tokens), loss_mask, segment_ids)
+    return nll_scopes(next_token_nll(logits, tokens), loss_mask, segment_ids)
 
 
 def nll_scopes(nll: ArrayLike, loss_mask: ArrayLike, segment_ids: ArrayLike) -> dict[str, jax.Array]:

@@ -25,6 +25,7 @@ import numpy as np
 
 from gemport.errors import MeshError
 from gemport.specs import GemmaSpec
+from gemport.train.step import LossFn, segment_loss
 
 REMAT = ("none", "block", "decoder")
 
@@ -37,7 +38,7 @@ _BACKWARD = {"scores": 2.0, "mlp": 1.0, "model": 2.0}
 _LOGIT_COPIES = 4
 # Model-width tensors per layer kept under remat: the layer's inputs (decoder), or each block's (block).
 _REMAT_KEPT = {"decoder": 2.0, "block": 5.0}
-# gemport's fast step (``train.fast_loss``) holds float32 blocks of logits [rows, CHUNK, VOCAB_SLICE], not
+# gemport's default step (``train.segment_loss``) holds float32 blocks of logits [rows, CHUNK, VOCAB_SLICE], not
 # (B, T, V): the block, its exponentials and its cotangent.
 _BLOCK_COPIES = 3
 
@@ -53,7 +54,8 @@ class StepMemory:
       logits_bytes: the float32 logits (B, T, V) and the loss's temporaries of that size.
       batch_bytes: the input rows (tokens, positions, loss mask; segment ids, or Tunix's attention mask
         [B, T, T]).
-      fast: gemport's default step (``train.fast_loss``), or (False) Tunix's own attention and logits.
+      loss_fn: the step's loss: gemport's default (``train.segment_loss``), or ``train.tunix_loss`` (Tunix's own
+        attention and logits).
     """
 
     batch: int
@@ -63,19 +65,19 @@ class StepMemory:
     activation_bytes: int
     logits_bytes: int
     batch_bytes: int
-    fast: bool = True
+    loss_fn: LossFn = segment_loss
 
     @property
     def total_bytes(self) -> int:
         return self.gradient_bytes + self.activation_bytes + self.logits_bytes + self.batch_bytes
 
 
-def _layer_widths(spec: GemmaSpec, layer: int, seq_len: int, tp: int, fast: bool) -> dict[str, float]:
+def _layer_widths(spec: GemmaSpec, layer: int, seq_len: int, tp: int, tiled: bool) -> dict[str, float]:
     """Per-token elements on one device of each kind of tensor a layer computes; attention scores are one
     [T, S] row per head under Tunix's attention, one tile row (``train.attention.BLOCK`` keys) under gemport's."""
     from gemport.train.attention import BLOCK
 
-    keys = min(seq_len, BLOCK) if fast else seq_len
+    keys = min(seq_len, BLOCK) if tiled else seq_len
     head_dim, kv_heads = spec.layer_head_dim(layer), spec.layer_kv_heads(layer)
     kv = 0 if spec.layer_kv_shared(layer) else (1 if spec.layer_k_eq_v(layer) else 2) * kv_heads * head_dim
     mlp = spec.layer_mlp(layer) + spec.experts_per_token * spec.expert_dim + spec.per_layer_input_dim
@@ -97,7 +99,7 @@ def step_memory(
     remat: str = "none",
     trainable_bytes: int,
     compute_dtype="bfloat16",
-    fast: bool = True,
+    loss_fn: LossFn = segment_loss,
 ) -> StepMemory:
     """Per-device bytes of one train step of ``spec`` on an (fsdp, tp) mesh for ``batch`` rows of ``seq_len``.
 
@@ -108,8 +110,9 @@ def step_memory(
       trainable_bytes: per-device bytes of the trainable params (their gradients are as large).
       compute_dtype: the compute dtype of activations (Tunix Gemma 4's ``dtype``; Gemma 3 computes in its param
         dtype). Gemma 4 takes attention softmax in float32 whatever it is; logits are float32.
-      fast: the step ``train.train_step`` runs by default (segment attention in tiles, the loss in blocks of
-        logits); False: Tunix's own attention ([B, T, N, S] scores) and [B, T, V] logits.
+      loss_fn: ``train.segment_loss``, the step ``train.train_step`` runs by default (segment attention in tiles,
+        the loss in blocks of logits); ``train.tunix_loss``: Tunix's own attention ([B, T, N, S] scores) and
+        [B, T, V] logits.
     """
     if remat not in REMAT:
         raise MeshError(f"remat={remat!r}: expected one of {', '.join(REMAT)} (Tunix's RematConfig)")
@@ -117,10 +120,11 @@ def step_memory(
         raise MeshError(f"batch={batch}, seq_len={seq_len}: both must be positive")
     if batch % fsdp:
         raise MeshError(f"batch={batch} does not divide over fsdp={fsdp}: each fsdp shard takes whole rows")
+    tiled = loss_fn is segment_loss
     act = np.dtype(compute_dtype).itemsize
-    score = 4 if spec.family == "gemma4" or fast else act
+    score = 4 if spec.family == "gemma4" or tiled else act
     tokens = batch // fsdp * seq_len
-    layers = [_layer_widths(spec, i, seq_len, tp, fast) for i in range(spec.num_layers)]
+    layers = [_layer_widths(spec, i, seq_len, tp, tiled) for i in range(spec.num_layers)]
 
     def size(widths, counts):
         return sum(counts.get(k, 0) * w * (score if k == "scores" else act) for k, w in widths.items())
@@ -140,7 +144,7 @@ def step_memory(
         per_token = saved + live + backward
     rows = batch // fsdp
     vocab = -(-spec.vocab // tp)
-    if not fast:
+    if not tiled:
         logits = tokens * _LOGIT_COPIES * vocab * 4
         # int32 tokens and positions, bool loss mask and attention mask.
         batch_bytes = rows * seq_len * (4 + 4 + 1 + seq_len)
@@ -159,5 +163,5 @@ def step_memory(
         activation_bytes=int(tokens * per_token),
         logits_bytes=int(logits),
         batch_bytes=batch_bytes,
-        fast=fast,
+        loss_fn=loss_fn,
     )

@@ -3,7 +3,7 @@ allocated.
 
 There is one train step: ``HFPeftTrainer.jitted_train_step()``, the function ``SFTRun.train()`` runs (Tunix's
 ``nnx.jit`` of the trainer's step: one micro-batch's ``hf_loss`` and LoRA gradients, the recipe's optimizer with
-its accumulation (``optax.MultiSteps``), clipping and schedule, the optimizer state donated). ``lower_step`` lowers
+its accumulation (``optax.MultiSteps``), clipping and schedule, the model and optimizer state donated). ``lower_step`` lowers
 it for a micro-batch's shapes on a mesh, the model and optimizer state as shapes and shardings only, so a model of
 any size is measured without materialising it; ``tests/test_one_step.py`` holds the lowering to the program
 ``train()`` compiles. On CPU, set ``CPU_MEMORY_SCHEDULER`` in ``XLA_FLAGS`` before JAX starts; XLA:CPU computes
@@ -12,7 +12,6 @@ bfloat16 in float32, so its figure for a bf16 model includes float32 copies of w
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Mapping
 from typing import Any
@@ -26,10 +25,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 from gemport.errors import MeshError
 from gemport.lora import LoraSpec, QLoraSpec
 from gemport.mesh.context import use_mesh
+from gemport._src import upstream
 from gemport._src.partition import padded, spec_of
 from gemport.specs import GemmaSpec
 from gemport.train.model import lora_model
-from gemport.train.step import BATCH_FIELDS
+from gemport.train.step import BATCH_FIELDS, LossFn, segment_loss
 
 # XLA:CPU orders a program for concurrency by default: it runs every layer's rematerialisation as early
 # as its inputs allow, so remat saves nothing. Accelerators schedule for memory; with this flag in XLA_FLAGS
@@ -62,30 +62,6 @@ def _placed(graph, mesh):
     return nnx.merge(graphdef, jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
-@contextlib.contextmanager
-def _tunix_constraints(mesh):
-    # Tunix constrains activations to its layouts (``tunix.utils.sharding_utils.shard``) only when the process's
-    # own devices are accelerators. Traced on a CPU host for a TPU slice's compile-only devices, the step would
-    # lack the constraints the slice's run has, and XLA would reshard activations between rows and widths
-    # (all-to-alls of [B, T, D]) where the slice gathers weights. While it is traced, Tunix's models constrain
-    # on ``mesh`` as they do on the slice; a mesh of the host's own devices keeps Tunix's behaviour.
-    if mesh.devices.flat[0].platform == jax.devices()[0].platform:
-        yield
-        return
-    from tunix.models.gemma4 import model as gemma4
-    from tunix.utils import sharding_utils
-
-    def shard(x, spec, eager=False):
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
-
-    saved = sharding_utils.shard, gemma4.shard
-    sharding_utils.shard = gemma4.shard = shard
-    try:
-        yield
-    finally:
-        sharding_utils.shard, gemma4.shard = saved
-
-
 def lower_step(trainer: Any, mesh, rows: int, seq_len: int, *,
                micro_batch: Mapping[str, Any] | None = None) -> jax.stages.Lowered:
     """``trainer.jitted_train_step()`` lowered for a micro-batch of ``rows`` x ``seq_len`` tokens on ``mesh``.
@@ -104,7 +80,7 @@ def lower_step(trainer: Any, mesh, rows: int, seq_len: int, *,
     inputs = {k: jax.ShapeDtypeStruct(np.shape(v), v.dtype, sharding=rows_sharding) for k, v in layout.items()
               if k != ACCUMULATION}  # a check's field, which the trainer drops before the step
     model, optimizer = _placed(trainer.model, mesh), _placed(trainer.optimizer, mesh)
-    with use_mesh(mesh), _tunix_constraints(mesh):
+    with use_mesh(mesh), upstream.tunix_shard_on(mesh):
         return trainer.jitted_train_step().lower(model, optimizer, inputs)
 
 
@@ -158,7 +134,7 @@ def compile_step(trainer: Any, mesh, rows: int, seq_len: int, *,
                     float((cost or {}).get("flops", 0.0)), rows * seq_len, mesh.size, executable)
 
 
-def step_trainer(model: nnx.Module, args: Mapping[str, Any] | None = None, *, fast: bool = True):
+def step_trainer(model: nnx.Module, args: Mapping[str, Any] | None = None, *, loss_fn: LossFn = segment_loss):
     """The ``HFPeftTrainer`` ``SFTRun`` builds for ``model`` and the ``SFTConfig`` fields ``args`` (TRL's defaults
     for the rest; one optimizer step), without data: ``hf_optimizer``'s transformation and schedule, Tunix's
     ``TrainingConfig`` with the recipe's accumulation, no checkpoints."""
@@ -167,11 +143,11 @@ def step_trainer(model: nnx.Module, args: Mapping[str, Any] | None = None, *, fa
     from gemport.train.run import sft_fields, training_config
 
     args = sft_fields(dict(args or {}))
-    return HFPeftTrainer(model, hf_optimizer(args, num_training_steps=1).tx, training_config(args, 1), fast=fast)
+    return HFPeftTrainer(model, hf_optimizer(args, num_training_steps=1).tx, training_config(args, 1), loss_fn=loss_fn)
 
 
 def compiled_peak(spec: GemmaSpec, lora_spec: LoraSpec, fsdp: int, tp: int, *, batch: int, seq_len: int,
-                  remat: str | None = None, param_dtype="bfloat16", fast: bool = True,
+                  remat: str | None = None, param_dtype="bfloat16", loss_fn: LossFn = segment_loss,
                   qlora: QLoraSpec | None = None, tpu: str | None = None,
                   args: Mapping[str, Any] | None = None) -> int:
     """Per-device peak bytes XLA compiles the train step to on an (fsdp, tp) mesh: of this host's CPU devices, or
@@ -181,8 +157,8 @@ def compiled_peak(spec: GemmaSpec, lora_spec: LoraSpec, fsdp: int, tp: int, *, b
     ``seq_len`` tokens per micro-batch, the optimizer, accumulation, clipping and schedule of the ``SFTConfig``
     fields ``args`` (TRL's defaults for the rest), on an abstract model of ``spec`` with ``lora_spec``; lowered for
     abstract inputs and compiled, never run: nothing is allocated. remat: Tunix's ``remat_config``; default the
-    recipe's ``gradient_checkpointing`` (``train.sft.remat_of``: TRL's default is decoder remat). fast: the loss
-    of ``HFPeftTrainer(fast=)``. For a TPU slice it is the program the slice would run, splash attention included.
+    recipe's ``gradient_checkpointing`` (``train.sft.remat_of``: TRL's default is decoder remat). loss_fn: the loss
+    of ``HFPeftTrainer(loss_fn=)``. For a TPU slice it is the program the slice would run, splash attention included.
     XLA:CPU computes bfloat16 in float32, so its figure for a bf16 model includes float32 copies of weights
     and activations a TPU would not make: an upper bound for the TPU's. With ``qlora`` the base is 4-bit as
     ``load_qlora_model`` places it (``gemport.train.model.quantize_base``). On CPU, give XLA
@@ -206,7 +182,7 @@ def compiled_peak(spec: GemmaSpec, lora_spec: LoraSpec, fsdp: int, tp: int, *, b
     remat = remat if remat is not None else remat_of(dict(args or {}))
     model = lora_model(spec, lora_spec, remat=remat, param_dtype=np.dtype(param_dtype), qlora=qlora)
     mesh = make_mesh(spec, fsdp=fsdp, tp=tp, devices=devices[: fsdp * tp])
-    return compile_step(step_trainer(model, args, fast=fast), mesh, batch, seq_len).peak_bytes
+    return compile_step(step_trainer(model, args, loss_fn=loss_fn), mesh, batch, seq_len).peak_bytes
 
 
 __all__ = ["CPU_MEMORY_SCHEDULER", "Compiled", "compile_step", "compiled_peak", "fingerprint", "lower_step",

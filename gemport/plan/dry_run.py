@@ -93,7 +93,8 @@ def dry_run(run: Any, *, hbm_bytes: int | None = None) -> DryRun:
     ``run.mesh``, never running it; nothing is written.
 
     run: an ``SFTRun`` or a ``DPORun`` (its step: chosen and rejected rows of each pair, the reference pass),
-        abstract (``create(..., abstract=True)``: from ``config.json``, no weight read) or loaded. For a TPU slice, build it on ``make_mesh(spec, devices=slice_devices("v5p-8"), ...)``.
+        abstract (``create(..., abstract=True)``: from ``config.json``, no weight read) or loaded. For a TPU
+        slice, build it on ``make_mesh(spec, devices=slice_devices("v5p-8"), ...)``.
     hbm_bytes: the chip's HBM; default ``gemport.plan.HBM`` of the mesh's TPU generation (None on CPU).
     Returns a ``DryRun``.
     """

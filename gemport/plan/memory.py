@@ -17,6 +17,7 @@ from gemport.lora.qlora import bytes_per_device as qlora_bytes_per_device
 from gemport.lora.qlora import is_quantized
 from gemport._src.partition import bytes_per_device
 from gemport.specs import GemmaSpec
+from gemport.train.step import LossFn, segment_loss, tunix_loss
 
 GiB = 2**30
 
@@ -89,7 +90,7 @@ class MemoryPlan:
                 f"logits and loss {_human(step.logits_bytes)} + batch {_human(step.batch_bytes)}"
                 + (f" + XLA:CPU weight copy {_human(self.weight_copy_bytes)}" if self.weight_copy_bytes else "")
                 + f" = {_human(self.total_bytes)} per device (batch {step.batch} x {step.seq_len} tokens, "
-                f"remat {step.remat}, {'fast' if step.fast else 'Tunix'} step)"
+                f"remat {step.remat}, {'fast' if step.loss_fn is segment_loss else 'Tunix'} step)"
             )
         else:
             text += f" = {_human(self.total_bytes)} per device before the train step (no batch/seq_len given)"
@@ -139,7 +140,7 @@ def memory_plan(
     compute_dtype=None,
     backend: str = "tpu",
     qlora: QLoraSpec | None = None,
-    fast: bool = True,
+    loss_fn: LossFn = segment_loss,
 ) -> MemoryPlan:
     """Per-device bytes of params, LoRA params and Adam moments on an (fsdp, tp) mesh.
 
@@ -160,8 +161,9 @@ def memory_plan(
         ``remat_config``), logits and loss temporaries (``gemport.plan.activations.step_memory``).
       compute_dtype: the compute dtype of activations (default ``param_dtype``).
       backend: ``"cpu"`` adds the weight copies XLA:CPU makes for its dots, to compare with a CPU compile.
-      fast: plan ``train.train_step``'s default step (segment attention in tiles, the loss in blocks of
-        logits), as ``compiled_peak(fast=)`` compiles it; False: Tunix's own attention and logits. With a batch
+      loss_fn: ``train.segment_loss`` plans ``train.train_step``'s default step (segment attention in tiles, the
+        loss in blocks of logits), as ``compiled_peak(loss_fn=)`` compiles it; ``train.tunix_loss``: Tunix's own
+        attention and logits. With a batch
         the plan also carries Tunix's step (``tunix_step``), what it would need.
       qlora: a 4-bit base (QLoRA): every projection weight counts its 4-bit codes and float32 block scales
         as `gemport.checkpoint.quantize.load_qlora_model` places them. With ``backend="cpu"`` the plan adds the
@@ -188,14 +190,14 @@ def memory_plan(
     moments_item = np.dtype(moments_dtype or trainable_dtype).itemsize
     planned = {}
     if batch is not None and seq_len is not None:
-        for kind in {fast, False}:
+        for kind in dict.fromkeys((loss_fn, tunix_loss)):
             planned[kind] = (
                 step_memory(spec, fsdp, tp, batch=batch, seq_len=seq_len, remat=remat,
                             trainable_bytes=trainable * trainable_dtype.itemsize, compute_dtype=compute_dtype or param_dtype,
-                            fast=kind),
+                            loss_fn=kind),
                 _weight_copy(params, sizes, param_dtype, kind, qlora, compute_dtype) if backend == "cpu" else 0,
             )
-    (step_plan, weight_copy), (tunix_plan, tunix_copy) = planned.get(fast, (None, 0)), planned.get(False, (None, 0))
+    (step_plan, weight_copy), (tunix_plan, tunix_copy) = planned.get(loss_fn, (None, 0)), planned.get(tunix_loss, (None, 0))
     return MemoryPlan(
         fsdp,
         tp,
@@ -210,18 +212,19 @@ def memory_plan(
     )
 
 
-def _weight_copy(params, sizes, param_dtype, fast: bool, qlora=None, compute_dtype=None) -> int:
+def _weight_copy(params, sizes, param_dtype, loss_fn: LossFn, qlora=None, compute_dtype=None) -> int:
     # XLA:CPU transposes q/kv/k einsum weights (D is not their leading axis) and, in Tunix's step, the
     # embedding (used as x @ E.T) into a temporary before each dot, one at a time: the largest one is live at
     # the peak. The fast step decodes slices of the embedding; XLA:CPU slices no bfloat16 array, so it holds
     # a 16-bit view of a bfloat16 one (gemport.train.chunked_loss).
     item = np.dtype(param_dtype).itemsize
-    copied = ("q_einsum.w", "kv_einsum.w", "k_einsum.w", "qkv_einsum.w") + (("input_embedding",) if not fast
+    tiled = loss_fn is segment_loss
+    copied = ("q_einsum.w", "kv_einsum.w", "k_einsum.w", "qkv_einsum.w") + (("input_embedding",) if not tiled
                                                                             else ())
     largest = max((bytes_per_device(shape, ann, sizes, item) for path, shape, ann, _ in params
                    if path.endswith(copied)), default=0)
     view = sum(bytes_per_device(shape, ann, sizes, item) for path, shape, ann, _ in params
-               if fast and np.dtype(param_dtype) == np.dtype("bfloat16") and path.endswith("input_embedding"))
+               if tiled and np.dtype(param_dtype) == np.dtype("bfloat16") and path.endswith("input_embedding"))
     if qlora is None:
         return largest + view
     # On a 4-bit base XLA:CPU keeps every dequantized weight (in the compute dtype) from the forward pass to

@@ -12,7 +12,7 @@ HF's logged ``loss`` and pre-clip ``grad_norm``) with the optimizer of ``optim.h
 from gemport.train.order import OptimizerStep, SamplingStrategy, optimizer_steps, randperm, sample_order
 from gemport.train.run import SFTRun
 from gemport.train.sft import LAYOUTS, Layout, SFTPipeline, from_sft_config
-from gemport.train.step import BATCH_FIELDS, StepMetrics, fast_loss, stack, train_step, tunix_loss
+from gemport.train.step import BATCH_FIELDS, StepMetrics, segment_loss, stack, train_step, tunix_loss
 
 __all__ = [
     "BATCH_FIELDS",
@@ -23,11 +23,11 @@ __all__ = [
     "SFTRun",
     "SamplingStrategy",
     "StepMetrics",
-    "fast_loss",
     "from_sft_config",
     "optimizer_steps",
     "randperm",
     "sample_order",
+    "segment_loss",
     "stack",
     "train_step",
     "tunix_loss",

@@ -22,16 +22,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, PartitionSpec as P
 
-from gemport.errors import GemportError
+from gemport._src import upstream
+from gemport.errors import BatchError, SpecError
 from gemport.mesh.dims import FSDP, TP
 from gemport.mesh.tpu import platform
 
 BLOCK = 512
 """Query and key tile length of the blockwise attention (rows are padded up to a multiple of it)."""
-
-
-class SegmentAttentionError(GemportError, ValueError):
-    """Packed rows given to an attention that ignores segments, or a segment-attention model used wrongly."""
 
 
 def _tile_mask(seg_q, seg_k, q_idx, k_idx, window):
@@ -280,7 +277,7 @@ def attend(q, k, v, segment_ids, window, block=BLOCK):
 
 def _segments(attn_mask):
     if attn_mask is None or jnp.ndim(attn_mask) != 2:
-        raise SegmentAttentionError(
+        raise BatchError(
             "a segment-attention model takes segment_ids int [B, T] where Tunix takes attention_mask; got "
             f"{None if attn_mask is None else jnp.shape(attn_mask)}"
         )
@@ -289,7 +286,7 @@ def _segments(attn_mask):
 
 def _no_cache(cache):
     if cache is not None:
-        raise SegmentAttentionError("segment attention is for training (no KV cache); sample with the Tunix model")
+        raise BatchError("segment attention is for training (no KV cache); sample with the Tunix model")
 
 
 @functools.cache
@@ -305,7 +302,7 @@ def _gemma4_class():
             rope = functools.partial(g4.apply_rope, positions=segment_pos, base_frequency=self.rope_base_frequency,
                                      scale_factor=self.rope_scale_factor, rope_proportion=self.rope_proportion)
             x = x.astype(cfg.dtype)
-            query = rope(self._query_norm(g4.shard(self.q_einsum(x), cfg.shd_config.act_btnh)))
+            query = rope(upstream.query_norm(self)(g4.shard(self.q_einsum(x), cfg.shd_config.act_btnh)))
             if kv_shared_cache is not None:
                 key, value = kv_shared_cache["k"], kv_shared_cache["v"]
             else:
@@ -316,7 +313,7 @@ def _gemma4_class():
                 key = g4.shard(key, cfg.shd_config.act_btnh)
                 value = g4.shard(value, cfg.shd_config.act_btnh)
                 value = value * jax.lax.rsqrt(jnp.mean(jnp.square(value), axis=-1, keepdims=True) + 1e-06)
-                key = rope(self._key_norm(key))
+                key = rope(upstream.key_norm(self)(key))
             window = cfg.sliding_window_size if self.attn_type == g4.AttentionType.LOCAL_SLIDING else None
             encoded = attend(query, key, value, _segments(attn_mask), window, self.segment_block)
             out = g4.shard(self.attn_vec_einsum(encoded), cfg.shd_config.act_btd)
@@ -343,8 +340,8 @@ def _gemma3_class():
             query, key, value = (g3.sharding_utils.shard(a, shd.act_btnh) for a in (query, key, value))
             rope = functools.partial(g3.apply_rope, positions=segment_pos, head_dim=self.head_dim,
                                      base_frequency=self.rope_base_frequency, scale_factor=self.rope_scale_factor)
-            query = rope(self._query_norm(query)) * self.query_pre_attn_scalar
-            key = rope(self._key_norm(key))
+            query = rope(upstream.query_norm(self)(query)) * self.query_pre_attn_scalar
+            key = rope(upstream.key_norm(self)(key))
             window = self.sliding_window_size if self.attn_type == g3.AttentionType.LOCAL_SLIDING else None
             encoded = attend(query, key, value, _segments(attn_mask), window, self.segment_block)
             return None, g3.sharding_utils.shard(self.attn_vec_einsum(encoded), shd.act_btd)
@@ -370,7 +367,7 @@ def segment_attention_model(model: nnx.Module, *, block: int = BLOCK) -> nnx.Mod
     Tunix model with ``segment_ids`` int [B, T] in place of ``attention_mask`` [B, T, S]:
     ``copy(tokens, positions, None, segment_ids)``. Training only: no KV cache. ``model`` is not changed.
     block: ``segment_attention``'s tile length (TPU's splash kernel tiles on its own).
-    Raises SegmentAttentionError for a model with no Tunix Gemma 3 / Gemma 4 attention.
+    Raises SpecError for a model with no Tunix Gemma 3 / Gemma 4 attention.
     """
     copy = nnx.merge(*nnx.split(model))
     replacements = _replacements()
@@ -382,7 +379,7 @@ def segment_attention_model(model: nnx.Module, *, block: int = BLOCK) -> nnx.Mod
             module.segment_block = block
             found = True
     if not found:
-        raise SegmentAttentionError(
+        raise SpecError(
             f"segment_attention_model: {type(model).__name__} has no Tunix Gemma 3 / Gemma 4 attention layer"
         )
     return copy
@@ -399,7 +396,7 @@ def segment_blind(model: nnx.Module) -> bool:
 def check_segments(model: nnx.Module, segment_ids: jax.typing.ArrayLike, where: str) -> None:
     """Refuse rows with more than one segment for a ``segment_blind`` model (``segment_ids`` int [..., T]).
 
-    Raises SegmentAttentionError naming ``where`` (the step or trainer) and the fix.
+    Raises BatchError naming ``where`` (the step or trainer) and the fix.
     """
     if not segment_blind(model):
         return
@@ -408,7 +405,7 @@ def check_segments(model: nnx.Module, segment_ids: jax.typing.ArrayLike, where: 
     first = np.where(rows > 0, rows, np.iinfo(rows.dtype).max).min(axis=-1, keepdims=True)
     packed = ((rows > 0) & (rows != first)).any(axis=-1)
     if packed.any():
-        raise SegmentAttentionError(
+        raise BatchError(
             f"{where}: row {int(np.argmax(packed))} of the batch packs several examples (segment_ids), but the "
             "model was built with Tunix's use_flash_attention, whose splash attention ignores segments and would "
             "let them attend to each other; train with gemport's segment attention (the default), or build the "

@@ -65,11 +65,12 @@ def process_step(step: OptimizerStep, rows: slice) -> OptimizerStep:
     return step._replace(micro_batches=tuple(m[rows] for m in step.micro_batches))
 
 
-def global_batch(local: Mapping[str, np.ndarray], sharding: Sharding, rows: int, *,
+def global_batch(local: Mapping[str, np.ndarray], sharding: Sharding, rows: int | None, *,
                  axis: int = 1) -> dict[str, jax.Array]:
     """The global arrays of a step's batch from this process's rows.
 
-    local: each field [A, B_p, T], the rows ``process_rows`` gave this process; rows: the global B.
+    local: each field [A, B_p, T], the rows ``process_rows`` gave this process (or, with ``axis=0``, a
+    micro-batch's [B_p, ...]); rows: the global B (None: as ``sharding`` implies from B_p).
     Returns each field [A, B, T] as a ``jax.Array`` under ``sharding``
     (``jax.make_array_from_process_local_data``: no process sends its rows to another).
     """
@@ -77,7 +78,8 @@ def global_batch(local: Mapping[str, np.ndarray], sharding: Sharding, rows: int,
     for name, value in local.items():
         shape = list(np.shape(value))
         shape[axis] = rows
-        out[name] = jax.make_array_from_process_local_data(sharding, np.asarray(value), tuple(shape))
+        out[name] = jax.make_array_from_process_local_data(sharding, np.asarray(value),
+                                                           None if rows is None else tuple(shape))
     return out
 
 

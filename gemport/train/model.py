@@ -25,7 +25,9 @@ def quantize_base(model: nnx.Module, spec: GemmaSpec, qlora: QLoraSpec) -> None:
     ``WithAux(QArray)`` of uint4 codes and float32 scales in bitsandbytes' blocks (``how_to_quantize``). The
     codes are Qwix's quantization of the weights the model holds; shapes, dtypes and shardings are the
     loader's, which is what a compile measures."""
-    from qwix._src.core import qarray
+    import qwix
+
+    from gemport._src import upstream
 
     by_path = {e.tunix: e for e in names.entries(spec)}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
@@ -33,8 +35,8 @@ def quantize_base(model: nnx.Module, spec: GemmaSpec, qlora: QLoraSpec) -> None:
         if not is_quantized(entry):
             continue
         how = how_to_quantize(entry, qlora)
-        q = qarray.quantize(var.get_value(), how)
-        set_quantized(model, path, qarray.QArray(q.qvalue, q.scale.astype(jnp.float32), qtype=q.qtype), how)
+        q = upstream.quantize_array(var.get_value(), how)
+        set_quantized(model, path, qwix.QArray(q.qvalue, q.scale.astype(jnp.float32), qtype=q.qtype), how)
 
 
 def lora_model(spec: GemmaSpec, lora_spec: LoraSpec, *, param_dtype=jnp.bfloat16, remat: str = "none",

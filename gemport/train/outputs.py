@@ -18,6 +18,7 @@ import math
 import os
 import time
 from pathlib import Path
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -39,38 +40,41 @@ _READ = {"logging_steps": 10, "logging_first_step": False, "logging_strategy": "
 class HFOutputs(hooks.TrainingHooks):
     """Writes ``output_dir/trainer_state.json`` (HF's ``TrainerState``), reports each entry to the trackers
     ``report_to`` names (``gemport.train.trackers``), and shows a tqdm bar with loss, grad_norm, learning rate
-    and tokens/s. ``run``: the ``SFTRun`` trained; ``finish()`` after ``train()``. Raises before training when
-    ``report_to`` names a tracker gemport does not report to or that is not installed."""
+    and tokens/s. ``finish()`` after ``train()``. Raises before training when ``report_to`` names a tracker
+    gemport does not report to or that is not installed.
 
-    def __init__(self, run: Any, output_dir: str | os.PathLike):
-        f = fields_of(run.args, _READ)
+    Args:
+      output_dir: where ``trainer_state.json`` goes.
+      args: the run's ``SFTConfig`` fields (logging, eval and save cadence, ``report_to``, ``disable_tqdm``).
+      epochs: each optimizer step's epoch as HF counts it, float [max_steps] (`step_epochs`).
+      tokens: each optimizer step's tokens over all processes, int [max_steps] (`step_tokens`).
+      eval_every: Tunix's ``eval_every_n_steps``.
+      learning_rate: the schedule, ``step -> learning rate`` (``optim.hf_optimizer(...).schedule``).
+      tracker_config: what trackers record of the run: ``base_dir``, ``lora_config`` (PEFT's dict),
+        ``num_parameters`` (``trackers.open_trackers``' keywords).
+      command: the command the progress bar names (``gemport sft``, ``gemport dpo``).
+    """
+
+    def __init__(self, output_dir: str | os.PathLike, args: Any, *, epochs: Sequence[float], tokens: Sequence[int],
+                 eval_every: int | None, learning_rate: Callable[[int], Any],
+                 tracker_config: Mapping[str, Any], command: str = "sft"):
+        f = fields_of(args, _READ)
         if f["logging_strategy"] != "steps":
             raise RecipeError(f"SFTConfig.logging_strategy={f['logging_strategy']!r}: gemport logs by "
                                        "'steps' (logging_steps)")
         from gemport.train.run import steps_of
 
-        self.run, self.out = run, Path(output_dir)
-        self.max_steps = run.max_steps
+        self.out, self.args = Path(output_dir), args
+        self.max_steps = len(epochs)
         self.logging_steps = steps_of(f["logging_steps"], self.max_steps, "logging_steps")
         self.first = bool(f["logging_first_step"])
-        self.eval_every = run.training_config.eval_every_n_steps
+        self.eval_every = eval_every
         self.eval_on_start = bool(f["eval_on_start"])
         self.fields = f
         trackers.names(f["report_to"])
-        # Each optimizer step's epoch as HF counts it: micro-batches done over the micro-batches of a whole epoch.
-        batch = f["per_device_train_batch_size"]
-        units = run.num_units
-        per_epoch = units // batch if fields_of(run.args, {"dataloader_drop_last": False})["dataloader_drop_last"] \
-            else -(-units // batch)
-        done: dict[int, int] = {}
-        self.epochs = []
-        for s in run.plan:
-            done[s.epoch] = done.get(s.epoch, 0) + len(s.micro_batches)
-            self.epochs.append(s.epoch + done[s.epoch] / per_epoch)
-        tokens = np.array([int((b["segment_ids"] > 0).sum()) for b in run.train_batches], np.int64)
-        if jax.process_count() > 1:  # each process holds its own rows of every step
-            tokens = multihost_utils.process_allgather(tokens).sum(axis=0)
-        self.tokens = tokens.tolist()
+        self.epochs, self.tokens = list(epochs), list(tokens)
+        self.learning_rate, self.tracker_config = learning_rate, dict(tracker_config)
+        self.command = command
         self.primary = jax.process_index() == 0
         self.history: list[dict[str, Any]] = []
         self.window: list[float] = []
@@ -91,20 +95,16 @@ class HFOutputs(hooks.TrainingHooks):
         if self.start_step and state.is_file():
             self.history = [e for e in json.loads(state.read_text()).get("log_history", [])
                             if e.get("step", 0) <= self.start_step]
-        self.bar = tqdm(total=self.max_steps, initial=self.start_step, desc=f"gemport {self.run.COMMAND}",
+        self.bar = tqdm(total=self.max_steps, initial=self.start_step, desc=f"gemport {self.command}",
                         unit="step", disable=bool(self.fields["disable_tqdm"]) or not self.primary)
         if self.primary:
-            base = self.run.base_dir
-            self.trackers = trackers.open_trackers(
-                self.run.args, base_dir=base, lora_config=self.run.lora_spec.to_peft(str(base)),
-                num_parameters=self.run.num_parameters, output_dir=self.out, start_step=self.start_step)
+            self.trackers = trackers.open_trackers(self.args, **self.tracker_config, output_dir=self.out,
+                                                   start_step=self.start_step)
         self.clock = time.perf_counter()
 
     def on_train_start(self, trainer: Any) -> None:
         self._begin(trainer)
-        if trainer._pbar is not None:  # Tunix's own bar (loss and perplexity only): this one replaces it
-            trainer._pbar.close()
-            trainer._pbar = None
+        trainer.close_progress_bar()  # Tunix's own bar (loss and perplexity only): this one replaces it
         self.clock = time.perf_counter()
 
     def _latest(self, trainer: Any, name: str, mode: str) -> float:
@@ -117,7 +117,7 @@ class HFOutputs(hooks.TrainingHooks):
         elapsed, self.clock = now - self.clock, now
         loss = float(train_loss)
         grad_norm = self._latest(trainer, "grad_norm", "train")
-        learning_rate = float(self.run.optimizer.schedule(step - 1))
+        learning_rate = float(self.learning_rate(step - 1))
         self.window.append(loss)
         self.bar.set_postfix(loss=f"{loss:.4f}", grad_norm=f"{grad_norm:.3f}", lr=f"{learning_rate:.2e}",
                              tokens_per_s=f"{self.tokens[step - 1] / max(elapsed, 1e-9):.0f}", refresh=False)
@@ -186,4 +186,34 @@ class HFOutputs(hooks.TrainingHooks):
     def on_eval_step_start(self, trainer: Any) -> None: ...
 
 
-__all__ = ["TRAINER_STATE", "HFOutputs"]
+def step_epochs(plan: Sequence[Any], num_units: int, args: Any) -> list[float]:
+    """Each optimizer step's epoch as HF counts it: micro-batches done over the micro-batches of a whole epoch.
+
+    Args:
+      plan: the run's ``OptimizerStep``s (``train.optimizer_steps``).
+      num_units: the training rows (examples, or packed rows) of one epoch.
+      args: the ``SFTConfig`` fields (``per_device_train_batch_size``, ``dataloader_drop_last``).
+
+    Returns a float per step.
+    """
+    batch = fields_of(args, _READ)["per_device_train_batch_size"]
+    drop_last = fields_of(args, {"dataloader_drop_last": False})["dataloader_drop_last"]
+    per_epoch = num_units // batch if drop_last else -(-num_units // batch)
+    done: dict[int, int] = {}
+    epochs = []
+    for s in plan:
+        done[s.epoch] = done.get(s.epoch, 0) + len(s.micro_batches)
+        epochs.append(s.epoch + done[s.epoch] / per_epoch)
+    return epochs
+
+
+def step_tokens(train_batches: Sequence[Mapping[str, np.ndarray]]) -> list[int]:
+    """Each optimizer step's tokens (``segment_ids`` > 0 of its batch [A, B, T]), summed over the processes of a
+    ``jax.distributed`` run (each holds its own rows of every step: a collective on every process)."""
+    tokens = np.array([int((b["segment_ids"] > 0).sum()) for b in train_batches], np.int64)
+    if jax.process_count() > 1:
+        tokens = multihost_utils.process_allgather(tokens).sum(axis=0)
+    return tokens.tolist()
+
+
+__all__ = ["TRAINER_STATE", "HFOutputs", "step_epochs", "step_tokens"]

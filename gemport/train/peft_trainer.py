@@ -33,12 +33,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 from gemport.checkpoint.adapters import save_lora_spec
 from gemport.checkpoint.integrity import resume_step, steps
 from gemport.errors import BatchError, CheckpointError, TrainingError
+from gemport._src import upstream
 from gemport._src.extras import require
 from gemport.lora import LoraSpec, dropout_key, lora_dropout
-from gemport.masks.loss import loss_scopes, nll_scopes
+from gemport.masks.loss import nll_scopes
 from gemport.train.attention import check_segments
+from gemport.train.distributed import global_batch
 from gemport.train.preemption import Preemption
-from gemport.train.step import BATCH_FIELDS, micro_batch_logits, micro_batch_nll
+from gemport.train.step import BATCH_FIELDS, LossFn, per_target, segment_loss
 
 grain = require("grain", "gemport.train.peft_trainer")
 peft_trainer = require("tunix.sft.peft_trainer", "gemport.train.peft_trainer")
@@ -64,8 +66,8 @@ def micro_batches(steps: Iterable[Mapping[str, np.ndarray]]) -> grain.MapDataset
         (``train.stack``, or ``SFTPipeline.batches``' second items), all of one shape; it is read once.
 
     Element ``s * A + a`` is micro-batch ``a`` of step ``s``: ``BATCH_FIELDS`` [B, T], ``NUM_ITEMS`` [B]
-    (the targets of the whole step) and ``ACCUMULATION`` [B] (A). Give ``PeftTrainer`` ``gradient_accumulation_steps=A``. A held-out split
-    laid out as steps of A = 1 is an eval dataset.
+    (the targets of the whole step) and ``ACCUMULATION`` [B] (A). Give ``PeftTrainer``
+    ``gradient_accumulation_steps=A``. A held-out split laid out as steps of A = 1 is an eval dataset.
 
     Under ``jax.distributed``, give each process the rows it holds (``train.distributed.process_step``),
     every process the same steps: the step's targets are then summed over processes (one collective, here),
@@ -96,13 +98,10 @@ def micro_batches(steps: Iterable[Mapping[str, np.ndarray]]) -> grain.MapDataset
     return grain.MapDataset.range(len(steps) * accumulation).map(element)
 
 
-def _scoped(model, tokens, loss_mask, segment_ids, positions, fast):
+def _scoped(model, tokens, loss_mask, segment_ids, positions, loss_fn):
     # Each scope as [summed loss, targets], so micro-batches and eval batches combine weighted by targets.
     batch = dict(tokens=tokens, loss_mask=loss_mask, segment_ids=segment_ids, positions=positions)
-    if fast:
-        scopes = nll_scopes(micro_batch_nll(model, batch), loss_mask, segment_ids)
-    else:
-        scopes = loss_scopes(micro_batch_logits(model, batch), tokens, loss_mask, segment_ids)
+    scopes = nll_scopes(per_target(loss_fn)(model, batch), loss_mask, segment_ids)
     return {
         "masked_loss": jnp.stack([scopes["masked"] * scopes["masked_targets"], scopes["masked_targets"]]),
         "full_sequence_loss": jnp.stack(
@@ -110,11 +109,12 @@ def _scoped(model, tokens, loss_mask, segment_ids, positions, fast):
     }
 
 
-def hf_loss(accumulation: int, *, fast: bool = True) -> Callable[..., tuple[jax.Array, dict[str, jax.Array]]]:
+def hf_loss(accumulation: int, *,
+            loss_fn: LossFn = segment_loss) -> Callable[..., tuple[jax.Array, dict[str, jax.Array]]]:
     """PeftTrainer's ``loss_fn`` (with ``has_aux=True``) for steps of ``accumulation`` (A) micro-batches.
 
-    fast: compute it with ``train.step.micro_batch_nll`` (segment attention, chunked cross-entropy; the
-    default) or, if False, from Tunix's own attention and logits (``micro_batch_logits``): the same loss.
+    loss_fn: the step's loss, ``train.segment_loss`` (segment attention, chunked cross-entropy; the default) or
+    ``train.tunix_loss`` (Tunix's own attention and logits): the same loss.
 
     Returns ``loss(model, tokens, loss_mask, segment_ids, positions, num_items_in_batch)``: tokens,
     loss_mask, segment_ids, positions [B, T], as ``masks.pack`` / ``pad`` lay them out; num_items_in_batch
@@ -126,7 +126,7 @@ def hf_loss(accumulation: int, *, fast: bool = True) -> Callable[..., tuple[jax.
     # Named parameters, not a partial: nnx.value_and_grad binds the batch's keywords to positions.
     def loss(model: nnx.Module, tokens: jax.Array, loss_mask: jax.Array, segment_ids: jax.Array, positions: jax.Array,
              num_items_in_batch: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-        scopes = _scoped(model, tokens, loss_mask, segment_ids, positions, fast)
+        scopes = _scoped(model, tokens, loss_mask, segment_ids, positions, loss_fn)
         total = jnp.maximum(jnp.max(num_items_in_batch), 1).astype(jnp.float32)
         return scopes["masked_loss"][0] * accumulation / total, scopes
 
@@ -134,10 +134,10 @@ def hf_loss(accumulation: int, *, fast: bool = True) -> Callable[..., tuple[jax.
 
 
 def eval_loss(model: nnx.Module, tokens: jax.Array, loss_mask: jax.Array, segment_ids: jax.Array, positions: jax.Array,
-              fast: bool = True, **_: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """An eval batch's mean target loss (HF's ``eval_loss`` per batch) and the scopes of ``SCOPES``; ``fast``
+              loss_fn: LossFn = segment_loss, **_: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """An eval batch's mean target loss (HF's ``eval_loss`` per batch) and the scopes of ``SCOPES``; ``loss_fn``
     as ``hf_loss``'s."""
-    scopes = _scoped(model, tokens, loss_mask, segment_ids, positions, fast)
+    scopes = _scoped(model, tokens, loss_mask, segment_ids, positions, loss_fn)
     masked = scopes["masked_loss"]
     return masked[0] / jnp.maximum(masked[1], 1), scopes
 
@@ -189,7 +189,7 @@ class _Checkpoints:
             raise self._failed(None, e) from e
 
 
-class HFPeftTrainer(peft_trainer.PeftTrainer):
+class HFPeftTrainer(upstream.peft_trainer_class()):
     """``tunix.sft.PeftTrainer`` whose gradient accumulation is HF's and whose metrics have both loss scopes.
 
     model: a Tunix Gemma with LoRA (``lora.apply_lora``) or without (full fine-tune).
@@ -201,8 +201,9 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
     preemption: a ``train.preemption.Preemption``: on SIGTERM the trainer writes its metrics and the
         checkpoint of the step it reaches (on every process, the same step), closes, and raises ``Preempted``;
         ``train()`` again resumes from that checkpoint.
-    fast: ``hf_loss``'s (segment attention and chunked cross-entropy, the default); False runs Tunix's own
-        attention and logits, and then refuses packed rows to a model built with ``use_flash_attention``.
+    loss_fn: ``hf_loss``'s: ``train.segment_loss`` (segment attention and chunked cross-entropy, the default), or
+        ``train.tunix_loss``, Tunix's own attention and logits, which refuses packed rows to a model built with
+        ``use_flash_attention``.
     seed: the LoRA dropout stream's (HF's ``seed``). With ``model.lora_spec.dropout`` above 0 the ``i``-th
         micro-batch trained (counted by ``optimizer.step``, which checkpoints carry) runs under
         ``lora.lora_dropout(model, lora.dropout_key(seed, i))``: a resume draws the masks an uninterrupted run
@@ -218,7 +219,8 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
 
     def __init__(self, model: nnx.Module, optimizer: optax.GradientTransformation,
                  training_config: peft_trainer.TrainingConfig, *, lora_spec: LoraSpec | None = None,
-                 preemption: Preemption | None = None, fast: bool = True, seed: int = 0, **kwargs: Any) -> None:
+                 preemption: Preemption | None = None, loss_fn: LossFn = segment_loss, seed: int = 0,
+                 **kwargs: Any) -> None:
         if training_config.checkpoint_root_directory is not None:  # Tunix resumes from the newest step dir
             resume_step(training_config.checkpoint_root_directory)
         super().__init__(model, optimizer, training_config, **kwargs)
@@ -227,9 +229,10 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
         self._preemption = preemption
         self._seed = seed
         accumulation = training_config.get_with_default("gradient_accumulation_steps", 1)
-        self.fast = fast
-        self.with_loss_fn(hf_loss(accumulation, fast=fast), has_aux=True)
-        self.eval_loss_fn = functools.partial(eval_loss, fast=fast)
+        per_target(loss_fn)  # refuses a loss without per-target scopes before anything is traced
+        self.step_loss = loss_fn
+        self.with_loss_fn(hf_loss(accumulation, loss_fn=loss_fn), has_aux=True)
+        self.eval_loss_fn = functools.partial(eval_loss, loss_fn=loss_fn)
         if lora_spec is not None and training_config.checkpoint_root_directory is not None:
             save_lora_spec(training_config.checkpoint_root_directory, lora_spec)
 
@@ -257,23 +260,33 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
         return train_step
 
     def jitted_train_step(self) -> Any:
-        """The train step ``train()`` runs, jitted as Tunix jits it (``nnx.jit`` of ``create_train_step_fn``, the
-        optimizer donated): ``step(model, optimizer, inputs) -> (loss, aux, grad_norm)``, with ``inputs`` a
-        micro-batch of ``micro_batches`` without ``ACCUMULATION``. Its ``.lower(...)`` on abstract arguments is
-        what ``gemport.plan`` compiles; ``tests/test_one_step.py`` holds it to the program ``train()`` lowers."""
-        return nnx.jit(self.create_train_step_fn(), donate_argnames=("optimizer",))
+        """The train step ``train()`` runs: ``nnx.jit`` of ``create_train_step_fn`` with the model and the optimizer
+        donated, ``step(model, optimizer, inputs) -> (loss, aux, grad_norm)``, with ``inputs`` a micro-batch of
+        ``micro_batches`` without ``ACCUMULATION``. Its ``.lower(...)`` on abstract arguments is what
+        ``gemport.plan`` compiles; ``tests/test_one_step.py`` holds it to the program ``train()`` lowers.
 
-    def _prepare_inputs(self, input_data: Any) -> Any:
-        """Refuses packed rows to a segment-blind attention (with ``fast=False``) and a training micro-batch
+        ``nnx.jit`` returns the model's whole state, the frozen base included; Tunix donates only the optimizer,
+        so every step would write the base into new buffers, a second copy of it at the step's peak. Donated,
+        the outputs alias the inputs. Nothing reads the replaced arrays between steps: Orbax's save (checkpoints,
+        preemption, ``close``) copies every array to the host before it returns (Tunix's handlers set no
+        device-to-host byte limit, so no transfer is deferred), and eval and exports read the model's current
+        arrays. Arrays of the model held elsewhere before ``train()`` (``nnx.state(model)`` kept aside) are
+        deleted by the first step.
+        """
+        return nnx.jit(self.create_train_step_fn(), donate_argnames=("model", "optimizer"))
+
+    def prepare_inputs(self, input_data: Any, training: bool) -> Any:
+        """Refuses packed rows to a segment-blind attention (with ``train.tunix_loss``) and a training micro-batch
         laid out for another accumulation than the config's, and drops that field; under ``jax.distributed``,
-        each field's global array from this process's rows, sharded over ``data_sharding_axis``. (Tunix 0.1.7 checks the axis divides the *local* rows and otherwise treats each
-        process's rows as the whole replicated batch, which silently trains on other data.)"""
-        if not self.fast:
+        each field's global array from this process's rows, sharded over ``data_sharding_axis``. (Tunix 0.1.7
+        checks the axis divides the *local* rows and otherwise treats each process's rows as the whole replicated
+        batch, which silently trains on other data.)"""
+        if self.step_loss is not segment_loss:
             check_segments(self.model, input_data["segment_ids"], "HFPeftTrainer")
         given = input_data.pop(ACCUMULATION, None)
         expected = self.config.get_with_default("gradient_accumulation_steps", 1)
         laid_out = None if given is None else int(np.asarray(given).flat[0])
-        if self._mode == "train" and laid_out not in (None, expected):
+        if training and laid_out not in (None, expected):
             raise BatchError(
                 f"HFPeftTrainer: the batches were laid out for gradient_accumulation_steps={laid_out} but "
                 f"TrainingConfig.gradient_accumulation_steps={expected}; build both from one SFTConfig "
@@ -283,18 +296,14 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
         if jax.process_count() == 1 or mesh.empty:
             return input_data
         sharding = NamedSharding(mesh, PartitionSpec(*self.config.data_sharding_axis))
-        return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in input_data.items()}
+        return global_batch(input_data, sharding, None, axis=0)
 
-    def _write_train_metrics(self):
-        # Called once per optimizer step, after it and before PeftTrainer's periodic checkpoint.
-        if self._buffered_train_metrics is not None:
-            self._check_finite(self._buffered_train_metrics)
-        super()._write_train_metrics()
+    def after_step(self, step: int) -> None:
+        # Called once per optimizer step, after its metrics are written and before PeftTrainer's periodic checkpoint.
         if self._preemption is not None:
-            self._preemption.check(self._train_steps, self._stop,
-                                   where=str(self.config.checkpoint_root_directory))
+            self._preemption.check(step, self._stop, where=str(self.config.checkpoint_root_directory))
 
-    def _check_finite(self, buffer) -> None:
+    def check_step(self, buffer) -> None:
         """Refuses the step just taken when its loss or gradient norm is not finite, before it is checkpointed.
 
         HF's Trainer logs such a step (``logging_nan_inf_filter`` only hides it from the logged mean) and goes
@@ -309,7 +318,7 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
         last = self.checkpoint_manager.latest_step()
         self.checkpoint_manager.close()  # waits for a checkpoint still being written
         raise TrainingError(
-            f"step {self._train_steps}: the loss is {loss.tolist()} (per micro-batch) and the gradient norm "
+            f"step {self.train_steps}: the loss is {loss.tolist()} (per micro-batch) and the gradient norm "
             f"{float(grad_norm)}; the weights this step made are not finite, so the run stops before "
             "checkpointing them ("
             + (f"the last checkpoint, step {last} in {root}, is kept" if last is not None else "no checkpoint")
@@ -321,17 +330,16 @@ class HFPeftTrainer(peft_trainer.PeftTrainer):
         self._preemption = None  # close() writes the metrics again
         self.close()  # the last step's metrics, its checkpoint (waited for), the logger
 
-    def _post_process_train_step(self, aux):
-        values, _ = self._buffered_train_metrics.additional_metrics["grad_norm"]
-        self._buffered_train_metrics.additional_metrics["grad_norm"] = (values, _last)
-        self._buffer_scopes(self._buffered_train_metrics, aux)
+    def post_train_step(self, buffer, aux):
+        values, _ = buffer.additional_metrics["grad_norm"]
+        buffer.additional_metrics["grad_norm"] = (values, _last)
+        self._buffer_scopes(buffer, aux)
 
-    def _post_process_eval_step(self, aux):
-        self._buffer_scopes(self._buffered_eval_metrics, aux)
+    def post_eval_step(self, buffer, aux):
+        self._buffer_scopes(buffer, aux)
 
-    @staticmethod
-    def _buffer_scopes(buffer, aux):
-        for name in SCOPES:
+    def _buffer_scopes(self, buffer, aux):
+        for name in self.LOGGED:
             values, _ = buffer.additional_metrics.setdefault(name, ([], _ratio))
             values.append(aux[name])
 

@@ -21,21 +21,7 @@ from typing import Any
 import jax
 from jax.experimental import multihost_utils
 
-from gemport.errors import GemportError
-
-
-class Preempted(GemportError):
-    """A run stopped on SIGTERM after saving a checkpoint; run the same command again to resume."""
-
-    exit_code = 128 + signal.SIGTERM
-    """The status a command line exits with (a process ended by SIGTERM reports 143)."""
-
-    def __init__(self, step: int, where: str, seconds: float) -> None:
-        self.step = step
-        super().__init__(
-            f"SIGTERM received: saved the checkpoint of step {step} in {where} ({seconds:.1f} s) and stopped; run "
-            "the same command again to resume from it"
-        )
+from gemport.errors import Preempted
 
 
 class Preemption:

@@ -191,7 +191,9 @@ def _classes(command: str = "sft"):
             COMMANDS[command]: getattr(trl, COMMANDS[command])}
 
 
-def _defaults(cls) -> dict[str, Any]:
+def class_defaults(cls) -> dict[str, Any]:
+    """The defaults of dataclass ``cls`` (TRL's ``SFTConfig``, ``DPOConfig``...): {field name: default}, each
+    field with a default or a default factory (called)."""
     out = {}
     for f in dataclasses.fields(cls):
         if f.default is not dataclasses.MISSING:
@@ -202,7 +204,7 @@ def _defaults(cls) -> dict[str, Any]:
 
 
 def _default(class_name: str, name: str) -> Any:
-    return _defaults(_classes()[class_name]).get(name)
+    return class_defaults(_classes()[class_name]).get(name)
 
 
 def parse_overrides(argv: Sequence[str]) -> dict[str, Any]:
@@ -273,7 +275,7 @@ def read(config: str | os.PathLike | Mapping[str, Any] | None, overrides: Mappin
     classes = _classes(command)
     trainer = COMMANDS[command]
     used, mapped = (USED, MAPPED) if command == "sft" else (frozenset(SCRIPT + MODEL + DPO), {**MAPPED, **DPO_MAPPED})
-    defaults = {name: _defaults(cls) for name, cls in classes.items()}
+    defaults = {name: class_defaults(cls) for name, cls in classes.items()}
     parts: dict[str, dict[str, Any]] = {name: {} for name in classes}
     notes = []
     for name, val in fields.items():
@@ -316,5 +318,5 @@ def check_strategies(sft: Mapping[str, Any], where: str = "") -> None:
 
 
 __all__ = ["COMMANDS", "DPO", "DPO_MAPPED", "MAPPED", "MODEL", "QLORA", "SCRIPT", "SFT", "STRATEGIES", "USED", "Recipe",
-           "check_strategies",
+           "check_strategies", "class_defaults",
            "parse_overrides", "read"]

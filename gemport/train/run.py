@@ -204,7 +204,7 @@ class SFTRun:
         base_dir = Path(base_dir)
         spec = GemmaSpec.from_hf(base_dir)
         if lora is not None:
-            lora = _with_peft_targets(lora, base_dir)
+            lora = with_peft_targets(lora, base_dir)
         start: LoraSpec | LoraParams
         if init_adapter is not None:
             start = import_peft(init_adapter, base_dir=base_dir)
@@ -357,7 +357,7 @@ class SFTRun:
         changed recipe raises ``RecipeError`` naming what changed, unless ``resume_from_checkpoint`` is set.
         """
         from gemport.train.lock import claim_output
-        from gemport.train.outputs import HFOutputs
+        from gemport.train.outputs import HFOutputs, step_epochs, step_tokens
         from gemport.train.peft_trainer import micro_batches
         from gemport.train.preemption import Preemption
 
@@ -372,7 +372,12 @@ class SFTRun:
         if output_dir is not None and jax.process_index() == 0:
             claim_output(output_dir)  # one run per output_dir
         if hooks is None and output_dir is not None:
-            hooks = HFOutputs(self, output_dir)
+            hooks = HFOutputs(
+                output_dir, self.args, epochs=step_epochs(self.plan, self.num_units, self.args),
+                tokens=step_tokens(self.train_batches), eval_every=self.training_config.eval_every_n_steps,
+                learning_rate=self.optimizer.schedule,
+                tracker_config=dict(base_dir=self.base_dir, lora_config=self.lora_spec.to_peft(str(self.base_dir)),
+                                    num_parameters=self.num_parameters), command=self.COMMAND)
         preemption = None
         if self.trainer is None:
             if root is not None:
@@ -438,7 +443,7 @@ def checkpoint_root(args: Any) -> Path | None:
     return None if f["output_dir"] is None or f["save_strategy"] == "no" else Path(f["output_dir"]) / CHECKPOINTS
 
 
-def _with_peft_targets(lora: Any, base_dir: Path) -> Any:
+def with_peft_targets(lora: Any, base_dir: Path) -> Any:
     """``lora`` with PEFT's per-architecture ``target_modules`` (``lora.peft_default_targets`` of the base's
     ``model_type``) where a LoraConfig or its dict leaves them unset. Raises ``LoraError`` naming
     ``lora_target_modules`` where PEFT has no default."""
@@ -512,4 +517,4 @@ def training_config(args: Any, max_steps: int, *, checkpoint_dir: str | os.PathL
 
 
 __all__ = ["CHECKPOINTS", "SFTRun", "checkpoint_root", "eval_batches", "lora_spec_of", "sft_fields", "steps_of",
-           "training_config"]
+           "training_config", "with_peft_targets"]

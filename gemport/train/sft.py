@@ -197,7 +197,7 @@ def from_sft_config(config: Any, tokenizer: Any, *, chat_format: Gemma3 | Gemma4
 
     The GPU recipe's speed settings: ``gradient_checkpointing`` (TRL's default True) -> ``remat`` (``remat_of``);
     ``packing`` / ``padding_free`` -> the layout, whose rows carry ``segment_ids`` that the default step's
-    attention honours (``train.fast_loss``: HF's ``flash_attention_2`` behaviour on packed rows, whatever
+    attention honours (``train.segment_loss``: HF's ``flash_attention_2`` behaviour on packed rows, whatever
     ``attn_implementation`` says; eager or sdpa on padding-free rows let HF's examples see each other, which
     the port does not reproduce); ``use_liger_kernel`` -> nothing to set: the default step's chunked
     cross-entropy is the counterpart of Liger's fused linear cross-entropy, and Liger's fused RMSNorm, RoPE

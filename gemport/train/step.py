@@ -16,8 +16,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from gemport.errors import BatchError
-from gemport.masks.loss import summed_cross_entropy
+from gemport.errors import BatchError, TrainingError
+from gemport.masks.loss import next_token_nll, summed_cross_entropy
 from gemport.masks.packing import Rows, tunix_inputs
 from gemport.train.attention import check_segments, segment_attention_model
 from gemport.train.chunked_loss import hidden_states, target_nll
@@ -72,7 +72,7 @@ def micro_batch_nll(model: nnx.Module, micro_batch: Mapping[str, jax.typing.Arra
     return target_nll(model, hidden, tokens)
 
 
-def fast_loss(model: nnx.Module, micro_batch: Mapping[str, jax.typing.ArrayLike]) -> tuple[jax.Array, jax.Array]:
+def segment_loss(model: nnx.Module, micro_batch: Mapping[str, jax.typing.ArrayLike]) -> tuple[jax.Array, jax.Array]:
     """``tunix_loss``'s summed target loss and target count, computed by ``micro_batch_nll`` (segment attention,
     chunked cross-entropy). Returns (float32 [], int32 [])."""
     targets = jnp.asarray(micro_batch["loss_mask"], bool)[:, 1:]
@@ -84,17 +84,35 @@ LossFn = Callable[[nnx.Module, Mapping[str, jax.Array]], tuple[jax.Array, jax.Ar
 """``(model, micro_batch) -> (summed loss float32 [], target count int32 [])``, as ``tunix_loss``."""
 
 
-def train_step(*, wrt: Any = nnx.LoRAParam, loss_fn: LossFn = fast_loss,
+def tunix_nll(model: nnx.Module, micro_batch: Mapping[str, jax.typing.ArrayLike]) -> jax.Array:
+    """Per-target losses float32 [B, T - 1] of ``tunix_loss`` (Tunix's own attention and logits), as
+    ``micro_batch_nll``'s."""
+    return next_token_nll(micro_batch_logits(model, micro_batch), micro_batch["tokens"])
+
+
+def per_target(loss_fn: LossFn) -> Callable[[nnx.Module, Mapping[str, jax.Array]], jax.Array]:
+    """The per-target losses [B, T - 1] a step's loss sums: ``micro_batch_nll`` for ``segment_loss``,
+    ``tunix_nll`` for ``tunix_loss`` (what ``HFPeftTrainer`` scopes: masked and full-sequence).
+
+    Raises TrainingError for any other loss function."""
+    known = {segment_loss: micro_batch_nll, tunix_loss: tunix_nll}
+    if loss_fn not in known:
+        raise TrainingError(f"{getattr(loss_fn, '__name__', loss_fn)!r}: the trainer logs per-target loss scopes "
+                            "of train.segment_loss or train.tunix_loss; give one of them")
+    return known[loss_fn]
+
+
+def train_step(*, wrt: Any = nnx.LoRAParam, loss_fn: LossFn = segment_loss,
                seed: int = 0) -> Callable[[nnx.Module, nnx.Optimizer, Mapping[str, Any]], StepMetrics]:
     """An HF-Trainer optimizer step for an nnx model, jit-compiled once per batch shape.
 
     wrt: what is trained, an nnx filter: ``nnx.LoRAParam`` (LoRA only, as PEFT) or ``nnx.Param`` (every
         parameter); the same filter as the ``nnx.Optimizer``'s ``wrt``.
-    loss_fn: ``(model, micro_batch) -> (summed loss float32 [], target count int32 [])``. ``fast_loss`` by
+    loss_fn: ``(model, micro_batch) -> (summed loss float32 [], target count int32 [])``. ``segment_loss`` by
         default (segment attention, chunked cross-entropy: the same loss and gradients without [T, S] scores
         or [B, T, V] logits); ``tunix_loss`` runs Tunix's own attention and logits. With any other than
-        ``fast_loss``, a model whose attention ignores segments (Tunix's ``use_flash_attention``) is refused
-        packed rows (``attention.SegmentAttentionError``).
+        ``segment_loss``, a model whose attention ignores segments (Tunix's ``use_flash_attention``) is refused
+        packed rows (``BatchError``).
     seed: the LoRA dropout stream's (HF's ``seed``); with a ``model.lora_spec.dropout`` above 0, micro-batch
         ``a`` of the optimizer's step ``n`` trains under ``lora.lora_dropout(model, lora.dropout_key(seed,
         n * A + a))``, the masks ``HFPeftTrainer`` draws for it, and a resumed run (whose optimizer state has
@@ -141,7 +159,7 @@ def train_step(*, wrt: Any = nnx.LoRAParam, loss_fn: LossFn = fast_loss,
         return StepMetrics(loss_sum / denominator, grad_norm, count)
 
     def step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Mapping[str, Any]) -> StepMetrics:
-        if loss_fn is not fast_loss:
+        if loss_fn is not segment_loss:
             check_segments(model, batch["segment_ids"], "train_step")
         return jitted(model, optimizer, batch)
 

@@ -1,0 +1,277 @@
+"""Every touch of Tunix's and Qwix's internals, in one place, checked against the versions it was written for.
+
+Qwix 0.1.x keeps its einsum interception, LoRA parameter creation, 4-bit arrays and NF4 buckets private
+(``qwix._src``); Tunix 0.1.7's ``PeftTrainer`` keeps its mode, metric buffers, progress bar and the hooks it calls
+around a step private, and its models shard activations through a module function. gemport reaches them only
+through this module, so an upgrade of either is a change here (and of the versions below), nowhere else; a test
+(``tests/test_imports.py``) fails when another module touches them. Importing this module checks the installed
+versions; Tunix is imported only by what needs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.metadata
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from gemport.errors import MissingDependencyError
+
+TUNIX_VERSION = "0.1.7"
+"""The google-tunix release gemport's trainer hooks, sharding patch and MoE routing were written against."""
+
+QWIX_VERSION = "0.1"
+"""The qwix release series (``qwix>=0.1.8,<0.2``) whose private providers and arrays gemport uses."""
+
+
+def _check(distribution: str, wanted: str, extra: str) -> None:
+    try:
+        found = importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return  # `gemport._src.extras.require` names the extra where a feature needs it
+    if found != wanted and not found.startswith(wanted + "."):
+        raise MissingDependencyError(
+            f"gemport reaches into {distribution} {wanted}'s internals (gemport._src.upstream), but {distribution} "
+            f"{found} is installed; install {distribution}=={wanted}{'' if wanted.count('.') > 1 else '.*'} "
+            f"(pip install 'gemport[{extra}]')"
+        )
+
+
+_check("qwix", QWIX_VERSION, "tunix")
+_check("google-tunix", TUNIX_VERSION, "tunix")
+
+
+# Qwix ---------------------------------------------------------------------------------------------------------
+
+def _qwix():
+    from qwix._src.core import numerics, qarray
+    from qwix._src.providers import lora, ptq
+    from qwix._src.utils import flax_util
+
+    return lora, ptq, flax_util, qarray, numerics
+
+
+def nf4_buckets():
+    """Qwix's NF4 code values, float [16]."""
+    return _qwix()[4].get_nf4_buckets()
+
+
+def how_to_quantize(**kwargs):
+    """Qwix's ``HowToQuantize`` (``qtype``, ``channelwise_axes``, ``tiled_axes``, ...: keywords as there)."""
+    return _qwix()[3].HowToQuantize(**kwargs)
+
+
+def quantize_array(value, how):
+    """Qwix's quantization of ``value`` as ``how`` says: a ``qwix.QArray``."""
+    return _qwix()[3].quantize(value, how)
+
+
+def with_aux(array, how):
+    """A 4-bit weight as Qwix's PTQ provider keeps it in a param: ``array`` (a ``qwix.QArray``) and ``how``."""
+    return _qwix()[1].WithAux(array, how)
+
+
+def is_with_aux(value) -> bool:
+    """Whether ``value`` is a weight of `with_aux`."""
+    return isinstance(value, _qwix()[1].WithAux)
+
+
+def current_module():
+    """The nnx module whose call Qwix is intercepting."""
+    return _qwix()[2].get_current_module()
+
+
+def find_weight(value):
+    """The name of the current module's param holding ``value`` (a weight, 4-bit or not), or None."""
+    lora, ptq, flax_util, _, _ = _qwix()
+    return flax_util.find_param(value, ptq.WithAux)
+
+
+def make_rng(stream: str):
+    """A key from the current module's Qwix rngs ``stream``."""
+    return _qwix()[2].make_rng(stream)
+
+
+def lora_params(name: str, einsum: str, **kwargs):
+    """Qwix's ``(lora_a, lora_b)`` params of the current module's weight ``name``, created on first use (its
+    ``_get_or_create_lora_params``; keywords as there), recording ``einsum`` (``"x,a,b->out"``) as the einsum
+    Qwix's LoRA merge applies them with."""
+    current_module().__setattr__(name + "_lora_einsum_str", einsum)
+    return _qwix()[0]._get_or_create_lora_params(name=name, **kwargs)
+
+
+def ptq_einsum(provider, einsum_str, *operands, **kwargs):
+    """Qwix's PTQ einsum (the frozen, possibly 4-bit, projection) without the LoRA delta."""
+    return _qwix()[1].PtqProvider.einsum(provider, einsum_str, *operands, **kwargs)
+
+
+@functools.cache
+def lora_provider_class():
+    """``qwix.LoraProvider`` whose rule lookup goes through a public ``rule_for(rule)``, so a subclass can change
+    the rule a call runs under (Qwix 0.1's ``_get_current_rule_and_op_id``), and ``current_rule(op_name)``."""
+    import qwix
+
+    class LoraProvider(qwix.LoraProvider):
+        def rule_for(self, rule):
+            return rule
+
+        def _get_current_rule_and_op_id(self, op_name, **kwargs):
+            rule, op_id = super()._get_current_rule_and_op_id(op_name, **kwargs)
+            return self.rule_for(rule), op_id
+
+        def current_rule(self, op_name):
+            return self._get_current_rule_and_op_id(op_name, only_rule=True)[0]
+
+    return LoraProvider
+
+
+# Tunix --------------------------------------------------------------------------------------------------------
+
+@functools.cache
+def peft_trainer_class():
+    """``tunix.sft.peft_trainer.PeftTrainer`` whose private hooks call public ones a subclass overrides:
+
+    ``prepare_inputs(inputs, training)`` (each micro-batch before its step; ``training`` False in evaluation),
+    ``check_step(buffer)`` (each optimizer step's metrics buffer, before they are written and checkpointed),
+    ``after_step(step)`` (after they are written), ``post_train_step(buffer, aux)`` / ``post_eval_step(buffer,
+    aux)`` (a step's auxiliary outputs, with the buffer of metrics they go to), ``close_progress_bar()``,
+    ``jitted_train_step()`` (the jitted ``step(model, optimizer, inputs)`` that ``train()`` runs; Tunix's own
+    donates the optimizer only).
+    """
+    from gemport._src.extras import require
+
+    peft_trainer = require("tunix.sft.peft_trainer", "gemport.train.peft_trainer")
+
+    class PeftTrainer(peft_trainer.PeftTrainer):
+        def prepare_inputs(self, inputs, training: bool):
+            return inputs
+
+        def check_step(self, buffer) -> None:
+            pass
+
+        def after_step(self, step: int) -> None:
+            pass
+
+        def post_train_step(self, buffer, aux) -> None:
+            pass
+
+        def post_eval_step(self, buffer, aux) -> None:
+            pass
+
+        def jitted_train_step(self):
+            from flax import nnx
+
+            return nnx.jit(self.create_train_step_fn(), donate_argnames=("optimizer",))
+
+        def jit_train_and_eval_step(self, skip_jit: bool = False, cache_nnx_graph: bool = False):
+            # Tunix builds its train step inline; the one train() runs is jitted_train_step(), bound to the
+            # trainer's model and optimizer as Tunix binds its own.
+            from flax import nnx
+
+            fresh = self._jitted_train_step_fn is None
+            train_step, eval_step = super().jit_train_and_eval_step(skip_jit, cache_nnx_graph)
+            if fresh and not skip_jit:
+                step = self.jitted_train_step()
+                bound = nnx.cached_partial(step, self.model, self.optimizer) if cache_nnx_graph else step
+                args = () if cache_nnx_graph else (self.model, self.optimizer)
+                self._jitted_train_step_fn = train_step = functools.partial(bound, *args)
+            return train_step, eval_step
+
+        def close_progress_bar(self) -> None:
+            """Closes Tunix's own progress bar (loss and perplexity only), for one that replaces it."""
+            if self._pbar is not None:
+                self._pbar.close()
+                self._pbar = None
+
+        def _prepare_inputs(self, input_data):
+            return self.prepare_inputs(input_data, self._mode == "train")
+
+        def _write_train_metrics(self):
+            # Tunix calls it once per optimizer step, after it and before its periodic checkpoint.
+            if self._buffered_train_metrics is not None:
+                self.check_step(self._buffered_train_metrics)
+            super()._write_train_metrics()
+            self.after_step(self.train_steps)
+
+        def _post_process_train_step(self, aux):
+            self.post_train_step(self._buffered_train_metrics, aux)
+
+        def _post_process_eval_step(self, aux):
+            self.post_eval_step(self._buffered_eval_metrics, aux)
+
+    return PeftTrainer
+
+
+def query_norm(attention):
+    """A Tunix Gemma attention module's query RMSNorm (its ``_query_norm``), applied to [B, T, N, H]."""
+    return attention._query_norm
+
+
+def key_norm(attention):
+    """A Tunix Gemma attention module's key RMSNorm (its ``_key_norm``), applied to [B, S, K, H]."""
+    return attention._key_norm
+
+
+def expert_dispatch(x, choices, weights):
+    """Tunix's ``MoERagged`` dispatch: the tokens of ``x`` [B, T, D] sorted by their expert ``choices`` int32
+    [B, T, k] (routing ``weights`` [B, T, E]). Returns (tokens per expert [E], sorted tokens [B*T*k, D], the
+    reverse permutation, the combination weights [B, T, k]) as ``expert_collect`` takes them."""
+    from tunix.models.gemma4 import moe
+
+    return moe._expert_dispatch(x, choices, weights)
+
+
+def expert_collect(out, *, xs_reverse_argsort, xs_combine_weights):
+    """Tunix's ``MoERagged`` collection: the experts' outputs ``out`` [B*T*k, D], in ``expert_dispatch``'s order,
+    back to [B, T, k, D]."""
+    from tunix.models.gemma4 import moe
+
+    return moe._expert_collect(out, xs_reverse_argsort=xs_reverse_argsort, xs_combine_weights=xs_combine_weights)
+
+
+@contextlib.contextmanager
+def tunix_shard_on(mesh):
+    """While open, Tunix's models constrain activations (``tunix.utils.sharding_utils.shard`` and Gemma 4's
+    ``shard``) on ``mesh`` whatever the process's own devices are: Tunix 0.1.7 constrains only when they are
+    accelerators, so a step traced on a CPU host for a TPU slice's compile-only devices would lack the
+    constraints the slice's run has. A mesh of the host's own devices keeps Tunix's behaviour."""
+    if mesh.devices.flat[0].platform == jax.devices()[0].platform:
+        yield
+        return
+    from tunix.models.gemma4 import model as gemma4
+    from tunix.utils import sharding_utils
+
+    def shard(x, spec, eager=False):
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
+
+    saved = sharding_utils.shard, gemma4.shard
+    sharding_utils.shard = gemma4.shard = shard
+    try:
+        yield
+    finally:
+        sharding_utils.shard, gemma4.shard = saved
+
+
+__all__ = [
+    "QWIX_VERSION",
+    "TUNIX_VERSION",
+    "current_module",
+    "expert_collect",
+    "expert_dispatch",
+    "find_weight",
+    "how_to_quantize",
+    "is_with_aux",
+    "key_norm",
+    "lora_params",
+    "lora_provider_class",
+    "make_rng",
+    "nf4_buckets",
+    "peft_trainer_class",
+    "ptq_einsum",
+    "quantize_array",
+    "query_norm",
+    "tunix_shard_on",
+    "with_aux",
+]
