@@ -8,8 +8,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from gemport.cli_sft import check_resume_point, put_atomically
-from gemport.errors import CheckpointError, LoraError
+from gemport.cli_sft import check_resume_point, compile_for_dry_run, put_atomically, report_dry_run
+from gemport.errors import CheckpointError, LoraError, MeshError
 
 DESCRIPTION = """\
 Run a `trl dpo --config dpo.yaml` recipe on the JAX devices present (a TPU slice; CPU for a miniature):
@@ -36,14 +36,15 @@ EPILOG = """\
 examples:
   gemport dpo --config dpo.yaml
   gemport dpo --config dpo.yaml --beta 0.2 --max_steps 200 --output_dir out
-  gemport dpo --config dpo.yaml --init-adapter sft_adapter/ --merge"""
+  gemport dpo --config dpo.yaml --init-adapter sft_adapter/ --merge
+  gemport dpo --config dpo.yaml --dry-run --tpu v5p-8"""
 
 
 def add_parser(sub) -> None:
     """Register ``gemport dpo`` on the ``gemport`` subparsers."""
     c = sub.add_parser("dpo", help="run a `trl dpo --config` recipe (YAML + --key value overrides) on JAX devices",
                        usage="gemport dpo [--config dpo.yaml] [--key value ...] [--init-adapter DIR] [--merge] "
-                             "[--fsdp N] [--tp N]",
+                             "[--fsdp N] [--tp N] [--dry-run [--tpu SLICE]]",
                        description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
                        allow_abbrev=False)
     c.add_argument("--config", help="the recipe YAML, as `trl dpo --config` takes it")
@@ -54,10 +55,21 @@ def add_parser(sub) -> None:
                                                         "merged in")
     c.add_argument("--fsdp", type=int, help="mesh fsdp size (default: from the plan)")
     c.add_argument("--tp", type=int, help="mesh tp size (default: the largest that fits)")
+    c.add_argument("--dry-run", action="store_true",
+                   help="train nothing: build the run from config.json and the data (no weight read), compile its "
+                        "DPO step (chosen and rejected rows of the first step's pairs, the reference pass) and "
+                        "print per chip what it holds, whether it fits and its FLOPs per token; exit 1 if it does "
+                        "not fit. Nothing is written")
+    c.add_argument("--tpu", metavar="SLICE", help="with --dry-run: compile for this TPU slice's chips (e.g. v5p-8; "
+                                                  "libtpu's compiler on this host) instead of this host's devices")
     c.set_defaults(run=run, overrides=True)
 
 
 def run(args) -> int:
+    if args.tpu and not args.dry_run:
+        raise MeshError(f"--tpu {args.tpu} compiles for a slice this host is not: give it with --dry-run")
+    if args.dry_run:
+        compile_for_dry_run(args)
     from gemport.checkpoint import export_merged, export_peft
     from gemport.checkpoint.output import check_outside
     from gemport.checkpoint.peft_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS
@@ -87,6 +99,8 @@ def run(args) -> int:
                         "--init-adapter DIR")
     if recipe.qlora() is not None:
         raise LoraError("load_in_4bit: gemport dpo does not train on a 4-bit base yet; train on the bfloat16 base")
+    if args.dry_run:
+        return _dry_run(args, recipe, lora)
     output_dir = Path(config["output_dir"] or "trainer_output")  # HF's default
     config["output_dir"] = str(output_dir)
     check_outside(output_dir, *(p for p in (base, script["dataset_name"], args.init_adapter, args.config)
@@ -126,6 +140,24 @@ def run(args) -> int:
         put_atomically(lambda tmp: export_merged(trained, tmp, base_dir=dpo_run.base_dir), output_dir / "merged")
         print(f"wrote {output_dir / 'merged'}", flush=True)
     return 0
+
+
+def _dry_run(args, recipe, lora) -> int:
+    """Compile the run's DPO step (``gemport.plan.dry_run`` of an abstract ``DPORun``) and say whether it fits."""
+    from gemport.dpo.run import DPORun
+    from gemport.mesh import make_mesh, slice_devices
+    from gemport.specs import GemmaSpec
+    from gemport.train.data import load_splits
+
+    config, script, base = recipe.sft, recipe.script, recipe.model["model_name_or_path"]
+    data, _ = load_splits(script["dataset_name"], script.get("dataset_config"),
+                          train_split=script.get("dataset_train_split", "train"), with_test=False)
+    devices = slice_devices(args.tpu) if args.tpu else None
+    mesh = make_mesh(GemmaSpec.from_hf(base), fsdp=args.fsdp, tp=args.tp, devices=devices)
+    dpo_run = DPORun.create(config, base, data, lora=lora, init_adapter=args.init_adapter, mesh=mesh,
+                            dtype=recipe.dtype(), progress=not config["disable_tqdm"], abstract=True)
+    return report_dry_run(dpo_run, args.tpu, f"the first step of {len(dpo_run.pairs)} preference pairs",
+                   lambda line: print(line, flush=True))
 
 
 __all__ = ["DESCRIPTION", "add_parser", "run"]

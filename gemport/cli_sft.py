@@ -131,7 +131,7 @@ def run(args) -> int:
     if args.tpu and not args.dry_run:
         raise MeshError(f"--tpu {args.tpu} compiles for a slice this host is not: give it with --dry-run")
     if args.dry_run:
-        _compile_here(args)
+        compile_for_dry_run(args)
     _initialize(args)
     import jax
 
@@ -230,9 +230,10 @@ def run(args) -> int:
     return 0
 
 
-def _compile_here(args) -> None:
-    # Before JAX starts: a compile for a TPU slice runs on this host's CPU (and must not take a TPU a run may
-    # hold); XLA:CPU orders a program for memory, as accelerators do, only with this flag.
+def compile_for_dry_run(args) -> None:
+    """Set the environment of a ``--dry-run [--tpu SLICE]`` compile (``sft`` and ``dpo``), before JAX starts."""
+    # A compile for a TPU slice runs on this host's CPU (and must not take a TPU a run may hold); XLA:CPU orders a
+    # program for memory, as accelerators do, only with this flag.
     from gemport.plan.compiled import CPU_MEMORY_SCHEDULER
 
     if args.tpu and "JAX_PLATFORMS" not in os.environ:
@@ -244,8 +245,7 @@ def _compile_here(args) -> None:
 
 def _dry_run(args, recipe, lora, say) -> int:
     """Compile the run's train step (``gemport.plan.dry_run`` of an abstract ``SFTRun``) and say whether it fits."""
-    from gemport.mesh import TpuSlice, make_mesh, slice_devices
-    from gemport.plan import HBM, dry_run
+    from gemport.mesh import make_mesh, slice_devices
     from gemport.specs import GemmaSpec
     from gemport.train.data import load_splits
     from gemport.train.run import SFTRun
@@ -261,10 +261,18 @@ def _dry_run(args, recipe, lora, say) -> int:
     sft_run = SFTRun.create(sft, base, data, lora=lora, init_adapter=args.init_adapter, mesh=mesh,
                             dtype=recipe.dtype(), qlora=recipe.qlora(), progress=not sft["disable_tqdm"],
                             abstract=True)
-    where = f"TPU {args.tpu}" if args.tpu else "this host"
-    say(f"dry run on {where}: {'the first step of the data' if data is not None else 'rows of max_length'}, "
-        "compiling the train step (nothing is trained or written)")
-    report = dry_run(sft_run, hbm_bytes=HBM[TpuSlice.parse(args.tpu).generation] if args.tpu else None)
+    return report_dry_run(sft_run, args.tpu,
+                          "the first step of the data" if data is not None else "rows of max_length", say)
+
+
+def report_dry_run(run, tpu: str | None, rows: str, say) -> int:
+    """``gemport.plan.dry_run`` of ``run`` (an abstract ``SFTRun`` or ``DPORun``) said; 1 when it does not fit."""
+    from gemport.mesh import TpuSlice
+    from gemport.plan import HBM, dry_run
+
+    say(f"dry run on {f'TPU {tpu}' if tpu else 'this host'}: {rows}, compiling the train step (nothing is trained "
+        "or written)")
+    report = dry_run(run, hbm_bytes=HBM[TpuSlice.parse(tpu).generation] if tpu else None)
     say(str(report))
     return 1 if report.fits is False else 0
 

@@ -42,8 +42,9 @@ def runs(hf_checkpoint):
 
 
 def _planned(run, mesh):
-    _, rows, seq_len = run.train_batches[0]["tokens"].shape
-    return fingerprint(lower_step(run.make_trainer(), mesh, rows, seq_len).as_text())
+    # As plan.dry_run lowers it: the run's first micro-batch as its trainer takes it (a DPO run's carries its fields).
+    first = run.micro_batches(run.train_batches[:1])[0]
+    return fingerprint(lower_step(run.make_trainer(), mesh, *first["tokens"].shape, micro_batch=first).as_text())
 
 
 def _trained(run, tmp_path):
@@ -92,3 +93,29 @@ def test_the_step_returns_the_model_and_optimizer_in_their_own_buffers(runs):
     # table of the outputs' addresses, 8 bytes an output.
     outputs = compiled.executable.out_tree.num_leaves
     assert compiled.output_bytes - compiled.alias_bytes == 24 + 8 * outputs, (compiled, outputs)
+
+
+def test_dpo_planning_lowers_the_program_dpo_training_compiles(runs, hf_checkpoint, tmp_path):
+    """``gemport dpo --dry-run``'s step is ``DPORun.train()``'s: chosen and rejected rows of the longest pair, the
+    reference pass with LoRA off, DPO's loss and metrics, TRL's defaults for the rest (gradient checkpointing)."""
+    from gemport.dpo import DPORun
+    from test_dpo import RECORDS
+
+    _, mesh, sft_planned, _ = runs
+    args = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=1, learning_rate=5e-3,
+                max_grad_norm=0.5, beta=0.2, seed=3, save_strategy="no", bf16=False)
+    _, base = hf_checkpoint("gemma4_mesh")
+
+    plain = tokenizer()
+    plain.eos_token = "<turn|>"  # ends plain completions, as TRL appends the tokenizer's eos
+
+    def create(**kwargs):
+        return DPORun.create(args, base, RECORDS["explicit"], lora=LORA, tokenizer=plain,
+                             mesh=mesh, progress=False, **kwargs)
+
+    abstract = create(abstract=True)
+    assert abstract.train_batches[0]["tokens"].shape[:2] == (2, 4)  # A micro-batches of [chosen; rejected] x 2
+    planned = _planned(abstract, mesh)
+    trained = _trained(create(), tmp_path)
+    assert "optimization_barrier" in trained
+    assert planned == trained != sft_planned

@@ -134,7 +134,7 @@ class DPORun(SFTRun):
                init_adapter: str | os.PathLike | None = None, reference: Reference | None = None, mesh=None,
                fsdp: int | None = None, tp: int | None = None, dtype: Any = None, tokenizer: Any = None,
                chat_format: Any = None, checkpoint_dir: str | os.PathLike | None = None,
-               progress: bool = True) -> DPORun:
+               progress: bool = True, abstract: bool = False) -> DPORun:
         """Build the DPO run of ``dpo_config`` on ``base_dir`` and ``train_dataset``.
 
         dpo_config: ``DPOConfig``, a dict of its fields, or a ``trl dpo --config`` YAML (its ``use_peft`` +
@@ -147,6 +147,9 @@ class DPORun(SFTRun):
             ``"adapter"`` (the factors the run starts from, frozen: TRL given a ``PeftModel``); default
             ``"adapter"`` with ``init_adapter``, else ``"base"``.
         chat_format: renders conversational records (default: the tokenizer's, ``masks.template.chat_format``).
+        abstract: the model from ``config.json`` alone, shapes only (``train.model.lora_model``: no weight read),
+            for ``gemport.plan.dry_run``; the data are tokenized, as the step's shape is theirs. Such a run is
+            compiled, never trained; its reference is the base (an adapter's factors are values the step holds).
 
         Raises RecipeError naming a field gemport does not reproduce (``eval_strategy`` other than ``"no"``: DPO
         evaluation is not ported; the loss fields ``dpo.from_dpo_config`` refuses), LoraError, MaskError.
@@ -203,6 +206,9 @@ class DPORun(SFTRun):
         reference = reference or ("adapter" if init_adapter is not None else "base")
         if reference not in ("base", "adapter") or (reference == "adapter" and init_adapter is None):
             raise RecipeError(f"DPORun: reference={reference!r}; give 'base', or 'adapter' with init_adapter")
+        if abstract and reference == "adapter":
+            raise RecipeError("DPORun: abstract=True plans the base as the reference; an adapter's (init_adapter, "
+                              "TRL given a PeftModel) is not planned yet: plan the recipe without --init-adapter")
 
         tokenizer = tokenizer or transformers.AutoTokenizer.from_pretrained(base_dir)
         pairs = preferences(records(train_dataset), tokenizer, chat_format, max_length=args["max_length"],
@@ -218,16 +224,22 @@ class DPORun(SFTRun):
         mesh = mesh if mesh is not None else make_mesh(spec, fsdp=fsdp, tp=tp)
         if dtype is None:
             dtype = jnp.bfloat16 if args["bf16"] else jnp.float32
-        with use_mesh(mesh):
-            model = apply_lora(load_model(base_dir, spec=spec, mesh=mesh, param_dtype=dtype), spec, start,
-                               seed=args["seed"])
-        set_remat(model, spec.family, remat_of(args))
+        if abstract:
+            from gemport.train.model import lora_model
+
+            model = lora_model(spec, start if isinstance(start, LoraSpec) else start.lora_spec, param_dtype=dtype,
+                               remat=remat_of(args))
+        else:
+            with use_mesh(mesh):
+                model = apply_lora(load_model(base_dir, spec=spec, mesh=mesh, param_dtype=dtype), spec, start,
+                                   seed=args["seed"])
+            set_remat(model, spec.family, remat_of(args))
         factors = None
         if reference == "adapter":
             from flax import nnx
 
             factors = jax.tree.map(jnp.copy, nnx.state(model, nnx.LoRAParam))  # values, frozen
-        if checkpoint_dir is None:
+        if checkpoint_dir is None and not abstract:
             checkpoint_dir = checkpoint_root(args)
         record = recipe_record(args, base_dir=base_dir, dtype=dtype, lora_spec=model.lora_spec, qlora=None,
                                examples=rows)
@@ -258,7 +270,7 @@ class DPORun(SFTRun):
         ``reference``; as ``SFTRun.make_trainer`` otherwise (resumes from the latest checkpoint in its root)."""
         from gemport.dpo.trainer import DPOPeftTrainer
 
-        with use_mesh(self.mesh):
+        with self._trainer_placement():
             return DPOPeftTrainer(self.model, self.optimizer.tx, self.training_config, lora_spec=self.lora_spec,
                                   seed=self.args["seed"], loss=self.loss, reference=self.reference, **kwargs)
 

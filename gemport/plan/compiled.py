@@ -62,17 +62,23 @@ def _placed(graph, mesh):
     return nnx.merge(graphdef, jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
-def lower_step(trainer: Any, mesh, rows: int, seq_len: int) -> jax.stages.Lowered:
+def lower_step(trainer: Any, mesh, rows: int, seq_len: int, *,
+               micro_batch: Mapping[str, Any] | None = None) -> jax.stages.Lowered:
     """``trainer.jitted_train_step()`` lowered for a micro-batch of ``rows`` x ``seq_len`` tokens on ``mesh``.
 
     trainer: an ``HFPeftTrainer`` (``SFTRun.make_trainer()``, on a loaded or an abstract run). Its model and
     optimizer state enter as shapes in their annotations' shardings, the micro-batch sharded over the trainer's
     ``data_sharding_axis``, as ``train()`` passes them. Traced under ``use_mesh(mesh)``; for a TPU slice's
     compile-only devices (``mesh.tpu.slice_devices``) with Tunix's activation constraints, as on the slice.
+    micro_batch: one micro-batch as the trainer takes it, arrays or shapes [rows, seq_len] per field (the first
+    element of ``SFTRun.micro_batches``: a ``DPORun``'s carries DPO's fields); default ``micro_batch_shapes``.
     """
     rows_sharding = NamedSharding(mesh, PartitionSpec(*trainer.config.data_sharding_axis))
-    inputs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rows_sharding)
-              for k, v in micro_batch_shapes(rows, seq_len).items()}
+    from gemport.train.peft_trainer import ACCUMULATION
+
+    layout = micro_batch if micro_batch is not None else micro_batch_shapes(rows, seq_len)
+    inputs = {k: jax.ShapeDtypeStruct(np.shape(v), v.dtype, sharding=rows_sharding) for k, v in layout.items()
+              if k != ACCUMULATION}  # a check's field, which the trainer drops before the step
     model, optimizer = _placed(trainer.model, mesh), _placed(trainer.optimizer, mesh)
     with use_mesh(mesh), upstream.tunix_shard_on(mesh):
         return trainer.jitted_train_step().lower(model, optimizer, inputs)
@@ -116,9 +122,11 @@ class Compiled:
         return self.flops * self.devices / self.tokens
 
 
-def compile_step(trainer: Any, mesh, rows: int, seq_len: int) -> Compiled:
-    """``lower_step`` compiled: what one device holds and computes for a micro-batch of ``rows`` x ``seq_len``."""
-    executable = lower_step(trainer, mesh, rows, seq_len).compile()
+def compile_step(trainer: Any, mesh, rows: int, seq_len: int, *,
+                 micro_batch: Mapping[str, Any] | None = None) -> Compiled:
+    """``lower_step`` compiled: what one device holds and computes for a micro-batch of ``rows`` x ``seq_len``
+    (``micro_batch``: as ``lower_step``'s)."""
+    executable = lower_step(trainer, mesh, rows, seq_len, micro_batch=micro_batch).compile()
     m = executable.memory_analysis()
     cost = executable.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost

@@ -3,7 +3,8 @@
 ``dry_run(run)`` compiles the train step of an ``SFTRun`` (best built with ``SFTRun.create(..., abstract=True)``
 from ``config.json`` alone, on a mesh of a TPU slice's compile-only devices) for its first step's micro-batch
 shape, and reports per chip what XLA allocates, whether it fits and the step's FLOPs per token
-(``gemport sft --config sft.yaml --dry-run [--tpu v5p-8]``).
+(``gemport sft --config sft.yaml --dry-run [--tpu v5p-8]``). A ``DPORun``'s step is DPO's (its micro-batch the
+chosen and rejected rows of each pair, the reference pass; ``gemport dpo --config dpo.yaml --dry-run``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ class DryRun:
       flops_per_token: XLA's cost analysis of the step, per token of the micro-batch (all chips).
       rows, seq_len: the micro-batch (all chips); mesh: the mesh's axis sizes; remat: the model's remat;
       platform: what compiled it ("tpu": libtpu; "cpu": XLA:CPU, bfloat16 computed in float32, an upper bound).
+      batch_size: the recipe's ``per_device_train_batch_size`` (a DPO micro-batch has two rows per pair; None:
+        ``rows``).
     """
 
     argument_bytes: int
@@ -41,6 +44,7 @@ class DryRun:
     mesh: dict[str, int]
     remat: str
     platform: str
+    batch_size: int | None = None
 
     @property
     def fits(self) -> bool | None:
@@ -55,7 +59,8 @@ class DryRun:
         if self.remat == "none":
             changes.append("set gradient_checkpointing: true (decoder remat keeps one layer's activations)")
         if self.rows > self.mesh.get("fsdp", 1):
-            changes.append(f"fewer rows per micro-batch (per_device_train_batch_size {self.rows}; raise "
+            batch_size = self.rows if self.batch_size is None else self.batch_size
+            changes.append(f"fewer rows per micro-batch (per_device_train_batch_size {batch_size}; raise "
                            "gradient_accumulation_steps to keep the batch)")
         changes.append("more chips or another mesh (--tpu a larger slice, --fsdp / --tp)")
         changes.append(f"a shorter max_length (rows of {self.seq_len} tokens)")
@@ -87,18 +92,23 @@ def dry_run(run: Any, *, hbm_bytes: int | None = None) -> DryRun:
     """Compile ``run``'s train step (``lower_step`` of ``run.make_trainer()``) for its first step's micro-batch on
     ``run.mesh``, never running it; nothing is written.
 
-    run: an ``SFTRun``, abstract (``SFTRun.create(..., abstract=True)``: from ``config.json``, no weight read) or
-        loaded. For a TPU slice, build it on ``make_mesh(spec, devices=slice_devices("v5p-8"), ...)``.
+    run: an ``SFTRun`` or a ``DPORun`` (its step: chosen and rejected rows of each pair, the reference pass),
+        abstract (``create(..., abstract=True)``: from ``config.json``, no weight read) or loaded. For a TPU
+        slice, build it on ``make_mesh(spec, devices=slice_devices("v5p-8"), ...)``.
     hbm_bytes: the chip's HBM; default ``gemport.plan.HBM`` of the mesh's TPU generation (None on CPU).
     Returns a ``DryRun``.
     """
-    _, rows, seq_len = run.train_batches[0]["tokens"].shape
+    first = run.micro_batches(run.train_batches[:1])[0]  # the trainer's first micro-batch, its fields and shapes
+    rows, seq_len = first["tokens"].shape
     trainer = run.make_trainer() if run.trainer is None else run.trainer
-    compiled = compile_step(trainer, run.mesh, rows, seq_len)
-    remat = run.pipeline.remat
+    compiled = compile_step(trainer, run.mesh, rows, seq_len, micro_batch=first)
+    from gemport.train.sft import remat_of
+
+    remat = remat_of(run.args)  # the model's, as create set it
     return DryRun(compiled.argument_bytes, compiled.temp_bytes, compiled.peak_bytes,
                   hbm_bytes if hbm_bytes is not None else _hbm(run.mesh), compiled.flops_per_token, rows, seq_len,
-                  dict(run.mesh.shape), remat, run.mesh.devices.flat[0].platform)
+                  dict(run.mesh.shape), remat, run.mesh.devices.flat[0].platform,
+                  run.args["per_device_train_batch_size"])
 
 
 __all__ = ["DryRun", "dry_run"]

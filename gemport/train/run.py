@@ -329,18 +329,21 @@ class SFTRun:
         """An ``HFPeftTrainer`` of the current ``model``, ``optimizer`` and ``training_config`` (on the mesh,
         which Tunix reads when it shards the optimizer). With checkpoints in its root it resumes from the latest.
         LoRA dropout draws from the recipe's ``seed``. ``kwargs`` go to the trainer (``metrics_logger``, ...)."""
+        from gemport.train.peft_trainer import HFPeftTrainer
+
+        with self._trainer_placement():
+            return HFPeftTrainer(self.model, self.optimizer.tx, self.training_config, lora_spec=self.lora_spec,
+                                 seed=fields_of(self.args, _READ)["seed"], **kwargs)
+
+    def _trainer_placement(self):
+        # An abstract run's trainer starts its optimizer state off the mesh, whose devices may be compile-only (a
+        # TPU slice's); gemport.plan lowers its step with the state placed on the mesh.
         import contextlib
 
         from flax import nnx
 
-        from gemport.train.peft_trainer import HFPeftTrainer
-
-        # An abstract run's trainer starts its optimizer state off the mesh, whose devices may be compile-only (a
-        # TPU slice's); gemport.plan lowers its step with the state placed on the mesh.
         abstract = any(isinstance(v, jax.ShapeDtypeStruct) for v in jax.tree.leaves(nnx.state(self.model)))
-        with contextlib.nullcontext() if abstract else use_mesh(self.mesh):
-            return HFPeftTrainer(self.model, self.optimizer.tx, self.training_config, lora_spec=self.lora_spec,
-                                 seed=fields_of(self.args, _READ)["seed"], **kwargs)
+        return contextlib.nullcontext() if abstract else use_mesh(self.mesh)
 
     def train(self, hooks: Any = None) -> Any:
         """Train on ``train_batches`` (evaluating on ``eval_batches``) inside the mesh context; returns the trainer.
