@@ -29,14 +29,14 @@ import numpy as np
 
 from gemport.dpo.data import Preference, collate, preferences
 from gemport.dpo.loss import DPOLoss, from_dpo_config
-from gemport.errors import LoraError, RecipeError
-from gemport.lora import LoraParams, LoraSpec
+from gemport.errors import RecipeError
+from gemport.lora import LoraSpec
 from gemport.masks.truncation import TruncationReport
 from gemport.mesh import make_mesh, use_mesh
 from gemport.optim.hf import hf_optimizer
 from gemport.specs import GemmaSpec
 from gemport.train.order import optimizer_steps
-from gemport.train.run import SFTRun, checkpoint_root, lora_spec_of, training_config, with_peft_targets
+from gemport.train.run import SFTRun, checkpoint_root, starting_adapter, training_config
 from gemport.train.step import stack
 
 Reference = Literal["base", "adapter"]
@@ -156,7 +156,7 @@ class DPORun(SFTRun):
         """
         import transformers
 
-        from gemport.checkpoint import import_peft, load_model
+        from gemport.checkpoint import load_model
         from gemport.lora import apply_lora
         from gemport.masks.formats import read as records
         from gemport.train.recipe import check_strategies
@@ -186,20 +186,8 @@ class DPORun(SFTRun):
         trackers.names(args["report_to"])  # a missing tracker fails before the load
         base_dir = Path(base_dir)
         spec = GemmaSpec.from_hf(base_dir)
-        if lora is not None:
-            lora = with_peft_targets(lora, base_dir)
-        start: LoraSpec | LoraParams
-        if init_adapter is not None:
-            start = import_peft(init_adapter, base_dir=base_dir)
-            if lora is not None and lora_spec_of(lora) != start.lora_spec:
-                raise LoraError(f"{init_adapter}: its adapter_config.json ({start.lora_spec}) differs from the "
-                                f"LoRA config given ({lora_spec_of(lora)}); pass one of them")
-            peft_spec = start.lora_spec
-        elif lora is None:
-            raise LoraError("DPORun: no LoRA config; pass lora= (a LoraConfig, adapter_config.json or lora_* "
-                            "fields) or init_adapter=; gemport trains DPO with LoRA, the base being the reference")
-        else:
-            start = peft_spec = lora_spec_of(lora)
+        start = starting_adapter(lora, init_adapter, base_dir, "DPORun")
+        peft_spec = start if isinstance(start, LoraSpec) else start.lora_spec
         if args["disable_dropout"]:  # TRL sets every dropout module's p to 0, PEFT's lora_dropout included
             trained = dataclasses.replace(peft_spec, dropout=0.0)
             start = trained if isinstance(start, LoraSpec) else start._replace(lora_spec=trained)

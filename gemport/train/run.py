@@ -184,7 +184,7 @@ class SFTRun:
         """
         import transformers
 
-        from gemport.checkpoint import import_peft, load_model
+        from gemport.checkpoint import load_model
         from gemport.lora import apply_lora
 
         if isinstance(sft_config, (str, os.PathLike)):
@@ -203,19 +203,7 @@ class SFTRun:
         trackers.names(fields_of(args, {"report_to": "none"})["report_to"])  # a missing tracker fails before the load
         base_dir = Path(base_dir)
         spec = GemmaSpec.from_hf(base_dir)
-        if lora is not None:
-            lora = with_peft_targets(lora, base_dir)
-        start: LoraSpec | LoraParams
-        if init_adapter is not None:
-            start = import_peft(init_adapter, base_dir=base_dir)
-            if lora is not None and lora_spec_of(lora) != start.lora_spec:
-                raise LoraError(f"{init_adapter}: its adapter_config.json ({start.lora_spec}) differs from the "
-                                f"LoRA config given ({lora_spec_of(lora)}); pass one of them")
-        elif lora is None:
-            raise LoraError("SFTRun: no LoRA config; pass lora= (a LoraConfig, adapter_config.json or lora_* "
-                            "fields) or init_adapter=")
-        else:
-            start = lora_spec_of(lora)
+        start = starting_adapter(lora, init_adapter, base_dir, "SFTRun")
         if tokenizer is None and abstract and train_dataset is None and not (base_dir / "tokenizer_config.json").is_file():
             # Rows of max_length need no text: Gemma's chat format and pad id 0 stand for the tokenizer's.
             from gemport.masks.gemma3 import Gemma3
@@ -443,6 +431,28 @@ def checkpoint_root(args: Any) -> Path | None:
     return None if f["output_dir"] is None or f["save_strategy"] == "no" else Path(f["output_dir"]) / CHECKPOINTS
 
 
+def starting_adapter(lora: Any, init_adapter: str | os.PathLike | None, base_dir: Path,
+                     who: str) -> LoraSpec | LoraParams:
+    """What a run's LoRA starts from: ``init_adapter``'s imported factors (a PEFT adapter folder), else a fresh
+    ``LoraSpec`` of ``lora`` (a LoraConfig, adapter_config.json or lora_* fields; PEFT's default targets where it
+    leaves them unset). Raises ``LoraError`` when both are given and differ, or neither is; ``who`` names the
+    caller in the message."""
+    from gemport.checkpoint import import_peft
+
+    if lora is not None:
+        lora = with_peft_targets(lora, base_dir)
+    if init_adapter is not None:
+        start = import_peft(init_adapter, base_dir=base_dir)
+        if lora is not None and lora_spec_of(lora) != start.lora_spec:
+            raise LoraError(f"{init_adapter}: its adapter_config.json ({start.lora_spec}) differs from the "
+                            f"LoRA config given ({lora_spec_of(lora)}); pass one of them")
+        return start
+    if lora is None:
+        raise LoraError(f"{who}: no LoRA config; pass lora= (a LoraConfig, adapter_config.json or lora_* fields) "
+                        "or init_adapter=")
+    return lora_spec_of(lora)
+
+
 def with_peft_targets(lora: Any, base_dir: Path) -> Any:
     """``lora`` with PEFT's per-architecture ``target_modules`` (``lora.peft_default_targets`` of the base's
     ``model_type``) where a LoraConfig or its dict leaves them unset. Raises ``LoraError`` naming
@@ -517,4 +527,4 @@ def training_config(args: Any, max_steps: int, *, checkpoint_dir: str | os.PathL
 
 
 __all__ = ["CHECKPOINTS", "SFTRun", "checkpoint_root", "eval_batches", "lora_spec_of", "sft_fields", "steps_of",
-           "training_config", "with_peft_targets"]
+           "starting_adapter", "training_config", "with_peft_targets"]
