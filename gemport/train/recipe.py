@@ -159,6 +159,8 @@ class Recipe:
             return None
         defaults = {name: _default("ModelConfig", name) for name in TRL_LORA}
         fields = {**defaults, **{k: v for k, v in self.model.items() if k in TRL_LORA}}
+        if fields.get("lora_target_parameters") is None:  # TRL's get_peft_config passes it only when set
+            fields.pop("lora_target_parameters", None)
         return {"peft_type": "LORA", **{TRL_LORA[k]: v for k, v in fields.items()}}
 
     def qlora(self):
