@@ -121,11 +121,22 @@ def test_the_adapter_and_the_merged_checkpoint_read_back_as_the_trained_model(ru
     assert json.loads((out / "merged" / "config.json").read_text())["hidden_size_per_layer_input"] == 8
 
 
-def test_gemport_parity_agrees_on_a_miniature_of_e2b(tmp_path, monkeypatch):
-    """`gemport parity --miniature` of gemma4-e2b's config.json (real sizes, no weights; its miniature keeps per-layer
-    inputs, KV-shared layers and double-wide MLPs): TRL + PEFT and the port agree step by step under parity's own
-    tolerances, on all seven projections of every layer that has them. (E4B's shape trains against TRL above.)"""
-    preset = "gemma4-e2b"
+# 6 layers x 7 projections, less k_proj and v_proj of E2B's 2 KV-shared layers (they reuse earlier K and V); on
+# the 26B-A4B, less v_proj of its global layer (k_eq_v), plus each layer's two expert weights (PEFT's
+# target_parameters: experts.base_layer is gate_up_proj, experts is down_proj).
+MINIATURES = {
+    "gemma4-e2b": ({}, 6 * 7 - 2 * 2),
+    "gemma4-26b-a4b": ({"lora_target_parameters": ["experts.gate_up_proj", "experts.down_proj"]}, 6 * 7 - 1 + 6 * 2),
+}
+
+
+@pytest.mark.parametrize("preset", MINIATURES)
+def test_gemport_parity_agrees_on_a_miniature(tmp_path, monkeypatch, preset):
+    """`gemport parity --miniature` of a preset's config.json (real sizes, no weights): gemma4-e2b's miniature keeps
+    per-layer inputs, KV-shared layers and double-wide MLPs; gemma4-26b-a4b's keeps the mixture of experts (routed
+    as transformers routes, LoRA on the experts as PEFT's target_parameters). TRL + PEFT and the port agree step by
+    step under parity's own tolerances, on every adapted module. (E4B's shape trains against TRL above.)"""
+    extra, adapters = MINIATURES[preset]
     from gemport.specs import GemmaSpec
     from test_cli import gemport
     from test_parity import RECIPE
@@ -135,12 +146,12 @@ def test_gemport_parity_agrees_on_a_miniature_of_e2b(tmp_path, monkeypatch):
     (real / "config.json").write_text(json.dumps(GemmaSpec.preset(preset).to_hf_config()))
     tokenizer().save_pretrained(real)
     (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chats()))
-    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump({**RECIPE, "model_name_or_path": "unused", "use_peft": True}))
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump({**RECIPE, "model_name_or_path": "unused", "use_peft": True,
+                                                          **extra}))
     monkeypatch.chdir(tmp_path)
     done = gemport("parity", real, tmp_path / "data.jsonl", "--config", tmp_path / "recipe.yaml", "--miniature",
                    "--vocab-size", 128, ok=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "gemport-parity" / "parity.json").read_text())
     assert report["ok"] and [r["step"] for r in report["steps"]] == [0, 1, 2, 3]
-    # 6 layers x 7 projections, less k_proj and v_proj of the 2 KV-shared layers (they reuse earlier K and V).
-    assert len(report["adapters"]) == 6 * 7 - 2 * 2
+    assert len(report["adapters"]) == adapters

@@ -75,7 +75,7 @@ def _scores(text, t):
 @pytest.fixture(scope="module")
 def compiled_for_v5p():
     """{fast: compiled train step} of a 2-layer tiny Gemma 4 (sliding, then global) with LoRA, bf16, 4 rows of 256
-    tokens, on a v5p-8's 4 chips as fsdp=2 x tp=2, for the fast step and Tunix's (``HFPeftTrainer(fast=)``)."""
+    tokens, on a v5p-8's 4 chips as fsdp=2 x tp=2, for the fast step and Tunix's (``HFPeftTrainer(loss_fn=)``)."""
     import tiny
     from gemport.plan.compiled import compile_step, step_trainer
     from gemport.specs import GemmaSpec
