@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import sys
 from pathlib import Path
 
-from gemport.cli_sft import check_resume_point, compile_for_dry_run, put_atomically, report_dry_run
-from gemport.errors import CheckpointError, LoraError, MeshError
+from gemport.cli_sft import check_resume_point, compile_for_dry_run, report_dry_run, write_adapter
+from gemport.errors import MeshError, RecipeError
 
 DESCRIPTION = """\
 Run a `trl dpo --config dpo.yaml` recipe on the JAX devices present (a TPU slice; CPU for a miniature):
@@ -70,9 +68,7 @@ def run(args) -> int:
         raise MeshError(f"--tpu {args.tpu} compiles for a slice this host is not: give it with --dry-run")
     if args.dry_run:
         compile_for_dry_run(args)
-    from gemport.checkpoint import export_merged, export_peft
     from gemport.checkpoint.output import check_outside
-    from gemport.checkpoint.peft_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS
     from gemport.dpo.run import DPORun
     from gemport.train import recipe as trl_recipe
     from gemport.train.data import load_splits
@@ -87,18 +83,18 @@ def run(args) -> int:
     names(config["report_to"])  # each tracker named is installed, before anything loads
     base = model.get("model_name_or_path")
     if not base:
-        raise CheckpointError("model_name_or_path: not set; give the HF Gemma checkpoint directory")
+        raise RecipeError("model_name_or_path: not set; give the HF Gemma checkpoint directory")
     if not script.get("dataset_name"):
-        raise CheckpointError("dataset_name: not set; give a data file, folder, saved dataset or hub name")
+        raise RecipeError("dataset_name: not set; give a data file, folder, saved dataset or hub name")
     lora = recipe.lora()
     if args.init_adapter:
         lora = None
     elif lora is None:
-        raise LoraError("use_peft is not set: gemport dpo trains LoRA (the reference being the base with it "
-                        "disabled); set use_peft: true with lora_r, lora_alpha and lora_target_modules, or pass "
-                        "--init-adapter DIR")
+        raise RecipeError("use_peft is not set: gemport dpo trains LoRA (the reference being the base with it "
+                          "disabled); set use_peft: true with lora_r, lora_alpha and lora_target_modules, or pass "
+                          "--init-adapter DIR")
     if recipe.qlora() is not None:
-        raise LoraError("load_in_4bit: gemport dpo does not train on a 4-bit base yet; train on the bfloat16 base")
+        raise RecipeError("load_in_4bit: gemport dpo does not train on a 4-bit base yet; train on the bfloat16 base")
     if args.dry_run:
         return _dry_run(args, recipe, lora)
     output_dir = Path(config["output_dir"] or "trainer_output")  # HF's default
@@ -129,16 +125,8 @@ def run(args) -> int:
     print(f"trained to step {trainer.train_steps}; {output_dir / TRAINER_STATE}", flush=True)
 
     trained = dpo_run.lora_params()
-    staged = output_dir / ".adapter"
-    put_atomically(lambda tmp: export_peft(trained, tmp, base_dir=dpo_run.base_dir, base_model_name_or_path=str(base)),
-                   staged)
-    for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):  # the config last: a killed move leaves no new config on old weights
-        os.replace(staged / name, output_dir / name)
-    shutil.rmtree(staged)
-    print(f"wrote {output_dir / ADAPTER_CONFIG}, {output_dir / ADAPTER_WEIGHTS}", flush=True)
-    if args.merge:
-        put_atomically(lambda tmp: export_merged(trained, tmp, base_dir=dpo_run.base_dir), output_dir / "merged")
-        print(f"wrote {output_dir / 'merged'}", flush=True)
+    write_adapter(trained, output_dir, dpo_run.base_dir, base, merge=args.merge,
+                  say=lambda line: print(line, flush=True))
     return 0
 
 

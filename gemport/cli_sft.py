@@ -136,7 +136,6 @@ def run(args) -> int:
     import jax
 
     from gemport.checkpoint.output import check_outside
-    from gemport.checkpoint.peft_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS
     from gemport.train import recipe as trl_recipe
     from gemport.train.data import load_splits
     from gemport.train.lock import claim_output
@@ -208,26 +207,33 @@ def run(args) -> int:
         return e.exit_code
     say(f"trained to step {trainer.train_steps}; {output_dir / TRAINER_STATE}")
 
-    from gemport.checkpoint import export_merged, export_peft
-
     trained = sft_run.lora_params()  # on every process: gathered from all of them
     if not primary:
         return 0
-    staged = output_dir / ".adapter"
-    put_atomically(lambda tmp: export_peft(trained, tmp, base_dir=sft_run.base_dir, base_model_name_or_path=str(base)),
-                   staged)
-    for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):  # the config last: a killed move leaves no new config on old weights
-        os.replace(staged / name, output_dir / name)
-    shutil.rmtree(staged)
-    say(f"wrote {output_dir / ADAPTER_CONFIG}, {output_dir / ADAPTER_WEIGHTS}")
-    if args.merge:
-        put_atomically(lambda tmp: export_merged(trained, tmp, base_dir=sft_run.base_dir), output_dir / "merged")
-        say(f"wrote {output_dir / 'merged'}")
+    write_adapter(trained, output_dir, sft_run.base_dir, base, merge=args.merge, say=say)
     if args.plot:
         from gemport.plots import loss_curves
 
         say(f"wrote {loss_curves(output_dir / TRAINER_STATE, output_dir / 'loss.png')}")
     return 0
+
+
+def write_adapter(trained, output_dir: Path, base_dir: Path, base: str, *, merge: bool, say=print) -> None:
+    """Write a trained run's PEFT adapter into ``output_dir`` (and ``merged/`` with ``merge``), each atomically:
+    ``trained`` is the run's ``lora_params()``, ``base`` the recipe's ``model_name_or_path`` the adapter names."""
+    from gemport.checkpoint import export_merged, export_peft
+    from gemport.checkpoint.peft_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
+    staged = output_dir / ".adapter"
+    put_atomically(lambda tmp: export_peft(trained, tmp, base_dir=base_dir, base_model_name_or_path=str(base)),
+                   staged)
+    for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):  # the config last: a killed move leaves no new config on old weights
+        os.replace(staged / name, output_dir / name)
+    shutil.rmtree(staged)
+    say(f"wrote {output_dir / ADAPTER_CONFIG}, {output_dir / ADAPTER_WEIGHTS}")
+    if merge:
+        put_atomically(lambda tmp: export_merged(trained, tmp, base_dir=base_dir), output_dir / "merged")
+        say(f"wrote {output_dir / 'merged'}")
 
 
 def compile_for_dry_run(args) -> None:
