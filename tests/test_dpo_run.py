@@ -232,3 +232,46 @@ def test_gemport_dpo_equals_trl_through_a_sigkill_and_resumes(workdir, tmp_path)
     got = peft_logits(workdir / "base", out, ids)
     bound = 10 * max(np.abs(rounded - exact).max(), EPS32 * np.abs(exact).max())
     assert np.abs(got - exact).max() <= bound, (np.abs(got - exact).max(), bound)
+
+
+# A recipe in TRL's documentation style for `gemport parity --trainer dpo`: use_peft with lora_r, lora_alpha and
+# all-linear; lora_dropout (0.05), bf16 and gradient_checkpointing at TRL's defaults; two micro-batches a step and
+# clipping in play (a fresh adapter's first gradients exceed 0.05), across an epoch's short step.
+PARITY = dict(use_peft=True, lora_r=4, lora_alpha=8, lora_target_modules="all-linear", per_device_train_batch_size=1,
+              gradient_accumulation_steps=2, max_steps=3, learning_rate=5e-3, max_grad_norm=0.05, beta=0.5, seed=3)
+
+
+def test_gemport_parity_takes_a_dpo_recipe(workdir, tmp_path, monkeypatch):
+    """`gemport parity --trainer dpo`: TRL's DPOTrainer + PEFT and gemport dpo's step from the same adapter agree at
+    every step on loss, grad_norm and TRL's DPO metrics, and on the final adapter, each within 10x its floor
+    measured in the run (TRL eager vs sdpa); parity.json holds the metrics with their bounds."""
+    monkeypatch.chdir(tmp_path)
+    config = write_recipe(tmp_path / "dpo.yaml", workdir, **PARITY)
+    done = gemport("parity", workdir / "base", workdir / "data" / "train.jsonl", "--config", config, "--trainer",
+                   "dpo", ok=False)
+    print(done.stdout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("lora_dropout=0.05: TRL's disable_dropout")
+    assert lines[-1].startswith("agree within loss 10 x the floor (at most ")
+    assert "DPO metrics 10 x the floor" in lines[-1] and "rewards/accuracies equal" in lines[-1]
+    report = json.loads((tmp_path / "gemport-parity" / "parity.json").read_text())
+    assert report["ok"] and [r["step"] for r in report["steps"]] == [0, 1, 2]
+    assert report["floor_name"] == "TRL eager vs sdpa attention, float32"
+    assert {m["name"] for m in report["metrics"]} == set(METRICS[3:]) and len(report["metrics"]) == 3 * 6
+    assert min(r["grad_norm_gpu"] for r in report["steps"]) > PARITY["max_grad_norm"]  # clipping is in play
+    assert any(m["gpu"] != 0 for m in report["metrics"] if m["name"] == "rewards/margins")  # the adapter moved
+
+
+def test_gemport_parity_fails_a_dpo_port_with_another_beta(workdir, tmp_path, monkeypatch):
+    """The port trained with beta 0.1 where the recipe says 0.5: at step 0 (policy = reference, loss log 2 on both
+    sides) the gradient is beta times another: exit 1 naming step 0's grad_norm."""
+    monkeypatch.chdir(tmp_path)
+    config = write_recipe(tmp_path / "dpo.yaml", workdir, **PARITY)
+    port = write_recipe(tmp_path / "port.yaml", workdir, **dict(PARITY, beta=0.1))
+    done = gemport("parity", workdir / "base", workdir / "data" / "train.jsonl", "--config", config, "--trainer",
+                   "dpo", "--port-config", port, "--steps", 1, "--rtol", 1e-4, "--adapter-rtol", 1e-2, ok=False)
+    print(done.stdout)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "DISAGREE at step 0: grad_norm" in done.stdout.splitlines()[-1]
+    assert not json.loads((tmp_path / "gemport-parity" / "parity.json").read_text())["ok"]
