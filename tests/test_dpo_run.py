@@ -275,3 +275,58 @@ def test_gemport_parity_fails_a_dpo_port_with_another_beta(workdir, tmp_path, mo
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     assert "DISAGREE at step 0: grad_norm" in done.stdout.splitlines()[-1]
     assert not json.loads((tmp_path / "gemport-parity" / "parity.json").read_text())["ok"]
+
+
+def test_the_dpo_verdict_names_a_metric_beyond_its_floor():
+    """Each DPO metric is held to 10x its step's floor; rewards/accuracies (a share of pairs) to TRL's own two runs'
+    absolute difference: equal when they agree."""
+    from gemport.dpo.parity import FLOORS, DPOTrajectory, MetricRow
+    from gemport.parity import LEAST_FLOOR, StepRow
+
+    rows = (StepRow(0, 1e-3, 1e-3, 0.69, 0.69, 2.0, 2.0, LEAST_FLOOR, LEAST_FLOOR),)
+    metrics = (MetricRow(0, "rewards/margins", 0.5, 0.5 * (1 + 1e-4), 1e-6),
+               MetricRow(0, "rewards/accuracies", 1.0, 0.5, 0.0))
+    report = DPOTrajectory(rows, FLOORS, metrics=metrics)
+    assert [d[1] for d in report.disagreements()] == ["rewards/margins", "rewards/accuracies"]
+    assert report.first_disagreement() == (
+        "step 0: rewards/margins 0.50005 (port) vs 0.5 (GPU recipe), relative 1.00e-04 > 1e-05")
+    assert report.table().splitlines()[-1].startswith("DISAGREE at step 0: rewards/margins")
+    within = DPOTrajectory(rows, FLOORS, metrics=(metrics[0]._replace(port=0.5 * (1 + 5e-6)),
+                                                  metrics[1]._replace(floor=0.5)))
+    assert within.ok and "rewards/accuracies equal (or within TRL's own two runs)" in within.table()
+
+
+@pytest.mark.parametrize("fields, args, words", [
+    ({}, ("--dtype", "bfloat16"), "--trainer dpo compares in float32 only"),
+    ({"precompute_ref_log_probs": True}, (), "precompute_ref_log_probs=True"),
+    ({"use_peft": False}, (), "use_peft is not set"),
+    ({}, ("--sft-data",), "no ['chosen', 'rejected'] key"),
+    ({}, ("--other-template",), "records[0]: conversation 0: gemport's Gemma3"),
+])
+def test_dpo_parity_refuses_before_either_side_trains(workdir, tmp_path, monkeypatch, fields, args, words):
+    """Recipe fields, the comparison's options, the data's format and the tokenizer's template are checked before
+    TRL or the port trains (here, training at all fails the test), with a one-line typed error."""
+    import shutil
+
+    import trl
+
+    from gemport.train.run import SFTRun
+
+    monkeypatch.setattr(trl.DPOTrainer, "train", lambda self: pytest.fail("the GPU side trained"))
+    monkeypatch.setattr(SFTRun, "train", lambda self: pytest.fail("the port trained"))
+    monkeypatch.chdir(tmp_path)
+    base, data = workdir / "base", workdir / "data" / "train.jsonl"
+    if "--sft-data" in args:
+        data = tmp_path / "sft.jsonl"
+        data.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}]}) + "\n")
+    if "--other-template" in args:  # Gemma 3's turns and something more: TRL would train on other tokens
+        import transformers
+
+        base = tmp_path / "base"
+        shutil.copytree(workdir / "base", base)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(base)
+        tokenizer.chat_template += "{{ '\n' }}"
+        tokenizer.save_pretrained(base)
+    config = write_recipe(tmp_path / "dpo.yaml", workdir, **{**PARITY, **fields})
+    options = [a for a in args if a not in ("--sft-data", "--other-template")]
+    one_line_error(gemport("parity", base, data, "--config", config, "--trainer", "dpo", *options, ok=False), words)

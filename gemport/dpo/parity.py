@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from gemport.dpo.loss import METRICS
-from gemport.errors import GemportError, MaskError, RecipeError
+from gemport.errors import GemportError, MaskError, RecipeError, TemplateMismatchError
 from gemport.parity import (FLOOR_MULTIPLE, LEAST_FLOOR, StepRow, Tolerances, Trajectory, _distances, _gpu_deltas,
                             _lora_config, _port_deltas, _relative, step_floors)
 
@@ -73,11 +73,6 @@ class DPOTrajectory(Trajectory):
             raise GemportError(f"DPOTrajectory: no {m.name} tolerance: set Tolerances(loss=) or measure the floors")
         return FLOOR_MULTIPLE * m.floor
 
-    def metric_multiples(self, name: str) -> list:
-        """Per step, the port's distance on metric ``name`` in units of its floor (None without a floor)."""
-        return [None if m.floor is None or m.name == ACCURACIES else _distance(m) / m.floor
-                for m in self.metrics if m.name == name]
-
     def disagreements(self):
         """Every (step, quantity, gpu, port, distance, bound) beyond its bound: step by step (learning rate,
         loss, grad_norm, then the DPO metrics), then the final adapters."""
@@ -105,26 +100,24 @@ class DPOTrajectory(Trajectory):
             if self.tolerances.loss is not None:
                 out.append(f"DPO metrics {self.tolerances.loss:.2g}")
             else:
-                worst = max(max(v for v in self.metric_multiples(name) if v is not None)
-                            for name in METRICS if name != ACCURACIES)
+                worst = max((_distance(m) / m.floor for m in self.metrics if m.name != ACCURACIES and m.floor),
+                            default=0.0)
                 out.append(f"DPO metrics {FLOOR_MULTIPLE:g} x the floor (at most {worst:.3g} x)")
             out.append(f"{ACCURACIES} equal" + (" (or within TRL's own two runs)" if any(
                 m.floor for m in self.metrics if m.name == ACCURACIES) else ""))
         return out
 
 
-def preference_sample(records: list) -> list:
-    """The conversations of conversational preference records, as ``masks.template.check_template`` reads them:
-    prompt + chosen and prompt + rejected of each (chosen and rejected alone when the prompt is implicit), with
-    the record's ``tools`` and ``chat_template_kwargs``."""
-    out = []
-    for record in records:
-        if not isinstance(record.get("chosen"), list):
-            continue
-        extra = {k: record[k] for k in ("tools", "chat_template_kwargs") if k in record}
-        for side in ("chosen", "rejected"):
-            out.append({"messages": list(record.get("prompt") or []) + list(record[side]), **extra})
-    return out
+def conversations(record: Mapping[str, Any]) -> list:
+    """The two conversations of a conversational preference record, as ``masks.template.check_template`` reads
+    them: prompt + chosen, prompt + rejected (chosen and rejected alone when the prompt is implicit), with the
+    record's ``tools`` and ``chat_template_kwargs``; none for plain text (or a malformed record, which
+    ``dpo.preferences`` names)."""
+    if not isinstance(record, Mapping) or not all(isinstance(record.get(k), list) for k in ("chosen", "rejected")):
+        return []
+    extra = {k: record[k] for k in ("tools", "chat_template_kwargs") if k in record}
+    return [{"messages": list(record.get("prompt") or []) + list(record[side]), **extra}
+            for side in ("chosen", "rejected")]
 
 
 def trajectory(base_dir, data, *, dpo_config, lora_config, steps=None, tokenizer=None, chat_format=None,
@@ -195,10 +188,14 @@ def trajectory(base_dir, data, *, dpo_config, lora_config, steps=None, tokenizer
         tokenizer = tokenizer or transformers.AutoTokenizer.from_pretrained(base_dir)
         if not records:
             raise MaskError(f"{data if isinstance(data, (str, Path)) else 'data'}: no preference record")
-        sample = preference_sample(records)
-        if sample:
-            chat_format = chat_format or template_format(tokenizer)
-            check_template(tokenizer, chat_format, sample, on_mismatch="raise")
+        for i, record in enumerate(records):
+            if conversations(record):
+                chat_format = chat_format or template_format(tokenizer)
+                try:
+                    check_template(tokenizer, chat_format, conversations(record), on_mismatch="raise")
+                except TemplateMismatchError as e:
+                    raise TemplateMismatchError(f"records[{i}]: {e} (conversation 0 is prompt + chosen, 1 prompt + "
+                                                "rejected)") from None
 
         def base_model(attention):
             return transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32,
@@ -250,9 +247,4 @@ def trajectory(base_dir, data, *, dpo_config, lora_config, steps=None, tokenizer
     return DPOTrajectory(rows, tolerances, adapters, floor, floor_name, metrics=metrics)
 
 
-def is_preference(record: Any) -> bool:
-    """Whether a data record is a preference pair (``chosen`` and ``rejected``), as ``trl dpo`` takes."""
-    return isinstance(record, Mapping) and "chosen" in record and "rejected" in record
-
-
-__all__ = ["ACCURACIES", "DPOTrajectory", "FLOORS", "MetricRow", "is_preference", "preference_sample", "trajectory"]
+__all__ = ["ACCURACIES", "DPOTrajectory", "FLOORS", "MetricRow", "conversations", "trajectory"]
