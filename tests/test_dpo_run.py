@@ -289,7 +289,9 @@ def test_the_dpo_verdict_names_a_metric_beyond_its_floor():
     report = DPOTrajectory(rows, FLOORS, metrics=metrics)
     assert [d[1] for d in report.disagreements()] == ["rewards/margins", "rewards/accuracies"]
     assert report.first_disagreement() == (
-        "step 0: rewards/margins 0.50005 (port) vs 0.5 (GPU recipe), relative 1.00e-04 > 1e-05")
+        "step 0: rewards/margins 0.50005 (port) vs 0.5 (GPU recipe), relative 1.00e-04 = 100 x the floor 1e-06 > 1e-05")
+    assert DPOTrajectory(rows, FLOORS, metrics=metrics[1:]).first_disagreement() == (
+        "step 0: rewards/accuracies 0.5 (port) vs 1 (GPU recipe), absolute 5.00e-01 > 0")
     assert report.table().splitlines()[-1].startswith("DISAGREE at step 0: rewards/margins")
     within = DPOTrajectory(rows, FLOORS, metrics=(metrics[0]._replace(port=0.5 * (1 + 5e-6)),
                                                   metrics[1]._replace(floor=0.5)))

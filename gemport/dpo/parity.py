@@ -83,6 +83,19 @@ class DPOTrajectory(Trajectory):
         order = {r.step: i for i, r in enumerate(self.rows)}
         return sorted(steps, key=lambda d: order[d[0]]) + [d for d in found if d[0] == "final"]
 
+    def first_disagreement(self):
+        """A sentence naming the first step and quantity that disagree (a DPO metric with its multiple of the
+        floor), or None."""
+        found = self.disagreements()
+        if not found or found[0][1] not in METRICS:
+            return super().first_disagreement()
+        step, name, gpu, port, distance, bound = found[0]
+        m = next(m for m in self.metrics if m.step == step and m.name == name)
+        how = "absolute" if name == ACCURACIES else "relative"
+        by = (f" = {distance / m.floor:.3g} x the floor {m.floor:.2g}" if m.floor and name != ACCURACIES
+              and self.tolerances.loss is None else "")
+        return f"step {step}: {name} {port:.6g} (port) vs {gpu:.6g} (GPU recipe), {how} {distance:.2e}{by} > {bound:.2g}"
+
     def table(self):
         """``Trajectory.table`` with a second table: each DPO metric per step on both sides, its distance and its
         multiple of the step's floor (for accuracies: the absolute difference)."""
