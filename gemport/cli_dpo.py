@@ -186,7 +186,13 @@ def parity(args) -> int:
         lora, dropout = without_dropout(lora)
         if dropout:
             print(dropout_note(dropout))
-    port = trl_recipe.read(args.port_config, command="dpo").sft if args.port_config else None
+    port = None
+    if args.port_config:
+        port_recipe = trl_recipe.read(args.port_config, command="dpo")
+        if port_recipe.lora() not in (None, recipe.lora()):
+            raise RecipeError(f"{args.port_config}: its lora_* fields differ from {args.config}'s; both sides start "
+                              "from one adapter, the recipe's: give the port's DPOConfig fields only")
+        port = port_recipe.sft
     if config["bf16"]:
         print(f"{args.config} trains in bfloat16 (bf16, TRL's default): compared in float32, where a disagreement is "
               "in what is computed")

@@ -304,6 +304,7 @@ def test_the_dpo_verdict_names_a_metric_beyond_its_floor():
     ({"use_peft": False}, (), "use_peft is not set"),
     ({}, ("--sft-data",), "no ['chosen', 'rejected'] key"),
     ({}, ("--other-template",), "records[0]: conversation 0: gemport's Gemma3"),
+    ({}, ("--port-config", "port.yaml"), "port.yaml: its lora_* fields differ"),
 ])
 def test_dpo_parity_refuses_before_either_side_trains(workdir, tmp_path, monkeypatch, fields, args, words):
     """Recipe fields, the comparison's options, the data's format and the tokenizer's template are checked before
@@ -330,5 +331,6 @@ def test_dpo_parity_refuses_before_either_side_trains(workdir, tmp_path, monkeyp
         tokenizer.chat_template += "{{ '\n' }}"
         tokenizer.save_pretrained(base)
     config = write_recipe(tmp_path / "dpo.yaml", workdir, **{**PARITY, **fields})
+    write_recipe(tmp_path / "port.yaml", workdir, **{**PARITY, "lora_r": 8})
     options = [a for a in args if a not in ("--sft-data", "--other-template")]
     one_line_error(gemport("parity", base, data, "--config", config, "--trainer", "dpo", *options, ok=False), words)
