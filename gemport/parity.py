@@ -557,6 +557,14 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
     return Trajectory(tuple(rows), tolerances, adapters, floor, floor_name)
 
 
+def adapter_distances(trained, peft_model, spec=None, lora_spec=None):
+    """{module: how far ``trained``'s final s*B@A ends from ``peft_model``'s}: max-abs difference over the PEFT
+    delta's max-abs, per module (``Trajectory.adapters``). trained: a PEFT model, or the port's Tunix model with
+    LoRA, laid out as PEFT's by ``spec`` (``GemmaSpec``) and ``lora_spec``."""
+    got = _gpu_deltas(trained) if spec is None else _port_deltas(trained, spec, lora_spec)
+    return _distances(got, _gpu_deltas(peft_model))
+
+
 def _gpu_deltas(peft_model):
     """{HF module: s*B@A} of a PEFT model, float64."""
     from peft.tuners.lora import LoraLayer, ParamWrapper
@@ -610,6 +618,7 @@ __all__ = [
     "StepRow",
     "Tolerances",
     "Trajectory",
+    "adapter_distances",
     "dropout_note",
     "miniature",
     "read_recipe",

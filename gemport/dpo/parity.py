@@ -20,8 +20,8 @@ from typing import Any, NamedTuple
 
 from gemport.dpo.loss import METRICS
 from gemport.errors import GemportError, MaskError, RecipeError, TemplateMismatchError
-from gemport.parity import (FLOOR_MULTIPLE, LEAST_FLOOR, StepRow, Tolerances, Trajectory, _distances, _gpu_deltas,
-                            _lora_config, _port_deltas, _relative, step_floors)
+from gemport.parity import (FLOOR_MULTIPLE, LEAST_FLOOR, StepRow, Tolerances, Trajectory, adapter_distances,
+                            step_floors, without_dropout)
 
 FLOORS = Tolerances(loss=None, grad_norm=None)
 """DPO parity's default: loss and grad_norm (and every DPO metric) held to ``FLOOR_MULTIPLE`` x their step's floor."""
@@ -48,7 +48,8 @@ class MetricRow(NamedTuple):
 
 
 def _distance(m: MetricRow) -> float:
-    return abs(m.gpu - m.port) if m.name == ACCURACIES else _relative(m.gpu, m.port)
+    # Relative as parity's other quantities (|port - gpu| / |gpu|); absolute for a share of pairs.
+    return abs(m.gpu - m.port) / (1.0 if m.name == ACCURACIES else max(abs(m.gpu), 1e-12)) if m.gpu != m.port else 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +182,7 @@ def trajectory(base_dir, data, *, dpo_config, lora_config, steps=None, tokenizer
     from gemport.specs import GemmaSpec
 
     records = list(formats.read(data)) if isinstance(data, (str, Path)) else list(data)
-    lora = _lora_config(lora_config, dropout=True)
+    lora, dropout = without_dropout(lora_config)
     with tempfile.TemporaryDirectory(prefix="gemport-dpo-parity-") as work:
         work = Path(work)
         overrides = dict(_OVERRIDES, **({} if steps is None else {"max_steps": steps}))
@@ -190,8 +191,10 @@ def trajectory(base_dir, data, *, dpo_config, lora_config, steps=None, tokenizer
                      "output_dir": str(work / "port"), "disable_tqdm": not progress}
         if not gpu_args["max_steps"] or gpu_args["max_steps"] <= 0:
             raise RecipeError("dpo parity: set max_steps in the recipe or pass steps=")
-        if lora.lora_dropout and not gpu_args["disable_dropout"]:
-            lora = _lora_config(lora)  # raises: compare with lora_dropout=0 (parity.without_dropout)
+        if dropout and not gpu_args["disable_dropout"]:
+            raise RecipeError(f"LoraConfig.lora_dropout={dropout} with disable_dropout=False: dropout draws random "
+                              "masks that differ between torch and JAX; compare with lora_dropout=0 "
+                              "(parity.without_dropout)")
         # Checked before either side trains: TRL's own reading of the recipe, the port's LoRA config, the template
         # against the conversations, then everything DPORun.create checks (fields, loss, optimizer, data, ids).
         gpu_config = DPOConfig(**{k: v for k, v in gpu_args.items() if k in {f.name for f in dataclasses.fields(
@@ -242,15 +245,14 @@ def trajectory(base_dir, data, *, dpo_config, lora_config, steps=None, tokenizer
         port_logs = [e for e in state["log_history"] if "loss" in e and "grad_norm" in e]
         if len(port_logs) != len(logs) or not logs:
             raise GemportError(f"dpo parity: TRL logged {len(logs)} steps, the port {len(port_logs)}")
-        gpu = _gpu_deltas(model)
-        adapters = _distances(_port_deltas(port.model, spec, port.lora_spec), gpu)
+        adapters = adapter_distances(port.model, model, spec, port.lora_spec)
         names = ("loss", "grad_norm", *METRICS)
         floors, floor, floor_name = [dict.fromkeys(names)] * len(logs), None, None
         if None in (tolerances.loss, tolerances.grad_norm, tolerances.adapter):
             floor_name = "TRL eager vs sdpa attention, float32"
             again, again_logs = gpu_run("sdpa")
             floors = step_floors(logs, again_logs, names, absolute=(ACCURACIES,))
-            floor = max(*_distances(_gpu_deltas(again), gpu).values(), LEAST_FLOOR)
+            floor = max(*adapter_distances(again, model).values(), LEAST_FLOOR)
     steps_of = [s.step for s in port.plan]
     rows = tuple(StepRow(s, float(g["learning_rate"]), float(p["learning_rate"]), float(g["loss"]), float(p["loss"]),
                          float(g["grad_norm"]), float(p["grad_norm"]), f["loss"], f["grad_norm"])
