@@ -259,6 +259,8 @@ def test_gemport_parity_takes_a_dpo_recipe(workdir, tmp_path, monkeypatch):
     assert report["ok"] and [r["step"] for r in report["steps"]] == [0, 1, 2]
     assert report["floor_name"] == "TRL eager vs sdpa attention, float32"
     assert {m["name"] for m in report["metrics"]} == set(METRICS[3:]) and len(report["metrics"]) == 3 * 6
+    assert all(m["bound"] == pytest.approx(10 * m["floor"]) for m in report["metrics"]
+               if m["name"] != "rewards/accuracies")
     assert min(r["grad_norm_gpu"] for r in report["steps"]) > PARITY["max_grad_norm"]  # clipping is in play
     assert any(m["gpu"] != 0 for m in report["metrics"] if m["name"] == "rewards/margins")  # the adapter moved
 
