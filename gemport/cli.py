@@ -251,6 +251,10 @@ def peft_for_vllm(args) -> int:
 
 
 def parity(args) -> int:
+    if args.trainer == "dpo":
+        from gemport.cli_dpo import parity as dpo_parity
+
+        return dpo_parity(args)
     from gemport.parity import Tolerances, dropout_note, miniature, read_recipe, trajectory, without_dropout
     from gemport.train import segment_loss, tunix_loss
     from gemport.plots import write_parity
@@ -409,9 +413,16 @@ def parser() -> argparse.ArgumentParser:
                                    "floor), naming the first step and quantity.")
     c.add_argument("base", help="an HF Gemma checkpoint (or a miniature of it) with its tokenizer")
     c.add_argument("data", help="a sample of the training data (.jsonl/.json/.parquet, TRL's formats)")
-    c.add_argument("--config", required=True, help="the recipe: YAML/JSON of SFTConfig fields, as `trl sft --config`")
+    c.add_argument("--config", required=True, help="the recipe: YAML/JSON of SFTConfig fields, as `trl sft --config` "
+                                                    "(with --trainer dpo: a `trl dpo --config` YAML)")
+    c.add_argument("--trainer", choices=("sft", "dpo"), default="sft",
+                   help="the recipe's TRL trainer: sft (default; SFTTrainer against gemport sft's step) or dpo "
+                        "(DPOTrainer against gemport dpo's step, judging TRL's DPO metrics too: every quantity "
+                        "against 10 x its step's floor unless --rtol fixes a bound; float32 and the fast step only; "
+                        "docs/dpo.md)")
     c.add_argument("--lora-config", help="PEFT adapter_config.json (default: lora_* fields of --config)")
-    c.add_argument("--port-config", help="the port's SFTConfig, if it differs from --config")
+    c.add_argument("--port-config", help="the port's recipe (SFTConfig; DPOConfig with --trainer dpo), if it differs "
+                                         "from --config")
     c.add_argument("--steps", type=int, help="optimizer steps (default: max_steps of --config)")
     c.add_argument("--rtol", type=float,
                    help="a fixed relative tolerance on loss and grad_norm (default: 1e-4 in float32; with --dtype "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -148,4 +149,70 @@ def _dry_run(args, recipe, lora) -> int:
                    lambda line: print(line, flush=True))
 
 
-__all__ = ["DESCRIPTION", "add_parser", "run"]
+def parity(args) -> int:
+    """``gemport parity BASE DATA --config dpo.yaml --trainer dpo``: TRL's DPOTrainer + PEFT against ``gemport
+    dpo``'s step (``gemport.dpo.parity.trajectory``), judged per step against the floors measured in the run;
+    parity.json and parity.png in ``--out``. Exit status 1 on a disagreement."""
+    import tempfile
+
+    from gemport.dpo.parity import FLOORS, trajectory
+    from gemport.parity import Tolerances, dropout_note, miniature, without_dropout
+    from gemport.plots import write_parity
+    from gemport.train import recipe as trl_recipe
+
+    # Checked before anything loads: what this comparison does not run.
+    if args.dtype != "float32":
+        raise RecipeError(f"--dtype {args.dtype}: --trainer dpo compares in float32 only (a bfloat16 DPO "
+                          "comparison is not built yet); drop --dtype")
+    if not args.fast:
+        raise RecipeError("--no-fast: gemport dpo trains with the fast step only (segment attention, chunked "
+                          "log-probabilities); drop --no-fast")
+    recipe = trl_recipe.read(args.config, command="dpo")
+    config = recipe.sft
+    for note in recipe.notes:
+        print(f"  {note}")
+    if recipe.qlora() is not None:
+        raise RecipeError(f"{args.config}: load_in_4bit: gemport dpo does not train on a 4-bit base yet")
+    lora = args.lora_config or recipe.lora()
+    if not lora:
+        raise RecipeError(f"{args.config}: use_peft is not set; set use_peft with lora_r and lora_target_modules, "
+                          "or pass --lora-config adapter_config.json")
+    if config["disable_dropout"]:  # TRL's default: every dropout module's p set to 0, LoRA's included
+        dropout = without_dropout(lora)[1]
+        if dropout:
+            print(f"lora_dropout={dropout}: TRL's disable_dropout (default true) trains without it, and so does "
+                  "gemport dpo: compared as both train, without dropout")
+    else:
+        lora, dropout = without_dropout(lora)
+        if dropout:
+            print(dropout_note(dropout))
+    port = None
+    if args.port_config:
+        port_recipe = trl_recipe.read(args.port_config, command="dpo")
+        if port_recipe.lora() not in (None, recipe.lora()):
+            raise RecipeError(f"{args.port_config}: its lora_* fields differ from {args.config}'s; both sides start "
+                              "from one adapter, the recipe's: give the port's DPOConfig fields only")
+        port = port_recipe.sft
+    if config["bf16"]:
+        print(f"{args.config} trains in bfloat16 (bf16, TRL's default): compared in float32, where a disagreement is "
+              "in what is computed")
+    tolerances = FLOORS if args.rtol is None else Tolerances(loss=args.rtol, grad_norm=args.rtol)
+    tolerances = dataclasses.replace(tolerances, adapter=args.adapter_rtol)
+    with tempfile.TemporaryDirectory(prefix="gemport-miniature-") as work:
+        base, tokenizer = args.base, None
+        if args.miniature:
+            import transformers
+
+            tokenizer = transformers.AutoTokenizer.from_pretrained(args.base)
+            base = miniature(args.base, Path(work) / "miniature", vocab_size=args.vocab_size)
+            print(f"miniature of {args.base}: {base}")
+        report = trajectory(base, args.data, dpo_config=config, lora_config=lora, steps=args.steps,
+                            tokenizer=tokenizer, port_dpo_config=port, tolerances=tolerances)
+    numbers, picture = write_parity(report, args.out)
+    print(f"wrote {numbers}" + (f", {picture}" if picture else
+                                 " (parity.png needs matplotlib: pip install 'gemport[plot]')"))
+    print(report.table())
+    return 0 if report.ok else 1
+
+
+__all__ = ["DESCRIPTION", "add_parser", "parity", "run"]

@@ -10,7 +10,6 @@ computed, not in precision; or, asked, in the recipe's bfloat16.
 
 import copy
 import dataclasses
-import itertools
 import json
 import tempfile
 from collections.abc import Mapping
@@ -91,6 +90,21 @@ class StepRow(NamedTuple):
 
 def _relative(a, b):
     return abs(a - b) / max(abs(a), 1e-12) if a != b else 0.0
+
+
+def step_floors(logs, again, names, absolute=()):
+    """Per step, {name: floor}: the largest distance so far between two correct runs' logged values of ``name``
+    (``logs``, ``again``: their log entries, step by step), relative and at least ``LEAST_FLOOR``; absolute
+    for the names in ``absolute`` (a share, such as DPO's ``rewards/accuracies``, whose runs may agree exactly).
+    The largest so far: two runs that happen to land close at one step say nothing of the next."""
+    out, worst = [], {}
+    for log, other in zip(logs, again):
+        for k in names:
+            a, b = float(log[k]), float(other[k])
+            distance = abs(a - b) if k in absolute else max(_relative(a, b), LEAST_FLOOR)
+            worst[k] = max(worst.get(k, distance), distance)
+        out.append(dict(worst))
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -527,9 +541,7 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
             # sdpa attention instead of eager (other sums), in bfloat16 in float32 (the dtype's rounding).
             floor_name = "TRL float32 vs bfloat16 (autocast)" if bf16 else "TRL eager vs sdpa attention, float32"
             again, again_logs = gpu_run("eager", float32_config) if bf16 else gpu_run("sdpa", gpu_config)
-            floors = list(itertools.accumulate(
-                [tuple(max(_relative(float(log[k]), float(other[k])), LEAST_FLOOR) for k in ("loss", "grad_norm"))
-                 for log, other in zip(logs, again_logs)], lambda a, b: tuple(map(max, a, b))))
+            floors = [(f["loss"], f["grad_norm"]) for f in step_floors(logs, again_logs, ("loss", "grad_norm"))]
             pairs = [_distances(_gpu_deltas(again), gpu)]
             if not bf16 and tolerances.adapter is None:
                 # And the port with FLOOR_PADDING more padding columns (no target, seen by no real token; every
@@ -543,6 +555,14 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
     if not rows:
         raise GemportError("trajectory: the GPU recipe logged no step; is the data empty?")
     return Trajectory(tuple(rows), tolerances, adapters, floor, floor_name)
+
+
+def adapter_distances(trained, peft_model, spec=None, lora_spec=None):
+    """{module: how far ``trained``'s final s*B@A ends from ``peft_model``'s}: max-abs difference over the PEFT
+    delta's max-abs, per module (``Trajectory.adapters``). trained: a PEFT model, or the port's Tunix model with
+    LoRA, laid out as PEFT's by ``spec`` (``GemmaSpec``) and ``lora_spec``."""
+    got = _gpu_deltas(trained) if spec is None else _port_deltas(trained, spec, lora_spec)
+    return _distances(got, _gpu_deltas(peft_model))
 
 
 def _gpu_deltas(peft_model):
@@ -598,9 +618,11 @@ __all__ = [
     "StepRow",
     "Tolerances",
     "Trajectory",
+    "adapter_distances",
     "dropout_note",
     "miniature",
     "read_recipe",
+    "step_floors",
     "trajectory",
     "without_dropout",
 ]

@@ -86,7 +86,7 @@ def parity_dict(trajectory: Any) -> dict[str, Any]:
     """Every figure of a ``parity.Trajectory``: per step the learning rate, loss and grad_norm of both sides,
     their relative differences, the step's measured floors and the bounds the verdict holds them to; the fixed
     tolerances (None where the floor judges); each module's final s*B@A difference, the measured floor and the
-    bound; the verdict."""
+    bound; a DPO comparison's metrics per step (``dpo.parity.MetricRow`` with its bound); the verdict."""
     steps = []
     for r in trajectory.rows:
         row = dict(r._asdict())
@@ -104,6 +104,8 @@ def parity_dict(trajectory: Any) -> dict[str, Any]:
         "adapter_floor": trajectory.adapter_floor,
         "floor_name": trajectory.floor_name,
         "adapter_tolerance": trajectory.adapter_tolerance if trajectory.adapters else None,
+        # A DPO comparison's TRL metrics per step (gemport.dpo.parity.DPOTrajectory), each with its bound.
+        "metrics": [dict(m._asdict(), bound=trajectory.metric_bound(m)) for m in getattr(trajectory, "metrics", ())],
     }
 
 

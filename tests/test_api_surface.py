@@ -58,8 +58,8 @@ SUBPACKAGES = {
     "gemport.train.peft_trainer": ["ACCUMULATION", "NUM_ITEMS", "SCOPES", "HFPeftTrainer", "eval_loss", "hf_loss", "micro_batches"],
     "gemport.train.distributed": ["batch_sharding", "device_rows", "global_batch", "process_rows", "process_step"],
     "gemport.train.preemption": ["Preempted", "Preemption"],
-    "gemport.parity": ["StepRow", "Tolerances", "Trajectory", "dropout_note", "miniature", "read_recipe", "trajectory",
-                       "without_dropout"],
+    "gemport.parity": ["StepRow", "Tolerances", "Trajectory", "adapter_distances", "dropout_note", "miniature",
+                       "read_recipe", "step_floors", "trajectory", "without_dropout"],
     "gemport.plots": ["loss_curves", "parity_dict", "parity_figure", "write_parity"],
     "gemport.train.trackers": [
         "MODULES", "TensorBoard", "Tracker", "Trackio", "Wandb", "hf_names", "installed", "names", "open_trackers",
@@ -75,6 +75,7 @@ SUBPACKAGES = {
     ],
     "gemport.dpo.run": ["DPORun", "dpo_fields", "preference_batches", "preference_micro_batches"],
     "gemport.dpo.trainer": ["MICRO_BATCHES", "DPOPeftTrainer", "trainer_loss"],
+    "gemport.dpo.parity": ["ACCURACIES", "DPOTrajectory", "FLOORS", "MetricRow", "conversations", "trajectory"],
     "gemport.names": ["AXES", "TEXT_PREFIXES", "Entry", "Rule", "detect_prefix", "entries", "owns"],
 }  # fmt: skip
 

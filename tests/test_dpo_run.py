@@ -232,3 +232,107 @@ def test_gemport_dpo_equals_trl_through_a_sigkill_and_resumes(workdir, tmp_path)
     got = peft_logits(workdir / "base", out, ids)
     bound = 10 * max(np.abs(rounded - exact).max(), EPS32 * np.abs(exact).max())
     assert np.abs(got - exact).max() <= bound, (np.abs(got - exact).max(), bound)
+
+
+# A recipe in TRL's documentation style for `gemport parity --trainer dpo`: use_peft with lora_r, lora_alpha and
+# all-linear; lora_dropout (0.05), bf16 and gradient_checkpointing at TRL's defaults; two micro-batches a step and
+# clipping in play (a fresh adapter's first gradients exceed 0.05), across an epoch's short step.
+PARITY = dict(use_peft=True, lora_r=4, lora_alpha=8, lora_target_modules="all-linear", per_device_train_batch_size=1,
+              gradient_accumulation_steps=2, max_steps=3, learning_rate=5e-3, max_grad_norm=0.05, beta=0.5, seed=3)
+
+
+def test_gemport_parity_takes_a_dpo_recipe(workdir, tmp_path, monkeypatch):
+    """`gemport parity --trainer dpo`: TRL's DPOTrainer + PEFT and gemport dpo's step from the same adapter agree at
+    every step on loss, grad_norm and TRL's DPO metrics, and on the final adapter, each within 10x its floor
+    measured in the run (TRL eager vs sdpa); parity.json holds the metrics with their bounds."""
+    monkeypatch.chdir(tmp_path)
+    config = write_recipe(tmp_path / "dpo.yaml", workdir, **PARITY)
+    done = gemport("parity", workdir / "base", workdir / "data" / "train.jsonl", "--config", config, "--trainer",
+                   "dpo", ok=False)
+    print(done.stdout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("lora_dropout=0.05: TRL's disable_dropout")
+    assert lines[-1].startswith("agree within loss 10 x the floor (at most ")
+    assert "DPO metrics 10 x the floor" in lines[-1] and "rewards/accuracies equal" in lines[-1]
+    report = json.loads((tmp_path / "gemport-parity" / "parity.json").read_text())
+    assert report["ok"] and [r["step"] for r in report["steps"]] == [0, 1, 2]
+    assert report["floor_name"] == "TRL eager vs sdpa attention, float32"
+    assert {m["name"] for m in report["metrics"]} == set(METRICS[3:]) and len(report["metrics"]) == 3 * 6
+    assert all(m["bound"] == pytest.approx(10 * m["floor"]) for m in report["metrics"]
+               if m["name"] != "rewards/accuracies")
+    assert min(r["grad_norm_gpu"] for r in report["steps"]) > PARITY["max_grad_norm"]  # clipping is in play
+    assert any(m["gpu"] != 0 for m in report["metrics"] if m["name"] == "rewards/margins")  # the adapter moved
+
+
+def test_gemport_parity_fails_a_dpo_port_with_another_beta(workdir, tmp_path, monkeypatch):
+    """The port trained with beta 0.1 where the recipe says 0.5: at step 0 (policy = reference, loss log 2 on both
+    sides) the gradient is beta times another: exit 1 naming step 0's grad_norm."""
+    monkeypatch.chdir(tmp_path)
+    config = write_recipe(tmp_path / "dpo.yaml", workdir, **PARITY)
+    port = write_recipe(tmp_path / "port.yaml", workdir, **dict(PARITY, beta=0.1))
+    done = gemport("parity", workdir / "base", workdir / "data" / "train.jsonl", "--config", config, "--trainer",
+                   "dpo", "--port-config", port, "--steps", 1, "--rtol", 1e-4, "--adapter-rtol", 1e-2, ok=False)
+    print(done.stdout)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "DISAGREE at step 0: grad_norm" in done.stdout.splitlines()[-1]
+    assert not json.loads((tmp_path / "gemport-parity" / "parity.json").read_text())["ok"]
+
+
+def test_the_dpo_verdict_names_a_metric_beyond_its_floor():
+    """Each DPO metric is held to 10x its step's floor; rewards/accuracies (a share of pairs) to TRL's own two runs'
+    absolute difference: equal when they agree."""
+    from gemport.dpo.parity import FLOORS, DPOTrajectory, MetricRow
+    from gemport.parity import LEAST_FLOOR, StepRow
+
+    rows = (StepRow(0, 1e-3, 1e-3, 0.69, 0.69, 2.0, 2.0, LEAST_FLOOR, LEAST_FLOOR),)
+    metrics = (MetricRow(0, "rewards/margins", 0.5, 0.5 * (1 + 1e-4), 1e-6),
+               MetricRow(0, "rewards/accuracies", 1.0, 0.5, 0.0))
+    report = DPOTrajectory(rows, FLOORS, metrics=metrics)
+    assert [d[1] for d in report.disagreements()] == ["rewards/margins", "rewards/accuracies"]
+    assert report.first_disagreement() == (
+        "step 0: rewards/margins 0.50005 (port) vs 0.5 (GPU recipe), relative 1.00e-04 = 100 x the floor 1e-06 > 1e-05")
+    assert DPOTrajectory(rows, FLOORS, metrics=metrics[1:]).first_disagreement() == (
+        "step 0: rewards/accuracies 0.5 (port) vs 1 (GPU recipe), absolute 5.00e-01 > 0")
+    assert report.table().splitlines()[-1].startswith("DISAGREE at step 0: rewards/margins")
+    within = DPOTrajectory(rows, FLOORS, metrics=(metrics[0]._replace(port=0.5 * (1 + 5e-6)),
+                                                  metrics[1]._replace(floor=0.5)))
+    assert within.ok and "rewards/accuracies equal (or within TRL's own two runs)" in within.table()
+
+
+@pytest.mark.parametrize("fields, args, words", [
+    ({}, ("--dtype", "bfloat16"), "--trainer dpo compares in float32 only"),
+    ({"precompute_ref_log_probs": True}, (), "precompute_ref_log_probs=True"),
+    ({"use_peft": False}, (), "use_peft is not set"),
+    ({}, ("--sft-data",), "no ['chosen', 'rejected'] key"),
+    ({}, ("--other-template",), "records[0]: conversation 0: gemport's Gemma3"),
+    ({}, ("--port-config", "port.yaml"), "port.yaml: its lora_* fields differ"),
+])
+def test_dpo_parity_refuses_before_either_side_trains(workdir, tmp_path, monkeypatch, fields, args, words):
+    """Recipe fields, the comparison's options, the data's format and the tokenizer's template are checked before
+    TRL or the port trains (here, training at all fails the test), with a one-line typed error."""
+    import shutil
+
+    import trl
+
+    from gemport.train.run import SFTRun
+
+    monkeypatch.setattr(trl.DPOTrainer, "train", lambda self: pytest.fail("the GPU side trained"))
+    monkeypatch.setattr(SFTRun, "train", lambda self: pytest.fail("the port trained"))
+    monkeypatch.chdir(tmp_path)
+    base, data = workdir / "base", workdir / "data" / "train.jsonl"
+    if "--sft-data" in args:
+        data = tmp_path / "sft.jsonl"
+        data.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}]}) + "\n")
+    if "--other-template" in args:  # Gemma 3's turns and something more: TRL would train on other tokens
+        import transformers
+
+        base = tmp_path / "base"
+        shutil.copytree(workdir / "base", base)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(base)
+        tokenizer.chat_template += "{{ '\n' }}"
+        tokenizer.save_pretrained(base)
+    config = write_recipe(tmp_path / "dpo.yaml", workdir, **{**PARITY, **fields})
+    write_recipe(tmp_path / "port.yaml", workdir, **{**PARITY, "lora_r": 8})
+    options = [a for a in args if a not in ("--sft-data", "--other-template")]
+    one_line_error(gemport("parity", base, data, "--config", config, "--trainer", "dpo", *options, ok=False), words)

@@ -220,6 +220,7 @@ def test_plain_text_is_trimmed_anywhere():
 
 @pytest.mark.parametrize("record, match", [
     ({"question": "q"}, "match no SFT format"),
+    ({"prompt": "q", "chosen": "a", "rejected": "b"}, "a preference pair, which `gemport dpo` and `gemport parity"),
     ({"prompt": "p", "completion": [{"role": "assistant", "content": "c"}]}, "expected a string"),
     ({"messages": "hello"}, "expected a list of messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "image": None}]}]}, r"messages\[0\].content\[0\]: a 'image' part"),

@@ -5,7 +5,9 @@ conversational) and ``collate`` lays out a micro-batch of pairs as TRL's collato
 ``from_dpo_config`` reads a ``DPOConfig``, ``dpo_loss`` gives one micro-batch's loss and TRL's metrics, the
 reference being the same model with its LoRA off (``without_lora``). Step (``trainer``): ``DPOPeftTrainer``,
 the SFT trainer's one step with DPO's loss and TRL's gradient accumulation. Run (``run``): ``DPORun``, a
-``trl dpo`` recipe as one object (``gemport dpo --config``), on the SFT run's primitives. See docs/dpo.md.
+``trl dpo`` recipe as one object (``gemport dpo --config``), on the SFT run's primitives. Parity (``parity``):
+``trajectory``, TRL's ``DPOTrainer`` + PEFT against ``DPORun`` step by step (``gemport parity --trainer dpo``).
+See docs/dpo.md.
 """
 
 from gemport.dpo.data import Preference, collate, preferences, split_prompt, tokenize

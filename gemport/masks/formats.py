@@ -111,9 +111,11 @@ def detect(record: Any, text_field: str = "text") -> Format:
         return "prompt_completion"
     if text_field in record:
         return "text"
+    pairs = ("; 'chosen'/'rejected' make a preference pair, which `gemport dpo` and `gemport parity --trainer dpo` "
+             "take" if "chosen" in record and "rejected" in record else "")
     raise MaskError(
         f"record: keys {sorted(record)} match no SFT format; expected 'messages', 'prompt' and "
-        f"'completion', or {text_field!r} (text_field)"
+        f"'completion', or {text_field!r} (text_field){pairs}"
     )
 
 
