@@ -152,6 +152,44 @@ def test_plan_is_within_15_percent_of_the_compiled_fast_step(peaks, case):
     assert abs(plan.total_bytes / peaks[(True, case)] - 1) <= 0.15, (plan.total_bytes, peaks[(True, case)], str(plan))
 
 
+# What libtpu compiles the trained step to at Gemma 4 31B's widths (2 layers, vocabulary 262144) with the bundled
+# recipe (examples/sft_verilog.yaml: LoRA r=8 x 7, bf16, 2 rows per micro-batch, 2 micro-batches, clipping, decoder
+# remat), on the mesh `gemport sft --dry-run --tpu SLICE` picks: peak bytes per chip, compile-only. Source:
+# `python bench/bench_plan_fit.py --record FILE` (its JSON lines), libtpu 0.0.42.1, jax 0.10.2, 2026-12-02. The
+# suite cannot afford these compiles (minutes and GBs each); rerun the bench when the step or libtpu changes.
+LIBTPU_PEAKS = [
+    # (slice, fsdp, tp, tokens per row, compiled peak bytes per chip)
+    ("v5p-2", 1, 1, 4096, 9726164928),
+    ("v5p-8", 1, 4, 4096, 2658646752),
+    ("v6e-8", 2, 4, 4096, 1444575040),
+]
+
+
+@pytest.mark.parametrize("case", LIBTPU_PEAKS, ids=lambda c: f"{c[0]}-{c[3]}")
+def test_plan_is_within_15_percent_of_what_libtpu_compiles_at_31b_widths(case):
+    """The plan's estimate (no compile) against the recorded compile-only peaks of the step that trains."""
+    sys.path.insert(0, str(BENCH))
+    import bench_plan_fit
+
+    name, fsdp, tp, seq_len, peak = case
+    spec = bench_plan_fit.spec_of(2)
+    assert bench_plan_fit.mesh_sizes(spec, {"v5p-2": 1, "v5p-8": 4, "v6e-8": 8}[name]) == (fsdp, tp)
+    plan = bench_plan_fit.estimate(spec, fsdp, tp, bench_plan_fit.RECIPE["per_device_train_batch_size"], seq_len)
+    assert abs(plan.total_bytes / peak - 1) <= 0.15, (plan.total_bytes, peak, str(plan))
+
+
+def test_fsdp_gathers_the_largest_weight_and_one_embedding_slice():
+    """Under fsdp a dot's weight is all-gathered over fsdp into a temporary of its tp shard, one at a time (libtpu's
+    program for 31B widths on a v6e-8 gathers each [5376, 21504 / 4] MLP weight and each [262144 / 16 / 4, 5376]
+    embedding slice): the plan counts the largest of each; none without fsdp."""
+    spec = dataclasses.replace(G31, num_layers=2, layer_types=("sliding", "global"))
+    plan = memory_plan(spec, 2, 4, lora_spec=LoraSpec(16, 32.0), batch=8, seq_len=2048)
+    assert plan.step.gathered_bytes == (5376 * 21504 // 4 + 262144 // 16 // 4 * 5376) * 2
+    assert plan.tunix_step.gathered_bytes == (5376 * 21504 // 4 + 262144 // 4 * 5376) * 2  # Tunix's logits: all of it
+    assert "fsdp-gathered weights" in str(plan)
+    assert memory_plan(spec, 1, 4, lora_spec=LoraSpec(16, 32.0), batch=8, seq_len=2048).step.gathered_bytes == 0
+
+
 @pytest.mark.parametrize("case", TUNIX_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_what_tunix_step_would_need_is_within_15_percent_of_its_compiled_peak(peaks, case):
     plan = _plan(case)

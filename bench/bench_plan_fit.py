@@ -1,0 +1,129 @@
+"""The memory plan's estimate (no compile) against what libtpu compiles the train step to, at Gemma 4 31B's widths.
+
+The step is the one ``SFTRun.train()`` runs (``gemport.plan.compiled.compile_step`` of ``step_trainer``) with the
+bundled recipe's settings (``examples/sft_verilog.yaml``: LoRA r=8, alpha 16 on all seven projections, bf16, 2 rows
+per micro-batch, 2 micro-batches, ``max_grad_norm`` 1.0, ``gradient_checkpointing``: decoder remat), on the mesh
+``gemport sft --dry-run --tpu SLICE`` picks (the largest tp that fits), for each slice and row length given:
+2 layers (one sliding, one global), vocabulary 262144, compiled for the slice's chips by libtpu on this host
+(compile-only; nothing runs). Prints per chip the estimate, the compiled peak and their ratio, and appends each
+compiled figure as a JSON line to ``--record`` (with libtpu's version and the date), so that nothing is compiled
+twice: ``--from FILE`` reprints the comparison from recorded figures without compiling.
+
+``python bench/bench_plan_fit.py [SLICE:TOKENS ...] [--layers 2] [--record FILE] [--from FILE]``, e.g.
+``v5p-2:4096 v5p-8:8192 v6e-8:4096`` (``v5p-2`` is one v5p chip). Several minutes and a few GB per compile.
+"""
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent.parent))
+
+GiB = 2**30
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# examples/sft_verilog.yaml's fields that shape the step
+RECIPE = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_grad_norm=1.0, weight_decay=0.01,
+              learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=4, gradient_checkpointing=True, bf16=True)
+RANK, ALPHA = 8, 16
+CASES = ("v5p-2:4096", "v5p-2:8192", "v5p-8:4096", "v5p-8:8192", "v6e-8:4096", "v6e-8:8192")
+
+
+def spec_of(layers: int, vocab: int = 262144):
+    from gemport.specs import GemmaSpec
+
+    types = ("sliding", "global") * (layers // 2) + ("global",) * (layers % 2)
+    return dataclasses.replace(GemmaSpec.preset("gemma4-31b"), num_layers=layers, layer_types=types, vocab=vocab)
+
+
+def mesh_sizes(spec, chips: int) -> tuple[int, int]:
+    """(fsdp, tp) as ``make_mesh`` picks them without sizes: the largest tp that fits."""
+    from gemport.mesh.factory import valid_tp
+
+    tp = max(valid_tp(spec, chips))
+    return chips // tp, tp
+
+
+def estimate(spec, fsdp: int, tp: int, rows: int, seq_len: int):
+    """The plan's ``MemoryPlan`` for the case (no compile)."""
+    from gemport.lora import LoraSpec
+    from gemport.plan import memory_plan
+
+    return memory_plan(spec, fsdp, tp, lora_spec=LoraSpec(rank=RANK, alpha=ALPHA, targets=TARGETS), batch=rows,
+                       seq_len=seq_len, remat="decoder", param_dtype="bfloat16")
+
+
+def compile_case(spec, tpu: str, seq_len: int, dump: str | None = None) -> dict:
+    import jax.numpy as jnp
+
+    from gemport.lora import LoraSpec
+    from gemport.mesh import make_mesh
+    from gemport.mesh.tpu import slice_devices
+    from gemport.plan.compiled import compile_step, step_trainer
+    from gemport.train.model import lora_model
+
+    devices = slice_devices(tpu)
+    fsdp, tp = mesh_sizes(spec, len(devices))
+    model = lora_model(spec, LoraSpec(rank=RANK, alpha=ALPHA, targets=TARGETS), remat="decoder",
+                       param_dtype=jnp.bfloat16)
+    mesh = make_mesh(spec, fsdp=fsdp, tp=tp, devices=devices)
+    rows = RECIPE["per_device_train_batch_size"]
+    start = time.perf_counter()
+    options = None
+    if dump:  # XLA's buffer assignment and memory-usage report of the step, to read what the peak holds
+        options = {"xla_dump_to": f"{dump}/{tpu}-{seq_len}-{spec.num_layers}", "xla_dump_hlo_as_text": True,
+                   "xla_dump_hlo_module_re": ".*"}
+    c = compile_step(step_trainer(model, RECIPE), mesh, rows, seq_len, compiler_options=options)
+    return dict(tpu=tpu, seq_len=seq_len, layers=spec.num_layers, rows=rows, fsdp=fsdp, tp=tp,
+                argument_bytes=c.argument_bytes, output_bytes=c.output_bytes, temp_bytes=c.temp_bytes,
+                alias_bytes=c.alias_bytes, peak_bytes=c.peak_bytes, compile_s=round(time.perf_counter() - start),
+                libtpu=metadata.version("libtpu"), jax=metadata.version("jax"),
+                date=datetime.date.today().isoformat())
+
+
+def line(m: dict) -> str:
+    spec = spec_of(m["layers"])
+    plan = estimate(spec, m["fsdp"], m["tp"], m["rows"], m["seq_len"])
+    return (f"{m['tpu']:6s} fsdp={m['fsdp']} tp={m['tp']} {m['layers']} layers {m['rows']} x {m['seq_len']:5d}: "
+            f"estimate {plan.total_bytes / GiB:6.2f} GiB, compiled {m['peak_bytes'] / GiB:6.2f} GiB "
+            f"(arguments {m['argument_bytes'] / GiB:.2f}, temporaries {m['temp_bytes'] / GiB:.2f}), "
+            f"ratio {plan.total_bytes / m['peak_bytes']:.3f}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("cases", nargs="*", help=f"SLICE:TOKENS (default: {' '.join(CASES)})")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--record", help="append each compiled figure to this JSON-lines file")
+    parser.add_argument("--dump", help="write XLA's dumps (buffer assignment, memory-usage report) under this folder")
+    parser.add_argument("--from", dest="recorded", help="reprint the comparison from this JSON-lines file")
+    args = parser.parse_args()
+    if args.recorded:
+        for text in Path(args.recorded).read_text().splitlines():
+            if text.strip():
+                print(line(json.loads(text)))
+        return
+    import jax
+
+    if "JAX_PLATFORMS" not in os.environ:
+        jax.config.update("jax_platforms", "cpu")  # the slice's compiler needs no TPU here
+    spec = spec_of(args.layers)
+    print(f"Gemma 4 31B widths, {args.layers} layers, the bundled recipe (LoRA r={RANK} x 7, bf16, "
+          f"{RECIPE['per_device_train_batch_size']} rows per micro-batch, decoder remat, clipping), libtpu "
+          f"compile-only, per chip", flush=True)
+    for case in args.cases or CASES:
+        tpu, seq_len = case.split(":")
+        m = compile_case(spec, tpu, int(seq_len), args.dump)
+        if args.record:
+            with open(args.record, "a") as f:
+                f.write(json.dumps(m) + "\n")
+        print(line(m) + f", compiled in {m['compile_s']} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
