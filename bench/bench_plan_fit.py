@@ -9,8 +9,9 @@ per micro-batch, 2 micro-batches, ``max_grad_norm`` 1.0, ``gradient_checkpointin
 compiled figure as a JSON line to ``--record`` (with libtpu's version and the date), so that nothing is compiled
 twice: ``--from FILE`` reprints the comparison from recorded figures without compiling.
 
-``python bench/bench_plan_fit.py [SLICE:TOKENS ...] [--layers 2] [--record FILE] [--from FILE]``, e.g.
-``v5p-2:4096 v5p-8:8192 v6e-8:4096`` (``v5p-2`` is one v5p chip). Several minutes and a few GB per compile.
+``python bench/bench_plan_fit.py [SLICE:TOKENS[:FSDPxTP] ...] [--layers 2] [--record FILE] [--from FILE]``, e.g.
+``v5p-2:4096 v5p-8:8192 v6e-8:4096`` (``v5p-2`` is one v5p chip; ``v5p-8:4096:4x1``: another mesh than the dry
+run's). Several minutes and a few GB per compile.
 """
 
 import argparse
@@ -58,7 +59,7 @@ def estimate(spec, fsdp: int, tp: int, rows: int, seq_len: int):
                        seq_len=seq_len, remat="decoder", param_dtype="bfloat16")
 
 
-def compile_case(spec, tpu: str, seq_len: int, dump: str | None = None) -> dict:
+def compile_case(spec, tpu: str, seq_len: int, dump: str | None = None, mesh: tuple[int, int] | None = None) -> dict:
     import jax.numpy as jnp
 
     from gemport.lora import LoraSpec
@@ -68,7 +69,7 @@ def compile_case(spec, tpu: str, seq_len: int, dump: str | None = None) -> dict:
     from gemport.train.model import lora_model
 
     devices = slice_devices(tpu)
-    fsdp, tp = mesh_sizes(spec, len(devices))
+    fsdp, tp = mesh or mesh_sizes(spec, len(devices))
     model = lora_model(spec, LoraSpec(rank=RANK, alpha=ALPHA, targets=TARGETS), remat="decoder",
                        param_dtype=jnp.bfloat16)
     mesh = make_mesh(spec, fsdp=fsdp, tp=tp, devices=devices)
@@ -95,6 +96,14 @@ def line(m: dict) -> str:
             f"ratio {plan.total_bytes / m['peak_bytes']:.3f}")
 
 
+def row(m: dict) -> str:
+    """``m`` as a row of docs/benchmarks.md's table."""
+    plan = estimate(spec_of(m["layers"]), m["fsdp"], m["tp"], m["rows"], m["seq_len"])
+    return (f"| {m['tpu']} | fsdp={m['fsdp']} tp={m['tp']} | {m['seq_len']} | {plan.total_bytes / GiB:.2f} GiB | "
+            f"{m['peak_bytes'] / GiB:.2f} GiB ({m['argument_bytes'] / GiB:.2f} + {m['temp_bytes'] / GiB:.2f}) | "
+            f"{plan.total_bytes / m['peak_bytes']:.3f} |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("cases", nargs="*", help=f"SLICE:TOKENS (default: {' '.join(CASES)})")
@@ -102,11 +111,12 @@ def main():
     parser.add_argument("--record", help="append each compiled figure to this JSON-lines file")
     parser.add_argument("--dump", help="write XLA's dumps (buffer assignment, memory-usage report) under this folder")
     parser.add_argument("--from", dest="recorded", help="reprint the comparison from this JSON-lines file")
+    parser.add_argument("--markdown", action="store_true", help="with --from: as rows of docs/benchmarks.md's table")
     args = parser.parse_args()
     if args.recorded:
         for text in Path(args.recorded).read_text().splitlines():
             if text.strip():
-                print(line(json.loads(text)))
+                print((row if args.markdown else line)(json.loads(text)))
         return
     import jax
 
@@ -117,8 +127,9 @@ def main():
           f"{RECIPE['per_device_train_batch_size']} rows per micro-batch, decoder remat, clipping), libtpu "
           f"compile-only, per chip", flush=True)
     for case in args.cases or CASES:
-        tpu, seq_len = case.split(":")
-        m = compile_case(spec, tpu, int(seq_len), args.dump)
+        tpu, seq_len, *mesh = case.split(":")
+        mesh = tuple(map(int, mesh[0].split("x"))) if mesh else None
+        m = compile_case(spec, tpu, int(seq_len), args.dump, mesh)
         if args.record:
             with open(args.record, "a") as f:
                 f.write(json.dumps(m) + "\n")
