@@ -1,8 +1,8 @@
 """The memory plan's estimate (no compile) against what libtpu compiles the train step to, at Gemma 4 31B's widths.
 
 The step is the one ``SFTRun.train()`` runs (``gemport.plan.compiled.compile_step`` of ``step_trainer``) with the
-bundled recipe's settings (``examples/sft_verilog.yaml``: LoRA r=8, alpha 16 on all seven projections, bf16, 2 rows
-per micro-batch, 2 micro-batches, ``max_grad_norm`` 1.0, ``gradient_checkpointing``: decoder remat), on the mesh
+bundled recipe's settings, read from ``examples/sft_verilog.yaml`` (LoRA r=8, alpha 16 on all seven projections, 2
+rows per micro-batch, 2 micro-batches, ``max_grad_norm`` 1.0, ``gradient_checkpointing``: decoder remat), bf16, on the mesh
 ``gemport sft --dry-run --tpu SLICE`` picks (the largest tp that fits), for each slice and row length given:
 2 layers (one sliding, one global), vocabulary 262144, compiled for the slice's chips by libtpu on this host
 (compile-only; nothing runs). Prints per chip the estimate, the compiled peak and their ratio, and appends each
@@ -27,12 +27,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
 GiB = 2**30
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# examples/sft_verilog.yaml's fields that shape the step
-RECIPE = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_grad_norm=1.0, weight_decay=0.01,
-              learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=4, gradient_checkpointing=True, bf16=True)
-RANK, ALPHA = 8, 16
+RECIPE = Path(__file__).parent.parent / "examples" / "sft_verilog.yaml"
 CASES = ("v5p-2:4096", "v5p-2:8192", "v5p-8:4096", "v5p-8:8192", "v6e-8:4096", "v6e-8:8192")
+
+
+def recipe():
+    """The bundled recipe's ``SFTConfig`` fields, ``LoraSpec`` and remat, as ``gemport sft`` reads them."""
+    from gemport.train.recipe import read
+    from gemport.train.run import lora_spec_of
+    from gemport.train.sft import remat_of
+
+    read_ = read(RECIPE)
+    return read_.sft, lora_spec_of(read_.lora()), remat_of(read_.sft)
 
 
 def spec_of(layers: int, vocab: int = 262144):
@@ -52,17 +58,16 @@ def mesh_sizes(spec, chips: int) -> tuple[int, int]:
 
 def estimate(spec, fsdp: int, tp: int, rows: int, seq_len: int):
     """The plan's ``MemoryPlan`` for the case (no compile)."""
-    from gemport.lora import LoraSpec
     from gemport.plan import memory_plan
 
-    return memory_plan(spec, fsdp, tp, lora_spec=LoraSpec(rank=RANK, alpha=ALPHA, targets=TARGETS), batch=rows,
-                       seq_len=seq_len, remat="decoder", param_dtype="bfloat16")
+    _, lora, remat = recipe()
+    return memory_plan(spec, fsdp, tp, lora_spec=lora, batch=rows, seq_len=seq_len, remat=remat,
+                       param_dtype="bfloat16")
 
 
 def compile_case(spec, tpu: str, seq_len: int, dump: str | None = None, mesh: tuple[int, int] | None = None) -> dict:
     import jax.numpy as jnp
 
-    from gemport.lora import LoraSpec
     from gemport.mesh import make_mesh
     from gemport.mesh.tpu import slice_devices
     from gemport.plan.compiled import compile_step, step_trainer
@@ -70,16 +75,16 @@ def compile_case(spec, tpu: str, seq_len: int, dump: str | None = None, mesh: tu
 
     devices = slice_devices(tpu)
     fsdp, tp = mesh or mesh_sizes(spec, len(devices))
-    model = lora_model(spec, LoraSpec(rank=RANK, alpha=ALPHA, targets=TARGETS), remat="decoder",
-                       param_dtype=jnp.bfloat16)
+    args, lora, remat = recipe()
+    model = lora_model(spec, lora, remat=remat, param_dtype=jnp.bfloat16)
     mesh = make_mesh(spec, fsdp=fsdp, tp=tp, devices=devices)
-    rows = RECIPE["per_device_train_batch_size"]
+    rows = args["per_device_train_batch_size"]
     start = time.perf_counter()
     options = None
     if dump:  # XLA's buffer assignment and memory-usage report of the step, to read what the peak holds
         options = {"xla_dump_to": f"{dump}/{tpu}-{seq_len}-{spec.num_layers}", "xla_dump_hlo_as_text": True,
                    "xla_dump_hlo_module_re": ".*"}
-    c = compile_step(step_trainer(model, RECIPE), mesh, rows, seq_len, compiler_options=options)
+    c = compile_step(step_trainer(model, args), mesh, rows, seq_len, compiler_options=options)
     return dict(tpu=tpu, seq_len=seq_len, layers=spec.num_layers, rows=rows, fsdp=fsdp, tp=tp,
                 argument_bytes=c.argument_bytes, output_bytes=c.output_bytes, temp_bytes=c.temp_bytes,
                 alias_bytes=c.alias_bytes, peak_bytes=c.peak_bytes, compile_s=round(time.perf_counter() - start),
@@ -123,9 +128,10 @@ def main():
     if "JAX_PLATFORMS" not in os.environ:
         jax.config.update("jax_platforms", "cpu")  # the slice's compiler needs no TPU here
     spec = spec_of(args.layers)
-    print(f"Gemma 4 31B widths, {args.layers} layers, the bundled recipe (LoRA r={RANK} x 7, bf16, "
-          f"{RECIPE['per_device_train_batch_size']} rows per micro-batch, decoder remat, clipping), libtpu "
-          f"compile-only, per chip", flush=True)
+    sft, lora, remat = recipe()
+    print(f"Gemma 4 31B widths, {args.layers} layers, {RECIPE.name} (LoRA r={lora.rank} x {len(lora.targets)}, "
+          f"{sft['per_device_train_batch_size']} rows per micro-batch, remat {remat}, max_grad_norm "
+          f"{sft['max_grad_norm']}), libtpu compile-only, per chip", flush=True)
     for case in args.cases or CASES:
         tpu, seq_len, *mesh = case.split(":")
         mesh = tuple(map(int, mesh[0].split("x"))) if mesh else None

@@ -169,6 +169,7 @@ def test_plan_is_within_15_percent_of_what_libtpu_compiles_at_31b_widths(figure)
     import bench_plan_fit
 
     spec = bench_plan_fit.spec_of(figure["layers"])
+    assert figure["rows"] == bench_plan_fit.recipe()[0]["per_device_train_batch_size"]
     plan = bench_plan_fit.estimate(spec, figure["fsdp"], figure["tp"], figure["rows"], figure["seq_len"])
     assert abs(plan.total_bytes / figure["peak_bytes"] - 1) <= 0.15, (plan.total_bytes, figure, str(plan))
 
