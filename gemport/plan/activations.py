@@ -56,6 +56,8 @@ class StepMemory:
         [B, T, T]).
       loss_fn: the step's loss: gemport's default (``train.segment_loss``), or ``train.tunix_loss`` (Tunix's own
         attention and logits).
+      gathered_bytes: under fsdp, the weights gathered whole over fsdp for a dot (``gemport.plan.memory``); 0
+        without fsdp.
     """
 
     batch: int
@@ -66,10 +68,12 @@ class StepMemory:
     logits_bytes: int
     batch_bytes: int
     loss_fn: LossFn = segment_loss
+    gathered_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
-        return self.gradient_bytes + self.activation_bytes + self.logits_bytes + self.batch_bytes
+        return (self.gradient_bytes + self.activation_bytes + self.logits_bytes + self.batch_bytes
+                + self.gathered_bytes)
 
 
 def _layer_widths(spec: GemmaSpec, layer: int, seq_len: int, tp: int, tiled: bool) -> dict[str, float]:
@@ -100,6 +104,7 @@ def step_memory(
     trainable_bytes: int,
     compute_dtype="bfloat16",
     loss_fn: LossFn = segment_loss,
+    gathered_bytes: int = 0,
 ) -> StepMemory:
     """Per-device bytes of one train step of ``spec`` on an (fsdp, tp) mesh for ``batch`` rows of ``seq_len``.
 
@@ -113,6 +118,8 @@ def step_memory(
       loss_fn: ``train.segment_loss``, the step ``train.train_step`` runs by default (segment attention in tiles,
         the loss in blocks of logits); ``train.tunix_loss``: Tunix's own attention ([B, T, N, S] scores) and
         [B, T, V] logits.
+      gathered_bytes: per-device bytes of the weights fsdp gathers whole for the dot that needs them at the
+        peak (``gemport.plan.memory`` counts them from the params' annotations); carried as they are.
     """
     if remat not in REMAT:
         raise MeshError(f"remat={remat!r}: expected one of {', '.join(REMAT)} (Tunix's RematConfig)")
@@ -164,4 +171,5 @@ def step_memory(
         logits_bytes=int(logits),
         batch_bytes=batch_bytes,
         loss_fn=loss_fn,
+        gathered_bytes=gathered_bytes,
     )

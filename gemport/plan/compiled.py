@@ -123,10 +123,12 @@ class Compiled:
 
 
 def compile_step(trainer: Any, mesh, rows: int, seq_len: int, *,
-                 micro_batch: Mapping[str, Any] | None = None) -> Compiled:
+                 micro_batch: Mapping[str, Any] | None = None,
+                 compiler_options: Mapping[str, Any] | None = None) -> Compiled:
     """``lower_step`` compiled: what one device holds and computes for a micro-batch of ``rows`` x ``seq_len``
-    (``micro_batch``: as ``lower_step``'s)."""
-    executable = lower_step(trainer, mesh, rows, seq_len, micro_batch=micro_batch).compile()
+    (``micro_batch``: as ``lower_step``'s). compiler_options: XLA's, as ``Lowered.compile`` takes them (e.g.
+    ``{"xla_dump_to": dir, "xla_dump_hlo_as_text": True}`` writes the buffer assignment and memory-usage report)."""
+    executable = lower_step(trainer, mesh, rows, seq_len, micro_batch=micro_batch).compile(compiler_options)
     m = executable.memory_analysis()
     cost = executable.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost

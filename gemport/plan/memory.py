@@ -15,7 +15,7 @@ from gemport.lora import LoraLayout, LoraSpec, QLoraSpec
 from gemport.lora.config import FACTOR_DTYPE
 from gemport.lora.qlora import bytes_per_device as qlora_bytes_per_device
 from gemport.lora.qlora import is_quantized
-from gemport._src.partition import bytes_per_device
+from gemport._src.partition import axes_of, bytes_per_device
 from gemport.specs import GemmaSpec
 from gemport.train.step import LossFn, segment_loss, tunix_loss
 
@@ -35,7 +35,8 @@ class MemoryPlan:
       lora_bytes: lora_a and lora_b of every target module (0 for full fine-tuning).
       optimizer_bytes: Adam's mu and nu for the trainable params (LoRA, or all params without LoRA).
       hbm_bytes: HBM per device, if given.
-      step: gradients, activations, logits and the batch of one train step (``gemport.plan.activations``),
+      step: gradients, activations, logits, the batch and (under fsdp) the gathered weights of one train step
+        (``gemport.plan.activations``),
         when the plan was given ``batch`` and ``seq_len``; None otherwise, and then the plan says so.
       weight_copy_bytes: on ``backend="cpu"``, the copies XLA:CPU makes of weights for its dots (0 otherwise):
         the transposed largest attention weight (and, for Tunix's step, the transposed embedding; for the
@@ -88,6 +89,7 @@ class MemoryPlan:
             text += (
                 f" + gradients {_human(step.gradient_bytes)} + activations {_human(step.activation_bytes)} + "
                 f"logits and loss {_human(step.logits_bytes)} + batch {_human(step.batch_bytes)}"
+                + (f" + fsdp-gathered weights {_human(step.gathered_bytes)}" if step.gathered_bytes else "")
                 + (f" + XLA:CPU weight copy {_human(self.weight_copy_bytes)}" if self.weight_copy_bytes else "")
                 + f" = {_human(self.total_bytes)} per device (batch {step.batch} x {step.seq_len} tokens, "
                 f"remat {step.remat}, {'fast' if step.loss_fn is segment_loss else 'Tunix'} step)"
@@ -158,7 +160,8 @@ def memory_plan(
       hbm_bytes: HBM per device in bytes, or a chip name from ``HBM`` (e.g. ``"v5p"``).
       batch, seq_len: rows per step (all devices) and tokens per row; with both, the plan adds the train
         step's gradients, activations (per ``remat``: ``"none"``, ``"block"``, ``"decoder"``, Tunix's
-        ``remat_config``), logits and loss temporaries (``gemport.plan.activations.step_memory``).
+        ``remat_config``), logits and loss temporaries (``gemport.plan.activations.step_memory``) and, with
+        fsdp > 1, the largest weight and embedding slice gathered whole over fsdp for their dots.
       compute_dtype: the compute dtype of activations (default ``param_dtype``).
       backend: ``"cpu"`` adds the weight copies XLA:CPU makes for its dots, to compare with a CPU compile.
       loss_fn: ``train.segment_loss`` plans ``train.train_step``'s default step (segment attention in tiles, the
@@ -194,7 +197,7 @@ def memory_plan(
             planned[kind] = (
                 step_memory(spec, fsdp, tp, batch=batch, seq_len=seq_len, remat=remat,
                             trainable_bytes=trainable * trainable_dtype.itemsize, compute_dtype=compute_dtype or param_dtype,
-                            loss_fn=kind),
+                            loss_fn=kind, gathered_bytes=_gathered(spec, params, sizes, param_dtype, kind, qlora)),
                 _weight_copy(params, sizes, param_dtype, kind, qlora, compute_dtype) if backend == "cpu" else 0,
             )
     (step_plan, weight_copy), (tunix_plan, tunix_copy) = planned.get(loss_fn, (None, 0)), planned.get(tunix_loss, (None, 0))
@@ -210,6 +213,36 @@ def memory_plan(
         tunix_plan,
         tunix_copy,
     )
+
+
+def _gathered(spec, params, sizes, param_dtype, loss_fn: LossFn, qlora=None) -> int:
+    # fsdp shards weights along the model width; a dot needs the whole width, so the step all-gathers each weight
+    # over fsdp just before its dot (forward, remat recompute, backward) into a temporary the size of its tp shard,
+    # and frees it after: at the peak the largest layer weight is gathered (libtpu, 31B widths on a v6e-8). The
+    # tied embedding is read by the loss: the fast step gathers one vocabulary slice of it at a time
+    # (gemport.train.chunked_loss), Tunix's step all of it.
+    if sizes[FSDP] == 1:
+        return 0
+    whole = {**sizes, FSDP: 1}
+    item = np.dtype(param_dtype).itemsize
+
+    def gathered(shape, ann, entry):
+        if qlora is not None and is_quantized(entry):
+            return qlora_bytes_per_device(entry, ann, whole, qlora)
+        return bytes_per_device(shape, ann, whole, item)
+
+    def sharded(ann):
+        return any(FSDP in axes_of(a) for a in ann)
+
+    weights = max((gathered(shape, ann, e) for path, shape, ann, e in params
+                   if sharded(ann) and not path.endswith("input_embedding")), default=0)
+    embedding = sum(bytes_per_device(shape, ann, whole, item) for path, shape, ann, _ in params
+                    if path.endswith("input_embedding") and sharded(ann))
+    if loss_fn is segment_loss:
+        from gemport.train.chunked_loss import VOCAB_SLICE, num_slices
+
+        embedding //= num_slices(spec.vocab, VOCAB_SLICE)
+    return weights + embedding
 
 
 def _weight_copy(params, sizes, param_dtype, loss_fn: LossFn, qlora=None, compute_dtype=None) -> int:
