@@ -2,10 +2,8 @@
 and what it writes (the PEFT adapter in output_dir, `--merge`'s merged/) reads back in PEFT and transformers.
 
 The miniatures carry what sets these sizes apart: per-layer inputs, KV-shared trailing layers, and (E2B)
-double-wide MLPs in the shared layers. vLLM serving of the E2B exports is in tests/test_vllm.py
-(``gemma4_e2b_vllm``, the same config as here, exported by the functions `gemport sft` calls). The E4B miniature's
-exports are not served by vLLM in the tests: its head widths (8, 16) are below what vLLM's CPU attention takes
-(64, 128), and a second KV-shared family there would add two engine starts to the suite.
+double-wide MLPs in the shared layers. vLLM serving of both miniatures' exports is in tests/test_vllm.py
+(``gemma4_e2b_vllm`` and ``gemma4_e4b``, the configs here, exported by the functions `gemport sft` calls).
 """
 
 import json
@@ -121,11 +119,12 @@ def test_the_adapter_and_the_merged_checkpoint_read_back_as_the_trained_model(ru
     assert json.loads((out / "merged" / "config.json").read_text())["hidden_size_per_layer_input"] == 8
 
 
-# 6 layers x 7 projections, less k_proj and v_proj of E2B's 2 KV-shared layers (they reuse earlier K and V); on
-# the 26B-A4B, less v_proj of its global layer (k_eq_v), plus each layer's two expert weights (PEFT's
+# 6 layers x 7 projections, less k_proj and v_proj of E2B's and E4B's 2 KV-shared layers (they reuse earlier K and
+# V); on the 26B-A4B, less v_proj of its global layer (k_eq_v), plus each layer's two expert weights (PEFT's
 # target_parameters: experts.base_layer is gate_up_proj, experts is down_proj).
 MINIATURES = {
     "gemma4-e2b": ({}, 6 * 7 - 2 * 2),
+    "gemma4-e4b": ({}, 6 * 7 - 2 * 2),
     "gemma4-26b-a4b": ({"lora_target_parameters": ["experts.gate_up_proj", "experts.down_proj"]}, 6 * 7 - 1 + 6 * 2),
 }
 
@@ -133,9 +132,10 @@ MINIATURES = {
 @pytest.mark.parametrize("preset", MINIATURES)
 def test_gemport_parity_agrees_on_a_miniature(tmp_path, monkeypatch, preset):
     """`gemport parity --miniature` of a preset's config.json (real sizes, no weights): gemma4-e2b's miniature keeps
-    per-layer inputs, KV-shared layers and double-wide MLPs; gemma4-26b-a4b's keeps the mixture of experts (routed
+    per-layer inputs, KV-shared layers and double-wide MLPs, gemma4-e4b's per-layer inputs and KV-shared layers with 2 KV
+    heads and MLPs of one width; gemma4-26b-a4b's keeps the mixture of experts (routed
     as transformers routes, LoRA on the experts as PEFT's target_parameters). TRL + PEFT and the port agree step by
-    step under parity's own tolerances, on every adapted module. (E4B's shape trains against TRL above.)"""
+    step under parity's own tolerances, on every adapted module."""
     extra, adapters = MINIATURES[preset]
     from gemport.specs import GemmaSpec
     from test_cli import gemport

@@ -25,6 +25,8 @@ import jax
 import numpy as np
 import pytest
 import safetensors.numpy
+import tiny
+import transformers
 import yaml
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -173,10 +175,25 @@ SFT = dict(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0,
            eval_steps=STEPS, per_device_eval_batch_size=8, disable_tqdm=True)
 
 
-def sft_recipe(hf_checkpoint, root):
+def shallow(name, directory, **fields):
+    """tests/tiny.py's config ``name`` with 2 layers (``fields`` on top), random, saved to ``directory``.
+
+    What these runs assert (the processes train as one, a rerun continues exactly, the exports agree) holds at
+    any depth; each of the runs' 7 processes traces and compiles its steps (and Qwix's first call), which cost
+    about in proportion to the layers.
+    """
+    kwargs = {**tiny.TEXT_CONFIGS[name], "num_hidden_layers": 2, **fields}
+    gemma4 = kwargs.pop("model_type") == "gemma4_text"
+    config = (transformers.Gemma4TextConfig if gemma4 else transformers.Gemma3TextConfig)(**kwargs)
+    config._attn_implementation = "eager"
+    model = (transformers.Gemma4ForCausalLM if gemma4 else transformers.Gemma3ForCausalLM)(config)
+    tiny.randomize(model).save_pretrained(directory)
+    return directory
+
+
+def sft_recipe(root):
     """A tiny Gemma 3 (its vocabulary fits the test tokenizer) with that tokenizer, train/test chats, the YAML."""
-    base = root / "gemma3"
-    hf_checkpoint("gemma3_vllm")[0].save_pretrained(base)
+    base = shallow("gemma3_vllm", root / "gemma3")
     tokenizer().save_pretrained(base)
     data = root / "chats"
     data.mkdir()
@@ -188,10 +205,14 @@ def sft_recipe(hf_checkpoint, root):
 
 
 @pytest.fixture(scope="module")
-def runs(hf_checkpoint, tmp_path_factory):
-    """The runs' output root: one-NAME (1 process), two-NAME (2 processes), term-NAME (2, SIGTERMed, rerun)."""
+def runs(tmp_path_factory):
+    """The runs' output root: one-NAME (1 process), two-NAME (2 processes), term-NAME (2, SIGTERMed, rerun).
+
+    Gemma 4 is the 31B layout (k_eq_v), one sliding and one global layer; Gemma 3 two sliding layers (Tunix's
+    fixed 5:1 pattern)."""
     out = tmp_path_factory.mktemp("multihost")
-    g4, (g3, config) = hf_checkpoint("gemma4_dense")[1], sft_recipe(hf_checkpoint, out)
+    g4 = shallow("gemma4_dense", out / "gemma4", layer_types=["sliding_attention", "full_attention"])
+    g3, config = sft_recipe(out)
     # Each 2-process launch ends with the job its SIGTERM stops; `gemport sft`, joining the processes, starts it.
     first = launch(out, [f"sft:{config}:two-g3", f"nnx:{g4}:two-g4", f"nnx:{g4}:term-g4:{TERM_AFTER}"], 2)
     second = launch(out, [f"sft:{config}:term-g3:{TERM_AFTER}"], 2)

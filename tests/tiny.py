@@ -55,13 +55,21 @@ TEXT_CONFIGS = {
         hidden_size_per_layer_input=8, vocab_size_per_layer_input=128, num_kv_shared_layers=2,
         use_double_wide_mlp=True, final_logit_softcapping=30.0,
     ),
-    # E4B-like: per-layer inputs, KV-shared trailing layers, MLPs of one width, 2 KV heads, 5:1 pattern.
+    # E4B-like: per-layer inputs, KV-shared trailing layers, MLPs of one width, 2 KV heads, 5:1 pattern; vLLM's head
+    # widths, for `gemport sft` against TRL and the exports served by vLLM.
     "gemma4_e4b": dict(
         model_type="gemma4_text", vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=8,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=16, sliding_window=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, global_head_dim=128, sliding_window=4,
         layer_types=["sliding_attention"] * 5 + ["full_attention", "sliding_attention", "full_attention"],
         hidden_size_per_layer_input=8, vocab_size_per_layer_input=128, num_kv_shared_layers=2,
         final_logit_softcapping=30.0,
+    ),
+    # 26B-A4B-like with vLLM's head widths: MoE beside the dense MLP, k_eq_v global layers, served merged by vLLM.
+    "gemma4_moe_vllm": dict(
+        model_type="gemma4_text", vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=64, global_head_dim=128, num_global_key_value_heads=1,
+        attention_k_eq_v=True, sliding_window=4, hidden_size_per_layer_input=0, enable_moe_block=True,
+        num_experts=4, top_k_experts=2, moe_intermediate_size=32, final_logit_softcapping=30.0,
     ),
     "gemma3_vllm": dict(
         model_type="gemma3_text", vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=6,

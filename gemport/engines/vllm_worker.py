@@ -26,6 +26,11 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 
+def expert_adapter(adapter: Path) -> bool:
+    """Whether the PEFT adapter puts LoRA on MoE experts (PEFT's ``target_parameters``)."""
+    return bool(json.loads((adapter / "adapter_config.json").read_text()).get("target_parameters"))
+
+
 def serve(vllm, run: dict, request: dict) -> list[list[dict]]:
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
     from vllm.lora.request import LoRARequest
@@ -39,6 +44,11 @@ def serve(vllm, run: dict, request: dict) -> list[list[dict]]:
     options = {} if memory is None else dict(gpu_memory_utilization=memory)
     if any(adapters):
         options.update(enable_lora=True, max_loras=1, max_lora_rank=request["max_lora_rank"])
+    experts = [bool(a) and expert_adapter(Path(a)) for a in adapters]
+    if any(experts):
+        # PEFT's target_parameters adapters hold each layer's experts as one fused 3D tensor; vLLM's Gemma 4 takes
+        # them only in its "mixed" MoE LoRA format, with each such request marked.
+        options.update(enable_mixed_moe_lora_format=True)
     llm = vllm.LLM(
         model=str(model),
         dtype=request["dtype"],
@@ -58,7 +68,8 @@ def serve(vllm, run: dict, request: dict) -> list[list[dict]]:
         outputs = llm.generate(
             [{"prompt_token_ids": p} for p in request["prompts"]],
             params,
-            lora_request=LoRARequest(f"adapter{i}", i + 1, str(adapter)) if adapter else None,
+            lora_request=LoRARequest(f"adapter{i}", i + 1, str(adapter), is_3d_lora_weight=experts[i])
+            if adapter else None,
             # vLLM 0.32 divides by its progress bar's elapsed time, which a disabled bar leaves at zero.
             use_tqdm=not os.environ.get("TQDM_DISABLE"),
         )
