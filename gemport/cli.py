@@ -259,8 +259,7 @@ def parity(args) -> int:
     if args.lora_config:
         lora = args.lora_config
     if not lora:
-        raise RecipeError(f"{args.config}: use_peft is not set (trl sft would train every weight); set use_peft: true "
-                          "with lora_r, lora_alpha and lora_target_modules, or pass --lora-config adapter_config.json")
+        raise RecipeError(f"{args.config}: no lora_r/lora_target_modules; pass --lora-config adapter_config.json")
     lora, dropout = without_dropout(lora)
     if dropout:
         print(dropout_note(dropout))

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 
 from gemport.errors import GemportError, LoraError, RecipeError, SpecError
-from gemport.recipe import read
+from gemport.recipe import TRL_LORA, read
 
 # What the comparison fixes on the GPU side whatever the recipe says: one process on CPU, float32, a log
 # line per step, nothing written.
@@ -225,9 +225,9 @@ def read_recipe(path):
     reads it (``gemport.recipe.read``): a field that is no field of TRL's dataclasses, or one gemport does not
     reproduce set to a value other than TRL's default, raises ``RecipeError``.
 
-    SFTConfig fields: those the recipe sets; LoRA fields: ``peft.LoraConfig``'s of TRL's ``use_peft`` with its
-    ``lora_*`` fields (``Recipe.lora``: ModelConfig's defaults for those unset, ``lora_dropout`` 0.05), or None
-    without ``use_peft``. A recipe with a 4-bit base (``load_in_4bit``) raises ``LoraError``, pointing to
+    SFTConfig fields: those the recipe sets; LoRA fields: ``peft.LoraConfig``'s of TRL's ``use_peft`` and
+    ``lora_*`` fields (``Recipe.lora``, ModelConfig's defaults for those unset: ``lora_dropout`` 0.05; a recipe
+    that sets ``lora_*`` fields is compared with LoRA, ``use_peft`` or not), or None without either. A recipe with a 4-bit base (``load_in_4bit``) raises ``LoraError``, pointing to
     ``trajectory(qlora=)``; one `QLoraSpec.from_config` cannot reproduce raises its refusal.
     """
     recipe = read(path)
@@ -236,6 +236,8 @@ def read_recipe(path):
             f"{path}: the recipe loads its base in 4 bits (load_in_4bit); this comparison would run it unquantized. "
             f"Pass qlora=QLoraSpec.from_config({str(path)!r}) to gemport.parity.trajectory (docs: QLoRA)"
         )
+    if any(name in recipe.model for name in TRL_LORA):
+        recipe = dataclasses.replace(recipe, model={**recipe.model, "use_peft": True})
     return {name: recipe.sft[name] for name in recipe.given}, recipe.lora()
 
 
