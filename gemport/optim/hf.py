@@ -128,6 +128,25 @@ def hf_optimizer(training_args_or_dict: Any, *, num_training_steps: int,
     raises ``OptimizerConfigError`` naming what is supported; so do values ``torch.optim.AdamW`` refuses
     (negative learning rate, eps or weight decay, betas outside [0, 1)), NaN or infinite numbers, an argument
     that is neither TrainingArguments nor a dict, and a ``num_training_steps`` that is not a positive int.
+
+    Args:
+      training_args_or_dict: ``TrainingArguments`` / ``SFTConfig`` / ``DPOConfig``, or a dict of their fields.
+      num_training_steps: the optimizer steps of the run (``Trainer.create_scheduler``'s).
+      params: the pytree the optimizer will update (any leaf shapes), to fix the weight-decay mask now; default:
+        the mask is computed from what ``init`` gets.
+
+    Returns:
+      ``HFOptimizer(tx, schedule, accumulation)``: ``tx`` an Optax transformation of gradient pytrees shaped as
+      the params; ``schedule(step)`` the learning rate, a float32 scalar; ``accumulation`` an int.
+
+    Example::
+
+      >>> from gemport.optim import hf_optimizer
+      >>> opt = hf_optimizer({"learning_rate": 1e-3, "warmup_steps": 2}, num_training_steps=10)
+      >>> [round(float(opt.schedule(step)), 6) for step in (0, 1, 2, 6)]  # HF's linear warmup and decay
+      [0.0, 0.0005, 0.001, 0.0005]
+      >>> opt.accumulation
+      1
     """
     fields = _fields(training_args_or_dict)
     one_of(fields["optim"], Optim, "optim", OptimizerConfigError)

@@ -74,6 +74,20 @@ def optimizer_steps(training_args_or_dict: Any, num_samples: int) -> Iterator[Op
     ``gradient_accumulation_steps`` consecutive micro-batches, the last step of an epoch the remainder.
     Training stops after ``max_steps`` steps if it is positive, else after
     ``ceil(num_train_epochs * steps_per_epoch)``. Yields ``OptimizerStep``s.
+
+    Args:
+      training_args_or_dict: ``TrainingArguments`` / ``SFTConfig``, or a dict of their fields.
+      num_samples: the rows of the dataset (examples, or packed rows).
+
+    Returns:
+      An iterator of ``OptimizerStep(step, epoch, micro_batches)``, each micro-batch int64 [<= batch size].
+
+    Example::
+
+      >>> from gemport.train import optimizer_steps
+      >>> recipe = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "num_train_epochs": 1}
+      >>> [(s.step, [m.tolist() for m in s.micro_batches]) for s in optimizer_steps(recipe, num_samples=6)]
+      [(0, [[0, 3], [2, 4]]), (1, [[1, 5]])]
     """
     f = values(training_args_or_dict, ORDER, owner="TrainingArguments")
     batch_size, accumulation = f["per_device_train_batch_size"], f["gradient_accumulation_steps"]
