@@ -27,7 +27,7 @@ from gemport.recipe.fields import (COMMANDS, DPO, DPO_MAPPED, MAPPED, MODEL, QLO
 class Recipe:
     """A ``trl sft`` recipe: each dataclass' fields as set by the YAML and the overrides (TRL's defaults not
     filled in, except ``sft``, which holds every SFTConfig field (DPOConfig's, for ``gemport dpo``): the recipe's
-    over TRL 1.16's defaults).
+    over the installed TRL's defaults).
 
     script, model: the ScriptArguments and ModelConfig fields set; sft: the SFTConfig fields; notes: one line
     per mapped field the recipe sets, saying what gemport does instead; source: the YAML path; given: the names of
@@ -72,10 +72,6 @@ class Recipe:
             except TypeError:
                 raise RecipeError(f"dtype={name!r}: not a dtype; give bfloat16, float32 or auto") from None
         return jnp.dtype(jnp.bfloat16 if self.sft["bf16"] else jnp.float32)
-
-
-def _classes(command: str = "sft") -> tuple[str, ...]:
-    return ("ScriptArguments", "ModelConfig", COMMANDS[command])
 
 
 def parse_overrides(argv: Sequence[str]) -> dict[str, Any]:
@@ -143,14 +139,14 @@ def read(config: str | os.PathLike | Mapping[str, Any] | None, overrides: Mappin
     for key, val in env.items():
         os.environ[str(key)] = str(val)
 
-    classes = _classes(command)
     trainer = COMMANDS[command]
+    classes = ("ScriptArguments", "ModelConfig", trainer)
     used, mapped = (USED, MAPPED) if command == "sft" else (frozenset(SCRIPT + MODEL + DPO), {**MAPPED, **DPO_MAPPED})
     default = {name: defaults(name) for name in classes}
     parts: dict[str, dict[str, Any]] = {name: {} for name in classes}
     notes = []
     for name, val in fields.items():
-        owner = next((c for c in ("ScriptArguments", "ModelConfig", trainer) if name in default[c]), None)
+        owner = next((c for c in classes if name in default[c]), None)
         if owner is None:
             raise RecipeError(f"{where}{name}: not a field of trl {command}'s ScriptArguments, ModelConfig or "
                               f"{trainer}; check its spelling")
