@@ -18,7 +18,7 @@ The common flow reads from here, one call per step::
     gemport.export_merged("checkpoints", "merged", base_dir="gemma-4-31b-it")      # for vLLM
 
 ``import gemport`` is cheap: every name, and the submodules (``specs``, ``names``, ``checkpoint``, ``mesh``, ``plan``,
-``sharding``, ``lora``, ``masks``, ``optim``, ``train``, ``parity``, ``verify``, ``engines``, ``dpo``), load JAX and
+``sharding``, ``lora``, ``masks``, ``optim``, ``recipe``, ``train``, ``parity``, ``verify``, ``engines``, ``dpo``), load JAX and
 friends on first use. The submodules hold the rest of the API.
 """
 
@@ -51,8 +51,8 @@ from gemport.errors import (
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("specs", "names", "checkpoint", "mesh", "plan", "sharding", "lora", "masks", "optim", "train", "parity",
-               "verify", "engines", "dpo")
+_SUBMODULES = ("specs", "names", "checkpoint", "mesh", "plan", "sharding", "lora", "masks", "optim", "recipe", "train",
+               "parity", "verify", "engines", "dpo")
 
 # Top-level name -> the module that defines it, imported on first access.
 _LAZY = {

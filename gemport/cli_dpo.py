@@ -71,7 +71,7 @@ def run(args) -> int:
         compile_for_dry_run(args)
     from gemport.checkpoint.output import check_outside
     from gemport.dpo.run import DPORun
-    from gemport.train import recipe as trl_recipe
+    from gemport import recipe as trl_recipe
     from gemport.train.data import load_splits
     from gemport.train.lock import claim_output
     from gemport.train.outputs import TRAINER_STATE

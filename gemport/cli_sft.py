@@ -136,7 +136,7 @@ def run(args) -> int:
     import jax
 
     from gemport.checkpoint.output import check_outside
-    from gemport.train import recipe as trl_recipe
+    from gemport import recipe as trl_recipe
     from gemport.train.data import load_splits
     from gemport.train.lock import claim_output
     from gemport.train.outputs import TRAINER_STATE

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import numpy as np
 
 from gemport.errors import GemportError, LoraError, RecipeError, SpecError
-from gemport.train.recipe import TRL_LORA as _TRL_LORA  # TRL's ModelConfig names for the LoRA fields
+from gemport.recipe import TRL_LORA, read
 
 # What the comparison fixes on the GPU side whatever the recipe says: one process on CPU, float32, a log
 # line per step, nothing written.
@@ -235,41 +235,24 @@ class Trajectory:
 
 
 def read_recipe(path):
-    """(SFTConfig fields, LoRA fields) from a YAML or JSON file as ``trl sft --config`` takes it.
+    """(SFTConfig fields, LoRA fields) of a ``trl sft --config`` YAML (or JSON) file, read as ``gemport sft``
+    reads it (``gemport.recipe.read``): a field that is no field of TRL's dataclasses, or one gemport does not
+    reproduce set to a value other than TRL's default, raises ``RecipeError``.
 
-    SFTConfig fields are kept as they are; TRL's ModelConfig LoRA fields (``lora_r``, ``lora_alpha``,
-    ``lora_dropout``, ``lora_target_modules``, ``use_rslora``) become ``peft.LoraConfig`` fields; model,
-    dataset and PEFT switches (``model_name_or_path``, ``dataset_name``, ``use_peft``, ...) are dropped.
-    A recipe with a 4-bit base (``load_in_4bit``) raises ``LoraError``, pointing to ``trajectory(qlora=)``;
-    one `QLoraSpec.from_config` cannot reproduce raises its refusal.
+    SFTConfig fields: those the recipe sets; LoRA fields: ``peft.LoraConfig``'s of TRL's ``use_peft`` and
+    ``lora_*`` fields (``Recipe.lora``, ModelConfig's defaults for those unset: ``lora_dropout`` 0.05; a recipe
+    that sets ``lora_*`` fields is compared with LoRA, ``use_peft`` or not), or None without either. A recipe with a 4-bit base (``load_in_4bit``) raises ``LoraError``, pointing to
+    ``trajectory(qlora=)``; one `QLoraSpec.from_config` cannot reproduce raises its refusal.
     """
-    path = Path(path)
-    text = path.read_text()
-    if path.suffix in (".yaml", ".yml"):
-        import yaml
-
-        fields = yaml.safe_load(text)
-    else:
-        fields = json.loads(text)
-    if not isinstance(fields, Mapping):
-        raise RecipeError(f"{path}: expected a mapping of SFTConfig fields")
-    from trl import SFTConfig
-
-    from gemport.lora import QLoraSpec
-
-    if QLoraSpec.from_config(fields) is not None:
+    recipe = read(path)
+    if recipe.qlora() is not None:
         raise LoraError(
             f"{path}: the recipe loads its base in 4 bits (load_in_4bit); this comparison would run it unquantized. "
             f"Pass qlora=QLoraSpec.from_config({str(path)!r}) to gemport.parity.trajectory (docs: QLoRA)"
         )
-    names = {f.name for f in dataclasses.fields(SFTConfig)}
-    sft = {k: v for k, v in fields.items() if k in names}
-    lora = {_TRL_LORA[k]: v for k, v in fields.items() if k in _TRL_LORA}
-    if lora and "lora_dropout" not in lora:  # trl sft's ModelConfig default (0.05), not PEFT's LoraConfig's (0)
-        from trl import ModelConfig
-
-        lora["lora_dropout"] = {f.name: f.default for f in dataclasses.fields(ModelConfig)}["lora_dropout"]
-    return sft, lora
+    if any(name in recipe.model for name in TRL_LORA):
+        recipe = dataclasses.replace(recipe, model={**recipe.model, "use_peft": True})
+    return {name: recipe.sft[name] for name in recipe.given}, recipe.lora()
 
 
 def without_dropout(lora_config):

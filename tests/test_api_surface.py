@@ -55,6 +55,12 @@ SUBPACKAGES = {
         "AccumulateTokensState", "HFOptimizer", "Optim", "ScheduleName", "accumulate_tokens", "clip_grad_norm",
         "decay_mask", "decays", "hf_optimizer", "hf_schedule",
     ],
+    "gemport.recipe": [
+        "COMMANDS", "DATA", "DEFAULT_ONLY", "DPO", "DPO_LOSS", "DPO_MAPPED", "MAPPED", "MODEL", "OPTIMIZER", "ORDER",
+        "OUTPUTS", "OWNERS", "QLORA", "REFUSED_WHEN_SET", "RETIRED", "RUN", "SCRIPT", "SFT", "STRATEGIES", "TRL_LORA",
+        "USED", "Recipe", "check_strategies", "class_defaults", "defaults", "given", "owner_class", "parse_overrides",
+        "read", "trainer_fields", "values",
+    ],
     "gemport.train.peft_trainer": ["ACCUMULATION", "NUM_ITEMS", "SCOPES", "HFPeftTrainer", "eval_loss", "hf_loss", "micro_batches"],
     "gemport.train.distributed": ["batch_sharding", "device_rows", "global_batch", "process_rows", "process_step"],
     "gemport.train.preemption": ["Preempted", "Preemption"],

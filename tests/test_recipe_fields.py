@@ -1,4 +1,4 @@
-"""The recipe table (``train.recipe``: USED, MAPPED, refused) and the behaviour, field by field, generated from it.
+"""The recipe table (``gemport.recipe``: USED, MAPPED, refused) and the behaviour, field by field, generated from it.
 
 Every field the table marks used has an entry in ``BEHAVIOUR``: a check that changing the field changes what the
 run does, as TRL/HF would (the masks, the batches and their order, the optimizer's updates, the evaluation,
@@ -22,7 +22,7 @@ import yaml
 from gemport.errors import GemportError, LoraError, MaskError, OptimizerConfigError, RecipeError
 from gemport.lora import LoraSpec
 from gemport.optim.hf import hf_optimizer
-from gemport.train import recipe
+from gemport import recipe
 from gemport.train.run import checkpoint_root, eval_batches, training_config
 from gemport.train.sft import from_sft_config
 from test_cli import gemport, one_line_error
@@ -510,14 +510,14 @@ def _other_value(default):
 
 def _trl_fields():
     out = {}
-    for cls in recipe._classes().values():
-        out.update(recipe.class_defaults(cls))
+    for owner in ("ScriptArguments", "ModelConfig", "SFTConfig"):
+        out.update(recipe.defaults(owner))
     return out
 
 
 @pytest.mark.parametrize("field", sorted(recipe.USED))
 def test_a_used_field_changes_the_run(field, tmp_path):
-    assert field in BEHAVIOUR, f"{field} is marked used in train/recipe.py but has no behaviour check here"
+    assert field in BEHAVIOUR, f"{field} is marked used in gemport/recipe/fields.py but has no behaviour check here"
     BEHAVIOUR[field](tmp_path)
 
 

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from gemport.errors import RecipeError
-from gemport.train import recipe
+from gemport import recipe
 from test_cli import gemport, one_line_error
 from test_train_sft import chats, tokenizer
 

@@ -20,7 +20,7 @@ from gemport.errors import LoraError, RecipeError, UnsafePathError
 from gemport.masks.training_template import gemma4_training_template
 from gemport.mesh import make_mesh
 from gemport.specs import GemmaSpec
-from gemport.train import recipe
+from gemport import recipe
 from gemport.train.record import RECIPE_FILE, check_resume, recipe_record
 from gemport.train.run import CHECKPOINTS, SFTRun, eval_batches
 from test_cli import gemport, one_line_error

@@ -21,7 +21,7 @@ from gemport.errors import LoraError
 from gemport.lora import QLoraSpec
 from gemport.mesh import make_mesh
 from gemport.specs import GemmaSpec
-from gemport.train import recipe
+from gemport import recipe
 from quantized import dequantized
 from test_qlora import TARGETS, base  # noqa: F401 (the 4-bit-friendly tiny Gemma 4 fixture)
 from test_train_sft import chats, tokenizer

@@ -18,17 +18,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gemport.errors import RecipeError
-from gemport.optim.hf import fields_of
+from gemport.recipe import DPO_LOSS, defaults, values
 from gemport.train.step import micro_batch_nll
 
 METRICS: tuple[str, ...] = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                             "logps/chosen", "logps/rejected")
 """TRL's logged DPO metrics that ``dpo_loss`` returns, under TRL's names."""
 
-# DPOConfig fields read, with TRL 1.16's defaults; a value other than the default of those in _REFUSED is refused.
-_READ = {"beta": 0.1, "loss_type": ["sigmoid"], "loss_weights": None, "label_smoothing": 0.0,
-         "discopop_tau": 0.05, "ld_alpha": None, "f_divergence_type": "reverse_kl", "use_weighting": False,
-         "precompute_ref_log_probs": False, "sync_ref_model": False}
+# DPOConfig fields (gemport.recipe.DPO_LOSS) that must keep DPOConfig's default, with why.
 _REFUSED = {
     "ld_alpha": "length-desensitised log-probabilities are not ported yet",
     "f_divergence_type": "only DPO's reverse KL is ported",
@@ -139,18 +136,20 @@ class DPOLoss:
 
 
 def from_dpo_config(config: Any) -> DPOLoss:
-    """``DPOLoss`` from TRL's ``DPOConfig`` (or a dict of its fields; absent ones take TRL 1.16's defaults).
+    """``DPOLoss`` from TRL's ``DPOConfig`` (or a dict of its fields; absent ones take the installed ``DPOConfig``'s
+    defaults).
 
     Reads ``beta``, ``loss_type`` (a name or a list), ``loss_weights``, ``label_smoothing``, ``discopop_tau``;
     raises ``RecipeError`` naming the field for a loss type not in ``PAIR_LOSSES`` and for what is not ported:
     ``ld_alpha``, ``f_divergence_type`` other than ``reverse_kl``, ``use_weighting``,
     ``precompute_ref_log_probs``, ``sync_ref_model``.
     """
-    f = fields_of(config, _READ)
+    f = values(config, DPO_LOSS, owner="DPOConfig")
     for name, why in _REFUSED.items():
-        if f[name] != _READ[name]:
+        default = defaults("DPOConfig")[name]
+        if f[name] != default:
             raise RecipeError(f"DPOConfig.{name}={f[name]!r} is not reproduced by gemport ({why}); "
-                              f"leave it at {_READ[name]!r}")
+                              f"leave it at {default!r}")
     types = [f["loss_type"]] if isinstance(f["loss_type"], str) else list(f["loss_type"])
     weights = [1.0] * len(types) if f["loss_weights"] is None else [float(w) for w in f["loss_weights"]]
     return DPOLoss(beta=float(f["beta"]), loss_types=tuple(types), loss_weights=tuple(weights),

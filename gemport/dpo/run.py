@@ -43,25 +43,12 @@ Reference = Literal["base", "adapter"]
 
 
 def dpo_fields(config: Any) -> dict[str, Any]:
-    """Every ``DPOConfig`` field of ``config``: a ``DPOConfig``, a dict of its fields (the others at TRL's
-    defaults, read from ``trl.DPOConfig``), or a ``trl dpo --config`` YAML (``train.recipe.read``)."""
-    from trl import DPOConfig
+    """Every ``DPOConfig`` field of ``config``: a ``DPOConfig``, a dict of its fields, or a ``trl dpo --config``
+    YAML (``gemport.recipe.trainer_fields``: a dict or a YAML read as ``trl dpo`` reads it, an unknown or refused
+    field raising ``RecipeError``; the others at TRL's defaults, read from ``trl.DPOConfig``)."""
+    from gemport.recipe import trainer_fields
 
-    from gemport.train.recipe import class_defaults, read
-
-    if isinstance(config, (str, os.PathLike)):
-        return read(config, command="dpo").sft
-    if isinstance(config, Mapping):
-        args = {**class_defaults(DPOConfig), **config}
-    elif isinstance(config, DPOConfig):
-        args = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
-    else:
-        raise RecipeError(f"{config!r:.80} is not a DPOConfig, a dict of its fields or a YAML path")
-    if args["bf16"] is None:  # TRL: bf16 unless fp16
-        args["bf16"] = not args["fp16"]
-    if args["pad_to_multiple_of"] == "auto":  # TRL: 128 on Neuron, else None
-        args["pad_to_multiple_of"] = None
-    return args
+    return trainer_fields(config, "dpo")
 
 
 class _Row(NamedTuple):  # what train.record.data_hash reads of a row
@@ -159,14 +146,14 @@ class DPORun(SFTRun):
         from gemport.checkpoint import load_model
         from gemport.lora import apply_lora
         from gemport.masks.formats import read as records
-        from gemport.train.recipe import check_strategies
+        from gemport.recipe import check_strategies
         from gemport.train.record import recipe_record
         from gemport.train.remat import set_remat
         from gemport.train.sft import remat_of
         from gemport.train.vocabulary import check_token_ids
 
         if isinstance(dpo_config, (str, os.PathLike)):
-            from gemport.train.recipe import read
+            from gemport.recipe import read
 
             recipe = read(dpo_config, command="dpo")
             args, lora = recipe.sft, lora if lora is not None else recipe.lora()

@@ -13,40 +13,11 @@ from gemport.optim.clipping import clip_grad_norm
 from gemport.optim.decay import decay_mask
 from gemport.optim.schedules import hf_schedule
 from gemport._src.options import one_of
+from gemport.recipe import DEFAULT_ONLY, OPTIMIZER, defaults, given, values
 
-# TrainingArguments fields hf_optimizer reads, with their defaults in every transformers gemport supports (used for
-# dict keys that are absent). Note the pitfalls: weight decay 0.0 (optax.adamw: 1e-4, torch AdamW: 1e-2) and
-# clipping on at 1.0 (optax.adamw: none).
-_READ = {
-    "learning_rate": 5e-5,
-    "weight_decay": 0.0,
-    "adam_beta1": 0.9,
-    "adam_beta2": 0.999,
-    "adam_epsilon": 1e-8,
-    "max_grad_norm": 1.0,
-    "lr_scheduler_type": "linear",
-    "lr_scheduler_kwargs": None,
-    "warmup_steps": 0,
-    "optim": "adamw_torch_fused",
-    "gradient_accumulation_steps": 1,
-}
-
-# Fields of older TrainingArguments (transformers 5.15 removed warmup_ratio: warmup_steps below 1 is the
-# ratio since), still read from recipes and objects that have them.
-_OLDER = {"warmup_ratio": None}
-
-# Fields that change the optimizer step in ways gemport does not reproduce: each must keep its
-# default, else the error gives the reason.
-_MUST_BE_DEFAULT = {
-    "optim_args": (None, "adamw_torch ignores optim_args in HF; remove them"),
-    "optim_target_modules": (None, "it selects modules for GaLore/APOLLO optimizers, which gemport does not port"),
-    "deepspeed": (None, "a DeepSpeed config can define its own optimizer and scheduler"),
-    "average_tokens_across_devices": (
-        True,
-        "gemport normalises by the token count of the whole global batch, which is HF's behaviour "
-        "with True; on a single GPU the flag has no effect, so drop it",
-    ),
-}
+# The fields read are gemport.recipe's OPTIMIZER (and DEFAULT_ONLY where given), their defaults transformers'
+# TrainingArguments'. Note the pitfalls: weight decay 0.0 (optax.adamw: 1e-4, torch AdamW: 1e-2) and clipping on at
+# 1.0 (optax.adamw: none).
 
 _NUMBERS = (
     "learning_rate",
@@ -94,32 +65,12 @@ class HFOptimizer(NamedTuple):
         return accumulate_tokens(self.tx, self.accumulation)
 
 
-def _plain(value: Any) -> Any:
-    """HF stores lr_scheduler_type and optim as str enums; compare their values."""
-    return getattr(value, "value", value)
-
-
-def fields_of(config: Any, defaults: Mapping[str, Any]) -> dict[str, Any]:
-    """``{name: value}`` for every name of ``defaults``, read from ``config``: ``TrainingArguments`` (or a
-    subclass such as ``SFTConfig``) or a dict of its fields. Absent names take their default; HF's str enums
-    (``lr_scheduler_type``, ``optim``...) become their values."""
-    if isinstance(config, Mapping):
-        get = config.get
-    else:
-
-        def get(name: str, default: Any) -> Any:
-            return getattr(config, name, default)
-
-    return {name: _plain(get(name, default)) for name, default in defaults.items()}
-
-
 def _fields(training_args_or_dict: Any) -> dict[str, Any]:
     if not isinstance(training_args_or_dict, Mapping) and not hasattr(training_args_or_dict, "learning_rate"):
         raise OptimizerConfigError(
             f"{training_args_or_dict!r:.80} is neither TrainingArguments nor a dict of its fields; pass one of those"
         )
-    return fields_of(training_args_or_dict,
-                     {**_READ, **_OLDER, **{name: default for name, (default, _) in _MUST_BE_DEFAULT.items()}})
+    return values(training_args_or_dict, OPTIMIZER, owner="TrainingArguments")
 
 
 def _warmup_steps(fields: Mapping[str, Any], num_training_steps: int) -> int:
@@ -151,8 +102,10 @@ def hf_optimizer(training_args_or_dict: Any, *, num_training_steps: int,
     """Map HF ``TrainingArguments`` to the Optax transformation of the HF Trainer's optimizer step.
 
     ``training_args_or_dict`` is a ``transformers.TrainingArguments`` (or a subclass such as TRL's
-    ``SFTConfig``) or a plain dict of its fields; absent keys take transformers' defaults,
-    keys that do not bear on the optimizer step are ignored. ``num_training_steps`` is the number
+    ``SFTConfig``) or a plain dict of its fields, read through ``gemport.recipe.values`` (the fields of
+    ``gemport.recipe.OPTIMIZER``); absent keys take the defaults of the installed ``TrainingArguments`` (a dict
+    that leaves some out needs transformers, ``gemport[hf]``), keys that do not bear on the optimizer step are
+    ignored. ``num_training_steps`` is the number
     of optimizer steps, as passed to ``Trainer.create_scheduler``.
 
     ``tx`` reproduces, in order:
@@ -175,13 +128,33 @@ def hf_optimizer(training_args_or_dict: Any, *, num_training_steps: int,
     raises ``OptimizerConfigError`` naming what is supported; so do values ``torch.optim.AdamW`` refuses
     (negative learning rate, eps or weight decay, betas outside [0, 1)), NaN or infinite numbers, an argument
     that is neither TrainingArguments nor a dict, and a ``num_training_steps`` that is not a positive int.
+
+    Args:
+      training_args_or_dict: ``TrainingArguments`` / ``SFTConfig`` / ``DPOConfig``, or a dict of their fields.
+      num_training_steps: the optimizer steps of the run (``Trainer.create_scheduler``'s).
+      params: the pytree the optimizer will update (any leaf shapes), to fix the weight-decay mask now; default:
+        the mask is computed from what ``init`` gets.
+
+    Returns:
+      ``HFOptimizer(tx, schedule, accumulation)``: ``tx`` an Optax transformation of gradient pytrees shaped as
+      the params; ``schedule(step)`` the learning rate, a float32 scalar; ``accumulation`` an int.
+
+    Example::
+
+      >>> from gemport.optim import hf_optimizer
+      >>> opt = hf_optimizer({"learning_rate": 1e-3, "warmup_steps": 2}, num_training_steps=10)
+      >>> [round(float(opt.schedule(step)), 6) for step in (0, 1, 2, 6)]  # HF's linear warmup and decay
+      [0.0, 0.0005, 0.001, 0.0005]
+      >>> opt.accumulation
+      1
     """
     fields = _fields(training_args_or_dict)
     one_of(fields["optim"], Optim, "optim", OptimizerConfigError)
-    for name, (default, reason) in _MUST_BE_DEFAULT.items():
-        if fields[name] != default:
+    for name, value in given(training_args_or_dict, DEFAULT_ONLY).items():
+        default = defaults("TrainingArguments")[name]
+        if value != default:
             raise OptimizerConfigError(
-                f"{name}={fields[name]!r} is not supported ({reason}); leave it at {default!r}."
+                f"{name}={value!r} is not supported ({DEFAULT_ONLY[name]}); leave it at {default!r}."
             )
     for name in _NUMBERS + (("warmup_ratio",) if fields["warmup_ratio"] is not None else ()):
         if isinstance(fields[name], bool) or not isinstance(fields[name], (int, float)):

@@ -14,8 +14,8 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 
 from gemport.errors import RecipeError
-from gemport.optim.hf import fields_of
 from gemport._src.options import one_of
+from gemport.recipe import ORDER, values
 
 SamplingStrategy = Literal["random", "sequential"]
 """The ``train_sampling_strategy`` values whose order gemport reproduces."""
@@ -57,38 +57,46 @@ class OptimizerStep(NamedTuple):
     micro_batches: tuple[np.ndarray, ...]
 
 
-_FIELDS = {
-    "per_device_train_batch_size": 8,
-    "gradient_accumulation_steps": 1,
-    "seed": 42,
-    "data_seed": None,
-    "train_sampling_strategy": "random",
-    "max_steps": -1,
-    "num_train_epochs": 3.0,
-    "dataloader_drop_last": False,
-}
+def micro_batches_per_epoch(num_samples: int, batch_size: int, drop_last: bool) -> int:
+    """The micro-batches of one epoch of ``num_samples`` rows in batches of ``batch_size``, as HF's dataloader cuts
+    them: the last one shorter, or dropped with ``drop_last`` (``dataloader_drop_last``)."""
+    return num_samples // batch_size if drop_last else -(-num_samples // batch_size)
 
 
 def optimizer_steps(training_args_or_dict: Any, num_samples: int) -> Iterator[OptimizerStep]:
     """Every optimizer step of HF's Trainer on a map-style dataset of ``num_samples`` rows, in order.
 
     Reads ``per_device_train_batch_size``, ``gradient_accumulation_steps``, ``seed``, ``data_seed``,
-    ``train_sampling_strategy``, ``max_steps``, ``num_train_epochs`` and ``dataloader_drop_last`` from a
-    ``TrainingArguments`` / ``SFTConfig`` or a dict (absent keys take transformers 5.12's defaults), on
-    one process. Each epoch's order is ``sample_order``, cut into micro-batches of the batch size (the
+    ``train_sampling_strategy``, ``max_steps``, ``num_train_epochs`` and ``dataloader_drop_last``
+    (``gemport.recipe.ORDER``) from a ``TrainingArguments`` / ``SFTConfig`` or a dict (absent keys take the
+    installed ``TrainingArguments``' defaults), on one process. Each epoch's order is ``sample_order``, cut into micro-batches of the batch size (the
     last one shorter unless ``dataloader_drop_last``); each optimizer step takes
     ``gradient_accumulation_steps`` consecutive micro-batches, the last step of an epoch the remainder.
     Training stops after ``max_steps`` steps if it is positive, else after
     ``ceil(num_train_epochs * steps_per_epoch)``. Yields ``OptimizerStep``s.
+
+    Args:
+      training_args_or_dict: ``TrainingArguments`` / ``SFTConfig``, or a dict of their fields.
+      num_samples: the rows of the dataset (examples, or packed rows).
+
+    Returns:
+      An iterator of ``OptimizerStep(step, epoch, micro_batches)``, each micro-batch int64 [<= batch size].
+
+    Example::
+
+      >>> from gemport.train import optimizer_steps
+      >>> recipe = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "num_train_epochs": 1}
+      >>> [(s.step, [m.tolist() for m in s.micro_batches]) for s in optimizer_steps(recipe, num_samples=6)]
+      [(0, [[0, 3], [2, 4]]), (1, [[1, 5]])]
     """
-    f = fields_of(training_args_or_dict, _FIELDS)
+    f = values(training_args_or_dict, ORDER, owner="TrainingArguments")
     batch_size, accumulation = f["per_device_train_batch_size"], f["gradient_accumulation_steps"]
     for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
         if not (isinstance(f[name], int) and f[name] >= 1):
             raise RecipeError(f"{name} must be a positive int, got {f[name]!r}")
     if num_samples < 1:
         raise RecipeError(f"optimizer_steps: the dataset has {num_samples} rows")
-    micro_per_epoch = num_samples // batch_size if f["dataloader_drop_last"] else -(-num_samples // batch_size)
+    micro_per_epoch = micro_batches_per_epoch(num_samples, batch_size, f["dataloader_drop_last"])
     if micro_per_epoch == 0:
         raise RecipeError(
             f"dataloader_drop_last with {num_samples} rows < per_device_train_batch_size {batch_size}: no batch"

@@ -27,15 +27,11 @@ from jax.experimental import multihost_utils
 from tunix.sft import hooks
 
 from gemport.errors import RecipeError
-from gemport.optim.hf import fields_of
+from gemport.recipe import OUTPUTS, values
 from gemport.train import trackers
+from gemport.train.order import micro_batches_per_epoch
 
 TRAINER_STATE = "trainer_state.json"
-
-_READ = {"logging_steps": 10, "logging_first_step": False, "logging_strategy": "steps", "eval_steps": None,
-         "save_steps": 500, "num_train_epochs": 3.0, "per_device_train_batch_size": 8, "report_to": "none",
-         "disable_tqdm": None, "eval_on_start": False}
-
 
 class HFOutputs(hooks.TrainingHooks):
     """Writes ``output_dir/trainer_state.json`` (HF's ``TrainerState``), reports each entry to the trackers
@@ -58,7 +54,7 @@ class HFOutputs(hooks.TrainingHooks):
     def __init__(self, output_dir: str | os.PathLike, args: Any, *, epochs: Sequence[float], tokens: Sequence[int],
                  eval_every: int | None, learning_rate: Callable[[int], Any],
                  tracker_config: Mapping[str, Any], command: str = "sft"):
-        f = fields_of(args, _READ)
+        f = values(args, OUTPUTS)
         if f["logging_strategy"] != "steps":
             raise RecipeError(f"SFTConfig.logging_strategy={f['logging_strategy']!r}: gemport logs by "
                                        "'steps' (logging_steps)")
@@ -196,9 +192,8 @@ def step_epochs(plan: Sequence[Any], num_units: int, args: Any) -> list[float]:
 
     Returns a float per step.
     """
-    batch = fields_of(args, _READ)["per_device_train_batch_size"]
-    drop_last = fields_of(args, {"dataloader_drop_last": False})["dataloader_drop_last"]
-    per_epoch = num_units // batch if drop_last else -(-num_units // batch)
+    f = values(args, OUTPUTS)
+    per_epoch = micro_batches_per_epoch(num_units, f["per_device_train_batch_size"], f["dataloader_drop_last"])
     done: dict[int, int] = {}
     epochs = []
     for s in plan:

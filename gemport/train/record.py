@@ -55,7 +55,7 @@ def recipe_record(args: Mapping[str, Any], *, base_dir: str | os.PathLike, dtype
     changes the trained weights (not ``output_dir``, logging, evaluation or saving cadence, ``MAPPED`` fields),
     ``base`` (the resolved base folder), ``dtype``, ``lora`` (the resolved ``LoraSpec``), ``qlora`` and ``data``
     (``data_hash``). Overrides are in ``args`` already."""
-    from gemport.train.recipe import MAPPED
+    from gemport.recipe import MAPPED
 
     out = {f"SFTConfig.{k}": _plain(v) for k, v in sorted(args.items())
            if k not in _NOT_TRAINING and k not in MAPPED and not k.startswith(("hub_", "_"))}

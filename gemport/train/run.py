@@ -36,7 +36,8 @@ from gemport.masks.batching import pad
 from gemport.masks.tokenize import Example
 from gemport.masks.truncation import TruncationReport
 from gemport.mesh import make_mesh, use_mesh
-from gemport.optim.hf import HFOptimizer, fields_of, hf_optimizer
+from gemport.optim.hf import HFOptimizer, hf_optimizer
+from gemport.recipe import RUN, check_strategies, trainer_fields, values
 from gemport.specs import GemmaSpec
 from gemport.train.distributed import batch_sharding, process_rows
 from gemport.train.order import OptimizerStep
@@ -45,25 +46,6 @@ from gemport.train.sft import SFTPipeline, from_sft_config
 from gemport.train import trackers
 from gemport.train.step import stack
 from gemport.train.vocabulary import check_token_ids
-
-# SFTConfig fields the run reads beyond the pipeline's and the optimizer's, with TRL 1.16's defaults.
-_READ = {
-    "output_dir": None,
-    "seed": 42,
-    "bf16": None,
-    "gradient_accumulation_steps": 1,
-    "per_device_train_batch_size": 8,
-    "per_device_eval_batch_size": 8,
-    "eval_strategy": "no",
-    "eval_steps": None,
-    "logging_steps": 10,
-    "save_strategy": "steps",
-    "save_steps": 500,
-    "save_total_limit": None,
-    "dataloader_drop_last": False,
-    "chat_template_path": None,
-    "resume_from_checkpoint": None,
-}
 
 CHECKPOINTS = "checkpoints"
 """The Orbax checkpoint root inside ``output_dir`` (``<output_dir>/checkpoints/<step>``)."""
@@ -77,17 +59,10 @@ def steps_of(value: float | int, max_steps: int, name: str) -> int:
 
 
 def sft_fields(config: Any) -> dict[str, Any]:
-    """The ``SFTConfig`` fields of ``config``: an ``SFTConfig``, a dict of its fields, or a ``trl sft --config``
-    YAML path (read as ``trl sft`` reads it: ``gemport.train.recipe.read``). Returned as a new dict."""
-    if isinstance(config, (str, os.PathLike)):
-        from gemport.train.recipe import read
-
-        return read(config).sft
-    if isinstance(config, Mapping):
-        return dict(config)
-    if hasattr(config, "to_dict"):
-        return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
-    raise RecipeError(f"{config!r:.80} is not an SFTConfig, a dict of its fields or a YAML path")
+    """Every ``SFTConfig`` field of ``config``: an ``SFTConfig``, a dict of its fields, or a ``trl sft --config``
+    YAML path (``gemport.recipe.trainer_fields``: a dict or a YAML read as ``trl sft`` reads it, an unknown or
+    refused field raising ``RecipeError``; the others at TRL's defaults). Returned as a new dict."""
+    return trainer_fields(config)
 
 
 def lora_spec_of(lora: Any) -> LoraSpec:
@@ -152,7 +127,7 @@ class SFTRun:
         """Build the run of ``sft_config`` on ``base_dir`` and ``train_dataset``.
 
         sft_config: ``SFTConfig``, a dict of its fields, or a ``trl sft --config`` YAML (read as ``trl sft``
-            reads it, ``gemport.train.recipe.read``; its ``use_peft`` + ``lora_*`` fields are the default
+            reads it, ``gemport.recipe.read``; its ``use_peft`` + ``lora_*`` fields are the default
             ``lora``, its ``load_in_4bit`` fields the default ``qlora``). base_dir: the HF Gemma checkpoint
             (with its tokenizer unless ``tokenizer`` is given). train_dataset, eval_dataset: TRL SFT records in
             any format gemport reads (``masks.formats.read``: a list, a ``datasets.Dataset``, a
@@ -188,7 +163,7 @@ class SFTRun:
         from gemport.lora import apply_lora
 
         if isinstance(sft_config, (str, os.PathLike)):
-            from gemport.train.recipe import read
+            from gemport.recipe import read
 
             recipe = read(sft_config)
             args, lora = recipe.sft, lora if lora is not None else recipe.lora()
@@ -196,11 +171,9 @@ class SFTRun:
             dtype = dtype if dtype is not None else recipe.dtype()
         else:
             args = sft_fields(sft_config)
-        from gemport.train.recipe import check_strategies
-
         check_strategies(args)
-        f = fields_of(args, _READ)
-        trackers.names(fields_of(args, {"report_to": "none"})["report_to"])  # a missing tracker fails before the load
+        f = values(args, RUN)
+        trackers.names(f["report_to"])  # a missing tracker fails before the load
         base_dir = Path(base_dir)
         spec = GemmaSpec.from_hf(base_dir)
         start = starting_adapter(lora, init_adapter, base_dir, "SFTRun")
@@ -321,7 +294,7 @@ class SFTRun:
 
         with self._trainer_placement():
             return HFPeftTrainer(self.model, self.optimizer.tx, self.training_config, lora_spec=self.lora_spec,
-                                 seed=fields_of(self.args, _READ)["seed"], **kwargs)
+                                 seed=values(self.args, RUN)["seed"], **kwargs)
 
     def _trainer_placement(self):
         # An abstract run's trainer starts its optimizer state off the mesh, whose devices may be compile-only (a
@@ -349,7 +322,7 @@ class SFTRun:
         from gemport.train.peft_trainer import micro_batches
         from gemport.train.preemption import Preemption
 
-        f = fields_of(self.args, _READ)
+        f = values(self.args, RUN)
         root = self.training_config.checkpoint_root_directory
         if self.trainer is None and root is not None and self.record is not None:
             from gemport.train.record import check_resume
@@ -427,7 +400,7 @@ class SFTRun:
 def checkpoint_root(args: Any) -> Path | None:
     """The Orbax checkpoint root of the ``SFTConfig`` ``args``: ``<output_dir>/checkpoints``, or None without
     ``output_dir`` or with ``save_strategy="no"``."""
-    f = fields_of(args, _READ)
+    f = values(args, RUN)
     return None if f["output_dir"] is None or f["save_strategy"] == "no" else Path(f["output_dir"]) / CHECKPOINTS
 
 
@@ -509,9 +482,9 @@ def training_config(args: Any, max_steps: int, *, checkpoint_dir: str | os.PathL
     import orbax.checkpoint as ocp
     from tunix.sft.peft_trainer import TrainingConfig
 
-    from gemport.train.recipe import check_strategies
+    from gemport.recipe import check_strategies
 
-    f = fields_of(args, _READ)
+    f = values(args, RUN)
     check_strategies(f)
     eval_every = max_steps + 1
     if evaluate and f["eval_strategy"] == "steps":

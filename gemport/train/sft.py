@@ -17,31 +17,10 @@ from gemport.masks.packing import Rows, pack
 from gemport.masks.policies import MaskPolicy
 from gemport.masks.tokenize import Example
 from gemport.masks.truncation import Truncation, TruncationReport
-from gemport.optim.hf import fields_of
+from gemport.recipe import DATA, values
 from gemport.train.distributed import process_step
 from gemport.train.order import OptimizerStep, optimizer_steps
 from gemport.train.step import stack
-
-# SFTConfig fields read, with TRL 1.16's defaults.
-_READ = {
-    "assistant_only_loss": False,
-    "completion_only_loss": None,
-    "max_length": 1024,
-    "truncation_mode": "keep_start",
-    "packing": False,
-    "packing_strategy": "bfd",
-    "padding_free": False,
-    "pad_to_multiple_of": None,
-    "dataset_text_field": "text",
-    "eos_token": None,
-    "pad_token": None,
-    "loss_type": "nll",
-    "shuffle_dataset": False,
-    "per_device_train_batch_size": 8,
-    "gradient_accumulation_steps": 1,
-    "gradient_checkpointing": True,
-    "gradient_checkpointing_kwargs": None,
-}
 
 Layout = Literal["pack", "pad", "padding_free"]
 """A batch layout: best-fit-decreasing packed rows, one example per padded row, one padding-free row."""
@@ -111,7 +90,7 @@ class SFTPipeline:
         """
         packed = self.units(examples) if self.layout == "pack" else None
         plan = list(optimizer_steps(self.config, len(packed["tokens"]) if packed is not None else len(examples)))
-        f = fields_of(self.config, _READ)
+        f = values(self.config, DATA)
         accumulation, batch_size = f["gradient_accumulation_steps"], f["per_device_train_batch_size"]
         multiple = self.pad_to_multiple_of or 1
         lengths = np.array([len(e.tokens) for e in examples])
@@ -167,7 +146,7 @@ def remat_of(config: Any) -> str:
     ``gradient_checkpointing_kwargs``: ``use_reentrant`` (torch's choice between two implementations of the same
     recomputation) has no JAX counterpart and changes nothing; any other key raises RecipeError naming it.
     """
-    f = fields_of(config, _READ)
+    f = values(config, DATA)
     for key in f["gradient_checkpointing_kwargs"] or {}:
         if key != "use_reentrant":
             raise RecipeError(
@@ -179,6 +158,9 @@ def remat_of(config: Any) -> str:
 
 def from_sft_config(config: Any, tokenizer: Any, *, chat_format: Gemma3 | Gemma4 | None = None) -> SFTPipeline:
     """Map TRL's ``SFTConfig`` (or ``TrainingArguments``, or a dict of their fields) onto gemport.masks.
+
+    The fields read are ``gemport.recipe.DATA`` (``gemport.recipe.values``: absent ones at TRL's ``SFTConfig``
+    defaults).
 
     Reads ``assistant_only_loss`` (-> ``MaskPolicy("assistant")``, else every token trained),
     ``completion_only_loss``, ``max_length`` (-> ``Truncation(max_length)``), ``packing`` /
@@ -204,7 +186,7 @@ def from_sft_config(config: Any, tokenizer: Any, *, chat_format: Gemma3 | Gemma4
     and GeGLU kernels have none (XLA fuses those itself).
     Returns an ``SFTPipeline``.
     """
-    f = fields_of(config, _READ)
+    f = values(config, DATA)
     refused = {
         "truncation_mode": (f["truncation_mode"] != "keep_start", "keep 'keep_start'"),
         "packing_strategy": (f["packing"] and f["packing_strategy"] != "bfd",
