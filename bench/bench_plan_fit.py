@@ -33,7 +33,7 @@ CASES = ("v5p-2:4096", "v5p-2:8192", "v5p-8:4096", "v5p-8:8192", "v6e-8:4096", "
 
 def recipe():
     """The bundled recipe's ``SFTConfig`` fields, ``LoraSpec`` and remat, as ``gemport sft`` reads them."""
-    from gemport.train.recipe import read
+    from gemport.recipe import read
     from gemport.train.run import lora_spec_of
     from gemport.train.sft import remat_of
 

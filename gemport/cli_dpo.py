@@ -158,7 +158,7 @@ def parity(args) -> int:
     from gemport.dpo.parity import FLOORS, trajectory
     from gemport.parity import Tolerances, dropout_note, miniature, without_dropout
     from gemport.plots import write_parity
-    from gemport.train import recipe as trl_recipe
+    from gemport import recipe as trl_recipe
 
     # Checked before anything loads: what this comparison does not run.
     if args.dtype != "float32":
