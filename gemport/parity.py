@@ -415,7 +415,8 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
     the port through `gemport.checkpoint.quantize.load_qlora_model`, both computing in float32 as the rest of
     the comparison does (``bnb_4bit_compute_dtype`` is overridden). The GPU side's adapters stay float32,
     as PEFT makes them: TRL's cast of a quantized model's adapters to bfloat16 is undone, since the port
-    trains float32 factors (see docs/qlora.md for what that cast changes, measured).
+    trains float32 factors (see docs/qlora.md for what that cast changes, measured). bitsandbytes has no float64:
+    the floor is then TRL with sdpa attention instead of eager, attention's float32 rounding only.
     """
     import jax
     import numpy as np
@@ -535,6 +536,12 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
             if bf16:
                 floor_name = "TRL float32 vs bfloat16 (autocast)"
                 again, again_logs = gpu_run("eager", float32_config)
+            elif qlora is not None:
+                # bitsandbytes quantizes 16- and 32-bit floats only: no float64 run of a 4-bit base. Its floor is
+                # the narrower eager vs sdpa (attention's float32 rounding); pass fixed loss and grad_norm bounds
+                # where that is too narrow.
+                floor_name = "TRL eager vs sdpa attention, float32"
+                again, again_logs = gpu_run("sdpa", gpu_config)
             else:
                 floor_name = "TRL float64 vs float32"
                 # Nothing left in float32 (transformers' norms, RoPE, softmax and loss ask for it by name). The
