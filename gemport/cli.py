@@ -271,8 +271,8 @@ def parity(args) -> int:
     if args.dtype == "float32" and sft.get("bf16", not sft.get("fp16")):  # TRL: bf16 unless fp16
         print(f"{args.config} trains in bfloat16 (bf16, TRL's default): compared in float32, where a disagreement is "
               "in what is computed; --dtype bfloat16 compares it in bfloat16, against the bfloat16 floor")
-    # In bfloat16 each step is judged against the floor; in float32 by the fixed bound unless --rtol gives another.
-    bounds = dict(loss=args.rtol, grad_norm=args.rtol) if args.rtol is not None or args.dtype == "bfloat16" else {}
+    # Each step is judged against the floor measured in the run, unless --rtol fixes a bound.
+    bounds = dict(loss=args.rtol, grad_norm=args.rtol)
     with tempfile.TemporaryDirectory(prefix="gemport-miniature-") as work:
         base, tokenizer = args.base, None
         if args.miniature:
@@ -409,8 +409,9 @@ def parser() -> argparse.ArgumentParser:
                                    "Tunix + gemport.train from the same step-0 adapter, on CPU (float32, or the "
                                    "recipe's bfloat16 with --dtype), and print lr, loss and grad_norm of both per "
                                    "step, each as N x the floor measured in the same run (the GPU recipe trained "
-                                   "again). Exit status 1 on a disagreement beyond --rtol (in bfloat16: 10 x the "
-                                   "floor), naming the first step and quantity.")
+                                   "again, in float64 or, for --dtype bfloat16, in float32). Exit status 1 on a "
+                                   "disagreement beyond 10 x the floor (or --rtol), naming the first step and "
+                                   "quantity.")
     c.add_argument("base", help="an HF Gemma checkpoint (or a miniature of it) with its tokenizer")
     c.add_argument("data", help="a sample of the training data (.jsonl/.json/.parquet, TRL's formats)")
     c.add_argument("--config", required=True, help="the recipe: YAML/JSON of SFTConfig fields, as `trl sft --config` "
@@ -425,10 +426,10 @@ def parser() -> argparse.ArgumentParser:
                                          "from --config")
     c.add_argument("--steps", type=int, help="optimizer steps (default: max_steps of --config)")
     c.add_argument("--rtol", type=float,
-                   help="a fixed relative tolerance on loss and grad_norm (default: 1e-4 in float32; with --dtype "
-                        "bfloat16, 10 x each step's floor, how far the GPU recipe's float32 run logs them from its "
-                        "bfloat16 one). Each step is printed as N x its floor either way (in float32: the GPU recipe "
-                        "again with sdpa attention instead of eager)")
+                   help="a fixed relative tolerance on loss and grad_norm, instead of the default: 10 x each "
+                        "step's floor, how far the GPU recipe logs them from its own run in float64 (with --dtype "
+                        "bfloat16: its bfloat16 run from its float32 one), at least one float32 unit. Each step is "
+                        "printed as N x its floor either way")
     c.add_argument("--adapter-rtol", type=float,
                    help="a fixed relative tolerance on each module's final s*B@A (default: 10 x the floor measured "
                         "by the GPU recipe's second run and, in float32, the port's again with more padding; at "

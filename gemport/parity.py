@@ -21,10 +21,10 @@ import numpy as np
 from gemport.errors import GemportError, LoraError, RecipeError, SpecError
 from gemport.recipe import TRL_LORA, read
 
-# What the comparison fixes on the GPU side whatever the recipe says: one process on CPU, float32, a log
-# line per step, nothing written.
-_GPU_OVERRIDES = dict(logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False, fp16=False,
-                      dataloader_num_workers=0, push_to_hub=False)
+GPU_OVERRIDES = dict(logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False, fp16=False,
+                     dataloader_num_workers=0, push_to_hub=False)
+"""What a comparison (SFT's and ``dpo.parity``'s) fixes on the GPU side whatever the recipe says: one process on
+CPU, float32, a log line per step, nothing written."""
 
 
 FLOOR_MULTIPLE = 10
@@ -37,9 +37,10 @@ LEAST_FLOOR = float(np.finfo(np.float32).eps)
 whose sums round alike), and a floor of 0 would call any port wrong; a float32 value is only known to a unit."""
 
 LEAST_ADAPTER_TOLERANCE = 5e-4
-"""The least default adapter bound: the fixed one held before the floor was measured. The measured floor alone
-is not always the port's noise: on a Gemma 3 1B miniature, padded, both pairs end 1.1e-5 apart while the port
-ends 3.0e-4 from the GPU recipe (cause not yet measured)."""
+"""The least default adapter bound: the fixed one held before the floor was measured. It was kept because on a
+Gemma 3 1B miniature, padded, the pairs ended 1.1e-5 apart while the port ended 3.0e-4 from the GPU recipe; the
+cause was the port's Adam bias corrections (optax's in float32, ~1e-5 off; ``gemport.optim.adam``), and with
+them as torch computes them the port ends 2.6e-5 away, within the float64 floor (4.5e-5)."""
 
 FLOOR_PADDING = 8
 """Padding columns added to every row of the port's second run, which measures the floor."""
@@ -50,13 +51,10 @@ class Tolerances:
     """Fixed relative tolerances, each chosen instead of the floor measured in the run: loss, grad_norm and
     learning rate per step; each module's final s*B@A (max-abs difference over the GPU delta's max-abs).
 
-    loss, grad_norm: 1e-4 (fixed, the default), or None for ``FLOOR_MULTIPLE`` times the step's floor
-    (``StepRow.loss_floor``, ``StepRow.grad_norm_floor``: the GPU recipe trained again with another attention
-    implementation, or in bfloat16 its float32 run; ``trajectory``). The floors are measured and printed either
-    way. In float32 the fixed bound stays the default: eager vs sdpa share every operation but attention bit for
-    bit, and on the Gemma 3 1B miniature (padded) their grad_norm floor is 1.4e-7 for four steps while the port
-    lands 3e-6 away (22 x); a floor of the whole float32 rounding is still to come. In bfloat16 (``gemport parity
-    --dtype bfloat16``) the floor judges.
+    loss, grad_norm: None (the default) for ``FLOOR_MULTIPLE`` times the step's floor (``StepRow.loss_floor``,
+    ``StepRow.grad_norm_floor``: how far the GPU recipe's run logged them from its own run in float64, or in
+    bfloat16 from its float32 run; ``trajectory``), or a fixed bound (``gemport parity --rtol``). The floors are
+    measured and printed either way unless every bound is fixed.
     learning_rate: the schedule is arithmetic on both sides (HF's in float64, the port's in float32): a few
     float32 units.
     adapter: None (the default) for ``FLOOR_MULTIPLE`` times the floor ``trajectory`` measures in the run
@@ -66,8 +64,8 @@ class Tolerances:
     recipe and the data, and no fixed bound holds for all.
     """
 
-    loss: float | None = 1e-4
-    grad_norm: float | None = 1e-4
+    loss: float | None = None
+    grad_norm: float | None = None
     learning_rate: float = 1e-6
     adapter: float | None = None
 
@@ -112,7 +110,7 @@ class Trajectory:
     """The compared steps, each HF module's final adapter difference, and the tolerances; ``ok`` and
     ``first_disagreement`` judge them (steps first, then the final adapters).
 
-    floor_name: what the run's floors compare, e.g. ``"TRL eager vs sdpa attention, float32"``.
+    floor_name: what the run's floors compare, e.g. ``"TRL float64 vs float32"``.
     adapter_floor: the largest final s*B@A difference (same measure as ``adapters``) within the pairs of
     correct runs ``trajectory`` trains (the GPU recipe's two runs; in float32 also the port with and without
     ``FLOOR_PADDING`` more padding columns); at least float32's epsilon. ``adapter_tolerance`` is
@@ -392,11 +390,13 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
     The GPU side is TRL's ``SFTTrainer`` on a ``get_peft_model`` of ``base_dir`` (PEFT's initialisation
     under ``torch.manual_seed(seed)``); that adapter is imported into Tunix (``import_peft``) and trained
     with ``train.from_sft_config`` batches, ``optim.hf_optimizer`` and ``train.train_step``. Unless
-    the tolerances fix all, the GPU side trains again from that adapter: in float32 with sdpa attention instead
-    of eager. Each step's loss and grad_norm are held to ``FLOOR_MULTIPLE`` times how far that second run logged
-    them from the first (``StepRow.loss_floor``, ``StepRow.grad_norm_floor``, at least ``LEAST_FLOOR``). The
-    final adapters are held to ``FLOOR_MULTIPLE`` times the farthest the two GPU runs end apart, or in float32
-    the port with ``FLOOR_PADDING`` more padding columns per row from the port (``Trajectory.adapter_floor``).
+    the tolerances fix all, the GPU side trains again from that adapter on the same batches in float64 (every
+    float32 step transformers asks for by name widened too; a float32 recipe's rounding, all of it). Each
+    step's loss and grad_norm are held to ``FLOOR_MULTIPLE`` times how far the float32 run logged them from the
+    float64 one (``StepRow.loss_floor``, ``StepRow.grad_norm_floor``, at least ``LEAST_FLOOR``). The final
+    adapters are held to ``FLOOR_MULTIPLE`` times the farthest the two GPU runs end apart, or in float32 the port
+    with ``FLOOR_PADDING`` more padding columns per row from the port (``Trajectory.adapter_floor``). The float64
+    run costs about what the float32 one does (no gradient checkpointing: its recompute changes no value).
     dtype: ``"float32"`` (the default: a disagreement is a difference in what is computed, not in precision) or
         ``"bfloat16"``, the recipe as ``bf16: true`` trains it: the GPU side loads the base in bfloat16 (PEFT's
         adapters stay float32) and computes under torch's CPU bfloat16 autocast, as TRL does on a GPU; the port
@@ -412,7 +412,8 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
     the port through `gemport.checkpoint.quantize.load_qlora_model`, both computing in float32 as the rest of
     the comparison does (``bnb_4bit_compute_dtype`` is overridden). The GPU side's adapters stay float32,
     as PEFT makes them: TRL's cast of a quantized model's adapters to bfloat16 is undone, since the port
-    trains float32 factors (see docs/qlora.md for what that cast changes, measured).
+    trains float32 factors (see docs/qlora.md for what that cast changes, measured). bitsandbytes has no float64:
+    the floor is then TRL with sdpa attention instead of eager, attention's float32 rounding only.
     """
     import jax
     import numpy as np
@@ -425,6 +426,7 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
     from trl.chat_template_utils import has_generation_markers
 
     from gemport import train
+    from gemport._src.torch_float64 import TorchFloat64
     from gemport.checkpoint import import_peft, load_model
     from gemport.checkpoint.quantize import load_qlora_model
     from gemport.lora import LoraSpec, apply_lora
@@ -442,7 +444,7 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
     lora = _lora_config(lora_config)
     with tempfile.TemporaryDirectory(prefix="gemport-parity-") as work:
         work = Path(work)
-        overrides = dict(_GPU_OVERRIDES, output_dir=str(work / "trl"))
+        overrides = dict(GPU_OVERRIDES, output_dir=str(work / "trl"))
         if steps is not None:
             overrides["max_steps"] = steps
         gpu_config = _sft_config(sft_config, overrides)
@@ -469,17 +471,17 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
         quantization = transformers.BitsAndBytesConfig(**qlora.to_bnb()) if qlora is not None else None
         import datasets
 
-        def gpu_run(attention, config):
+        def gpu_run(attention, config, dtype=None, **load):
             # A fresh TrainingArguments sets accelerate's process-wide state up again, mixed precision included:
             # one set up for a run in the other dtype refuses to change.
             config = dataclasses.replace(config)
             first = not (work / "adapter0").exists()
             if first:
                 torch.manual_seed(gpu_config.seed)
-            model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16 if config.bf16
-                                                                      else torch.float32,
+            dtype = dtype or (torch.bfloat16 if config.bf16 else torch.float32)
+            model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype,
                                                                       attn_implementation=attention,
-                                                                      quantization_config=quantization)
+                                                                      quantization_config=quantization, **load)
             if qlora is not None:
                 model = peft.prepare_model_for_kbit_training(model, gpu_config.gradient_checkpointing)
             if first:
@@ -520,10 +522,31 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
         adapters = _distances(trained, gpu)
         floors, floor, floor_name = [(None, None)] * len(logs), None, None
         if None in (tolerances.loss, tolerances.grad_norm, tolerances.adapter) and logs:
-            # The recipe trained again, computing the same loss and gradient with other roundings: in float32 with
-            # sdpa attention instead of eager (other sums), in bfloat16 in float32 (the dtype's rounding).
-            floor_name = "TRL float32 vs bfloat16 (autocast)" if bf16 else "TRL eager vs sdpa attention, float32"
-            again, again_logs = gpu_run("eager", float32_config) if bf16 else gpu_run("sdpa", gpu_config)
+            # The recipe trained again from the same adapter on the same batches, computing the same loss and
+            # gradient without the dtype's rounding: the bfloat16 recipe in float32, the float32 one in float64.
+            # How far the first run lands from it is the whole of its rounding error (attention, norms with large
+            # gains, the loss over large logits, Adam's amplification of it), one draw of what the port's own
+            # float32 arithmetic adds. Eager vs sdpa attention in float32 (the floor before) differ only in
+            # attention's roundings, a part of that error counted twice: no wider than it save for the factor
+            # of about 1.4 of two independent errors, which FLOOR_MULTIPLE covers, so a max with it would cost a
+            # run and move no verdict.
+            if bf16:
+                floor_name = "TRL float32 vs bfloat16 (autocast)"
+                again, again_logs = gpu_run("eager", float32_config)
+            elif qlora is not None:
+                # bitsandbytes quantizes 16- and 32-bit floats only: no float64 run of a 4-bit base. Its floor is
+                # the narrower eager vs sdpa (attention's float32 rounding); pass fixed loss and grad_norm bounds
+                # where that is too narrow.
+                floor_name = "TRL eager vs sdpa attention, float32"
+                again, again_logs = gpu_run("sdpa", gpu_config)
+            else:
+                floor_name = "TRL float64 vs float32"
+                # Nothing left in float32 (transformers' norms, RoPE, softmax and loss ask for it by name). The
+                # recomputed forward of gradient checkpointing would run outside the mode (autograd's thread),
+                # and recomputes the same values: it is off. Experts: torch's grouped matmul has no float64 kernel.
+                with TorchFloat64():
+                    again, again_logs = gpu_run("eager", dataclasses.replace(gpu_config, gradient_checkpointing=False),
+                                                torch.float64, experts_implementation="eager")
             floors = [(f["loss"], f["grad_norm"]) for f in step_floors(logs, again_logs, ("loss", "grad_norm"))]
             pairs = [_distances(_gpu_deltas(again), gpu)]
             if not bf16 and tolerances.adapter is None:
@@ -598,6 +621,7 @@ def _distances(got, gpu, want=None):
 
 
 __all__ = [
+    "GPU_OVERRIDES",
     "StepRow",
     "Tolerances",
     "Trajectory",

@@ -196,14 +196,15 @@ class ContinuationReport:
                 f"{self.shape[1]} tokens, max |top logprob difference| {self.max_abs_diff:.3g} {judged}")
 
 
-def compare_continuations(served: Served, reference: np.ndarray, *, name: str, atol: float = 1e-4,
+def compare_continuations(served: Served, reference: np.ndarray, *, name: str, atol: float | None = None,
                           floor: float | None = None, floor_name: str | None = None,
                           within: float | None = None) -> ContinuationReport:
     """Judge ``served`` against ``reference`` log-probabilities float [B, P + T, V] of each prompt (P tokens)
-    followed by its T served tokens (position P - 1 + j predicts served token j).
+    followed by its T served tokens (position P - 1 + j predicts served token j), within ``within`` x ``floor``
+    or a fixed ``atol``: one of the two is given (no tolerance holds for every checkpoint's magnitudes).
 
     Args:
-      atol: the tolerance in log-probability; with ``within`` and ``floor``, ``within * floor`` instead.
+      atol: a fixed tolerance in log-probability, chosen instead of a multiple of a floor.
       floor, floor_name: the floor measured on these tokens (`logprob_floor`), reported beside the distance.
       within: judge within this multiple of ``floor``.
     """
@@ -211,6 +212,9 @@ def compare_continuations(served: Served, reference: np.ndarray, *, name: str, a
         if floor is None:
             raise ValueError("compare_continuations: within= judges against a floor: pass floor=")
         atol = within * floor
+    elif atol is None:
+        raise ValueError("compare_continuations: pass within= and floor= (logprob_floor on these tokens), or a "
+                         "fixed atol=")
     b, t = served.tokens.shape
     start = reference.shape[1] - t - 1
     first, worst = None, 0.0

@@ -18,49 +18,11 @@ import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 import torch
-from torch.overrides import TorchFunctionMode
+
+from gemport._src.torch_float64 import TorchFloat64  # noqa: F401  (the tests' name for it)
 
 # Tunix (and gemport's Tunix MoE) modules whose functions cast to jnp.float32 explicitly (Gemma 3's follow the input dtype).
 TUNIX_FLOAT32_MODULES = ("tunix.models.gemma4.model", "tunix.models.gemma4.moe", "gemport._src.moe")
-
-
-# Read bytes as a dtype (safetensors' loading): float32 there is the file's format, not a precision choice.
-_REINTERPRET = {torch.frombuffer, torch.Tensor.view}
-
-
-def _widen(value):
-    return torch.float64 if value is torch.float32 else value
-
-
-class TorchFloat64(TorchFunctionMode):
-    """``x.float()``, ``dtype=torch.float32``, ``.to(torch.float32)`` and the default dtype give float64 inside
-    this mode; results that are float32 anyway (made from a float32 tensor) are named in ``float32_results``."""
-
-    def __init__(self):
-        super().__init__()
-        self.float32_results = set()
-
-    def __enter__(self):
-        # Tensors created from Python numbers (torch.tensor(0.0), an embedding scale) follow the default dtype.
-        self._default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(torch.float64)
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch.set_default_dtype(self._default_dtype)
-        return super().__exit__(*exc)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.Tensor.float:
-            func, args = torch.Tensor.double, args[:1]
-        elif func not in _REINTERPRET:
-            args = tuple(_widen(a) for a in args)
-            kwargs = {k: _widen(v) for k, v in kwargs.items()}
-        out = func(*args, **kwargs)
-        if isinstance(out, torch.Tensor) and out.dtype == torch.float32:
-            self.float32_results.add(getattr(func, "__name__", str(func)))
-        return out
 
 
 class _Float64Numpy:

@@ -244,3 +244,20 @@ def test_verify_engine_vllm_without_vllm_says_how_to_install_it(base, adapter, t
     args = ["verify", adapter, "--base", base, "--engine", "vllm", "--vllm-python"]
     one_line_error(gemport(*args, sys.executable, ok=False), "needs vllm", "make vllm")
     one_line_error(gemport(*args, tmp_path / "no-python", ok=False), "cannot run", "make vllm")
+
+
+def test_continuations_are_judged_against_a_floor_or_a_chosen_atol():
+    """`compare_continuations` has no default tolerance: a multiple of a floor measured on the tokens, or a fixed
+    atol given on purpose."""
+    import numpy as np
+
+    from gemport.engines import Served
+    from gemport.verify import compare_continuations, log_softmax
+
+    reference = log_softmax(np.array([[[0.0, 1.0, 3.0], [2.0, 0.0, 0.0]]]))  # one prompt token, one served token
+    served = Served(np.array([[2]]), [[{2: float(reference[0, 0, 2]) + 1e-6}]], "engine")
+    with pytest.raises(ValueError, match="within= and floor="):
+        compare_continuations(served, reference, name="reference")
+    assert compare_continuations(served, reference, name="reference", floor=2e-7, within=10).ok
+    assert not compare_continuations(served, reference, name="reference", floor=5e-8, within=10).ok
+    assert not compare_continuations(served, reference, name="reference", atol=1e-7).ok

@@ -182,10 +182,15 @@ def test_a_peft_adapter_is_served_wrongly_on_k_eq_v_layers_until_rewritten(famil
     assert vllm_misserved(f.adapters["peft"], base_dir=f.root / "base") == [
         f"model.layers.{i}.self_attn.k_proj" for i in f.spec.layers_of("global")]
     assert vllm_misserved(f.adapters["rewritten"], base_dir=f.root / "base") == []
-    good = compare_continuations(f.served["rewritten"], reference(f.root / "base", tokens_of(f.served["rewritten"]),
-                                                                  f.adapters["peft"]), name="transformers + peft")
-    bad = compare_continuations(f.served["peft"], reference(f.root / "base", tokens_of(f.served["peft"]),
-                                                            f.adapters["peft"]), name="transformers + peft")
+
+    def judged(served):  # against PEFT's adapter in transformers, within WITHIN x its eager vs sdpa floor
+        eager, sdpa = (logits_of(f.root / "base", tokens_of(served), f.adapters["peft"], attention)
+                       for attention in ("eager", "sdpa"))
+        floor = logprob_floor(served, log_softmax(eager), log_softmax(sdpa), eager)
+        return compare_continuations(served, log_softmax(eager), name="transformers + peft", floor=floor,
+                                     floor_name="transformers eager vs sdpa, float32", within=WITHIN)
+
+    good, bad = judged(f.served["rewritten"]), judged(f.served["peft"])
     assert good.ok, good
     assert not bad.ok and bad.first.startswith("prompt 0, position 0:"), bad
     assert bad.max_abs_diff > 100 * good.max_abs_diff

@@ -20,19 +20,14 @@ from typing import Any, NamedTuple
 
 from gemport.dpo.loss import METRICS
 from gemport.errors import GemportError, MaskError, RecipeError, TemplateMismatchError
-from gemport.parity import (FLOOR_MULTIPLE, LEAST_FLOOR, StepRow, Tolerances, Trajectory, adapter_distances,
-                            step_floors, without_dropout)
+from gemport.parity import (FLOOR_MULTIPLE, GPU_OVERRIDES, LEAST_FLOOR, StepRow, Tolerances, Trajectory,
+                            adapter_distances, step_floors, without_dropout)
 
 FLOORS = Tolerances(loss=None, grad_norm=None)
 """DPO parity's default: loss and grad_norm (and every DPO metric) held to ``FLOOR_MULTIPLE`` x their step's floor."""
 
 ACCURACIES = "rewards/accuracies"
 """Judged by absolute difference: a share of pairs, equal on both sides unless TRL's own two runs differ."""
-
-# What the comparison fixes on both sides whatever the recipe says: one process on CPU, float32, a log line per
-# step, no checkpoint, no tracker (as gemport.parity's SFT comparison).
-_OVERRIDES = dict(logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False, fp16=False,
-                  dataloader_num_workers=0, push_to_hub=False)
 
 
 class MetricRow(NamedTuple):
@@ -185,7 +180,7 @@ def trajectory(base_dir, data, *, dpo_config, lora_config, steps=None, tokenizer
     lora, dropout = without_dropout(lora_config)
     with tempfile.TemporaryDirectory(prefix="gemport-dpo-parity-") as work:
         work = Path(work)
-        overrides = dict(_OVERRIDES, **({} if steps is None else {"max_steps": steps}))
+        overrides = dict(GPU_OVERRIDES, **({} if steps is None else {"max_steps": steps}))
         gpu_args = {**dpo_fields(dpo_config), **overrides, "output_dir": str(work / "trl")}
         port_args = {**dpo_fields(port_dpo_config if port_dpo_config is not None else dpo_config), **overrides,
                      "output_dir": str(work / "port"), "disable_tqdm": not progress}

@@ -9,6 +9,7 @@ import optax
 
 from gemport.errors import OptimizerConfigError
 from gemport.optim.accumulation import accumulate_tokens
+from gemport.optim.adam import scale_by_torch_adam
 from gemport.optim.clipping import clip_grad_norm
 from gemport.optim.decay import decay_mask
 from gemport.optim.schedules import hf_schedule
@@ -40,7 +41,7 @@ _RANGES = (
 
 Optim = Literal["adamw_torch", "adamw_torch_fused"]
 """The ``optim`` values ``hf_optimizer`` reproduces: torch.optim.AdamW under both names (Optax's adamw computes
-the same update)."""
+the same update, save its float32 bias corrections: ``gemport.optim.adam``)."""
 
 
 class HFOptimizer(NamedTuple):
@@ -111,7 +112,8 @@ def hf_optimizer(training_args_or_dict: Any, *, num_training_steps: int,
     ``tx`` reproduces, in order:
 
     - ``max_grad_norm > 0``: ``clip_grad_norm`` (torch's rule, with its 1e-6) on the gradient.
-    - ``optim`` in ``adamw_torch``/``adamw_torch_fused``: ``optax.adamw`` with ``adam_beta1``,
+    - ``optim`` in ``adamw_torch``/``adamw_torch_fused``: ``optax.adamw``'s pieces with torch's bias
+      corrections (``scale_by_torch_adam``) and ``adam_beta1``,
       ``adam_beta2``, ``adam_epsilon`` and ``weight_decay``, decay multiplied by the learning
       rate as in ``torch.optim.AdamW``, masked by ``decay_mask`` (HF's exclusion of biases and
       norm weights). With ``params`` the mask is computed now from that pytree; with ``None`` it
@@ -184,13 +186,11 @@ def hf_optimizer(training_args_or_dict: Any, *, num_training_steps: int,
         num_warmup_steps=_warmup_steps(fields, num_training_steps),
         **scheduler_kwargs,
     )
-    adamw = optax.adamw(
-        schedule,
-        b1=fields["adam_beta1"],
-        b2=fields["adam_beta2"],
-        eps=fields["adam_epsilon"],
-        weight_decay=fields["weight_decay"],
-        mask=decay_mask if params is None else _fixed_mask(params),
+    # optax.adamw's pieces, with torch's bias corrections (gemport.optim.adam: optax's are ~1e-5 off in float32).
+    adamw = optax.chain(
+        scale_by_torch_adam(b1=fields["adam_beta1"], b2=fields["adam_beta2"], eps=fields["adam_epsilon"]),
+        optax.add_decayed_weights(fields["weight_decay"], decay_mask if params is None else _fixed_mask(params)),
+        optax.scale_by_learning_rate(schedule),
     )
     max_grad_norm = fields["max_grad_norm"]
     tx = optax.chain(clip_grad_norm(max_grad_norm), adamw) if max_grad_norm > 0 else adamw
