@@ -64,7 +64,7 @@ SUBPACKAGES = {
     "gemport.train.peft_trainer": ["ACCUMULATION", "NUM_ITEMS", "SCOPES", "HFPeftTrainer", "eval_loss", "hf_loss", "micro_batches"],
     "gemport.train.distributed": ["batch_sharding", "device_rows", "global_batch", "process_rows", "process_step"],
     "gemport.train.preemption": ["Preempted", "Preemption"],
-    "gemport.parity": ["StepRow", "Tolerances", "Trajectory", "adapter_distances", "dropout_note", "miniature",
+    "gemport.parity": ["GPU_OVERRIDES", "StepRow", "Tolerances", "Trajectory", "adapter_distances", "dropout_note", "miniature",
                        "read_recipe", "step_floors", "trajectory", "without_dropout"],
     "gemport.plots": ["loss_curves", "parity_dict", "parity_figure", "write_parity"],
     "gemport.train.trackers": [
