@@ -84,9 +84,12 @@ def errors(ours, ref):
                                                                           jax.tree.leaves(ref_grads))]
 
 
-@pytest.mark.parametrize("name", ["gemma4_dense", "gemma3_1b", "gemma3_qkv"])
-def test_logits_and_lora_grads_match_tunix(hf_checkpoint, name):
-    model = lora_model(hf_checkpoint, name)
+@pytest.mark.parametrize("name, magnitudes", [("gemma4_dense", "tiny"), ("gemma3_1b", "tiny"),
+                                              ("gemma3_qkv", "tiny"), ("gemma3_1b", "real")])
+def test_logits_and_lora_grads_match_tunix(hf_checkpoint, real_checkpoint, name, magnitudes):
+    """``magnitudes="real"``: a real checkpoint's logits (of order 100) and norm gains (to tens),
+    ``tiny.real_magnitudes``, where float32's rounding is a thousand times the miniatures'."""
+    model = lora_model(real_checkpoint if magnitudes == "real" else hf_checkpoint, name)
     batch = rows(tiny.text_config(name).vocab_size)
     tunix = logits_and_grads(model, lambda m, tokens, positions, segment_ids: m(
         tokens, positions, None, attention_mask(segment_ids))[0])
