@@ -246,7 +246,7 @@ def read_recipe(path):
     if recipe.qlora() is not None:
         raise LoraError(
             f"{path}: the recipe loads its base in 4 bits (load_in_4bit); this comparison would run it unquantized. "
-            f"Pass qlora=QLoraSpec.from_config({str(path)!r}) to gemport.parity.trajectory (docs: QLoRA)"
+            f"Pass qlora=gemport.recipe.read({str(path)!r}).qlora() to gemport.parity.trajectory (docs: QLoRA)"
         )
     if any(name in recipe.model for name in TRL_LORA):
         recipe = dataclasses.replace(recipe, model={**recipe.model, "use_peft": True})

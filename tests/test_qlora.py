@@ -96,7 +96,11 @@ def test_bitsandbytes_config_its_dict_and_trl_fields_map_to_the_same_base(tmp_pa
     (tmp_path / "config.json").write_text(tf.Gemma3TextConfig(quantization_config=bnb.to_dict()).to_json_string())
     assert QLoraSpec.from_config(tmp_path) == expected
     (tmp_path / "recipe.yaml").write_text("load_in_4bit: true\nuse_bnb_nested_quant: true\ndtype: bfloat16\n")
-    assert QLoraSpec.from_config(tmp_path / "recipe.yaml") == expected
+    from gemport import recipe
+
+    assert recipe.read(tmp_path / "recipe.yaml").qlora() == expected  # a recipe has one reader
+    with pytest.raises(LoraError, match=r"gemport.recipe.read\(.*\).qlora\(\)"):
+        QLoraSpec.from_config(tmp_path / "recipe.yaml")
     from gemport.parity import read_recipe
 
     with pytest.raises(LoraError, match=r"recipe.yaml: the recipe loads its base in 4 bits .*trajectory"):

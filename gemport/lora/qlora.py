@@ -77,8 +77,9 @@ class QLoraSpec:
 
         ``config``: a ``transformers.BitsAndBytesConfig`` or its dict (``quantization_config`` of a
         ``config.json``), a model's config dict / ``config.json`` / checkpoint directory holding one, TRL's
-        ``ModelConfig``, a ``trl sft --config`` YAML file or a dict of its fields (``load_in_4bit``, ``bnb_4bit_quant_type``,
-        ``use_bnb_nested_quant``, ``dtype`` / ``torch_dtype``, which TRL passes as the compute dtype).
+        ``ModelConfig`` or a dict of its fields (``load_in_4bit``, ``bnb_4bit_quant_type``,
+        ``use_bnb_nested_quant``, ``dtype`` / ``torch_dtype``, which TRL passes as the compute dtype). A
+        ``trl sft --config`` YAML is read by ``gemport.recipe.read(path).qlora()``.
 
         Raises ``LoraError`` naming the field for what gemport cannot reproduce: 8-bit (LLM.int8()),
         bitsandbytes' FP4 (its 16 values are none of Qwix's 4-bit floats), another ``quant_method`` (GPTQ,
@@ -139,13 +140,9 @@ def is_quantized(entry) -> bool:
 def _fields(config: Any) -> tuple[dict[str, Any], str]:
     if isinstance(config, (str, PathLike)):
         path = Path(config)
-        if path.suffix in (".yaml", ".yml") and path.is_file():
-            import yaml
-
-            cfg = yaml.safe_load(path.read_text())
-            if not isinstance(cfg, Mapping):
-                raise LoraError(f"{path}: expected a mapping of TRL fields")
-            return dict(cfg), str(path)
+        if path.suffix in (".yaml", ".yml"):  # a recipe is read once, at gemport.recipe's boundary
+            raise LoraError(f"{path}: a trl sft recipe; read it with gemport.recipe.read({str(path)!r}).qlora(), "
+                            "which checks every field as gemport sft does")
         cfg = read_json(path, "config.json", LoraError, "a checkpoint directory, its config.json, a TRL YAML or a dict")
         return cfg, str(path / "config.json" if path.is_dir() else path)
     if isinstance(config, Mapping):
