@@ -119,7 +119,14 @@ def compare_logits(hf_dir: str | Path, tunix_model, *, adapter_dir: str | Path |
       atol: a fixed max-abs tolerance instead (the floor is still reported).
 
     Returns:
-      A `LogitReport`.
+      A `LogitReport`: ``ok``, the distance, the floor and what it compares, printed as one line.
+
+    Example (``checkpoint``: a tiny Gemma 3 saved by transformers):
+
+      >>> from gemport import compare_logits, load_model
+      >>> report = compare_logits(checkpoint, load_model(checkpoint, param_dtype="float32"))
+      >>> report.ok
+      True
     """
     torch = require("torch", "verifying against transformers")
     dtype = dtype or model_dtype(tunix_model)

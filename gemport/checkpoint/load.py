@@ -110,7 +110,25 @@ def _place(ckpt: HFCheckpoint, prefix: str, entry: names.Entry, shape, dtype, sh
 def load_model(hf_dir: str | Path, *, spec: GemmaSpec | None = None, mesh=None, param_dtype=None):
     """Load an HF Gemma checkpoint as a ready Tunix model (``tunix.models.gemma3.Gemma3`` or ``gemma4.Gemma4``).
 
-    Arguments and loading as in `load_hf`; the model's compute dtype equals its parameter dtype.
+    Loading as in `load_hf`: tensor by tensor, each placed on ``mesh`` as read; the model's compute dtype equals
+    its parameter dtype.
+
+    Args:
+      hf_dir: an HF checkpoint directory (``config.json`` and safetensors).
+      spec: its architecture (default: read from ``config.json``).
+      mesh: a ``make_mesh`` mesh to shard the parameters on (default: one device).
+      param_dtype: the parameters' dtype (default: the checkpoint's).
+
+    Returns:
+      The Tunix model; ``model(tokens int32 [B, T], positions int32 [B, T], None, mask bool [B, T, T])`` gives
+      logits float [B, T, V] first.
+
+    Example (``checkpoint``: a tiny Gemma 3 saved by transformers):
+
+      >>> from gemport import load_model
+      >>> model = load_model(checkpoint, param_dtype="float32")
+      >>> type(model).__name__, model.embedder.input_embedding.value.shape
+      ('Gemma3', (96, 32))
     """
     ckpt = HFCheckpoint(hf_dir)
     return nnx.merge(*_load(ckpt, resolve_spec(hf_dir, spec, "hf_dir"), mesh, param_dtype))

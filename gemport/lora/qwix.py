@@ -260,11 +260,27 @@ def apply_lora(model, spec: GemmaSpec, lora: LoraSpec | LoraParams, *, seed: int
         (QLoRA).
 
     The factors (hence their gradients and Adam's moments) are float32 on a bfloat16 or float32 base (float64 on
-    a float64 one), as PEFT keeps adapters on a bfloat16 base; ``lora.params`` in another dtype are cast. A projection's output keeps the base's dtype.
+    a float64 one), as PEFT keeps adapters on a bfloat16 base; ``lora.params`` in another dtype are cast. A
+    projection's output keeps the base's dtype.
+
+    Returns:
+      The model with LoRA: each target einsum's ``lora_a`` [.., D_in, r] and ``lora_b`` [r, .., D_out] are
+      ``nnx.LoRAParam`` (train them with ``nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)``).
 
     Raises:
       MissingTensorError, UnexpectedTensorError, ShapeMismatchError, LoraError: ``lora.params`` does not hold
         exactly the layout's factors, with their shapes and finite values (`LoraLayout.match`).
+
+    Example (``checkpoint``: a tiny Gemma 3 saved by transformers):
+
+      >>> import jax
+      >>> from flax import nnx
+      >>> from gemport import GemmaSpec, LoraSpec, apply_lora, load_model
+      >>> spec = GemmaSpec.from_hf(checkpoint)
+      >>> model = apply_lora(load_model(checkpoint), spec, LoraSpec(rank=4, alpha=8, targets=("q_proj", "v_proj")))
+      >>> factors = nnx.state(model, nnx.LoRAParam)
+      >>> len(jax.tree.leaves(factors)), str(jax.tree.leaves(factors)[0].dtype)
+      (24, 'float32')
     """
     lora_spec, params = (lora.lora_spec, lora.params) if isinstance(lora, LoraParams) else (lora, None)
     if not isinstance(lora_spec, LoraSpec):

@@ -83,9 +83,20 @@ def make_mesh(
       tp: size of the tp axis.
       devices: default ``jax.devices()`` (all processes' devices).
 
+    Returns:
+      A ``jax.sharding.Mesh`` of shape (fsdp, tp).
+
     Raises:
       MeshError: an axis does not divide a dimension it shards (each named with its size, layers and
         params, with the valid tp sizes), or the sizes do not multiply to the device count.
+
+    Example:
+
+      >>> import jax
+      >>> from gemport import GemmaSpec, make_mesh
+      >>> mesh = make_mesh(GemmaSpec.preset("gemma4-31b"), fsdp=1, tp=1, devices=jax.devices()[:1])
+      >>> dict(mesh.shape)
+      {'fsdp': 1, 'tp': 1}
     """
     devices = list(jax.devices() if devices is None else devices)
     fsdp, tp = _sizes(spec, len(devices), fsdp, tp)

@@ -171,6 +171,18 @@ def memory_plan(
       qlora: a 4-bit base (QLoRA): every projection weight counts its 4-bit codes and float32 block scales
         as `gemport.checkpoint.quantize.load_qlora_model` places them. With ``backend="cpu"`` the plan adds the
         dequantized weights XLA:CPU holds through the step.
+
+    Returns:
+      A `MemoryPlan`: bytes per device of the base, the LoRA factors, Adam's moments and (with ``batch`` and
+      ``seq_len``) the step; ``total_bytes``; ``fits`` against ``hbm_bytes``.
+
+    Example:
+
+      >>> from gemport import GemmaSpec, LoraSpec, memory_plan
+      >>> plan = memory_plan(GemmaSpec.preset("gemma4-31b"), fsdp=1, tp=4, hbm_bytes="v5p",
+      ...                    lora_spec=LoraSpec(rank=8, alpha=16), batch=2, seq_len=4096, remat="decoder")
+      >>> round(plan.base_bytes / 2**30, 2), round(plan.total_bytes / 2**30, 2), plan.fits
+      (14.29, 18.46, True)
     """
     check(spec, fsdp, tp)
     sizes = {FSDP: fsdp, TP: tp}

@@ -46,6 +46,16 @@ class GemmaSpec:
       global_rope_scale: linear RoPE scaling factor of global layers (Gemma 3 4B+: 8).
       global_rope_fraction: fraction of a global head that is rotated (Gemma 4: 0.25).
       query_scale: queries are multiplied by this before attention (Gemma 3: 1/sqrt(query_pre_attn_scalar)).
+
+    Built from a checkpoint's ``config.json`` (``GemmaSpec.from_hf(dir)``) or a preset's published config
+    (``GemmaSpec.preset(name)``, ``PRESETS``).
+
+    Example:
+
+      >>> from gemport import GemmaSpec
+      >>> spec = GemmaSpec.preset("gemma4-31b")
+      >>> spec.num_layers, spec.hidden, spec.layer_types[:6], spec.k_eq_v
+      (60, 5376, ('sliding', 'sliding', 'sliding', 'sliding', 'sliding', 'global'), True)
     """
 
     family: Literal["gemma3", "gemma4"]
