@@ -51,14 +51,16 @@ def steps(**fields):
 
 
 def updates(**fields):
-    """The parameters after 3 optimizer steps of HF's AdamW and schedule on one fixed large gradient."""
+    """The parameters after 3 optimizer steps of HF's AdamW and schedule on fixed gradients, the first below
+    the clipping norm and the others above it (gradients of one norm would make Adam's v, and so adam_beta2,
+    cancel out exactly)."""
     import jax.numpy as jnp
     import optax
 
     opt = hf_optimizer(sft(**{"learning_rate": 1e-2, **fields}), num_training_steps=6)
     params = {"w": jnp.ones(4)}
     state = opt.tx.init(params)
-    for g in (1.0, -3.0, 2.0):
+    for g in (0.1, -3.0, 2.0):
         u, state = opt.tx.update({"w": jnp.full(4, g) * jnp.arange(1, 5)}, state, params)
         params = optax.apply_updates(params, u)
     return np.asarray(params["w"])
