@@ -251,13 +251,33 @@ def peft_for_vllm(args) -> int:
 
 
 def parity(args) -> int:
-    if args.trainer == "dpo":
-        from gemport.cli_dpo import parity as dpo_parity
-
-        return dpo_parity(args)
-    from gemport.parity import Tolerances, dropout_note, miniature, read_recipe, trajectory, without_dropout
-    from gemport.train import segment_loss, tunix_loss
+    """``gemport parity``: the trainer's comparison (checked whole first), on the base or its miniature;
+    parity.json and parity.png in ``--out``, the table printed. Exit status 1 on a disagreement."""
+    from gemport.cli_dpo import parity_comparison as dpo_comparison
+    from gemport.parity import miniature
     from gemport.plots import write_parity
+
+    compare = (dpo_comparison if args.trainer == "dpo" else _sft_comparison)(args)  # before anything trains
+    with tempfile.TemporaryDirectory(prefix="gemport-miniature-") as work:
+        base, tokenizer = args.base, None
+        if args.miniature:
+            import transformers
+
+            tokenizer = transformers.AutoTokenizer.from_pretrained(args.base)
+            base = miniature(args.base, Path(work) / "miniature", vocab_size=args.vocab_size)
+            print(f"miniature of {args.base}: {base}")
+        report = compare(base, tokenizer)
+    numbers, picture = write_parity(report, args.out)
+    print(f"wrote {numbers}" + (f", {picture}" if picture else
+                                 " (parity.png needs matplotlib: pip install 'gemport[plot]')"))
+    print(report.table())
+    return 0 if report.ok else 1
+
+
+def _sft_comparison(args):
+    """The SFT recipe's comparison, ``(base, tokenizer) -> parity.Trajectory``, its recipe read and checked."""
+    from gemport.parity import Tolerances, dropout_note, read_recipe, trajectory, without_dropout
+    from gemport.train import segment_loss, tunix_loss
 
     sft, lora = read_recipe(args.config)
     if args.lora_config:
@@ -272,23 +292,11 @@ def parity(args) -> int:
         print(f"{args.config} trains in bfloat16 (bf16, TRL's default): compared in float32, where a disagreement is "
               "in what is computed; --dtype bfloat16 compares it in bfloat16, against the bfloat16 floor")
     # Each step is judged against the floor measured in the run, unless --rtol fixes a bound.
-    bounds = dict(loss=args.rtol, grad_norm=args.rtol)
-    with tempfile.TemporaryDirectory(prefix="gemport-miniature-") as work:
-        base, tokenizer = args.base, None
-        if args.miniature:
-            import transformers
-
-            tokenizer = transformers.AutoTokenizer.from_pretrained(args.base)
-            base = miniature(args.base, Path(work) / "miniature", vocab_size=args.vocab_size)
-            print(f"miniature of {args.base}: {base}")
-        report = trajectory(base, args.data, sft_config=sft, lora_config=lora, steps=args.steps, tokenizer=tokenizer,
-                            port_sft_config=port, loss_fn=segment_loss if args.fast else tunix_loss,
-                            dtype=args.dtype, tolerances=Tolerances(**bounds, adapter=args.adapter_rtol))
-    numbers, picture = write_parity(report, args.out)
-    print(f"wrote {numbers}" + (f", {picture}" if picture else
-                                 " (parity.png needs matplotlib: pip install 'gemport[plot]')"))
-    print(report.table())
-    return 0 if report.ok else 1
+    tolerances = Tolerances(loss=args.rtol, grad_norm=args.rtol, adapter=args.adapter_rtol)
+    return lambda base, tokenizer: trajectory(
+        base, args.data, sft_config=sft, lora_config=lora, steps=args.steps, tokenizer=tokenizer,
+        port_sft_config=port, loss_fn=segment_loss if args.fast else tunix_loss, dtype=args.dtype,
+        tolerances=tolerances)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -149,15 +149,12 @@ def _dry_run(args, recipe, lora) -> int:
                    lambda line: print(line, flush=True))
 
 
-def parity(args) -> int:
-    """``gemport parity BASE DATA --config dpo.yaml --trainer dpo``: TRL's DPOTrainer + PEFT against ``gemport
-    dpo``'s step (``gemport.dpo.parity.trajectory``), judged per step against the floors measured in the run;
-    parity.json and parity.png in ``--out``. Exit status 1 on a disagreement."""
-    import tempfile
-
+def parity_comparison(args):
+    """``gemport parity BASE DATA --config dpo.yaml --trainer dpo``'s comparison, its recipe read and checked
+    before anything trains: ``(base, tokenizer) -> DPOTrajectory``, TRL's DPOTrainer + PEFT against ``gemport
+    dpo``'s step (``gemport.dpo.parity.trajectory``), judged per step against the floors measured in the run."""
     from gemport.dpo.parity import FLOORS, trajectory
-    from gemport.parity import Tolerances, dropout_note, miniature, without_dropout
-    from gemport.plots import write_parity
+    from gemport.parity import Tolerances, dropout_note, without_dropout
     from gemport import recipe as trl_recipe
 
     # Checked before anything loads: what this comparison does not run.
@@ -198,21 +195,9 @@ def parity(args) -> int:
               "in what is computed")
     tolerances = FLOORS if args.rtol is None else Tolerances(loss=args.rtol, grad_norm=args.rtol)
     tolerances = dataclasses.replace(tolerances, adapter=args.adapter_rtol)
-    with tempfile.TemporaryDirectory(prefix="gemport-miniature-") as work:
-        base, tokenizer = args.base, None
-        if args.miniature:
-            import transformers
-
-            tokenizer = transformers.AutoTokenizer.from_pretrained(args.base)
-            base = miniature(args.base, Path(work) / "miniature", vocab_size=args.vocab_size)
-            print(f"miniature of {args.base}: {base}")
-        report = trajectory(base, args.data, dpo_config=config, lora_config=lora, steps=args.steps,
-                            tokenizer=tokenizer, port_dpo_config=port, tolerances=tolerances)
-    numbers, picture = write_parity(report, args.out)
-    print(f"wrote {numbers}" + (f", {picture}" if picture else
-                                 " (parity.png needs matplotlib: pip install 'gemport[plot]')"))
-    print(report.table())
-    return 0 if report.ok else 1
+    return lambda base, tokenizer: trajectory(base, args.data, dpo_config=config, lora_config=lora,
+                                              steps=args.steps, tokenizer=tokenizer, port_dpo_config=port,
+                                              tolerances=tolerances)
 
 
-__all__ = ["DESCRIPTION", "add_parser", "parity", "run"]
+__all__ = ["DESCRIPTION", "add_parser", "parity_comparison", "run"]
