@@ -13,7 +13,7 @@ from transformers import TrainingArguments
 
 from gemport.errors import GemportError, OptimizerConfigError
 from gemport.optim import hf_optimizer
-from gemport.recipe import DEFAULT_ONLY, OPTIMIZER, RETIRED
+from gemport.recipe import DEFAULT_ONLY, RETIRED, OptimizerFields
 
 STEPS = 30
 
@@ -36,9 +36,9 @@ def run(tx, steps=STEPS):
 
 def test_the_fields_read_are_training_arguments_fields():
     """Each field hf_optimizer reads is a TrainingArguments field (or one older transformers had), so its default is
-    transformers' own (gemport.recipe.values), never a copy."""
+    transformers' own (gemport.recipe.OptimizerFields), never a copy."""
     fields = {f.name for f in dataclasses.fields(TrainingArguments)}
-    assert set(OPTIMIZER) - set(RETIRED) <= fields and set(DEFAULT_ONLY) <= fields
+    assert set(OptimizerFields.names()) - set(RETIRED) <= fields and set(DEFAULT_ONLY) <= fields
 
 
 def test_an_empty_dict_is_default_training_arguments(tmp_path):

@@ -119,7 +119,8 @@ def test_no_module_outside_the_recipe_package_copies_a_default():
     found = copied_defaults(ROOT)
     extra = {f"{file}:{line} {sorted(names)}" for (file, names), line in found.items()
              if (file, names) not in NOT_DEFAULTS}
-    assert not extra, f"defaults of recipe fields copied outside gemport/recipe/ (read them with recipe.values): {extra}"
+    assert not extra, ("defaults of recipe fields copied outside gemport/recipe/ (read them with a "
+                       f"gemport.recipe.Fields group): {extra}")
     assert set(NOT_DEFAULTS) <= set(found), "an entry of NOT_DEFAULTS names nothing: remove it"
 
 
@@ -130,3 +131,19 @@ def test_the_check_finds_a_copied_default(tmp_path):
     (tmp_path / "recipe").mkdir()
     (tmp_path / "recipe" / "fields.py").write_text('FALLBACK = {"learning_rate": 5e-5}\n')
     assert copied_defaults(tmp_path) == {("train/order.py", frozenset({"per_device_train_batch_size", "seed"})): 1}
+
+
+def test_each_consumer_group_reads_fields_its_owner_has_and_the_table_uses():
+    """Every field of a consumer's typed group (``recipe.Fields`` subclasses) is a field of its owner as installed
+    (or a ``RETIRED`` one) and one the table counts as used: a group cannot read a field the reader refuses."""
+    groups = recipe.Fields.__subclasses__()
+    assert {g.__name__ for g in groups} == {"OptimizerFields", "OrderFields", "DataFields", "RunFields",
+                                            "OutputsFields", "DPOLossFields"}
+    for group in groups:
+        owner = set(recipe.defaults(group.owner)) | set(recipe.RETIRED)
+        used = set(recipe.DPO) if group.owner == "DPOConfig" else set(recipe.SFT)
+        assert set(group.names()) <= owner, (group, set(group.names()) - owner)
+        assert set(group.names()) <= used, (group, set(group.names()) - used)
+    complete = recipe.defaults("SFTConfig")
+    assert recipe.RunFields.from_config(complete) == recipe.RunFields.from_config({})
+    assert recipe.OrderFields.from_config({"seed": 7}).seed == 7

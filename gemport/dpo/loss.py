@@ -18,14 +18,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gemport.errors import RecipeError
-from gemport.recipe import DPO_LOSS, defaults, values
+from gemport.recipe import DPOLossFields, defaults
 from gemport.train.step import micro_batch_nll
 
 METRICS: tuple[str, ...] = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                             "logps/chosen", "logps/rejected")
 """TRL's logged DPO metrics that ``dpo_loss`` returns, under TRL's names."""
 
-# DPOConfig fields (gemport.recipe.DPO_LOSS) that must keep DPOConfig's default, with why.
+# DPOConfig fields (gemport.recipe.DPOLossFields) that must keep DPOConfig's default, with why.
 _REFUSED = {
     "ld_alpha": "length-desensitised log-probabilities are not ported yet",
     "f_divergence_type": "only DPO's reverse KL is ported",
@@ -144,16 +144,16 @@ def from_dpo_config(config: Any) -> DPOLoss:
     ``ld_alpha``, ``f_divergence_type`` other than ``reverse_kl``, ``use_weighting``,
     ``precompute_ref_log_probs``, ``sync_ref_model``.
     """
-    f = values(config, DPO_LOSS, owner="DPOConfig")
+    f = DPOLossFields.from_config(config)
     for name, why in _REFUSED.items():
         default = defaults("DPOConfig")[name]
-        if f[name] != default:
-            raise RecipeError(f"DPOConfig.{name}={f[name]!r} is not reproduced by gemport ({why}); "
+        if getattr(f, name) != default:
+            raise RecipeError(f"DPOConfig.{name}={getattr(f, name)!r} is not reproduced by gemport ({why}); "
                               f"leave it at {default!r}")
-    types = [f["loss_type"]] if isinstance(f["loss_type"], str) else list(f["loss_type"])
-    weights = [1.0] * len(types) if f["loss_weights"] is None else [float(w) for w in f["loss_weights"]]
-    return DPOLoss(beta=float(f["beta"]), loss_types=tuple(types), loss_weights=tuple(weights),
-                   label_smoothing=float(f["label_smoothing"]), discopop_tau=float(f["discopop_tau"]))
+    types = [f.loss_type] if isinstance(f.loss_type, str) else list(f.loss_type)
+    weights = [1.0] * len(types) if f.loss_weights is None else [float(w) for w in f.loss_weights]
+    return DPOLoss(beta=float(f.beta), loss_types=tuple(types), loss_weights=tuple(weights),
+                   label_smoothing=float(f.label_smoothing), discopop_tau=float(f.discopop_tau))
 
 
 def sequence_logps(model: nnx.Module, micro_batch: Mapping[str, jax.typing.ArrayLike]) -> jax.Array:

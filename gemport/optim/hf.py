@@ -14,9 +14,9 @@ from gemport.optim.clipping import clip_grad_norm
 from gemport.optim.decay import decay_mask
 from gemport.optim.schedules import hf_schedule
 from gemport._src.options import one_of
-from gemport.recipe import DEFAULT_ONLY, OPTIMIZER, defaults, given, values
+from gemport.recipe import DEFAULT_ONLY, OptimizerFields, defaults, given
 
-# The fields read are gemport.recipe's OPTIMIZER (and DEFAULT_ONLY where given), their defaults transformers'
+# The fields read are gemport.recipe.OptimizerFields (and DEFAULT_ONLY where given), their defaults transformers'
 # TrainingArguments'. Note the pitfalls: weight decay 0.0 (optax.adamw: 1e-4, torch AdamW: 1e-2) and clipping on at
 # 1.0 (optax.adamw: none).
 
@@ -66,17 +66,17 @@ class HFOptimizer(NamedTuple):
         return accumulate_tokens(self.tx, self.accumulation)
 
 
-def _fields(training_args_or_dict: Any) -> dict[str, Any]:
+def _fields(training_args_or_dict: Any) -> OptimizerFields:
     if not isinstance(training_args_or_dict, Mapping) and not hasattr(training_args_or_dict, "learning_rate"):
         raise OptimizerConfigError(
             f"{training_args_or_dict!r:.80} is neither TrainingArguments nor a dict of its fields; pass one of those"
         )
-    return values(training_args_or_dict, OPTIMIZER, owner="TrainingArguments")
+    return OptimizerFields.from_config(training_args_or_dict)
 
 
-def _warmup_steps(fields: Mapping[str, Any], num_training_steps: int) -> int:
+def _warmup_steps(fields: OptimizerFields, num_training_steps: int) -> int:
     # Older TrainingArguments move a set warmup_ratio into warmup_steps; below 1 it is a ratio.
-    warmup = fields["warmup_steps"] if fields["warmup_ratio"] is None else fields["warmup_ratio"]
+    warmup = fields.warmup_steps if fields.warmup_ratio is None else fields.warmup_ratio
     if warmup < 0:
         raise OptimizerConfigError(f"warmup_steps must be >= 0, got {warmup}.")
     return int(warmup) if warmup >= 1 else math.ceil(num_training_steps * warmup)
@@ -103,10 +103,9 @@ def hf_optimizer(training_args_or_dict: Any, *, num_training_steps: int,
     """Map HF ``TrainingArguments`` to the Optax transformation of the HF Trainer's optimizer step.
 
     ``training_args_or_dict`` is a ``transformers.TrainingArguments`` (or a subclass such as TRL's
-    ``SFTConfig``) or a plain dict of its fields, read through ``gemport.recipe.values`` (the fields of
-    ``gemport.recipe.OPTIMIZER``); absent keys take the defaults of the installed ``TrainingArguments`` (a dict
-    that leaves some out needs transformers, ``gemport[hf]``), keys that do not bear on the optimizer step are
-    ignored. ``num_training_steps`` is the number
+    ``SFTConfig``) or a plain dict of its fields, read as ``gemport.recipe.OptimizerFields``; absent keys take the
+    defaults of the installed ``TrainingArguments`` (a dict that leaves some out needs transformers,
+    ``gemport[hf]``), keys that do not bear on the optimizer step are ignored. ``num_training_steps`` is the number
     of optimizer steps, as passed to ``Trainer.create_scheduler``.
 
     ``tx`` reproduces, in order:
@@ -151,47 +150,48 @@ def hf_optimizer(training_args_or_dict: Any, *, num_training_steps: int,
       1
     """
     fields = _fields(training_args_or_dict)
-    one_of(fields["optim"], Optim, "optim", OptimizerConfigError)
+    one_of(fields.optim, Optim, "optim", OptimizerConfigError)
     for name, value in given(training_args_or_dict, DEFAULT_ONLY).items():
         default = defaults("TrainingArguments")[name]
         if value != default:
             raise OptimizerConfigError(
                 f"{name}={value!r} is not supported ({DEFAULT_ONLY[name]}); leave it at {default!r}."
             )
-    for name in _NUMBERS + (("warmup_ratio",) if fields["warmup_ratio"] is not None else ()):
-        if isinstance(fields[name], bool) or not isinstance(fields[name], (int, float)):
+    for name in _NUMBERS + (("warmup_ratio",) if fields.warmup_ratio is not None else ()):
+        value = getattr(fields, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
             # PyYAML reads 2e-4 (no dot) as a string: the usual way a recipe gets here.
-            raise OptimizerConfigError(f"{name} must be a number, got {fields[name]!r}.")
-        if not math.isfinite(fields[name]):
-            raise OptimizerConfigError(f"{name} must be a finite number, got {fields[name]!r}.")
+            raise OptimizerConfigError(f"{name} must be a number, got {value!r}.")
+        if not math.isfinite(value):
+            raise OptimizerConfigError(f"{name} must be a finite number, got {value!r}.")
     # torch.optim.AdamW's own checks: what it refuses, a port must not quietly run.
     for name, low, high in _RANGES:
-        if not low <= fields[name] < high:
+        if not low <= getattr(fields, name) < high:
             raise OptimizerConfigError(
-                f"{name}={fields[name]!r} is out of range: torch's AdamW requires {low} <= {name} < {high}."
+                f"{name}={getattr(fields, name)!r} is out of range: torch's AdamW requires {low} <= {name} < {high}."
             )
     if isinstance(num_training_steps, bool) or not isinstance(num_training_steps, int) or num_training_steps < 1:
         raise OptimizerConfigError(f"num_training_steps must be a positive int, got {num_training_steps!r}.")
-    scheduler_kwargs = fields["lr_scheduler_kwargs"] or {}
+    scheduler_kwargs = fields.lr_scheduler_kwargs or {}
     if not isinstance(scheduler_kwargs, Mapping):
         raise OptimizerConfigError(f"lr_scheduler_kwargs must be a dict, got {scheduler_kwargs!r}.")
-    accumulation = fields["gradient_accumulation_steps"]
+    accumulation = fields.gradient_accumulation_steps
     if not (isinstance(accumulation, int) and accumulation >= 1):
         raise OptimizerConfigError(f"gradient_accumulation_steps must be a positive int, got {accumulation!r}.")
 
     schedule = hf_schedule(
-        fields["lr_scheduler_type"],
-        learning_rate=fields["learning_rate"],
+        fields.lr_scheduler_type,
+        learning_rate=fields.learning_rate,
         num_training_steps=num_training_steps,
         num_warmup_steps=_warmup_steps(fields, num_training_steps),
         **scheduler_kwargs,
     )
     # optax.adamw's pieces, with torch's bias corrections (gemport.optim.adam: optax's are ~1e-5 off in float32).
     adamw = optax.chain(
-        scale_by_torch_adam(b1=fields["adam_beta1"], b2=fields["adam_beta2"], eps=fields["adam_epsilon"]),
-        optax.add_decayed_weights(fields["weight_decay"], decay_mask if params is None else _fixed_mask(params)),
+        scale_by_torch_adam(b1=fields.adam_beta1, b2=fields.adam_beta2, eps=fields.adam_epsilon),
+        optax.add_decayed_weights(fields.weight_decay, decay_mask if params is None else _fixed_mask(params)),
         optax.scale_by_learning_rate(schedule),
     )
-    max_grad_norm = fields["max_grad_norm"]
+    max_grad_norm = fields.max_grad_norm
     tx = optax.chain(clip_grad_norm(max_grad_norm), adamw) if max_grad_norm > 0 else adamw
     return HFOptimizer(tx, schedule, accumulation)

@@ -6,8 +6,8 @@ is its owner's, read from the installed class (``defaults``), never written down
 one kind:
 
 - used: gemport reproduces what TRL does with it (``SFT``, ``DPO``, ``SCRIPT``, ``MODEL``); the consumer that reads
-  it is named beside it, and each consumer reads its group (``OPTIMIZER``, ``ORDER``, ``DATA``, ``RUN``,
-  ``OUTPUTS``, ``DPO_LOSS``) through ``gemport.recipe.values``;
+  it is named beside it, and each consumer reads its group as a typed value (``OptimizerFields``,
+  ``OrderFields``, ``DataFields``, ``RunFields``, ``OutputsFields``, ``DPOLossFields``: ``from_config``);
 - mapped: it has no TPU/JAX counterpart or is TRL's own bookkeeping; gemport accepts it and says what it does
   instead (``MAPPED``, ``DPO_MAPPED``);
 - refused: any other field set to a value other than its default (``REFUSED_WHEN_SET``, ``DEFAULT_ONLY`` and
@@ -20,7 +20,8 @@ import copy
 import dataclasses
 import functools
 import importlib
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, Self
 
 from gemport.errors import MissingDependencyError
 
@@ -40,15 +41,6 @@ TRL_LORA = {"lora_r": "r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dro
             "use_rslora": "use_rslora"}
 """TRL's ModelConfig names of the LoRA fields -> PEFT's ``LoraConfig`` names."""
 
-DATA = ("assistant_only_loss", "completion_only_loss", "max_length", "truncation_mode", "packing", "packing_strategy",
-        "padding_free", "pad_to_multiple_of", "dataset_text_field", "eos_token", "pad_token", "loss_type",
-        "shuffle_dataset", "per_device_train_batch_size", "gradient_accumulation_steps", "gradient_checkpointing",
-        "gradient_checkpointing_kwargs")
-"""What ``gemport.train.from_sft_config`` reads (the data, the batch geometry and ``remat_of``'s remat)."""
-
-ORDER = ("per_device_train_batch_size", "gradient_accumulation_steps", "seed", "data_seed", "train_sampling_strategy",
-         "max_steps", "num_train_epochs", "dataloader_drop_last")
-"""What ``gemport.train.optimizer_steps`` reads: the sample order and the optimizer steps."""
 
 DEFAULT_ONLY = {
     "optim_args": "adamw_torch ignores optim_args in HF; remove them",
@@ -63,19 +55,178 @@ other than the owner's default, giving the reason."""
 RETIRED = {"warmup_ratio": "transformers 5.15 removed it: warmup_steps below 1 is the ratio since"}
 """Fields of older owners, still read from recipes and objects that have them; absent, they are None."""
 
-OPTIMIZER = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm",
-             "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "optim", "gradient_accumulation_steps",
-             *RETIRED)
-"""What ``gemport.optim.hf_optimizer`` reads (and ``DEFAULT_ONLY``, where given)."""
 
-RUN = ("output_dir", "seed", "bf16", "gradient_accumulation_steps", "per_device_train_batch_size",
-       "per_device_eval_batch_size", "eval_strategy", "eval_steps", "logging_steps", "save_strategy", "save_steps",
-       "save_total_limit", "dataloader_drop_last", "chat_template_path", "resume_from_checkpoint", "report_to")
-"""What ``gemport.train.SFTRun`` reads beyond its pipeline's and its optimizer's (``gemport.dpo.DPORun`` too)."""
+_MISSING = object()
 
-OUTPUTS = ("logging_steps", "logging_first_step", "logging_strategy", "eval_steps", "save_steps", "num_train_epochs",
-           "per_device_train_batch_size", "dataloader_drop_last", "report_to", "disable_tqdm", "eval_on_start")
-"""What ``gemport.train.outputs`` reads (``trainer_state.json``, trackers, the bar, ``step_epochs``)."""
+
+def _get(config: Any, name: str) -> Any:
+    return config.get(name, _MISSING) if isinstance(config, Mapping) else getattr(config, name, _MISSING)
+
+
+def _plain(value: Any) -> Any:
+    # HF stores lr_scheduler_type, optim, the strategies as str enums: their values are what a recipe writes.
+    return getattr(value, "value", value)
+
+
+def _resolved(fields: dict[str, Any]) -> dict[str, Any]:
+    # TRL resolves "auto" in __post_init__: 128 on Neuron, else None.
+    if fields.get("pad_to_multiple_of") == "auto":
+        fields["pad_to_multiple_of"] = None
+    return fields
+
+
+def given(config: Any, names: Sequence[str]) -> dict[str, Any]:
+    """``{name: value}`` of those of ``names`` that ``config`` (a config object or a dict of its fields) holds; no
+    default is read."""
+    out = {name: _get(config, name) for name in names}
+    return {name: _plain(v) for name, v in out.items() if v is not _MISSING}
+
+
+@dataclasses.dataclass(frozen=True)
+class Fields:
+    """A consumer's group of trainer-config fields, typed: each subclass is one consumer's group and its
+    ``from_config`` the one way that consumer reads a recipe. The values are as the recipe gives them (a
+    consumer checks them and names the field it refuses); ``owner`` gives the absent ones' defaults."""
+
+    owner: ClassVar[str] = "SFTConfig"
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The group's field names, in order."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_config(cls, config: Any) -> Self:
+        """The group's fields of ``config``: a config object (``TrainingArguments`` or a subclass such as
+        ``SFTConfig``) or a dict of its fields.
+
+        A field ``config`` lacks takes the default of ``owner`` (a key of ``OWNERS``), read from the installed class
+        only then: a complete dict needs neither TRL nor transformers. A ``RETIRED`` field the owner lacks is None.
+        HF's str enums (``lr_scheduler_type``, ``optim``...) become their values.
+
+        Raises ``MissingDependencyError`` when a default is needed and its owner is not installed.
+        """
+        out = {name: _get(config, name) for name in cls.names()}
+        if any(v is _MISSING for v in out.values()):
+            default = {**dict.fromkeys(RETIRED), **_resolved(defaults(cls.owner))}
+            out = {name: default[name] if v is _MISSING else v for name, v in out.items()}
+        return cls(**{name: _plain(v) for name, v in out.items()})
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerFields(Fields):
+    """What ``gemport.optim.hf_optimizer`` reads (and ``DEFAULT_ONLY``, where given): AdamW, the schedule,
+    clipping and the accumulation the optimizer steps over."""
+
+    owner: ClassVar[str] = "TrainingArguments"
+    learning_rate: float
+    weight_decay: float
+    adam_beta1: float
+    adam_beta2: float
+    adam_epsilon: float
+    max_grad_norm: float
+    lr_scheduler_type: str
+    lr_scheduler_kwargs: dict[str, Any] | None
+    warmup_steps: float
+    optim: str
+    gradient_accumulation_steps: int
+    warmup_ratio: float | None  # RETIRED: None where transformers has no such field
+
+
+@dataclasses.dataclass(frozen=True)
+class OrderFields(Fields):
+    """What ``gemport.train.optimizer_steps`` reads: the sample order and the optimizer steps."""
+
+    owner: ClassVar[str] = "TrainingArguments"
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int
+    seed: int
+    data_seed: int | None
+    train_sampling_strategy: str
+    max_steps: int
+    num_train_epochs: float
+    dataloader_drop_last: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class DataFields(Fields):
+    """What ``gemport.train.from_sft_config`` reads: the data, the batch geometry and ``remat_of``'s remat."""
+
+    assistant_only_loss: bool
+    completion_only_loss: bool | None
+    max_length: int | None
+    truncation_mode: str
+    packing: bool
+    packing_strategy: str
+    padding_free: bool
+    pad_to_multiple_of: int | None
+    dataset_text_field: str
+    eos_token: str | None
+    pad_token: str | None
+    loss_type: str
+    shuffle_dataset: bool
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int
+    gradient_checkpointing: bool
+    gradient_checkpointing_kwargs: dict[str, Any] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunFields(Fields):
+    """What ``gemport.train.SFTRun`` (and ``gemport.dpo.DPORun``) reads beyond its pipeline's and its
+    optimizer's: the template, evaluation, checkpoints, the dtype and the trackers."""
+
+    output_dir: str | None
+    seed: int
+    bf16: bool | None
+    gradient_accumulation_steps: int
+    per_device_train_batch_size: int
+    per_device_eval_batch_size: int
+    eval_strategy: str
+    eval_steps: float | None
+    logging_steps: float
+    save_strategy: str
+    save_steps: float
+    save_total_limit: int | None
+    dataloader_drop_last: bool
+    chat_template_path: str | None
+    resume_from_checkpoint: str | bool | None
+    report_to: str | list[str] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputsFields(Fields):
+    """What ``gemport.train.outputs`` reads: ``trainer_state.json``, the trackers, the bar, ``step_epochs``."""
+
+    logging_steps: float
+    logging_first_step: bool
+    logging_strategy: str
+    eval_steps: float | None
+    save_steps: float
+    num_train_epochs: float
+    per_device_train_batch_size: int
+    dataloader_drop_last: bool
+    report_to: str | list[str] | None
+    disable_tqdm: bool | None
+    eval_on_start: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class DPOLossFields(Fields):
+    """What ``gemport.dpo.from_dpo_config`` reads (those it does not reproduce are refused there, by name)."""
+
+    owner: ClassVar[str] = "DPOConfig"
+    beta: float
+    loss_type: str | list[str]
+    loss_weights: list[float] | None
+    label_smoothing: float
+    discopop_tau: float
+    ld_alpha: float | None
+    f_divergence_type: str
+    use_weighting: bool
+    precompute_ref_log_probs: bool
+    sync_ref_model: bool
+
 
 SFT = (
     # data (gemport.train.from_sft_config)
@@ -99,15 +250,12 @@ SFT = (
 
 USED = frozenset(SCRIPT + MODEL + SFT)
 
-DPO_LOSS = ("beta", "loss_type", "loss_weights", "label_smoothing", "discopop_tau", "ld_alpha", "f_divergence_type",
-            "use_weighting", "precompute_ref_log_probs", "sync_ref_model")
-"""What ``gemport.dpo.from_dpo_config`` reads (those it does not reproduce are refused there, by name)."""
 
 DPO = (
     # data (gemport.dpo.preferences, gemport.dpo.collate)
     "max_length", "truncation_mode", "pad_to_multiple_of",
     # loss (gemport.dpo.from_dpo_config)
-    *DPO_LOSS,
+    *DPOLossFields.names(),
     # LoRA dropout off while training, as TRL sets every dropout module's p to 0 (gemport.dpo.run)
     "disable_dropout",
 ) + tuple(f for f in SFT[SFT.index("per_device_train_batch_size"):] if f not in ("eval_steps", "eval_on_start"))
@@ -222,6 +370,7 @@ def defaults(owner: str) -> dict[str, Any]:
     return copy.deepcopy(_defaults(owner))
 
 
-__all__ = ["COMMANDS", "DATA", "DEFAULT_ONLY", "DPO", "DPO_LOSS", "DPO_MAPPED", "MAPPED", "MODEL", "OPTIMIZER",
-           "ORDER", "OUTPUTS", "OWNERS", "QLORA", "REFUSED_WHEN_SET", "RETIRED", "RUN", "SCRIPT", "SFT", "STRATEGIES",
-           "TRL_LORA", "USED", "class_defaults", "defaults", "owner_class"]
+__all__ = ["COMMANDS", "DEFAULT_ONLY", "DPO", "DPO_MAPPED", "MAPPED", "MODEL", "OWNERS", "QLORA", "REFUSED_WHEN_SET",
+           "RETIRED", "SCRIPT", "SFT", "STRATEGIES", "TRL_LORA", "USED", "DataFields", "DPOLossFields", "Fields",
+           "OptimizerFields", "OrderFields", "OutputsFields", "RunFields", "class_defaults", "defaults", "given",
+           "owner_class"]

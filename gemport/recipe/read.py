@@ -1,13 +1,13 @@
 """The one reader of a recipe: a ``trl sft --config sft.yaml [--key value ...]`` read as TRL reads it, every field
-accounted for, and the values each consumer takes from it.
+accounted for.
 
 TRL's ``trl sft`` parses three dataclasses from one YAML plus command-line overrides: ``ScriptArguments``
 (the dataset), ``ModelConfig`` (the model and its LoRA) and ``SFTConfig`` (``TrainingArguments`` and TRL's
 data fields). ``read`` does the same and sorts every field the recipe sets into one of the kinds of
 ``gemport.recipe.fields`` (used, mapped with a note in ``Recipe.notes``, refused with a ``RecipeError`` naming
 it; also a name that is no field of the three). ``trainer_fields`` gives every SFTConfig / DPOConfig field of a
-YAML, a dict or a config object through ``read``; ``values`` gives a consumer its group of fields of any of
-those, absent ones at their owner's default.
+YAML, a dict or a config object through ``read``; each consumer takes its typed group of fields of any of those
+(``gemport.recipe.fields``' ``OptimizerFields.from_config``...), absent ones at their owner's default.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from gemport.errors import RecipeError
-from gemport.recipe.fields import (COMMANDS, DPO, DPO_MAPPED, MAPPED, MODEL, QLORA, REFUSED_WHEN_SET, RETIRED, SCRIPT,
-                                   STRATEGIES, TRL_LORA, USED, defaults)
+from gemport.recipe.fields import (COMMANDS, DPO, DPO_MAPPED, MAPPED, MODEL, QLORA, REFUSED_WHEN_SET, SCRIPT,
+                                   STRATEGIES, TRL_LORA, USED, _resolved, defaults)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,13 +181,6 @@ def check_strategies(sft: Mapping[str, Any], where: str = "") -> None:
                               f"'steps' with {name.split('_')[0]}_steps")
 
 
-def _resolved(fields: dict[str, Any]) -> dict[str, Any]:
-    # TRL resolves "auto" in __post_init__: 128 on Neuron, else None.
-    if fields.get("pad_to_multiple_of") == "auto":
-        fields["pad_to_multiple_of"] = None
-    return fields
-
-
 def trainer_fields(config: Any, command: str = "sft") -> dict[str, Any]:
     """Every ``SFTConfig`` field (``command="dpo"``: ``DPOConfig``) of ``config`` as a new dict.
 
@@ -207,40 +200,4 @@ def trainer_fields(config: Any, command: str = "sft") -> dict[str, Any]:
     raise RecipeError(f"{config!r:.80} is not a {COMMANDS[command]}, a dict of its fields or a YAML path")
 
 
-def _plain(value: Any) -> Any:
-    # HF stores lr_scheduler_type, optim, the strategies as str enums: their values are what a recipe writes.
-    return getattr(value, "value", value)
-
-
-_MISSING = object()
-
-
-def _get(config: Any, name: str) -> Any:
-    return config.get(name, _MISSING) if isinstance(config, Mapping) else getattr(config, name, _MISSING)
-
-
-def values(config: Any, names: Sequence[str], owner: str = "SFTConfig") -> dict[str, Any]:
-    """``{name: value}`` for each of ``names`` (a consumer's group of ``gemport.recipe.fields``) read from
-    ``config``: a config object (``TrainingArguments`` or a subclass such as ``SFTConfig``) or a dict of its fields.
-
-    A name ``config`` lacks takes the default of ``owner`` (a key of ``fields.OWNERS``), read from the installed
-    class only then: a complete dict needs neither TRL nor transformers. A ``RETIRED`` field the owner lacks is
-    None. HF's str enums (``lr_scheduler_type``, ``optim``...) become their values.
-
-    Raises ``MissingDependencyError`` when a default is needed and its owner is not installed.
-    """
-    out = {name: _get(config, name) for name in names}
-    if any(v is _MISSING for v in out.values()):
-        default = {**dict.fromkeys(RETIRED), **_resolved(defaults(owner))}
-        out = {name: default[name] if v is _MISSING else v for name, v in out.items()}
-    return {name: _plain(v) for name, v in out.items()}
-
-
-def given(config: Any, names: Sequence[str]) -> dict[str, Any]:
-    """``{name: value}`` of those of ``names`` that ``config`` (an object or a dict, as ``values`` reads) holds;
-    no default is read."""
-    out = {name: _get(config, name) for name in names}
-    return {name: _plain(v) for name, v in out.items() if v is not _MISSING}
-
-
-__all__ = ["Recipe", "check_strategies", "given", "parse_overrides", "read", "trainer_fields", "values"]
+__all__ = ["Recipe", "check_strategies", "parse_overrides", "read", "trainer_fields"]

@@ -15,7 +15,7 @@ import numpy as np
 
 from gemport.errors import RecipeError
 from gemport._src.options import one_of
-from gemport.recipe import ORDER, values
+from gemport.recipe import OrderFields
 
 SamplingStrategy = Literal["random", "sequential"]
 """The ``train_sampling_strategy`` values whose order gemport reproduces."""
@@ -68,7 +68,7 @@ def optimizer_steps(training_args_or_dict: Any, num_samples: int) -> Iterator[Op
 
     Reads ``per_device_train_batch_size``, ``gradient_accumulation_steps``, ``seed``, ``data_seed``,
     ``train_sampling_strategy``, ``max_steps``, ``num_train_epochs`` and ``dataloader_drop_last``
-    (``gemport.recipe.ORDER``) from a ``TrainingArguments`` / ``SFTConfig`` or a dict (absent keys take the
+    (``gemport.recipe.OrderFields``) from a ``TrainingArguments`` / ``SFTConfig`` or a dict (absent keys take the
     installed ``TrainingArguments``' defaults), on one process. Each epoch's order is ``sample_order``, cut into micro-batches of the batch size (the
     last one shorter unless ``dataloader_drop_last``); each optimizer step takes
     ``gradient_accumulation_steps`` consecutive micro-batches, the last step of an epoch the remainder.
@@ -89,27 +89,27 @@ def optimizer_steps(training_args_or_dict: Any, num_samples: int) -> Iterator[Op
       >>> [(s.step, [m.tolist() for m in s.micro_batches]) for s in optimizer_steps(recipe, num_samples=6)]
       [(0, [[0, 3], [2, 4]]), (1, [[1, 5]])]
     """
-    f = values(training_args_or_dict, ORDER, owner="TrainingArguments")
-    batch_size, accumulation = f["per_device_train_batch_size"], f["gradient_accumulation_steps"]
+    f = OrderFields.from_config(training_args_or_dict)
+    batch_size, accumulation = f.per_device_train_batch_size, f.gradient_accumulation_steps
     for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
-        if not (isinstance(f[name], int) and f[name] >= 1):
-            raise RecipeError(f"{name} must be a positive int, got {f[name]!r}")
+        if not (isinstance(getattr(f, name), int) and getattr(f, name) >= 1):
+            raise RecipeError(f"{name} must be a positive int, got {getattr(f, name)!r}")
     if num_samples < 1:
         raise RecipeError(f"optimizer_steps: the dataset has {num_samples} rows")
-    micro_per_epoch = micro_batches_per_epoch(num_samples, batch_size, f["dataloader_drop_last"])
+    micro_per_epoch = micro_batches_per_epoch(num_samples, batch_size, f.dataloader_drop_last)
     if micro_per_epoch == 0:
         raise RecipeError(
             f"dataloader_drop_last with {num_samples} rows < per_device_train_batch_size {batch_size}: no batch"
         )
     steps_per_epoch = max(-(-micro_per_epoch // accumulation), 1)
-    max_steps = f["max_steps"]
+    max_steps = f.max_steps
     if not max_steps or max_steps <= 0:
-        max_steps = int(np.ceil(f["num_train_epochs"] * steps_per_epoch))
-    seed = f["seed"] if f["data_seed"] is None else f["data_seed"]
+        max_steps = int(np.ceil(f.num_train_epochs * steps_per_epoch))
+    seed = f.seed if f.data_seed is None else f.data_seed
     step = 0
     epoch = 0
     while step < max_steps:
-        order = sample_order(num_samples, seed=seed, epoch=epoch, strategy=f["train_sampling_strategy"])
+        order = sample_order(num_samples, seed=seed, epoch=epoch, strategy=f.train_sampling_strategy)
         micro = [order[i * batch_size:(i + 1) * batch_size] for i in range(micro_per_epoch)]
         for start in range(0, micro_per_epoch, accumulation):
             if step == max_steps:

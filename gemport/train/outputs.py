@@ -27,7 +27,7 @@ from jax.experimental import multihost_utils
 from tunix.sft import hooks
 
 from gemport.errors import RecipeError
-from gemport.recipe import OUTPUTS, values
+from gemport.recipe import OutputsFields
 from gemport.train import trackers
 from gemport.train.order import micro_batches_per_epoch
 
@@ -54,20 +54,20 @@ class HFOutputs(hooks.TrainingHooks):
     def __init__(self, output_dir: str | os.PathLike, args: Any, *, epochs: Sequence[float], tokens: Sequence[int],
                  eval_every: int | None, learning_rate: Callable[[int], Any],
                  tracker_config: Mapping[str, Any], command: str = "sft"):
-        f = values(args, OUTPUTS)
-        if f["logging_strategy"] != "steps":
-            raise RecipeError(f"SFTConfig.logging_strategy={f['logging_strategy']!r}: gemport logs by "
+        f = OutputsFields.from_config(args)
+        if f.logging_strategy != "steps":
+            raise RecipeError(f"SFTConfig.logging_strategy={f.logging_strategy!r}: gemport logs by "
                                        "'steps' (logging_steps)")
         from gemport.train.run import steps_of
 
         self.out, self.args = Path(output_dir), args
         self.max_steps = len(epochs)
-        self.logging_steps = steps_of(f["logging_steps"], self.max_steps, "logging_steps")
-        self.first = bool(f["logging_first_step"])
+        self.logging_steps = steps_of(f.logging_steps, self.max_steps, "logging_steps")
+        self.first = bool(f.logging_first_step)
         self.eval_every = eval_every
-        self.eval_on_start = bool(f["eval_on_start"])
+        self.eval_on_start = bool(f.eval_on_start)
         self.fields = f
-        trackers.names(f["report_to"])
+        trackers.names(f.report_to)
         self.epochs, self.tokens = list(epochs), list(tokens)
         self.learning_rate, self.tracker_config = learning_rate, dict(tracker_config)
         self.command = command
@@ -92,7 +92,7 @@ class HFOutputs(hooks.TrainingHooks):
             self.history = [e for e in json.loads(state.read_text()).get("log_history", [])
                             if e.get("step", 0) <= self.start_step]
         self.bar = tqdm(total=self.max_steps, initial=self.start_step, desc=f"gemport {self.command}",
-                        unit="step", disable=bool(self.fields["disable_tqdm"]) or not self.primary)
+                        unit="step", disable=bool(self.fields.disable_tqdm) or not self.primary)
         if self.primary:
             self.trackers = trackers.open_trackers(self.args, **self.tracker_config, output_dir=self.out,
                                                    start_step=self.start_step)
@@ -159,8 +159,8 @@ class HFOutputs(hooks.TrainingHooks):
             "is_hyper_param_search": False, "is_local_process_zero": True, "is_world_process_zero": True,
             "log_history": self.history, "logging_steps": self.logging_steps, "max_steps": self.max_steps,
             "num_input_tokens_seen": 0, "num_train_epochs": math.ceil(self.epochs[-1]),
-            "save_steps": self.fields["save_steps"], "stateful_callbacks": {}, "total_flos": 0.0,
-            "train_batch_size": self.fields["per_device_train_batch_size"], "trial_name": None, "trial_params": None,
+            "save_steps": self.fields.save_steps, "stateful_callbacks": {}, "total_flos": 0.0,
+            "train_batch_size": self.fields.per_device_train_batch_size, "trial_name": None, "trial_params": None,
         }
         self.out.mkdir(parents=True, exist_ok=True)
         tmp = self.out / f".{TRAINER_STATE}.{os.getpid()}"
@@ -192,8 +192,8 @@ def step_epochs(plan: Sequence[Any], num_units: int, args: Any) -> list[float]:
 
     Returns a float per step.
     """
-    f = values(args, OUTPUTS)
-    per_epoch = micro_batches_per_epoch(num_units, f["per_device_train_batch_size"], f["dataloader_drop_last"])
+    f = OutputsFields.from_config(args)
+    per_epoch = micro_batches_per_epoch(num_units, f.per_device_train_batch_size, f.dataloader_drop_last)
     done: dict[int, int] = {}
     epochs = []
     for s in plan:

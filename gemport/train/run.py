@@ -37,7 +37,7 @@ from gemport.masks.tokenize import Example
 from gemport.masks.truncation import TruncationReport
 from gemport.mesh import make_mesh, use_mesh
 from gemport.optim.hf import HFOptimizer, hf_optimizer
-from gemport.recipe import RUN, check_strategies, trainer_fields, values
+from gemport.recipe import RunFields, check_strategies, trainer_fields
 from gemport.specs import GemmaSpec
 from gemport.train.distributed import batch_sharding, process_rows
 from gemport.train.order import OptimizerStep
@@ -172,8 +172,8 @@ class SFTRun:
         else:
             args = sft_fields(sft_config)
         check_strategies(args)
-        f = values(args, RUN)
-        trackers.names(f["report_to"])  # a missing tracker fails before the load
+        f = RunFields.from_config(args)
+        trackers.names(f.report_to)  # a missing tracker fails before the load
         base_dir = Path(base_dir)
         spec = GemmaSpec.from_hf(base_dir)
         start = starting_adapter(lora, init_adapter, base_dir, "SFTRun")
@@ -185,17 +185,17 @@ class SFTRun:
             chat_format = chat_format or (Gemma4() if spec.family == "gemma4" else Gemma3())
         else:
             tokenizer = tokenizer or transformers.AutoTokenizer.from_pretrained(base_dir)
-            if f["chat_template_path"] is not None:
+            if f.chat_template_path is not None:
                 from gemport.train.chat_template import with_chat_template
 
-                tokenizer = with_chat_template(tokenizer, f["chat_template_path"], spec.vocab)
+                tokenizer = with_chat_template(tokenizer, f.chat_template_path, spec.vocab)
         try:
             pipeline = from_sft_config(args, tokenizer, chat_format=chat_format)
         except MaskError as e:  # the chat format is read from the template: name the field that set it
-            if f["chat_template_path"] is None:
+            if f.chat_template_path is None:
                 raise
-            raise RecipeError(f"chat_template_path={str(f['chat_template_path'])!r}: {e}") from None
-        if f["chat_template_path"] is not None and train_dataset is not None:
+            raise RecipeError(f"chat_template_path={str(f.chat_template_path)!r}: {e}") from None
+        if f.chat_template_path is not None and train_dataset is not None:
             from gemport.masks.formats import read as records
             from gemport.train.chat_template import check_records
 
@@ -217,12 +217,12 @@ class SFTRun:
         rows = None
         if jax.process_count() > 1:  # this process's rows of each batch [A, B, T]
             rows = process_rows(batch_sharding(mesh),
-                                (f["gradient_accumulation_steps"], f["per_device_train_batch_size"], 1))
+                                (f.gradient_accumulation_steps, f.per_device_train_batch_size, 1))
         steps = list(pipeline.batches(examples, rows=rows)) if examples else [(None, _full_rows(pipeline, f, rows))]
         plan, batches = [s for s, _ in steps if s is not None], [b for _, b in steps]
         num_steps = len(batches)
         if dtype is None:
-            dtype = jnp.bfloat16 if f["bf16"] else jnp.float32
+            dtype = jnp.bfloat16 if f.bf16 else jnp.float32
         if abstract:
             from gemport.train.model import lora_model
 
@@ -236,15 +236,15 @@ class SFTRun:
                     from gemport.checkpoint.quantize import load_qlora_model
 
                     base = load_qlora_model(base_dir, qlora, spec=spec, mesh=mesh, compute_dtype=dtype)
-                model = apply_lora(base, spec, start, seed=f["seed"], qlora=qlora)
+                model = apply_lora(base, spec, start, seed=f.seed, qlora=qlora)
             set_remat(model, spec.family, pipeline.remat)
         if checkpoint_dir is None and not abstract:
             checkpoint_dir = checkpoint_root(args)
         evals = None
         if held_out:
-            evals = eval_batches(held_out, f["per_device_eval_batch_size"], pad_id=pipeline.pad_id,
+            evals = eval_batches(held_out, f.per_device_eval_batch_size, pad_id=pipeline.pad_id,
                                  pad_to_multiple_of=pipeline.pad_to_multiple_of,
-                                 drop_last=bool(f["dataloader_drop_last"]))
+                                 drop_last=bool(f.dataloader_drop_last))
             if jax.process_count() > 1:  # the eval set is small: laid out whole, each process keeps its rows
                 mine = process_rows(batch_sharding(mesh), evals[0]["tokens"].shape)
                 evals = [{k: v[:, mine] for k, v in b.items()} for b in evals]
@@ -294,7 +294,7 @@ class SFTRun:
 
         with self._trainer_placement():
             return HFPeftTrainer(self.model, self.optimizer.tx, self.training_config, lora_spec=self.lora_spec,
-                                 seed=values(self.args, RUN)["seed"], **kwargs)
+                                 seed=RunFields.from_config(self.args).seed, **kwargs)
 
     def _trainer_placement(self):
         # An abstract run's trainer starts its optimizer state off the mesh, whose devices may be compile-only (a
@@ -322,14 +322,14 @@ class SFTRun:
         from gemport.train.peft_trainer import micro_batches
         from gemport.train.preemption import Preemption
 
-        f = values(self.args, RUN)
+        f = RunFields.from_config(self.args)
         root = self.training_config.checkpoint_root_directory
         if self.trainer is None and root is not None and self.record is not None:
             from gemport.train.record import check_resume
 
             check_resume(root, self.record,
-                         explicit=f["resume_from_checkpoint"] not in (None, False, "", "false", "False"))
-        output_dir = f["output_dir"]
+                         explicit=f.resume_from_checkpoint not in (None, False, "", "false", "False"))
+        output_dir = f.output_dir
         if output_dir is not None and jax.process_index() == 0:
             claim_output(output_dir)  # one run per output_dir
         if hooks is None and output_dir is not None:
@@ -400,8 +400,8 @@ class SFTRun:
 def checkpoint_root(args: Any) -> Path | None:
     """The Orbax checkpoint root of the ``SFTConfig`` ``args``: ``<output_dir>/checkpoints``, or None without
     ``output_dir`` or with ``save_strategy="no"``."""
-    f = values(args, RUN)
-    return None if f["output_dir"] is None or f["save_strategy"] == "no" else Path(f["output_dir"]) / CHECKPOINTS
+    f = RunFields.from_config(args)
+    return None if f.output_dir is None or f.save_strategy == "no" else Path(f.output_dir) / CHECKPOINTS
 
 
 def starting_adapter(lora: Any, init_adapter: str | os.PathLike | None, base_dir: Path,
@@ -462,10 +462,10 @@ def _full_rows(pipeline: SFTPipeline, f: Mapping[str, Any], rows: slice | None) 
     if pipeline.max_length is None:
         raise RecipeError("SFTConfig.max_length is None: without data the rows' length is unknown; set max_length "
                           "or give the data")
-    count = 1 if pipeline.layout == "padding_free" else f["per_device_train_batch_size"]
+    count = 1 if pipeline.layout == "padding_free" else f.per_device_train_batch_size
     if rows is not None:
         count = len(range(count)[rows])
-    shape = (f["gradient_accumulation_steps"], count, pipeline.max_length)
+    shape = (f.gradient_accumulation_steps, count, pipeline.max_length)
     return {"tokens": np.zeros(shape, np.int32), "loss_mask": np.ones(shape, bool),
             "segment_ids": np.ones(shape, np.int32),
             "positions": np.broadcast_to(np.arange(shape[-1], dtype=np.int32), shape).copy()}
@@ -484,17 +484,17 @@ def training_config(args: Any, max_steps: int, *, checkpoint_dir: str | os.PathL
 
     from gemport.recipe import check_strategies
 
-    f = values(args, RUN)
+    f = RunFields.from_config(args)
     check_strategies(f)
     eval_every = max_steps + 1
-    if evaluate and f["eval_strategy"] == "steps":
-        eval_every = steps_of(f["eval_steps"] or f["logging_steps"], max_steps, "eval_steps")
+    if evaluate and f.eval_strategy == "steps":
+        eval_every = steps_of(f.eval_steps or f.logging_steps, max_steps, "eval_steps")
     options = None
     if checkpoint_dir is not None:
-        options = ocp.CheckpointManagerOptions(save_interval_steps=steps_of(f["save_steps"], max_steps, "save_steps"),
-                                               max_to_keep=f["save_total_limit"])
+        options = ocp.CheckpointManagerOptions(save_interval_steps=steps_of(f.save_steps, max_steps, "save_steps"),
+                                               max_to_keep=f.save_total_limit)
     return TrainingConfig(eval_every_n_steps=eval_every, max_steps=max_steps,
-                          gradient_accumulation_steps=f["gradient_accumulation_steps"],
+                          gradient_accumulation_steps=f.gradient_accumulation_steps,
                           checkpoint_root_directory=None if checkpoint_dir is None else str(checkpoint_dir),
                           checkpointing_options=options, pbar_description=None, max_inflight_computations=1)
 

@@ -17,7 +17,7 @@ from gemport.masks.packing import Rows, pack
 from gemport.masks.policies import MaskPolicy
 from gemport.masks.tokenize import Example
 from gemport.masks.truncation import Truncation, TruncationReport
-from gemport.recipe import DATA, values
+from gemport.recipe import DataFields
 from gemport.train.distributed import process_step
 from gemport.train.order import OptimizerStep, optimizer_steps
 from gemport.train.step import stack
@@ -90,8 +90,8 @@ class SFTPipeline:
         """
         packed = self.units(examples) if self.layout == "pack" else None
         plan = list(optimizer_steps(self.config, len(packed["tokens"]) if packed is not None else len(examples)))
-        f = values(self.config, DATA)
-        accumulation, batch_size = f["gradient_accumulation_steps"], f["per_device_train_batch_size"]
+        f = DataFields.from_config(self.config)
+        accumulation, batch_size = f.gradient_accumulation_steps, f.per_device_train_batch_size
         multiple = self.pad_to_multiple_of or 1
         lengths = np.array([len(e.tokens) for e in examples])
         count = 1 if self.layout == "padding_free" else batch_size
@@ -146,20 +146,20 @@ def remat_of(config: Any) -> str:
     ``gradient_checkpointing_kwargs``: ``use_reentrant`` (torch's choice between two implementations of the same
     recomputation) has no JAX counterpart and changes nothing; any other key raises RecipeError naming it.
     """
-    f = values(config, DATA)
-    for key in f["gradient_checkpointing_kwargs"] or {}:
+    f = DataFields.from_config(config)
+    for key in f.gradient_checkpointing_kwargs or {}:
         if key != "use_reentrant":
             raise RecipeError(
                 f"SFTConfig.gradient_checkpointing_kwargs[{key!r}] has no counterpart in gemport's decoder remat; "
                 "remove it (only use_reentrant is accepted, and it changes nothing in JAX)"
             )
-    return "decoder" if f["gradient_checkpointing"] else "none"
+    return "decoder" if f.gradient_checkpointing else "none"
 
 
 def from_sft_config(config: Any, tokenizer: Any, *, chat_format: Gemma3 | Gemma4 | None = None) -> SFTPipeline:
     """Map TRL's ``SFTConfig`` (or ``TrainingArguments``, or a dict of their fields) onto gemport.masks.
 
-    The fields read are ``gemport.recipe.DATA`` (``gemport.recipe.values``: absent ones at TRL's ``SFTConfig``
+    The fields read are ``gemport.recipe.DataFields`` (``DataFields.from_config``: absent ones at TRL's ``SFTConfig``
     defaults).
 
     Reads ``assistant_only_loss`` (-> ``MaskPolicy("assistant")``, else every token trained),
@@ -186,41 +186,41 @@ def from_sft_config(config: Any, tokenizer: Any, *, chat_format: Gemma3 | Gemma4
     and GeGLU kernels have none (XLA fuses those itself).
     Returns an ``SFTPipeline``.
     """
-    f = values(config, DATA)
+    f = DataFields.from_config(config)
     refused = {
-        "truncation_mode": (f["truncation_mode"] != "keep_start", "keep 'keep_start'"),
-        "packing_strategy": (f["packing"] and f["packing_strategy"] != "bfd",
+        "truncation_mode": (f.truncation_mode != "keep_start", "keep 'keep_start'"),
+        "packing_strategy": (f.packing and f.packing_strategy != "bfd",
                              "use 'bfd' (best fit decreasing, as masks.pack)"),
-        "loss_type": (f["loss_type"] != "nll", "use 'nll'"),
-        "shuffle_dataset": (bool(f["shuffle_dataset"]), "leave it False; the trainer's sampler shuffles"),
+        "loss_type": (f.loss_type != "nll", "use 'nll'"),
+        "shuffle_dataset": (bool(f.shuffle_dataset), "leave it False; the trainer's sampler shuffles"),
     }
     for name, (bad, fix) in refused.items():
         if bad:
-            raise RecipeError(f"SFTConfig.{name}={f[name]!r} is not reproduced by gemport; {fix}")
-    max_length = f["max_length"]
-    if f["packing"] and max_length is None:
+            raise RecipeError(f"SFTConfig.{name}={getattr(f, name)!r} is not reproduced by gemport; {fix}")
+    max_length = f.max_length
+    if f.packing and max_length is None:
         raise RecipeError("SFTConfig.packing needs max_length, as in TRL")
     if chat_format is None and getattr(tokenizer, "chat_template", None):
         from gemport.masks.template import chat_format as from_tokenizer
 
         chat_format = from_tokenizer(tokenizer)
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else None
-    if f["eos_token"] is not None and vocab is not None and f["eos_token"] not in vocab:  # as TRL raises
-        raise RecipeError(f"SFTConfig.eos_token={f['eos_token']!r} is not in the tokenizer's vocabulary; give a "
+    if f.eos_token is not None and vocab is not None and f.eos_token not in vocab:  # as TRL raises
+        raise RecipeError(f"SFTConfig.eos_token={f.eos_token!r} is not in the tokenizer's vocabulary; give a "
                           "token it has (e.g. '<end_of_turn>' for Gemma 3, '<turn|>' for Gemma 4)")
-    pad_token = f["pad_token"] or getattr(tokenizer, "pad_token", None) or getattr(tokenizer, "eos_token", None)
+    pad_token = f.pad_token or getattr(tokenizer, "pad_token", None) or getattr(tokenizer, "eos_token", None)
     pad_id = int(tokenizer.convert_tokens_to_ids(pad_token)) if pad_token is not None else 0
-    layout = "pack" if f["packing"] else "padding_free" if f["padding_free"] else "pad"
+    layout = "pack" if f.packing else "padding_free" if f.padding_free else "pad"
     return SFTPipeline(
         chat_format=chat_format,
-        policy=MaskPolicy("assistant") if f["assistant_only_loss"] else None,
+        policy=MaskPolicy("assistant") if f.assistant_only_loss else None,
         truncation=Truncation(max_len=max_length if max_length is not None else 2**62, overflow="trim"),
-        completion_only_loss=f["completion_only_loss"],
-        text_field=f["dataset_text_field"],
-        eos_token=f["eos_token"],
+        completion_only_loss=f.completion_only_loss,
+        text_field=f.dataset_text_field,
+        eos_token=f.eos_token,
         layout=layout,
         max_length=max_length,
-        pad_to_multiple_of=f["pad_to_multiple_of"],
+        pad_to_multiple_of=f.pad_to_multiple_of,
         pad_id=pad_id,
         config=config,
         remat=remat_of(config),
