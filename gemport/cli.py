@@ -295,7 +295,7 @@ def _sft_comparison(args):
     tolerances = Tolerances(loss=args.rtol, grad_norm=args.rtol, adapter=args.adapter_rtol)
     return lambda base, tokenizer: trajectory(
         base, args.data, sft_config=sft, lora_config=lora, steps=args.steps, tokenizer=tokenizer,
-        port_sft_config=port, loss_fn=segment_loss if args.fast else tunix_loss, dtype=args.dtype,
+        port_sft_config=port, loss_fn={"segment": segment_loss, "tunix": tunix_loss}[args.loss], dtype=args.dtype,
         tolerances=tolerances)
 
 
@@ -447,9 +447,10 @@ def parser() -> argparse.ArgumentParser:
                         "the recipe as bf16 trains it (TRL under torch's CPU bfloat16 autocast on a bfloat16 base, "
                         "the port on a bfloat16 base; LoRA factors float32 on both), judged against the floor of "
                         "the GPU recipe's own float32 run")
-    c.add_argument("--fast", action=argparse.BooleanOptionalAction, default=True,
-                   help="the port's step: segment attention and chunked cross-entropy, as gemport trains (default); "
-                        "--no-fast runs Tunix's own attention and logits")
+    c.add_argument("--loss", choices=("segment", "tunix"), default="segment",
+                   help="the port's loss function: segment (default), segment attention and chunked cross-entropy, "
+                        "as gemport trains (train.segment_loss); tunix, Tunix's own attention and logits "
+                        "(train.tunix_loss)")
     c.add_argument("--miniature", action="store_true",
                    help="run on a random miniature of BASE's architecture (6 layers, narrow, same heads and "
                         "pattern) instead of its weights; BASE needs only config.json and the tokenizer")

@@ -161,9 +161,9 @@ def parity_comparison(args):
     if args.dtype != "float32":
         raise RecipeError(f"--dtype {args.dtype}: --trainer dpo compares in float32 only (a bfloat16 DPO "
                           "comparison is not built yet); drop --dtype")
-    if not args.fast:
-        raise RecipeError("--no-fast: gemport dpo trains with the fast step only (segment attention, chunked "
-                          "log-probabilities); drop --no-fast")
+    if args.loss != "segment":
+        raise RecipeError(f"--loss {args.loss}: gemport dpo trains with the segment step only (segment attention, "
+                          "chunked log-probabilities); drop --loss")
     recipe = trl_recipe.read(args.config, command="dpo")
     config = recipe.sft
     for note in recipe.notes:
