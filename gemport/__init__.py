@@ -47,6 +47,7 @@ from gemport.errors import (
     TrainingError,
     UnexpectedTensorError,
     UnsafePathError,
+    VerifyError,
 )
 
 __version__ = "0.1.0"

@@ -99,6 +99,11 @@ class BatchError(GemportError, ValueError):
     multi-host run cannot hold."""
 
 
+class VerifyError(GemportError, ValueError):
+    """A comparison (``gemport.verify``) asked for in a way it cannot judge: a dtype it does not compare in, or no
+    tolerance (neither a multiple of a measured floor nor a fixed bound)."""
+
+
 class EngineError(GemportError):
     """A serving engine (vLLM) refused a checkpoint or adapter, or failed while serving it; the message is the
     engine's."""
@@ -130,4 +135,5 @@ __all__ = [
     "TrainingError",
     "UnexpectedTensorError",
     "UnsafePathError",
+    "VerifyError",
 ]

@@ -16,6 +16,7 @@ import numpy as np
 
 from gemport.engines import Served, serve_vllm
 from gemport._src.extras import require
+from gemport.errors import VerifyError
 from gemport.specs import GemmaSpec
 
 
@@ -131,7 +132,7 @@ def compare_logits(hf_dir: str | Path, tunix_model, *, adapter_dir: str | Path |
     torch = require("torch", "verifying against transformers")
     dtype = dtype or model_dtype(tunix_model)
     if dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"compare_logits: dtype {dtype!r}; verify float32 or bfloat16")
+        raise VerifyError(f"compare_logits: dtype {dtype!r}; verify float32 or bfloat16")
 
     def logits(**kwargs):
         hf = transformers_model(hf_dir, adapter_dir=adapter_dir, **kwargs)
@@ -217,10 +218,10 @@ def compare_continuations(served: Served, reference: np.ndarray, *, name: str, a
     """
     if within is not None:
         if floor is None:
-            raise ValueError("compare_continuations: within= judges against a floor: pass floor=")
+            raise VerifyError("compare_continuations: within= judges against a floor: pass floor=")
         atol = within * floor
     elif atol is None:
-        raise ValueError("compare_continuations: pass within= and floor= (logprob_floor on these tokens), or a "
+        raise VerifyError("compare_continuations: pass within= and floor= (logprob_floor on these tokens), or a "
                          "fixed atol=")
     b, t = served.tokens.shape
     start = reference.shape[1] - t - 1
@@ -292,7 +293,7 @@ def compare_vllm(hf_dir: str | Path, *, adapter_dir: str | Path | None = None, t
     """
     torch = require("torch", "verifying against transformers")
     if dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"compare_vllm: dtype {dtype!r}; verify float32 or bfloat16")
+        raise VerifyError(f"compare_vllm: dtype {dtype!r}; verify float32 or bfloat16")
     if prompts is None:
         vocab = GemmaSpec.from_hf(hf_dir).vocab
         prompts = np.random.default_rng(seed).integers(0, vocab, (num_prompts, seq_len), dtype=np.int32)

@@ -252,12 +252,20 @@ def test_continuations_are_judged_against_a_floor_or_a_chosen_atol():
     import numpy as np
 
     from gemport.engines import Served
-    from gemport.verify import compare_continuations, log_softmax
+    from gemport.errors import VerifyError
+    from gemport.verify import compare_continuations, compare_logits, compare_vllm, log_softmax
 
     reference = log_softmax(np.array([[[0.0, 1.0, 3.0], [2.0, 0.0, 0.0]]]))  # one prompt token, one served token
     served = Served(np.array([[2]]), [[{2: float(reference[0, 0, 2]) + 1e-6}]], "engine")
-    with pytest.raises(ValueError, match="within= and floor="):
+    with pytest.raises(VerifyError, match="within= and floor="):
         compare_continuations(served, reference, name="reference")
+    with pytest.raises(VerifyError, match="pass floor="):
+        compare_continuations(served, reference, name="reference", within=10)
     assert compare_continuations(served, reference, name="reference", floor=2e-7, within=10).ok
     assert not compare_continuations(served, reference, name="reference", floor=5e-8, within=10).ok
+    # A dtype verify does not compare in is refused, typed, before anything loads or serves.
+    for compare in (lambda: compare_logits("no-such-dir", None, dtype="float16"),
+                    lambda: compare_vllm("no-such-dir", dtype="float16")):
+        with pytest.raises(VerifyError, match="float16.*float32 or bfloat16"):
+            compare()
     assert not compare_continuations(served, reference, name="reference", atol=1e-7).ok
