@@ -42,7 +42,7 @@ class MemoryPlan:
         the transposed largest attention weight (and, for Tunix's step, the transposed embedding; for the
         fast step on a bfloat16 embedding, the 16-bit view it slices).
       tunix_step, tunix_weight_copy_bytes: the same for Tunix's own step (its attention's [B, T, N, S] scores
-        and [B, T, V] logits), what the step needed before gemport's fast step; None without a batch.
+        and [B, T, V] logits), the baseline ``bench/`` compares the segment step against; None without a batch.
     """
 
     fsdp: int
