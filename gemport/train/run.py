@@ -485,7 +485,7 @@ def training_config(args: Any, max_steps: int, *, checkpoint_dir: str | os.PathL
     from gemport.recipe import check_strategies
 
     f = RunFields.from_config(args)
-    check_strategies(f)
+    check_strategies(dataclasses.asdict(f))
     eval_every = max_steps + 1
     if evaluate and f.eval_strategy == "steps":
         eval_every = steps_of(f.eval_steps or f.logging_steps, max_steps, "eval_steps")
