@@ -8,7 +8,8 @@ import pytest
 
 MODULES = ["gemport.recipe", "gemport.optim.hf", "gemport.train.order", "gemport.specs.spec",
            "gemport.checkpoint.load", "gemport.lora.qwix", "gemport.plan.memory", "gemport.mesh.factory",
-           "gemport.verify", "gemport.lora.layout", "gemport.sharding.audit"]
+           "gemport.verify", "gemport.lora.layout", "gemport.sharding.audit",
+           "gemport.checkpoint.adapters"]
 
 
 @pytest.mark.parametrize("name", MODULES)

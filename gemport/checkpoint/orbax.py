@@ -23,6 +23,15 @@ def save_orbax(state_or_model, out_dir: str | Path) -> Path:
     renamed into place when complete; an unwritable location fails before Orbax starts. ``out_dir`` must not
     exist or be empty. One process writes (conversions, not multi-host training checkpoints).
 
+    Args:
+      state_or_model: a Tunix model, whose ``nnx.Param`` state is saved, or any ``nnx.State`` (e.g. of
+        ``nnx.LoRAParam``), saved as it is: each array with its shape and dtype.
+      out_dir: the checkpoint directory to create; must not exist or be empty.
+
+    Returns:
+      The path of the checkpoint directory, resolved; `load_orbax` (a model's parameters) or `gemport.checkpoint.
+      load_lora` (LoRA factors, under a ``model_params`` directory) reads it back.
+
     Raises:
       CheckpointError: the location is not writable, or Orbax failed (disk full...); names ``out_dir``.
     """

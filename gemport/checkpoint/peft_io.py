@@ -65,6 +65,11 @@ def export_peft(lora, out_dir: str | Path, *, base_dir: str | Path | None = None
       step: with an Orbax checkpoint root, the step to export; default the latest.
       base_model_name_or_path: written into ``adapter_config.json`` for PEFT and vLLM to find the base; default
         ``base_dir``'s absolute path.
+
+    Returns:
+      The adapter directory's path, resolved, holding ``adapter_model.safetensors`` (under PEFT's keys, each
+      adapted projection's ``lora_A.weight`` [r, in] and ``lora_B.weight`` [out, r], and the expert parameters'
+      factors with ``lora_spec.parameters``) and ``adapter_config.json``.
     """
     out = check_output(out_dir, base_dir, lora if isinstance(lora, (str, os.PathLike)) else None)
     spec = resolve_spec(base_dir, spec)
