@@ -9,7 +9,7 @@ import pytest
 MODULES = ["gemport.recipe", "gemport.optim.hf", "gemport.train.order", "gemport.specs.spec",
            "gemport.checkpoint.load", "gemport.lora.qwix", "gemport.plan.memory", "gemport.mesh.factory",
            "gemport.verify", "gemport.lora.layout", "gemport.sharding.audit",
-           "gemport.checkpoint.adapters"]
+           "gemport.checkpoint.adapters", "gemport.train.peft_trainer"]
 
 
 @pytest.mark.parametrize("name", MODULES)
