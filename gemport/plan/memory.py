@@ -301,8 +301,8 @@ def valid_meshes(spec: GemmaSpec, num_devices: int, **options) -> tuple[MemoryPl
     Example:
 
       >>> from gemport import GemmaSpec, LoraSpec, valid_meshes
-      >>> plans = valid_meshes(GemmaSpec.preset("gemma4-31b"), 8, hbm_bytes="v5e", lora_spec=LoraSpec(rank=16, alpha=32),
-      ...                      batch=8, seq_len=4096, remat="decoder")
+      >>> plans = valid_meshes(GemmaSpec.preset("gemma4-31b"), 8, hbm_bytes="v5e",
+      ...                      lora_spec=LoraSpec(rank=16, alpha=32), batch=8, seq_len=4096, remat="decoder")
       >>> [(plan.fsdp, plan.tp, plan.fits) for plan in plans]
       [(8, 1, False), (4, 2, True), (2, 4, True)]
     """
