@@ -13,8 +13,8 @@ from gemport.masks.training_template import gemma4_training_template
 
 MODULES = ["gemport.recipe", "gemport.optim.hf", "gemport.train.order", "gemport.specs.spec",
            "gemport.checkpoint.load", "gemport.lora.qwix", "gemport.plan.memory", "gemport.mesh.factory",
-           "gemport.verify", "gemport.lora.layout", "gemport.sharding.audit",
-           "gemport.checkpoint.adapters", "gemport.checkpoint.peft_io", "gemport.train.peft_trainer",
+           "gemport.verify", "gemport.lora.layout", "gemport.sharding.audit", "gemport.checkpoint.adapters",
+           "gemport.checkpoint.peft_io", "gemport.checkpoint.orbax", "gemport.train.peft_trainer",
            "gemport.train.sft"]
 
 

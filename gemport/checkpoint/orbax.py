@@ -34,6 +34,20 @@ def save_orbax(state_or_model, out_dir: str | Path) -> Path:
 
     Raises:
       CheckpointError: the location is not writable, or Orbax failed (disk full...); names ``out_dir``.
+
+    Example (``checkpoint``: a tiny Gemma 3 saved by transformers):
+
+      >>> import tempfile
+      >>> import jax
+      >>> import numpy as np
+      >>> from gemport import GemmaSpec, load_hf, load_orbax, save_orbax
+      >>> spec = GemmaSpec.from_hf(checkpoint)
+      >>> state = load_hf(checkpoint, spec=spec)
+      >>> tmp = tempfile.TemporaryDirectory()
+      >>> path = save_orbax(state, f"{tmp.name}/params")
+      >>> jax.tree.all(jax.tree.map(np.array_equal, state, load_orbax(path, spec=spec)))
+      True
+      >>> tmp.cleanup()
     """
     import orbax.checkpoint as ocp
 
