@@ -376,17 +376,6 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
                dtype="float32"):
     """Run the GPU recipe and the port for the same steps from the same step-0 adapter; a ``Trajectory``.
 
-    base_dir: an HF Gemma checkpoint (the real one, or a miniature of it) with its tokenizer, unless
-        ``tokenizer`` is given. data: TRL SFT records (messages, prompt/completion or text) or a file
-        of them (``masks.formats.read``). sft_config: ``SFTConfig``, a dict of its fields, or a
-        YAML/JSON path (``read_recipe``); ``max_steps`` is set to ``steps`` when given; float32 on CPU,
-        one log line per step and no checkpoints are imposed on the GPU side. lora_config:
-        ``peft.LoraConfig``, a dict, or an ``adapter_config.json`` (or its directory); dropout must be 0.
-    port_sft_config: the port's SFTConfig if it differs (default: the same), e.g. to see a broken port.
-    chat_format: the port's rendering (default: from the tokenizer's template). With
-        ``assistant_only_loss`` and a Gemma 4 template without generation markers (TRL refuses those),
-        both sides use ``masks.training_template.gemma4_training_template()``.
-
     The GPU side is TRL's ``SFTTrainer`` on a ``get_peft_model`` of ``base_dir`` (PEFT's initialisation
     under ``torch.manual_seed(seed)``); that adapter is imported into Tunix (``import_peft``) and trained
     with ``train.from_sft_config`` batches, ``optim.hf_optimizer`` and ``train.train_step``. Unless
@@ -397,23 +386,54 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
     adapters are held to ``FLOOR_MULTIPLE`` times the farthest the two GPU runs end apart, or in float32 the port
     with ``FLOOR_PADDING`` more padding columns per row from the port (``Trajectory.adapter_floor``). The float64
     run costs about what the float32 one does (no gradient checkpointing: its recompute changes no value).
-    dtype: ``"float32"`` (the default: a disagreement is a difference in what is computed, not in precision) or
-        ``"bfloat16"``, the recipe as ``bf16: true`` trains it: the GPU side loads the base in bfloat16 (PEFT's
-        adapters stay float32) and computes under torch's CPU bfloat16 autocast, as TRL does on a GPU; the port
-        loads a bfloat16 base with float32 factors, as ``SFTRun`` does. The floor is then the GPU recipe's own
-        float32 run against its bfloat16 one: the rounding of the dtype, which the port and TRL each add, at
-        different points of the computation (eager vs sdpa would differ in attention's rounding only).
-    loss_fn: the port's step's loss (default ``train.segment_loss``: segment attention, chunked cross-entropy, as
-        ``train_step`` and ``HFPeftTrainer`` train by default); ``train.tunix_loss`` runs Tunix's own attention and
-        logits.
+    Everything the port needs (model, LoRA config, optimizer, tokenizer, template, data) is checked before
+    either side trains; both train in a temporary directory, removed at the end.
 
-    qlora: a `gemport.lora.QLoraSpec` (QLoRA): the GPU side loads ``base_dir`` through bitsandbytes
-    (``BitsAndBytesConfig(**qlora.to_bnb())``, then ``peft.prepare_model_for_kbit_training`` as TRL does),
-    the port through `gemport.checkpoint.quantize.load_qlora_model`, both computing in float32 as the rest of
-    the comparison does (``bnb_4bit_compute_dtype`` is overridden). The GPU side's adapters stay float32,
-    as PEFT makes them: TRL's cast of a quantized model's adapters to bfloat16 is undone, since the port
-    trains float32 factors (see docs/qlora.md for what that cast changes, measured). bitsandbytes has no float64:
-    the floor is then TRL with sdpa attention instead of eager, attention's float32 rounding only.
+    Args:
+      base_dir: an HF Gemma checkpoint (the real one, or a miniature of it) with its tokenizer, unless
+        ``tokenizer`` is given.
+      data: TRL SFT records (messages, prompt/completion or text) or a file of them (``masks.formats.read``).
+      sft_config: ``SFTConfig``, a dict of its fields, or a YAML/JSON path (``read_recipe``); ``max_steps`` is
+        set to ``steps`` when given; float32 on CPU, one log line per step and no checkpoints are imposed on
+        the GPU side.
+      lora_config: ``peft.LoraConfig``, a dict, or an ``adapter_config.json`` (or its directory); dropout must
+        be 0.
+      steps: the optimizer steps to compare (default: the config's ``max_steps``, which must then be set).
+      tokenizer: default ``AutoTokenizer.from_pretrained(base_dir)``.
+      chat_format: the port's rendering (default: from the tokenizer's template). With
+        ``assistant_only_loss`` and a Gemma 4 template without generation markers (TRL refuses those),
+        both sides use ``masks.training_template.gemma4_training_template()``.
+      port_sft_config: the port's SFTConfig if it differs (default: the same), e.g. to see a broken port.
+      tolerances: `Tolerances`: the bounds; loss, grad_norm and adapter left None are ``FLOOR_MULTIPLE`` times
+        the floor measured in the run.
+      progress: show the port's steps as a progress bar.
+      qlora: a `gemport.lora.QLoraSpec` (QLoRA): the GPU side loads ``base_dir`` through bitsandbytes
+        (``BitsAndBytesConfig(**qlora.to_bnb())``, then ``peft.prepare_model_for_kbit_training`` as TRL does),
+        the port through `gemport.checkpoint.quantize.load_qlora_model`, both computing in float32 as the rest
+        of the comparison does (``bnb_4bit_compute_dtype`` is overridden). The GPU side's adapters stay float32,
+        as PEFT makes them: TRL's cast of a quantized model's adapters to bfloat16 is undone, since the port
+        trains float32 factors (see docs/qlora.md for what that cast changes). bitsandbytes has no float64:
+        the floor is then TRL with sdpa attention instead of eager, attention's float32 rounding only.
+      loss_fn: the port's step's loss (default ``train.segment_loss``: segment attention, chunked cross-entropy,
+        as ``train_step`` and ``HFPeftTrainer`` train by default); ``train.tunix_loss`` runs Tunix's own
+        attention and logits.
+      dtype: ``"float32"`` (the default: a disagreement is a difference in what is computed, not in precision)
+        or ``"bfloat16"``, the recipe as ``bf16: true`` trains it: the GPU side loads the base in bfloat16
+        (PEFT's adapters stay float32) and computes under torch's CPU bfloat16 autocast, as TRL does on a GPU;
+        the port loads a bfloat16 base with float32 factors, as ``SFTRun`` does. The floor is then the GPU
+        recipe's own float32 run against its bfloat16 one: the rounding of the dtype, which the port and TRL
+        each add, at different points of the computation (eager vs sdpa would differ in attention's rounding
+        only).
+
+    Returns:
+      A `Trajectory`: one `StepRow` per step TRL logged (both sides' learning rate, loss and grad_norm, and the
+      step's floors), each HF module's final s*B@A difference (``adapters``), the adapter floor and what the
+      floors compare (``floor_name``); ``ok`` and ``first_disagreement`` judge it.
+
+    Raises:
+      RecipeError: a ``dtype`` other than float32 or bfloat16, or no ``max_steps`` and no ``steps``.
+      LoraError: a QLoRA recipe compared in bfloat16.
+      GemportError: the GPU recipe logged no step (empty data).
     """
     import jax
     import numpy as np

@@ -1,20 +1,29 @@
 """The runnable examples in the docstrings of the main entry points run and print what they say. Examples that
-need a checkpoint get ``checkpoint``: a tiny Gemma 3 saved by transformers (``hf_checkpoint("gemma3_1b")``)."""
+need a checkpoint get ``checkpoint``: a tiny Gemma 3 saved by transformers (``hf_checkpoint("gemma3_1b")``); those
+that need a tokenizer get ``tokenizer``: one token per character, with Gemma 4's control tokens and its training
+chat template."""
 
 import doctest
 import importlib
 
 import pytest
+from test_masks_tokenizers import GEMMA4_CONTROL, char_tokenizer
+
+from gemport.masks.training_template import gemma4_training_template
 
 MODULES = ["gemport.recipe", "gemport.optim.hf", "gemport.train.order", "gemport.specs.spec",
            "gemport.checkpoint.load", "gemport.lora.qwix", "gemport.plan.memory", "gemport.mesh.factory",
-           "gemport.verify"]
+           "gemport.verify", "gemport.lora.layout", "gemport.sharding.audit", "gemport.checkpoint.adapters",
+           "gemport.checkpoint.peft_io", "gemport.checkpoint.orbax", "gemport.train.peft_trainer",
+           "gemport.train.sft"]
 
 
 @pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples(name, hf_checkpoint):
     module = importlib.import_module(name)
-    extraglobs = {"checkpoint": str(hf_checkpoint("gemma3_1b")[1])}
+    tokenizer = char_tokenizer(GEMMA4_CONTROL)
+    tokenizer.chat_template = gemma4_training_template()
+    extraglobs = {"checkpoint": str(hf_checkpoint("gemma3_1b")[1]), "tokenizer": tokenizer}
     failed, attempted = doctest.testmod(module, extraglobs=extraglobs,
                                         optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert attempted, f"{name} has no example"

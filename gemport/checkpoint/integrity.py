@@ -5,7 +5,7 @@ Orbax finalizes a checkpoint by renaming its temporary directory (or, on object 
 happens to the files afterwards (an interrupted copy, a disk that filled during a later rewrite, files zeroed by
 a crashed host) Orbax does not see: it resumes from the newest step directory and fails deep inside JSON or
 TensorStore. ``resume_step`` reads every array of the newest checkpoint back before the trainer resumes from
-it; one that does not read back is renamed ``damaged-<step>`` (kept for inspection; Orbax no longer counts it,
+it; one that does not read back is renamed ``damaged-<step>`` (kept for inspection; Orbax does not count it,
 so ``save_total_limit`` cannot delete an intact checkpoint in its favour) and the next older one is tried.
 """
 

@@ -127,7 +127,7 @@ def load_model(hf_dir: str | Path, *, spec: GemmaSpec | None = None, mesh=None, 
 
       >>> from gemport import load_model
       >>> model = load_model(checkpoint, param_dtype="float32")
-      >>> type(model).__name__, model.embedder.input_embedding.value.shape
+      >>> type(model).__name__, model.embedder.input_embedding.get_value().shape
       ('Gemma3', (96, 32))
     """
     ckpt = HFCheckpoint(hf_dir)

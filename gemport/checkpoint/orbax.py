@@ -23,8 +23,31 @@ def save_orbax(state_or_model, out_dir: str | Path) -> Path:
     renamed into place when complete; an unwritable location fails before Orbax starts. ``out_dir`` must not
     exist or be empty. One process writes (conversions, not multi-host training checkpoints).
 
+    Args:
+      state_or_model: a Tunix model, whose ``nnx.Param`` state is saved, or any ``nnx.State`` (e.g. of
+        ``nnx.LoRAParam``), saved as it is: each array with its shape and dtype.
+      out_dir: the checkpoint directory to create; must not exist or be empty.
+
+    Returns:
+      The path of the checkpoint directory, resolved; `load_orbax` (a model's parameters) or `gemport.checkpoint.
+      load_lora` (LoRA factors, under a ``model_params`` directory) reads it back.
+
     Raises:
       CheckpointError: the location is not writable, or Orbax failed (disk full...); names ``out_dir``.
+
+    Example (``checkpoint``: a tiny Gemma 3 saved by transformers):
+
+      >>> import tempfile
+      >>> import jax
+      >>> import numpy as np
+      >>> from gemport import GemmaSpec, load_hf, load_orbax, save_orbax
+      >>> spec = GemmaSpec.from_hf(checkpoint)
+      >>> state = load_hf(checkpoint, spec=spec)
+      >>> tmp = tempfile.TemporaryDirectory()
+      >>> path = save_orbax(state, f"{tmp.name}/params")
+      >>> jax.tree.all(jax.tree.map(np.array_equal, state, load_orbax(path, spec=spec)))
+      True
+      >>> tmp.cleanup()
     """
     import orbax.checkpoint as ocp
 

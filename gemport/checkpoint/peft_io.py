@@ -65,6 +65,34 @@ def export_peft(lora, out_dir: str | Path, *, base_dir: str | Path | None = None
       step: with an Orbax checkpoint root, the step to export; default the latest.
       base_model_name_or_path: written into ``adapter_config.json`` for PEFT and vLLM to find the base; default
         ``base_dir``'s absolute path.
+
+    Returns:
+      The adapter directory's path, resolved, holding ``adapter_model.safetensors`` (under PEFT's keys, each
+      adapted projection's ``lora_A.weight`` [r, in] and ``lora_B.weight`` [out, r], and the expert parameters'
+      factors with ``lora_spec.parameters``) and ``adapter_config.json``.
+
+    Example (``checkpoint``: a tiny Gemma 3 saved by transformers):
+
+      >>> import json, tempfile
+      >>> import numpy as np
+      >>> from safetensors.numpy import load_file
+      >>> from gemport import GemmaSpec, LoraLayout, LoraSpec, export_peft, load_lora
+      >>> lora_spec = LoraSpec(rank=8, alpha=16, targets=("q_proj", "v_proj"))
+      >>> shapes = LoraLayout(GemmaSpec.from_hf(checkpoint), lora_spec).shapes()
+      >>> lora = load_lora({name: np.ones(shape, np.float32) for name, shape in shapes.items()}, lora_spec=lora_spec)
+      >>> tmp = tempfile.TemporaryDirectory()
+      >>> out = export_peft(lora, f"{tmp.name}/adapter", base_dir=checkpoint)
+      >>> sorted(p.name for p in out.iterdir())
+      ['adapter_config.json', 'adapter_model.safetensors']
+      >>> config = json.loads((out / "adapter_config.json").read_text())
+      >>> config["r"], config["lora_alpha"], sorted(config["target_modules"])
+      (8, 16, ['q_proj', 'v_proj'])
+      >>> tensors = load_file(out / "adapter_model.safetensors")  # v_proj: lora_A [r, D], lora_B [K * H, r]
+      >>> [tensors[f"base_model.model.model.layers.0.self_attn.v_proj.lora_{f}.weight"].shape for f in "AB"]
+      [(8, 32), (8, 8)]
+      >>> any("k_proj" in key for key in tensors)  # k_proj, a zero slot of the fused kv_einsum, is not written
+      False
+      >>> tmp.cleanup()
     """
     out = check_output(out_dir, base_dir, lora if isinstance(lora, (str, os.PathLike)) else None)
     spec = resolve_spec(base_dir, spec)

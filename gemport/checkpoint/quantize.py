@@ -118,6 +118,11 @@ def load_qlora_model(hf_dir: str | Path, qlora: QLoraSpec, *, spec: GemmaSpec | 
       compute_dtype: the unquantized parameters' and the computation's dtype; default ``qlora.compute_dtype``, else
         the checkpoint's.
 
+    Returns:
+      The Tunix model (as from `gemport.checkpoint.load_model`) whose projection weights are 4-bit: each a
+      ``WithAux(QArray)`` of uint4 codes in the weight's shape and float32 scales, one per bitsandbytes block
+      (the weight's shape divided by `tile_shape`); the other parameters in ``compute_dtype``.
+
     Raises:
       LoraError: a Gemma 4 model with per-layer inputs or MoE (bitsandbytes also quantizes their extra
         linears, which gemport does not), or widths that bitsandbytes' blocks do not tile (`tile_shape`).

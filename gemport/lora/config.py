@@ -239,9 +239,11 @@ class LoraParams(NamedTuple):
     """LoRA factors with the `LoraSpec` that shapes them: what `gemport.checkpoint.import_peft` and
     `gemport.checkpoint.load_lora` return, and what `apply_lora` and the exports take.
 
-    ``params`` is an ``nnx.State`` of ``nnx.LoRAParam`` with the Tunix model's paths, e.g. kv_einsum's
-    ``w_lora_a`` of shape (2, D, r) and ``w_lora_b`` of shape (2, r, K, H); ``lora_spec`` is the rank, alpha,
-    targets and fused form they were made for.
+    Attributes:
+      params: the factors, an ``nnx.State`` of ``nnx.LoRAParam`` with the Tunix model's paths (or a nested dict
+        of arrays laid out the same way), e.g. kv_einsum's separate ``w_lora_a`` [2, D, r] and ``w_lora_b``
+        [2, r, K, H]; each factor's shape is `LoraLayout.shapes`' for ``lora_spec``.
+      lora_spec: the rank, alpha, targets and fused form the factors were made for.
     """
 
     params: Any

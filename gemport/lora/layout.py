@@ -259,6 +259,23 @@ class LoraLayout:
     q_proj + v_proj: ``v_proj`` without ``k_proj`` on a ``kv_einsum``) give the others zero slots (rank 0).
     Raises ``LoraError`` when a shared fused module would need that, or different ranks or scales per
     projection.
+
+    Attributes:
+      spec: the architecture whose Tunix model is adapted.
+      lora_spec: the LoRA config (targets, rank, per-module ranks and alphas, fused form).
+      adapters: one `Adapter` per adapted Tunix module, in the names table's order (iterating the layout
+        yields them).
+      experts: the adapters on MoE expert parameters (``lora_spec.parameters``).
+
+    Example:
+
+      >>> from gemport import GemmaSpec, LoraLayout, LoraSpec
+      >>> layout = LoraLayout(GemmaSpec.preset("gemma3-1b"), LoraSpec(rank=8, alpha=16, targets=("q_proj", "v_proj")))
+      >>> len(layout), layout.num_params  # q_einsum and kv_einsum of 26 layers; PEFT's trainable count
+      (52, 745472)
+      >>> shapes = layout.shapes()  # kv_einsum: separate factors, k_proj's a zero slot
+      >>> shapes["layers.0.attn.kv_einsum.w_lora_a"], shapes["layers.0.attn.kv_einsum.w_lora_b"]
+      ((2, 1152, 8), (2, 8, 1, 256))
     """
 
     spec: GemmaSpec

@@ -281,8 +281,29 @@ def _weight_copy(params, sizes, param_dtype, loss_fn: LossFn, qlora=None, comput
 def valid_meshes(spec: GemmaSpec, num_devices: int, **options) -> tuple[MemoryPlan, ...]:
     """A ``MemoryPlan`` for every (fsdp, tp) with fsdp * tp = ``num_devices`` that fits ``spec``, by tp.
 
-    ``options`` are `memory_plan`'s keyword arguments (LoRA, HBM, dtypes, batch, remat, backend, QLoRA), which
-    says what is counted. E.g. ``valid_meshes(GemmaSpec.preset("gemma4-31b"), 4, hbm_bytes="v5p",
-    lora_spec=LoraSpec(16, 32.0))`` lists tp = 1, 2, 4 with what each v5p chip holds.
+    A mesh fits ``spec`` when each axis divides every dimension it shards (`gemport.mesh.valid_tp`, as
+    `gemport.make_mesh` checks); whether its plan fits the chip's memory is the plan's ``fits``. Estimated
+    without compiling, as `memory_plan` does.
+
+    Args:
+      spec: the architecture, e.g. ``GemmaSpec.preset("gemma4-31b")``.
+      num_devices: the chips of the mesh, at least 1.
+      **options: `memory_plan`'s keyword arguments (``lora_spec``, ``hbm_bytes``, dtypes, ``batch`` and
+        ``seq_len``, ``remat``, ``backend``, ``qlora``, ``loss_fn``), which say what is counted.
+
+    Returns:
+      A tuple of `MemoryPlan`, one per valid tp in ascending order (fsdp = ``num_devices // tp``); empty when
+      no tp divides ``spec``'s dimensions.
+
+    Raises:
+      MeshError: ``num_devices`` is not a positive integer, or an unknown chip name in ``hbm_bytes``.
+
+    Example:
+
+      >>> from gemport import GemmaSpec, LoraSpec, valid_meshes
+      >>> plans = valid_meshes(GemmaSpec.preset("gemma4-31b"), 8, hbm_bytes="v5e",
+      ...                      lora_spec=LoraSpec(rank=16, alpha=32), batch=8, seq_len=4096, remat="decoder")
+      >>> [(plan.fsdp, plan.tp, plan.fits) for plan in plans]
+      [(8, 1, False), (4, 2, True), (2, 4, True)]
     """
     return tuple(memory_plan(spec, num_devices // tp, tp, **options) for tp in valid_tp(spec, num_devices))

@@ -86,8 +86,37 @@ class Audit:
 def audit(state, mesh: jax.sharding.Mesh, *, large_bytes: int = LARGE_BYTES) -> Audit:
     """Check every variable of ``state`` (an ``nnx.Module``, ``nnx.Optimizer`` or ``nnx.State``) against ``mesh``.
 
-    Concrete and abstract (``nnx.eval_shape``) states both work; the ``placed as`` finding needs arrays.
-    ``large_bytes`` is the size from which a fully replicated tensor is reported.
+    Reads each variable's ``out_sharding`` annotation and its shape; changes nothing (`gemport.sharding.fix_lora`
+    repairs LoRA factors).
+
+    Args:
+      state: the model, optimizer or state to check; concrete or abstract (``nnx.eval_shape``): the ``placed as``
+        finding needs arrays.
+      mesh: the mesh the annotations are read against, e.g. from `gemport.make_mesh`.
+      large_bytes: the bytes per device from which a fully replicated tensor is reported (on a mesh of more than
+        one device); default 1 MiB.
+
+    Returns:
+      An `Audit`: one `AuditRow` per variable in ``nnx.to_flat_state`` order (path, shape, dtype, spec, bytes per
+      device, findings); ``problems`` are the rows with findings, ``bytes_per_device`` their sum, ``str()`` a
+      table.
+
+    Example (``checkpoint``: a tiny Gemma 3 saved by transformers; two devices, e.g. a CPU with
+    ``XLA_FLAGS=--xla_force_host_platform_device_count=2``):
+
+      >>> import jax
+      >>> from gemport import GemmaSpec, audit, load_model, make_mesh
+      >>> mesh = make_mesh(GemmaSpec.from_hf(checkpoint), fsdp=2, tp=1, devices=jax.devices()[:2])
+      >>> model = load_model(checkpoint, mesh=mesh)
+      >>> report = audit(model, mesh)
+      >>> len(report), report.problems
+      (74, ())
+      >>> row = report["layers.0.attn.q_einsum.w"]  # [N, D, H] float32, D split over fsdp
+      >>> row.shape, row.spec, row.bytes_per_device
+      ((4, 32, 8), ('tp', 'fsdp', None), 2048)
+      >>> model.layers[0].attn.q_einsum.w.set_metadata("out_sharding", ("tp", "data", None))
+      >>> audit(model, mesh)["layers.0.attn.q_einsum.w"].findings
+      ("unknown axis 'data' (mesh has fsdp, tp)",)
     """
     if not isinstance(state, nnx.State):
         state = nnx.state(state)

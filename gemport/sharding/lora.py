@@ -82,12 +82,21 @@ def fix_lora(model: nnx.Module, mesh: jax.sharding.Mesh) -> tuple[LoraChange, ..
     ``out_sharding`` and the factor's axes (`gemport.lora.factor_axes`, or the LoRA einsum the module records); any entry whose axes do not divide its
     dimension on ``mesh``, or that names an axis ``mesh`` lacks, is replicated (that dimension only). A
     param whose annotation differs is re-annotated and, when it holds a concrete array, moved to
-    ``NamedSharding(mesh, new_spec)``.
+    ``NamedSharding(mesh, new_spec)``. Base weights are read, never changed.
+
+    Args:
+      model: an ``nnx.Module`` with Qwix LoRA (its modules carry the einsum equations that decide each factor's
+        axes), concrete or abstract (``nnx.eval_shape``: then only annotations change).
+      mesh: the mesh to place the factors on; its axis sizes decide which entries divide.
 
     Returns:
       One ``LoraChange`` per param re-annotated or moved, and per param with a dimension left replicated
       because it does not divide (even if it already was): old and new spec and the reason. () if every
       LoRA param already matched its base weight.
+
+    Raises:
+      MeshError: ``model`` is not an ``nnx.Module``; a base weight's annotation is longer than its rank; a
+        module whose factors' axes cannot be told (neither a Tunix ``Einsum`` nor an ``nnx.Linear``).
     """
     if not isinstance(model, nnx.Module):
         raise MeshError(

@@ -62,16 +62,36 @@ targets of ``loss_mask`` (assistant-only under the default policy) and every tok
 def micro_batches(steps: Iterable[Mapping[str, np.ndarray]]) -> grain.MapDataset:
     """A Grain ``MapDataset`` of PeftTrainer's micro-batches from optimizer steps' batches.
 
-    steps: the batches of successive optimizer steps, each mapping ``BATCH_FIELDS`` to arrays [A, B, T]
-        (``train.stack``, or ``SFTPipeline.batches``' second items), all of one shape; it is read once.
-
-    Element ``s * A + a`` is micro-batch ``a`` of step ``s``: ``BATCH_FIELDS`` [B, T], ``NUM_ITEMS`` [B]
-    (the targets of the whole step) and ``ACCUMULATION`` [B] (A). Give ``PeftTrainer``
-    ``gradient_accumulation_steps=A``. A held-out split laid out as steps of A = 1 is an eval dataset.
-
     Under ``jax.distributed``, give each process the rows it holds (``train.distributed.process_step``),
     every process the same steps: the step's targets are then summed over processes (one collective, here),
     and PeftTrainer assembles each micro-batch's global [B, T] from the processes' rows.
+
+    Args:
+      steps: the batches of successive optimizer steps, each mapping ``BATCH_FIELDS`` to arrays [A, B, T]
+        (``train.stack``, or ``SFTPipeline.batches``' second items), all of one shape; it is read once, and
+        other keys are dropped.
+
+    Returns:
+      A ``grain.MapDataset`` of ``len(steps) * A`` elements: element ``s * A + a`` is micro-batch ``a`` of step
+      ``s``, a dict of ``BATCH_FIELDS`` [B, T], ``NUM_ITEMS`` int32 [B] (the targets of the whole step, the
+      same in every row) and ``ACCUMULATION`` int32 [B] (A). Give ``PeftTrainer``
+      ``gradient_accumulation_steps=A``. A held-out split laid out as steps of A = 1 is an eval dataset.
+
+    Raises:
+      BatchError: no step, or step batches not all [A, B, T] of one shape.
+
+    Example:
+
+      >>> import numpy as np
+      >>> from gemport import micro_batches
+      >>> A, B, T = 2, 3, 8
+      >>> step = {"tokens": np.ones((A, B, T), np.int32), "loss_mask": np.ones((A, B, T), bool),
+      ...         "segment_ids": np.ones((A, B, T), np.int32), "positions": np.broadcast_to(np.arange(T), (A, B, T))}
+      >>> data = micro_batches([step, step])
+      >>> len(data), data[0]["tokens"].shape  # 2 steps of 2 micro-batches of [B, T]
+      (4, (3, 8))
+      >>> data[0]["num_items_in_batch"], data[0]["gradient_accumulation_steps"]  # the step's A * B * (T - 1) targets
+      (array([42, 42, 42], dtype=int32), array([2, 2, 2], dtype=int32))
     """
     steps = [{k: np.asarray(batch[k]) for k in BATCH_FIELDS} for batch in steps]
     if not steps:
@@ -192,26 +212,31 @@ class _Checkpoints:
 class HFPeftTrainer(upstream.peft_trainer_class()):
     """``tunix.sft.PeftTrainer`` whose gradient accumulation is HF's and whose metrics have both loss scopes.
 
-    model: a Tunix Gemma with LoRA (``lora.apply_lora``) or without (full fine-tune).
-    optimizer: ``optim.hf_optimizer(args, num_training_steps=...).tx`` (accumulation is the trainer's:
+    Train on ``micro_batches(...)`` (``trainer.train(train_ds, eval_ds)``); the loss is ``hf_loss``, the eval
+    loss ``eval_loss``, and ``masked_loss`` / ``full_sequence_loss`` are logged beside ``loss``
+    (``metrics_logger``, modes ``"train"`` and ``"eval"``). The logged ``loss`` and ``grad_norm`` (before
+    clipping) per step are HF's. A step whose loss or gradient norm is not finite stops the run before it is
+    checkpointed (``TrainingError``). With a ``checkpoint_root_directory`` the trainer resumes from its newest
+    intact checkpoint.
+
+    Args:
+      model: a Tunix Gemma with LoRA (``lora.apply_lora``) or without (full fine-tune).
+      optimizer: ``optim.hf_optimizer(args, num_training_steps=...).tx`` (accumulation is the trainer's:
         ``training_config.gradient_accumulation_steps``).
-    training_config: ``tunix.sft.peft_trainer.TrainingConfig``.
-    lora_spec: recorded beside the checkpoints (``checkpoint.save_lora_spec``) when
+      training_config: ``tunix.sft.peft_trainer.TrainingConfig``.
+      lora_spec: recorded beside the checkpoints (``checkpoint.save_lora_spec``) when
         ``checkpoint_root_directory`` is set, so exports find it.
-    preemption: a ``train.preemption.Preemption``: on SIGTERM the trainer writes its metrics and the
+      preemption: a ``train.preemption.Preemption``: on SIGTERM the trainer writes its metrics and the
         checkpoint of the step it reaches (on every process, the same step), closes, and raises ``Preempted``;
         ``train()`` again resumes from that checkpoint.
-    loss_fn: ``hf_loss``'s: ``train.segment_loss`` (segment attention and chunked cross-entropy, the default), or
-        ``train.tunix_loss``, Tunix's own attention and logits, which refuses packed rows to a model built with
-        ``use_flash_attention``.
-    seed: the LoRA dropout stream's (HF's ``seed``). With ``model.lora_spec.dropout`` above 0 the ``i``-th
+      loss_fn: ``hf_loss``'s: ``train.segment_loss`` (segment attention and chunked cross-entropy, the default),
+        or ``train.tunix_loss``, Tunix's own attention and logits, which refuses packed rows to a model built
+        with ``use_flash_attention``.
+      seed: the LoRA dropout stream's (HF's ``seed``). With ``model.lora_spec.dropout`` above 0 the ``i``-th
         micro-batch trained (counted by ``optimizer.step``, which checkpoints carry) runs under
         ``lora.lora_dropout(model, lora.dropout_key(seed, i))``: a resume draws the masks an uninterrupted run
         draws. Evaluation runs without dropout, as HF's in eval mode.
-
-    Train on ``micro_batches(...)``; the loss is ``hf_loss``, the eval loss ``eval_loss``, and
-    ``masked_loss`` / ``full_sequence_loss`` are logged beside ``loss`` (``metrics_logger``, modes
-    ``"train"`` and ``"eval"``). The logged ``loss`` and ``grad_norm`` (before clipping) per step are HF's.
+      **kwargs: ``PeftTrainer``'s other arguments (``metrics_logger``, ...).
     """
 
     LOGGED: tuple[str, ...] = SCOPES

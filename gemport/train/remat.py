@@ -2,9 +2,9 @@
 
 Tunix rematerialises each decoder layer under ``RematConfig.DECODER`` with ``nnx.remat``. Nothing orders a layer's
 backward work against the other layers', and TPU's scheduler keeps two [T, F] MLP products of every layer live
-until the end of the backward pass, where the LoRA factors' gradient dots it delays read them: memory that grows
-with depth, several times the plan at Gemma 4 31B's (docs/mesh.md has the compiled figures). Here each layer's
-backward pass is bracketed by two ``optimization_barrier``s:
+until the end of the backward pass, where the LoRA factors' gradient dots it delays read them: the step's memory
+grows with every layer, far past the plan at Gemma 4 31B's 60 layers (docs/mesh.md has the compiled figures).
+Here each layer's backward pass is bracketed by two ``optimization_barrier``s:
 - its saved inputs pass through one with its output's cotangent, so the recomputation cannot start early;
 - all its cotangents (input and params) leave through another, so none is computed after the layer's
   backward pass has moved on.

@@ -93,9 +93,30 @@ class SFTRun:
     """A TRL SFT recipe on JAX devices: the model, its data, optimizer and Tunix trainer, built once.
 
     Built by ``create``; every attribute may be replaced before ``train()`` (the trainer is built from them
-    then). ``train_batches[s]`` maps ``BATCH_FIELDS`` to [A, B, T] (A = gradient_accumulation_steps, B =
-    per_device_train_batch_size rows, or 1 padding-free row); ``eval_batches`` to [1, per_device_eval_batch_size,
-    T_eval]. ``plan[s]`` names the rows (``units``) each step takes, in HF's order.
+    then).
+
+    Attributes:
+      args: the recipe's ``SFTConfig`` fields, a dict (``sft_fields``, or a YAML's as ``gemport.recipe.read``
+        reads them).
+      base_dir: the HF checkpoint directory the model was loaded from.
+      spec: its architecture (``GemmaSpec.from_hf(base_dir)``).
+      mesh: the ``("fsdp", "tp")`` mesh the model is placed on.
+      model: the Tunix Gemma with Qwix LoRA and the remat of ``gradient_checkpointing``; shapes only for an
+        ``abstract`` run.
+      tokenizer: the HF tokenizer the data was tokenized with (None for an abstract run without one).
+      pipeline: the `SFTPipeline` of the recipe (``from_sft_config``).
+      examples: the tokenized training examples (`Example`: tokens int32 [n], loss_mask bool [n], ...).
+      report: what truncation at ``max_length`` cut or dropped (``TruncationReport``).
+      plan: the ``OptimizerStep`` of every step: the rows (``units``) each micro-batch takes, in HF's order.
+      train_batches: one batch per optimizer step, mapping ``BATCH_FIELDS`` to [A, B, T] (A =
+        gradient_accumulation_steps, B = per_device_train_batch_size rows, or 1 padding-free row).
+      eval_examples: the tokenized ``eval_dataset``, or None.
+      eval_batches: the eval split as batches [1, per_device_eval_batch_size, T_eval], or None.
+      optimizer: HF's optimizer and schedule in Optax (``optim.hf_optimizer``: ``tx``, ``schedule``).
+      training_config: Tunix's ``TrainingConfig`` (steps, accumulation, eval and checkpoint settings).
+      trainer: the ``HFPeftTrainer``, built by ``train()`` (or ``make_trainer``) when None.
+      record: what the recipe trains (``train.record.recipe_record``), kept beside the checkpoints so a rerun
+        resumes only the same recipe.
     """
 
     args: dict[str, Any]
@@ -126,36 +147,49 @@ class SFTRun:
                progress: bool = True, abstract: bool = False) -> SFTRun:
         """Build the run of ``sft_config`` on ``base_dir`` and ``train_dataset``.
 
-        sft_config: ``SFTConfig``, a dict of its fields, or a ``trl sft --config`` YAML (read as ``trl sft``
+        The model's remat is ``gradient_checkpointing``'s (``train.sft.remat_of``). ``chat_template_path`` (a
+        .jinja file or a tokenizer folder) sets the template, as TRL does, and every training conversation is
+        checked to render and mask alike through it (``train.chat_template``). The data is tokenized and its
+        token ids checked against the vocabulary before the model loads.
+
+        Args:
+          sft_config: ``SFTConfig``, a dict of its fields, or a ``trl sft --config`` YAML (read as ``trl sft``
             reads it, ``gemport.recipe.read``; its ``use_peft`` + ``lora_*`` fields are the default
-            ``lora``, its ``load_in_4bit`` fields the default ``qlora``). base_dir: the HF Gemma checkpoint
-            (with its tokenizer unless ``tokenizer`` is given). train_dataset, eval_dataset: TRL SFT records in
-            any format gemport reads (``masks.formats.read``: a list, a ``datasets.Dataset``, a
-            .jsonl/.json/.parquet file).
-        lora: ``LoraSpec``, ``peft.LoraConfig`` or its dict, ``adapter_config.json`` or its directory, or TRL's
+            ``lora``, its ``load_in_4bit`` fields the default ``qlora``).
+          base_dir: the HF Gemma checkpoint (with its tokenizer unless ``tokenizer`` is given).
+          train_dataset: TRL SFT records in any format gemport reads (``masks.formats.read``: a list, a
+            ``datasets.Dataset``, a .jsonl/.json/.parquet file).
+          lora: ``LoraSpec``, ``peft.LoraConfig`` or its dict, ``adapter_config.json`` or its directory, or TRL's
             ``lora_*`` fields; fresh factors from ``seed``. Unset ``target_modules``: PEFT's default for the
             base's ``model_type`` (``lora.config.peft_default_targets``: q_proj and v_proj, k_proj being a zero
-            slot of Tunix's fused kv_einsum; a ``LoraError`` where PEFT has none). init_adapter: a PEFT adapter
-            directory to start from (its factors and spec; ``lora``,
-            if also given, must describe the same adapter).
-        mesh: default ``make_mesh(spec, fsdp=fsdp, tp=tp)`` over all devices. dtype: the base weights' dtype;
-            default the YAML's ``dtype`` (``Recipe.dtype``), else bfloat16 if ``bf16`` is set, else float32.
-            checkpoint_dir: the Orbax root; default ``<output_dir>/checkpoints`` (none with
+            slot of Tunix's fused kv_einsum; a ``LoraError`` where PEFT has none).
+          eval_dataset: held-out TRL SFT records, in the formats of ``train_dataset``; None: no evaluation.
+          init_adapter: a PEFT adapter directory to start from (its factors and spec; ``lora``, if also given,
+            must describe the same adapter).
+          mesh: default ``make_mesh(spec, fsdp=fsdp, tp=tp)`` over all devices.
+          fsdp, tp: the mesh's axis sizes when ``mesh`` is not given (default: ``make_mesh``'s choice).
+          dtype: the base weights' dtype; default the YAML's ``dtype`` (``Recipe.dtype``), else bfloat16 if
+            ``bf16`` is set, else float32.
+          tokenizer: default ``AutoTokenizer.from_pretrained(base_dir)``.
+          chat_format: the data's rendering (`from_sft_config`'s); default from the tokenizer's chat template.
+          checkpoint_dir: the Orbax root; default ``<output_dir>/checkpoints`` (none with
             ``save_strategy="no"`` or without ``output_dir``); a rerun resumes from it only with the same recipe
             (``train.record``).
-        qlora: a ``gemport.lora.QLoraSpec`` (a QLoRA recipe's 4-bit base, ``QLoraSpec.from_config``): the base
+          qlora: a ``gemport.lora.QLoraSpec`` (a QLoRA recipe's 4-bit base, ``QLoraSpec.from_config``): the base
             loads through ``checkpoint.quantize.load_qlora_model`` and LoRA trains on it; default unquantized
             (or the YAML's).
-        abstract: build the model from ``config.json`` alone, shapes only (``train.model.lora_model``: no weight
+          progress: show progress bars while the data is tokenized.
+          abstract: build the model from ``config.json`` alone, shapes only (``train.model.lora_model``: no weight
             is read, nothing allocated), for ``gemport.plan.dry_run``; such a run is compiled, never trained.
             ``train_dataset`` may then be None: one step of full ``max_length`` rows stands for the data.
 
-        The model's remat is ``gradient_checkpointing``'s (``train.sft.remat_of``).
+        Returns:
+          The `SFTRun`, its model loaded (or built abstract) on the mesh with LoRA, its batches laid out and its
+          optimizer and ``training_config`` built; ``trainer`` is None until ``train()``.
 
-        ``chat_template_path`` (a .jinja file or a tokenizer folder) sets the template, as TRL does, and every
-        training conversation is checked to render and mask alike through it (``train.chat_template``).
-
-        Raises RecipeError (a field gemport cannot honour, naming it), LoraError, MaskError.
+        Raises:
+          RecipeError: a field gemport cannot honour (naming it), or no training example left after truncation.
+          LoraError, MaskError: a LoRA config or a chat template / record gemport cannot carry.
         """
         import transformers
 

@@ -166,9 +166,16 @@ def from_sft_config(config: Any, tokenizer: Any, *, chat_format: Gemma3 | Gemma4
     ``completion_only_loss``, ``max_length`` (-> ``Truncation(max_length)``), ``packing`` /
     ``packing_strategy`` / ``padding_free`` / ``pad_to_multiple_of`` (-> the layout),
     ``dataset_text_field``, ``eos_token`` (which must be in the vocabulary, as TRL checks), ``pad_token``, and
-    the batch sizes and sample order through ``optimizer_steps``. chat_format: default
-    ``masks.template.chat_format(tokenizer)``, or None for a tokenizer without a chat template (text and
-    prompt/completion strings only); pass ``chat_format(tokenizer, thinking="on")`` for Gemma 4 with thinking.
+    the batch sizes and sample order through ``optimizer_steps``.
+
+    Args:
+      config: ``SFTConfig``, ``TrainingArguments`` or a dict of their fields; kept as the pipeline's ``config``,
+        from which `SFTPipeline.batches` reads the batch sizes and the sample order.
+      tokenizer: the HF tokenizer the data is tokenized with: its chat template gives the default
+        ``chat_format``, its ``pad_token`` (or ``eos_token``) the pad id unless the config sets ``pad_token``.
+      chat_format: default ``masks.template.chat_format(tokenizer)``, or None for a tokenizer without a chat
+        template (text and prompt/completion strings only); pass ``chat_format(tokenizer, thinking="on")`` for
+        Gemma 4 with thinking.
 
     Where gemport deliberately differs from TRL: TRL truncates at ``max_length`` tokens wherever
     they fall; gemport cuts at turn boundaries (``Truncation(max_length, overflow="trim")``), so
@@ -184,7 +191,35 @@ def from_sft_config(config: Any, tokenizer: Any, *, chat_format: Gemma3 | Gemma4
     the port does not reproduce); ``use_liger_kernel`` -> nothing to set: the default step's chunked
     cross-entropy is the counterpart of Liger's fused linear cross-entropy, and Liger's fused RMSNorm, RoPE
     and GeGLU kernels have none (XLA fuses those itself).
-    Returns an ``SFTPipeline``.
+
+    Returns:
+      An `SFTPipeline`: ``examples(records, tokenizer)`` tokenizes and masks TRL records into ``(examples,
+      TruncationReport)`` (each `Example`'s tokens int32 [n] and loss_mask bool [n]), ``batches(examples)`` yields every optimizer step of HF's Trainer as
+      ``(OptimizerStep, batch)`` with ``BATCH_FIELDS`` [gradient_accumulation_steps, rows, T] for `train_step`;
+      ``remat`` is the model's remat for ``gradient_checkpointing``.
+
+    Raises:
+      RecipeError: a setting gemport does not reproduce (above), ``packing`` without ``max_length``, an
+        ``eos_token`` the vocabulary lacks, or a ``gradient_checkpointing_kwargs`` key other than
+        ``use_reentrant``.
+
+    Example (``tokenizer``: a Gemma 4 tokenizer whose chat template marks the generated turns, e.g. the tiny
+    one-token-per-character tokenizer the tests build):
+
+      >>> from gemport import from_sft_config
+      >>> pipeline = from_sft_config({"assistant_only_loss": True, "packing": True, "max_length": 64,
+      ...                             "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}, tokenizer)
+      >>> pipeline.layout, pipeline.remat, pipeline.policy
+      ('pack', 'decoder', MaskPolicy(train='assistant', reasoning=False))
+      >>> records = [{"messages": [{"role": "user", "content": f"Say {word}."}, {"role": "assistant", "content": word}]}
+      ...            for word in ("alpha", "beta", "gamma", "delta", "eps", "zeta")]
+      >>> examples, report = pipeline.examples(records, tokenizer, progress=False)
+      >>> first = examples[0]  # only the assistant's answer and its end of turn are trained
+      >>> tokenizer.convert_ids_to_tokens(first.tokens[first.loss_mask])[:6]
+      ['a', 'l', 'p', 'h', 'a', '<turn|>']
+      >>> # 6 examples packed into 3 rows of 64; TRL's default 3 epochs, each one step of 2 micro-batches of 2 rows
+      >>> [(step.step, step.epoch, batch["tokens"].shape) for step, batch in pipeline.batches(examples)]
+      [(0, 0, (2, 2, 64)), (1, 1, (2, 2, 64)), (2, 2, (2, 2, 64))]
     """
     f = DataFields.from_config(config)
     refused = {

@@ -106,25 +106,29 @@ def train_step(*, wrt: Any = nnx.LoRAParam, loss_fn: LossFn = segment_loss,
                seed: int = 0) -> Callable[[nnx.Module, nnx.Optimizer, Mapping[str, Any]], StepMetrics]:
     """An HF-Trainer optimizer step for an nnx model, jit-compiled once per batch shape.
 
-    wrt: what is trained, an nnx filter: ``nnx.LoRAParam`` (LoRA only, as PEFT) or ``nnx.Param`` (every
+    Args:
+      wrt: what is trained, an nnx filter: ``nnx.LoRAParam`` (LoRA only, as PEFT) or ``nnx.Param`` (every
         parameter); the same filter as the ``nnx.Optimizer``'s ``wrt``.
-    loss_fn: ``(model, micro_batch) -> (summed loss float32 [], target count int32 [])``. ``segment_loss`` by
+      loss_fn: ``(model, micro_batch) -> (summed loss float32 [], target count int32 [])``. ``segment_loss`` by
         default (segment attention, chunked cross-entropy: the same loss and gradients without [T, S] scores
         or [B, T, V] logits); ``tunix_loss`` runs Tunix's own attention and logits. With any other than
         ``segment_loss``, a model whose attention ignores segments (Tunix's ``use_flash_attention``) is refused
         packed rows (``BatchError``).
-    seed: the LoRA dropout stream's (HF's ``seed``); with a ``model.lora_spec.dropout`` above 0, micro-batch
+      seed: the LoRA dropout stream's (HF's ``seed``); with a ``model.lora_spec.dropout`` above 0, micro-batch
         ``a`` of the optimizer's step ``n`` trains under ``lora.lora_dropout(model, lora.dropout_key(seed,
         n * A + a))``, the masks ``HFPeftTrainer`` draws for it, and a resumed run (whose optimizer state has
         ``n``) draws them again.
 
-    Returns ``step(model, optimizer, batch) -> StepMetrics``. ``batch`` maps each of ``BATCH_FIELDS`` to an
-    array [A, B, T] (``stack`` builds it): the A micro-batches of one optimizer step, run one after the
-    other (``lax.scan``, so memory holds one micro-batch's activations and one summed gradient). The
-    gradient of the summed loss is accumulated in the parameters' dtype, divided by the batch's target
-    count, its norm taken, and ``optimizer`` (an ``nnx.Optimizer`` over ``optim.hf_optimizer``'s ``tx``)
-    updated once. Empty micro-batches and rows (no target) contribute nothing, so a short last step can
-    be padded to the same shape. A batch without any target leaves the parameters' gradient at zero.
+    Returns:
+      ``step(model, optimizer, batch) -> StepMetrics`` (loss float32 [], grad_norm float32 [], num_tokens
+      int32 []), which updates ``model`` and ``optimizer`` in place. ``batch`` maps each of ``BATCH_FIELDS`` to
+      an array [A, B, T] (tokens int32, loss_mask bool, segment_ids int32, positions int32; ``stack`` builds it):
+      the A micro-batches of one optimizer step, run one after the other (``lax.scan``, so memory holds one
+      micro-batch's activations and one summed gradient). The gradient of the summed loss is accumulated in
+      the parameters' dtype, divided by the batch's target count, its norm taken, and ``optimizer`` (an
+      ``nnx.Optimizer`` over ``optim.hf_optimizer``'s ``tx``) updated once. Empty micro-batches and rows (no
+      target) contribute nothing, so a short last step can be padded to the same shape. A batch without any
+      target leaves the parameters' gradient at zero.
     """
 
     from gemport.lora import dropout_key, lora_dropout  # loads Qwix
