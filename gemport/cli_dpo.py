@@ -94,8 +94,7 @@ def run(args) -> int:
         raise RecipeError("use_peft is not set: gemport dpo trains LoRA (the reference being the base with it "
                           "disabled); set use_peft: true with lora_r, lora_alpha and lora_target_modules, or pass "
                           "--init-adapter DIR")
-    if recipe.qlora() is not None:
-        raise RecipeError("load_in_4bit: gemport dpo does not train on a 4-bit base yet; train on the bfloat16 base")
+    qlora = recipe.qlora()  # a 4-bit base gemport cannot reproduce is refused before anything loads
     if args.dry_run:
         return _dry_run(args, recipe, lora)
     output_dir = Path(config["output_dir"] or "trainer_output")  # HF's default
@@ -110,13 +109,14 @@ def run(args) -> int:
     train_data, _ = load_splits(script["dataset_name"], script.get("dataset_config"),
                                 train_split=script.get("dataset_train_split", "train"))
     dpo_run = DPORun.create(config, base, train_data, lora=lora, init_adapter=args.init_adapter, fsdp=args.fsdp,
-                            tp=args.tp, dtype=recipe.dtype(), progress=not config["disable_tqdm"])
+                            tp=args.tp, dtype=recipe.dtype(), qlora=qlora, progress=not config["disable_tqdm"])
     spec, loss = dpo_run.lora_spec, dpo_run.loss
     print(f"data: {len(dpo_run.pairs)} preference pairs; {dpo_run.max_steps} optimizer steps of "
           f"{config['gradient_accumulation_steps']} x {config['per_device_train_batch_size']} pairs; "
           f"loss {'+'.join(loss.loss_types)} beta={loss.beta}; reference: "
           f"{'the starting adapter' if dpo_run.reference is not None else 'the base, LoRA off'}; mesh "
-          f"{dict(dpo_run.mesh.shape)}; LoRA r={spec.rank} alpha={spec.alpha} on {', '.join(spec.targets)}",
+          f"{dict(dpo_run.mesh.shape)}; LoRA r={spec.rank} alpha={spec.alpha} on {', '.join(spec.targets)}"
+          + (f"; {qlora}" if qlora else ""),
           flush=True)
     try:
         trainer = dpo_run.train()  # with HFOutputs in output_dir
@@ -144,7 +144,8 @@ def _dry_run(args, recipe, lora) -> int:
     devices = slice_devices(args.tpu) if args.tpu else None
     mesh = make_mesh(GemmaSpec.from_hf(base), fsdp=args.fsdp, tp=args.tp, devices=devices)
     dpo_run = DPORun.create(config, base, data, lora=lora, init_adapter=args.init_adapter, mesh=mesh,
-                            dtype=recipe.dtype(), progress=not config["disable_tqdm"], abstract=True)
+                            dtype=recipe.dtype(), qlora=recipe.qlora(), progress=not config["disable_tqdm"],
+                            abstract=True)
     return report_dry_run(dpo_run, args.tpu, f"the first step of {len(dpo_run.pairs)} preference pairs",
                    lambda line: print(line, flush=True))
 
@@ -168,8 +169,6 @@ def parity_comparison(args):
     config = recipe.sft
     for note in recipe.notes:
         print(f"  {note}")
-    if recipe.qlora() is not None:
-        raise RecipeError(f"{args.config}: load_in_4bit: gemport dpo does not train on a 4-bit base yet")
     lora = args.lora_config or recipe.lora()
     if not lora:
         raise RecipeError(f"{args.config}: use_peft is not set; set use_peft with lora_r and lora_target_modules, "
@@ -197,7 +196,7 @@ def parity_comparison(args):
     tolerances = dataclasses.replace(tolerances, adapter=args.adapter_rtol)
     return lambda base, tokenizer: trajectory(base, args.data, dpo_config=config, lora_config=lora,
                                               steps=args.steps, tokenizer=tokenizer, port_dpo_config=port,
-                                              tolerances=tolerances)
+                                              tolerances=tolerances, qlora=recipe.qlora())
 
 
 __all__ = ["DESCRIPTION", "add_parser", "parity_comparison", "run"]

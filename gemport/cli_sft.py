@@ -194,7 +194,7 @@ def run(args) -> int:
         f"of {sft['gradient_accumulation_steps']} x {sft['per_device_train_batch_size']} "
         f"({sft_run.pipeline.layout}); mesh {dict(sft_run.mesh.shape)}; LoRA r={lora_spec.rank} "
         f"alpha={lora_spec.alpha} on {', '.join(lora_spec.targets)}"
-        + (f"; {qlora.qtype} 4-bit base{' (double quantization)' if qlora.double_quant else ''}" if qlora else "")
+        + (f"; {qlora}" if qlora else "")
         + (f"; {jax.process_count()} processes" if jax.process_count() > 1 else ""))
     if dropped or report.trimmed:
         say(f"warning: max_length {sft_run.pipeline.max_length} drops {dropped} of {total} examples "

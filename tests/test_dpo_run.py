@@ -129,6 +129,7 @@ def test_a_trl_documentation_recipe_runs_unchanged(workdir, tmp_path):
     ({"rpo_alpha": 1.0}, "rpo_alpha: not a field of trl dpo"),
     ({"router_aux_loss_coef": 0.01}, "router_aux_loss_coef=0.01: gemport dpo does not reproduce"),
     ({"eval_strategy": "steps"}, "eval_strategy='steps'"),
+    ({"load_in_4bit": True, "bnb_4bit_quant_type": "fp4"}, "bnb_4bit_quant_type='fp4'"),
 ])
 def test_fields_gemport_does_not_reproduce_are_refused_by_name(workdir, tmp_path, fields, words):
     config = write_recipe(tmp_path / "dpo.yaml", workdir, output_dir=str(tmp_path / "out"), use_peft=True, **fields)

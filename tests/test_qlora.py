@@ -340,6 +340,47 @@ def test_qlora_trajectory_agrees_with_trl_on_the_4bit_base(base):
     assert len(report.adapters) == 2 * 7 - 1  # the k_eq_v global layer has no v_proj
 
 
+def test_qlora_dpo_trajectory_agrees_with_trl_on_the_4bit_base(base, tmp_path):
+    """DPO on a 4-bit base: TRL's DPOTrainer + PEFT on bitsandbytes' double-quantized NF4 base (its reference the
+    base with the adapter disabled) against `gemport dpo`'s step on the Qwix NF4 base that `DPORun.create` loads
+    from a recipe's load_in_4bit fields (bitwise load_qlora_model's), 3 steps with accumulation 2 and clipping:
+    loss, grad_norm, TRL's DPO metrics and the final adapter within 10 x the floor measured in the run."""
+    import jax
+    import yaml
+
+    from gemport import recipe
+    from gemport.dpo import DPORun
+    from gemport.dpo.parity import trajectory
+    from gemport.mesh import make_mesh
+    from test_dpo import RECORDS
+    from test_train_sft import tokenizer
+
+    path = base("gemma4")
+    records = RECORDS["conversational"][:3]
+    fields = dict(per_device_train_batch_size=1, gradient_accumulation_steps=2, max_steps=3, learning_rate=5e-3,
+                  max_grad_norm=0.05, beta=0.5, seed=3, bf16=False, gradient_checkpointing=False)
+    qlora_fields = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", use_bnb_nested_quant=True, dtype="float32")
+    config = tmp_path / "dpo.yaml"
+    config.write_text(yaml.safe_dump({**fields, **qlora_fields, "use_peft": True, "lora_r": 4, "lora_alpha": 8,
+                                      "lora_target_modules": TARGETS}))
+    qlora = recipe.read(config, command="dpo").qlora()
+    assert qlora == QLoraSpec(double_quant=True, compute_dtype="float32")
+    run = DPORun.create(config, path, records, tokenizer=tokenizer(), progress=False,
+                        mesh=make_mesh(GemmaSpec.from_hf(path), fsdp=1, tp=1, devices=jax.devices()[:1]))
+    got, want = dequantized(run.model), dequantized(load_qlora_model(path, qlora))
+    assert got.keys() == want.keys() and len(want) > 0
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+    report = trajectory(path, records, dpo_config=fields, tokenizer=tokenizer(), progress=False, qlora=qlora,
+                        lora_config={"r": 4, "lora_alpha": 8, "target_modules": TARGETS, "lora_dropout": 0.0})
+    print(report.table())
+    assert len(report.rows) == 3 and report.ok, report.table()
+    assert report.floor_name == "TRL eager vs sdpa attention, float32"
+    assert min(r.grad_norm_gpu for r in report.rows) > fields["max_grad_norm"]  # clipping is in play
+    assert any(m.gpu != 0 for m in report.metrics if m.name == "rewards/margins")  # the adapter moved
+
+
 def test_exports_of_a_qlora_adapter_are_plain_lora_and_merge_onto_the_unquantized_base(qlora_port, tmp_path):
     """The PEFT export of a QLoRA model is its adapter, bit for bit (with vLLM's v_proj copies); the merged export is PEFT's
     ``merge_and_unload`` onto the unquantized base (not the 4-bit one it trained on): the logits it serves

@@ -130,7 +130,7 @@ def conversations(record: Mapping[str, Any]) -> list:
 
 
 def trajectory(base_dir, data, *, dpo_config, lora_config, steps=None, tokenizer=None, chat_format=None,
-               port_dpo_config=None, tolerances=FLOORS, progress=True) -> DPOTrajectory:
+               port_dpo_config=None, tolerances=FLOORS, progress=True, qlora=None) -> DPOTrajectory:
     """Run a ``trl dpo`` recipe with TRL and with ``gemport dpo``'s step for the same steps from the same step-0
     adapter; a ``DPOTrajectory``.
 
@@ -145,6 +145,11 @@ def trajectory(base_dir, data, *, dpo_config, lora_config, steps=None, tokenizer
     port_dpo_config: the port's DPOConfig if it differs (default: the same), e.g. to see a broken port.
     chat_format: the port's rendering of conversations (default: from the tokenizer's template, which must render
         the records' conversations as gemport does: ``masks.template.check_template``).
+    qlora: a ``gemport.lora.QLoraSpec`` (a QLoRA recipe): the GPU side loads ``base_dir`` through bitsandbytes
+        (``BitsAndBytesConfig(**qlora.to_bnb())``), the port through ``load_qlora_model`` (``DPORun(qlora=)``),
+        both computing in float32 as the rest of the comparison does, each reference being its 4-bit base with
+        LoRA off. TRL's cast of a quantized model's adapters to bfloat16 is undone on the GPU side: the port
+        trains float32 factors, as PEFT creates them (docs/qlora.md).
 
     The step-0 adapter is PEFT's initialisation of ``lora_config`` under ``torch.manual_seed(seed)``. The GPU side
     is TRL's ``DPOTrainer`` given the base and the recipe's ``peft_config`` (the reference: the adapter disabled),
@@ -208,9 +213,14 @@ def trajectory(base_dir, data, *, dpo_config, lora_config, steps=None, tokenizer
                     raise TemplateMismatchError(f"records[{i}]: {e} (conversation 0 is prompt + chosen, 1 prompt + "
                                                 "rejected)") from None
 
+        if qlora is not None:
+            qlora = dataclasses.replace(qlora, compute_dtype="float32")
+        quantization = transformers.BitsAndBytesConfig(**qlora.to_bnb()) if qlora is not None else None
+
         def base_model(attention):
             return transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32,
-                                                                     attn_implementation=attention)
+                                                                     attn_implementation=attention,
+                                                                     quantization_config=quantization)
 
         torch.manual_seed(gpu_args["seed"])
         start = peft.get_peft_model(base_model("eager"), copy.deepcopy(lora))
@@ -219,18 +229,19 @@ def trajectory(base_dir, data, *, dpo_config, lora_config, steps=None, tokenizer
         del start
         mesh = make_mesh(spec, fsdp=1, tp=1, devices=jax.devices()[:1])  # one device, as on a GPU
         port = DPORun.create(port_args, base_dir, records, init_adapter=work / "adapter0", reference="base",
-                             mesh=mesh, dtype=jnp.float32, tokenizer=tokenizer, chat_format=chat_format,
-                             progress=progress)
+                             mesh=mesh, dtype=jnp.float32, qlora=qlora, tokenizer=tokenizer,
+                             chat_format=chat_format, progress=progress)
 
         def gpu_run(attention):
             torch.manual_seed(gpu_args["seed"])
             trainer = DPOTrainer(model=base_model(attention), args=dataclasses.replace(gpu_config),
                                  train_dataset=datasets.Dataset.from_list(records), processing_class=tokenizer,
                                  peft_config=copy.deepcopy(lora))
-            with torch.no_grad():  # the step-0 adapter, as the port starts from it
-                for name, p in trainer.model.named_parameters():
-                    if "lora_" in name:
-                        p.copy_(factors[name])
+            for name, p in trainer.model.named_parameters():  # the step-0 adapter, as the port starts from it
+                if "lora_" in name:
+                    # Assigned, not copied: TRL casts a quantized model's adapters to bfloat16, and the port's
+                    # (as PEFT creates them) are float32.
+                    p.data = factors[name].clone()
             trainer.train()
             return trainer.model, [e for e in trainer.state.log_history if "loss" in e and "grad_norm" in e]
 

@@ -30,13 +30,13 @@ import numpy as np
 from gemport.dpo.data import Preference, collate, preferences
 from gemport.dpo.loss import DPOLoss, from_dpo_config
 from gemport.errors import RecipeError
-from gemport.lora import LoraSpec
+from gemport.lora import LoraSpec, QLoraSpec
 from gemport.masks.truncation import TruncationReport
-from gemport.mesh import make_mesh, use_mesh
+from gemport.mesh import make_mesh
 from gemport.optim.hf import hf_optimizer
 from gemport.specs import GemmaSpec
 from gemport.train.order import optimizer_steps
-from gemport.train.run import SFTRun, checkpoint_root, starting_adapter, training_config
+from gemport.train.run import SFTRun, checkpoint_root, run_model, starting_adapter, training_config
 from gemport.train.step import stack
 
 Reference = Literal["base", "adapter"]
@@ -119,17 +119,20 @@ class DPORun(SFTRun):
     @classmethod
     def create(cls, dpo_config: Any, base_dir: str | os.PathLike, train_dataset: Any, *, lora: Any = None,
                init_adapter: str | os.PathLike | None = None, reference: Reference | None = None, mesh=None,
-               fsdp: int | None = None, tp: int | None = None, dtype: Any = None, tokenizer: Any = None,
-               chat_format: Any = None, checkpoint_dir: str | os.PathLike | None = None,
+               fsdp: int | None = None, tp: int | None = None, dtype: Any = None, qlora: QLoraSpec | None = None,
+               tokenizer: Any = None, chat_format: Any = None, checkpoint_dir: str | os.PathLike | None = None,
                progress: bool = True, abstract: bool = False) -> DPORun:
         """Build the DPO run of ``dpo_config`` on ``base_dir`` and ``train_dataset``.
 
         dpo_config: ``DPOConfig``, a dict of its fields, or a ``trl dpo --config`` YAML (its ``use_peft`` +
-            ``lora_*`` fields the default ``lora``, its ``dtype`` the default ``dtype``). base_dir: the HF Gemma
+            ``lora_*`` fields the default ``lora``, its ``dtype`` the default ``dtype``, its 4-bit base fields the
+            default ``qlora``). base_dir: the HF Gemma
             checkpoint (with its tokenizer unless ``tokenizer`` is given). train_dataset: TRL preference records
             (``dpo.preferences``) in any form ``masks.formats.read`` reads (a list, a ``datasets.Dataset``, a
             .jsonl/.json/.parquet file).
-        lora, init_adapter, mesh, fsdp, tp, dtype, checkpoint_dir: as ``SFTRun.create``'s.
+        lora, init_adapter, mesh, fsdp, tp, dtype, qlora, checkpoint_dir: as ``SFTRun.create``'s. With ``qlora``
+            (QLoRA: the base loaded 4-bit by ``load_qlora_model``) the reference is that 4-bit base with LoRA off,
+            as TRL's on a bitsandbytes base.
         reference: ``"base"`` (the base with LoRA off: TRL given ``peft_config``, a fresh adapter) or
             ``"adapter"`` (the factors the run starts from, frozen: TRL given a ``PeftModel``); default
             ``"adapter"`` with ``init_adapter``, else ``"base"``.
@@ -143,12 +146,9 @@ class DPORun(SFTRun):
         """
         import transformers
 
-        from gemport.checkpoint import load_model
-        from gemport.lora import apply_lora
         from gemport.masks.formats import read as records
         from gemport.recipe import check_strategies
         from gemport.train.record import recipe_record
-        from gemport.train.remat import set_remat
         from gemport.train.sft import remat_of
         from gemport.train.vocabulary import check_token_ids
 
@@ -158,6 +158,7 @@ class DPORun(SFTRun):
             recipe = read(dpo_config, command="dpo")
             args, lora = recipe.sft, lora if lora is not None else recipe.lora()
             dtype = dtype if dtype is not None else recipe.dtype()
+            qlora = qlora if qlora is not None else recipe.qlora()
         else:
             args = dpo_fields(dpo_config)
         check_strategies(args)
@@ -199,16 +200,8 @@ class DPORun(SFTRun):
         mesh = mesh if mesh is not None else make_mesh(spec, fsdp=fsdp, tp=tp)
         if dtype is None:
             dtype = jnp.bfloat16 if args["bf16"] else jnp.float32
-        if abstract:
-            from gemport.train.model import lora_model
-
-            model = lora_model(spec, start if isinstance(start, LoraSpec) else start.lora_spec, param_dtype=dtype,
-                               remat=remat_of(args))
-        else:
-            with use_mesh(mesh):
-                model = apply_lora(load_model(base_dir, spec=spec, mesh=mesh, param_dtype=dtype), spec, start,
-                                   seed=args["seed"])
-            set_remat(model, spec.family, remat_of(args))
+        model = run_model(base_dir, spec, start, mesh=mesh, dtype=dtype, seed=args["seed"], remat=remat_of(args),
+                          qlora=qlora, abstract=abstract)
         factors = None
         if reference == "adapter":
             from flax import nnx
@@ -216,7 +209,7 @@ class DPORun(SFTRun):
             factors = jax.tree.map(jnp.copy, nnx.state(model, nnx.LoRAParam))  # values, frozen
         if checkpoint_dir is None and not abstract:
             checkpoint_dir = checkpoint_root(args)
-        record = recipe_record(args, base_dir=base_dir, dtype=dtype, lora_spec=model.lora_spec, qlora=None,
+        record = recipe_record(args, base_dir=base_dir, dtype=dtype, lora_spec=model.lora_spec, qlora=qlora,
                                examples=rows)
         record["reference"] = reference
         return cls(args=args, base_dir=base_dir, spec=spec, mesh=mesh, model=model, tokenizer=tokenizer,

@@ -66,6 +66,10 @@ class QLoraSpec:
         if self.compute_dtype not in (None, *COMPUTE_DTYPES):
             raise LoraError(f"compute_dtype={self.compute_dtype!r}: expected one of {COMPUTE_DTYPES} or None")
 
+    def __str__(self) -> str:
+        """What the commands print of the base: ``"nf4 4-bit base (double quantization)"``."""
+        return f"{self.qtype} 4-bit base{' (double quantization)' if self.double_quant else ''}"
+
     @property
     def bits_per_weight(self) -> float:
         """What Qwix holds per quantized weight, in bits: a 4-bit code plus a float32 scale per block (4.5)."""

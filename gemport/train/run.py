@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gemport.errors import LoraError, MaskError, RecipeError
-from gemport.lora import LoraParams, LoraSpec
+from gemport.lora import LoraParams, LoraSpec, QLoraSpec
 from gemport.masks.batching import pad
 from gemport.masks.tokenize import Example
 from gemport.masks.truncation import TruncationReport
@@ -193,9 +193,6 @@ class SFTRun:
         """
         import transformers
 
-        from gemport.checkpoint import load_model
-        from gemport.lora import apply_lora
-
         if isinstance(sft_config, (str, os.PathLike)):
             from gemport.recipe import read
 
@@ -257,21 +254,8 @@ class SFTRun:
         num_steps = len(batches)
         if dtype is None:
             dtype = jnp.bfloat16 if f.bf16 else jnp.float32
-        if abstract:
-            from gemport.train.model import lora_model
-
-            model = lora_model(spec, start if isinstance(start, LoraSpec) else start.lora_spec, param_dtype=dtype,
-                               remat=pipeline.remat, qlora=qlora)
-        else:
-            with use_mesh(mesh):
-                if qlora is None:
-                    base = load_model(base_dir, spec=spec, mesh=mesh, param_dtype=dtype)
-                else:
-                    from gemport.checkpoint.quantize import load_qlora_model
-
-                    base = load_qlora_model(base_dir, qlora, spec=spec, mesh=mesh, compute_dtype=dtype)
-                model = apply_lora(base, spec, start, seed=f.seed, qlora=qlora)
-            set_remat(model, spec.family, pipeline.remat)
+        model = run_model(base_dir, spec, start, mesh=mesh, dtype=dtype, seed=f.seed, remat=pipeline.remat,
+                          qlora=qlora, abstract=abstract)
         if checkpoint_dir is None and not abstract:
             checkpoint_dir = checkpoint_root(args)
         evals = None
@@ -436,6 +420,32 @@ def checkpoint_root(args: Any) -> Path | None:
     ``output_dir`` or with ``save_strategy="no"``."""
     f = RunFields.from_config(args)
     return None if f.output_dir is None or f.save_strategy == "no" else Path(f.output_dir) / CHECKPOINTS
+
+
+def run_model(base_dir: Path, spec: GemmaSpec, start: LoraSpec | LoraParams, *, mesh, dtype: Any, seed: int,
+              remat: str, qlora: QLoraSpec | None = None, abstract: bool = False):
+    """A run's model: the base of ``base_dir`` placed on ``mesh`` in ``dtype`` (4-bit with ``qlora``:
+    ``checkpoint.quantize.load_qlora_model``), with LoRA from ``start`` (``starting_adapter``; a fresh adapter
+    initialised from ``seed``) and decoder remat ``remat`` (``train.remat.set_remat``). ``abstract``: shapes only,
+    from ``spec`` (``train.model.lora_model``: no weight read), for ``gemport.plan.dry_run``."""
+    from gemport.checkpoint import load_model
+    from gemport.lora import apply_lora
+
+    lora_spec = start if isinstance(start, LoraSpec) else start.lora_spec
+    if abstract:
+        from gemport.train.model import lora_model
+
+        return lora_model(spec, lora_spec, param_dtype=dtype, remat=remat, qlora=qlora)
+    with use_mesh(mesh):
+        if qlora is None:
+            base = load_model(base_dir, spec=spec, mesh=mesh, param_dtype=dtype)
+        else:
+            from gemport.checkpoint.quantize import load_qlora_model
+
+            base = load_qlora_model(base_dir, qlora, spec=spec, mesh=mesh, compute_dtype=dtype)
+        model = apply_lora(base, spec, start, seed=seed, qlora=qlora)
+    set_remat(model, spec.family, remat)
+    return model
 
 
 def starting_adapter(lora: Any, init_adapter: str | os.PathLike | None, base_dir: Path,
