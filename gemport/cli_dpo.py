@@ -22,13 +22,14 @@ schedule, clipping and gradient accumulation, logging every logging_steps, check
 
 output_dir receives what a TRL user expects: trainer_state.json (log_history with loss, grad_norm,
 learning_rate, rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen,
-logps/rejected), checkpoints/<step>, runs/ (TensorBoard, per report_to) and at the end adapter_config.json +
+logps/rejected; with eval_strategy steps, eval_loss and the eval_ metrics on dataset_test_split every
+eval_steps), checkpoints/<step>, runs/ (TensorBoard, per report_to) and at the end adapter_config.json +
 adapter_model.safetensors; --merge adds merged/. Running the command again resumes from the last complete
 checkpoint, exactly, when the recipe is the one they trained; on SIGTERM the run saves the step it reaches and
 exits with status 143.
 
-Fields without a TPU counterpart are accepted and said; a field gemport does not reproduce (DPO evaluation,
-precompute_ref_log_probs, sync_ref_model, the aot/sft loss types...), set away from TRL's default, is an
+Fields without a TPU counterpart are accepted and said; a field gemport does not reproduce
+(precompute_ref_log_probs, sync_ref_model, the aot/sft loss types...), set away from TRL's default, is an
 error naming it. docs/dpo.md lists every field."""
 
 EPILOG = """\
@@ -106,9 +107,12 @@ def run(args) -> int:
     for note in recipe.notes:
         print(f"  {note}", flush=True)
 
-    train_data, _ = load_splits(script["dataset_name"], script.get("dataset_config"),
-                                train_split=script.get("dataset_train_split", "train"))
-    dpo_run = DPORun.create(config, base, train_data, lora=lora, init_adapter=args.init_adapter, fsdp=args.fsdp,
+    train_data, test_data = load_splits(script["dataset_name"], script.get("dataset_config"),
+                                        train_split=script.get("dataset_train_split", "train"),
+                                        test_split=script.get("dataset_test_split", "test"),
+                                        with_test=config["eval_strategy"] != "no")
+    dpo_run = DPORun.create(config, base, train_data, lora=lora, eval_dataset=test_data,
+                            init_adapter=args.init_adapter, fsdp=args.fsdp,
                             tp=args.tp, dtype=recipe.dtype(), qlora=qlora, progress=not config["disable_tqdm"])
     spec, loss = dpo_run.lora_spec, dpo_run.loss
     print(f"data: {len(dpo_run.pairs)} preference pairs; {dpo_run.max_steps} optimizer steps of "

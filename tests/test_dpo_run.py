@@ -27,16 +27,19 @@ from test_dpo import EPS32, RECORDS, reward_operands, tolerance
 CHILD = Path(__file__).with_name("sft_child.py")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Three pairs, one a micro-batch, two a step: step 2 is the epoch's short step (one micro-batch), step 3 the next
-# epoch's first.
+# epoch's first. Evaluated at steps 2 and 3 (the last) on three held-out pairs, two an eval batch: the last batch is
+# short.
 RECIPE = dict(per_device_train_batch_size=1, gradient_accumulation_steps=2, max_steps=3, learning_rate=2e-2,
-              max_grad_norm=0.05, beta=0.5, logging_steps=1, save_steps=2, seed=3, bf16=False)
+              max_grad_norm=0.05, beta=0.5, logging_steps=1, save_steps=2, seed=3, bf16=False,
+              eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=2)
 METRICS = ("loss", "grad_norm", "learning_rate", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
            "rewards/margins", "logps/chosen", "logps/rejected")
 
 
 @pytest.fixture(scope="module")
 def workdir(hf_checkpoint, tmp_path_factory):
-    """A tiny Gemma 3 with its tokenizer, a data folder of three preference records and a PEFT adapter."""
+    """A tiny Gemma 3 with its tokenizer, a data folder of three preference records (train.jsonl) and three
+    held-out ones (test.jsonl), and a PEFT adapter."""
     import peft
     import torch
     import transformers
@@ -53,6 +56,8 @@ def workdir(hf_checkpoint, tmp_path_factory):
     model.save_pretrained(root / "base")
     (root / "data").mkdir()
     (root / "data" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS["conversational"][:3]))
+    held_out = [RECORDS["conversational"][i] for i in (3, 0, 1)]
+    (root / "data" / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in held_out))
     torch.manual_seed(0)
     start = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0))
     with torch.no_grad():  # an adapter as if trained by SFT: B away from PEFT's zero init
@@ -128,7 +133,7 @@ def test_a_trl_documentation_recipe_runs_unchanged(workdir, tmp_path):
     ({"loss_type": ["aot"]}, "loss_type=['aot']"),
     ({"rpo_alpha": 1.0}, "rpo_alpha: not a field of trl dpo"),
     ({"router_aux_loss_coef": 0.01}, "router_aux_loss_coef=0.01: gemport dpo does not reproduce"),
-    ({"eval_strategy": "steps"}, "eval_strategy='steps'"),
+    ({"eval_strategy": "steps", "dataset_test_split": "validation"}, "validation"),
     ({"load_in_4bit": True, "bnb_4bit_quant_type": "fp4"}, "bnb_4bit_quant_type='fp4'"),
 ])
 def test_fields_gemport_does_not_reproduce_are_refused_by_name(workdir, tmp_path, fields, words):
@@ -150,7 +155,8 @@ def test_mapped_fields_are_said():
 
 def trl_run(root, out, dtype):
     """TRL's DPOTrainer on a PeftModel of adapter0 (its frozen "ref" copy the reference), the recipe's DPOConfig
-    fields, on torch's CPU; returns its log history and trained model."""
+    fields, on torch's CPU, evaluating on the test split; returns its log history (train and eval entries) and
+    trained model."""
     import datasets
     import peft
     import torch
@@ -163,10 +169,11 @@ def trl_run(root, out, dtype):
     torch.manual_seed(args.seed)
     model = transformers.AutoModelForCausalLM.from_pretrained(root / "base", dtype=dtype, attn_implementation="eager")
     model = peft.PeftModel.from_pretrained(model, root / "adapter0", is_trainable=True)
-    trainer = DPOTrainer(model=model, args=args, train_dataset=datasets.load_dataset(str(root / "data"))["train"],
+    data = datasets.load_dataset(str(root / "data"))
+    trainer = DPOTrainer(model=model, args=args, train_dataset=data["train"], eval_dataset=data["test"],
                          processing_class=transformers.AutoTokenizer.from_pretrained(root / "base"))
     trainer.train()
-    return [e for e in trainer.state.log_history if "loss" in e], model
+    return [e for e in trainer.state.log_history if "loss" in e or "eval_loss" in e], model
 
 
 def lora_factors(model):
@@ -177,9 +184,10 @@ def lora_factors(model):
 def test_gemport_dpo_equals_trl_through_a_sigkill_and_resumes(workdir, tmp_path):
     """`gemport dpo --init-adapter` SIGKILLed once step 3 is logged (checkpoint 2 complete, no 3), run again: it
     resumes from step 2 and its step 3 is the killed run's exactly; every logged step (loss, grad_norm,
-    learning_rate, rewards, logps) and the final adapter equal TRL's uninterrupted training from the same adapter;
-    the adapter left in output_dir gives TRL's logits in PEFT. Step 2 is an epoch's short step (one micro-batch of
-    two), whose mean TRL takes over the one."""
+    learning_rate, rewards, logps), the evaluations at step 2 and after the last step on the test split
+    (eval_loss, eval_rewards/*, eval_logps/*; its last batch short) and the final adapter equal TRL's uninterrupted training from the same
+    adapter; the adapter left in output_dir gives TRL's logits in PEFT. Step 2 is an epoch's short step (one
+    micro-batch of two), whose mean TRL takes over the one."""
     import float64
     import torch
     from safetensors.numpy import load_file
@@ -199,24 +207,34 @@ def test_gemport_dpo_equals_trl_through_a_sigkill_and_resumes(workdir, tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "reference: the starting adapter" in resumed.stdout
     assert "| 2/3 [" in resumed.stderr and "| 0/3 [" not in resumed.stderr  # the bar starts at the checkpoint's step
-    logged = [e for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in e]
-    assert [e["step"] for e in logged] == [1, 2, 3]
-    assert [e for e in before if "loss" in e] == logged  # step 3 trained again from checkpoint 2: the same, exactly
+    logged = [e for e in json.loads((out / "trainer_state.json").read_text())["log_history"]
+              if "loss" in e or "eval_loss" in e]
+    # Evaluated every eval_steps and, as HF does, after the last step.
+    assert [(e["step"], "eval_loss" in e) for e in logged] == [(1, False), (2, False), (2, True), (3, False), (3, True)]
+    # Step 3 trained again from checkpoint 2: the same, exactly; step 2's evaluation kept, not run again.
+    kept = [e for e in before if "loss" in e or "eval_loss" in e]
+    assert len(kept) >= 4 and kept == logged[:len(kept)]
 
     logs32, model32 = trl_run(workdir, tmp_path / "trl32", torch.float32)
     with float64.TorchFloat64():
         logs64, model64 = trl_run(workdir, tmp_path / "trl64", torch.float64)
-    assert logs64[0]["rewards/margins"] == 0.0 != logs64[2]["rewards/margins"]  # the reference: adapter0
+    assert logs64[0]["rewards/margins"] == 0.0 != logs64[3]["rewards/margins"]  # the reference: adapter0
     for got, want32, want64 in zip(logged, logs32, logs64, strict=True):
         assert got["step"] == want64["step"] and got["epoch"] == pytest.approx(want64["epoch"])
-        for k in METRICS:
-            if k == "rewards/accuracies" or want64[k] == 0.0:
+        # An evaluation logs eval_loss and TRL's DPO metrics as eval_*: each batch's mean, averaged over batches.
+        prefix = "eval_" if "eval_loss" in want64 else ""
+        names = [prefix + k for k in METRICS if not (prefix and k in ("grad_norm", "learning_rate"))]
+        assert set(names) <= set(got), (sorted(got), names)
+        for k in names:
+            if k.endswith("rewards/accuracies") or want64[k] == 0.0:
                 assert got[k] == want64[k] == want32[k], (got["step"], k)
                 continue
-            operands = reward_operands(RECIPE["beta"], want64) if k == "loss" or k.startswith("rewards/") else 0.0
+            bare = k.removeprefix(prefix)
+            logps = {m: want64[prefix + m] for m in ("logps/chosen", "logps/rejected")}
+            operands = reward_operands(RECIPE["beta"], logps) if bare == "loss" or bare.startswith("rewards/") else 0.0
             error = abs(got[k] - want64[k]) / abs(want64[k])
             assert error <= tolerance(want32[k], want64[k], operands), (got["step"], k, got[k], want32[k], want64[k])
-    assert min(e["grad_norm"] for e in logs64) > RECIPE["max_grad_norm"]  # clipping is in play
+    assert min(e["grad_norm"] for e in logs64 if "grad_norm" in e) > RECIPE["max_grad_norm"]  # clipping is in play
 
     trained = {k.replace(".weight", ""): v for k, v in load_file(out / "adapter_model.safetensors").items()}
     want32 = lora_factors(model32)

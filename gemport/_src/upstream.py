@@ -138,7 +138,8 @@ def peft_trainer_class():
     ``after_step(step)`` (after they are written), ``post_train_step(buffer, aux)`` / ``post_eval_step(buffer,
     aux)`` (a step's auxiliary outputs, with the buffer of metrics they go to), ``close_progress_bar()``,
     ``jitted_train_step()`` (the jitted ``step(model, optimizer, inputs)`` that ``train()`` runs; Tunix's own
-    donates the optimizer only).
+    donates the optimizer only), ``evaluate()`` (an evaluation of the eval dataset ``train()`` was given, now, as
+    Tunix runs one every ``eval_every_n_steps``).
     """
     from gemport._src.extras import require
 
@@ -178,6 +179,14 @@ def peft_trainer_class():
                 args = () if cache_nnx_graph else (self.model, self.optimizer)
                 self._jitted_train_step_fn = train_step = functools.partial(bound, *args)
             return train_step, eval_step
+
+        def train(self, train_ds, eval_ds=None, *args, **kwargs):
+            self.eval_ds = eval_ds
+            return super().train(train_ds, eval_ds, *args, **kwargs)
+
+        def evaluate(self) -> None:
+            if getattr(self, "eval_ds", None):
+                self._run_eval(self.eval_ds, self.jit_train_and_eval_step()[1])
 
         def close_progress_bar(self) -> None:
             """Closes Tunix's own progress bar (loss and perplexity only), for one that replaces it."""

@@ -56,6 +56,12 @@ class _Row(NamedTuple):  # what train.record.data_hash reads of a row
     loss_mask: np.ndarray
 
 
+def _rows(pairs: list[Preference]) -> list[_Row]:
+    """Each pair's chosen and rejected rows (prompt + completion), as the record and the token check read them."""
+    return [_Row(np.concatenate([p.prompt_ids, c]), np.r_[np.zeros(len(p.prompt_ids), bool), np.ones(len(c), bool)])
+            for p in pairs for c in (p.chosen_ids, p.rejected_ids)]
+
+
 def preference_batches(pairs: list[Preference], args: Mapping[str, Any], *, pad_id: int = 0
                        ) -> tuple[list[Any], list[dict[str, np.ndarray]]]:
     """(``train.order.OptimizerStep``s, batches) of HF's sample order over ``pairs``: step s's batch maps
@@ -63,17 +69,40 @@ def preference_batches(pairs: list[Preference], args: Mapping[str, Any], *, pad_
     slots; a short micro-batch or step padded with empty ones), T one width for every step (the longest
     truncated row, rounded up to ``pad_to_multiple_of``), so the step compiles once."""
     plan = list(optimizer_steps(args, len(pairs)))
-    cut = args["max_length"]
-    longest = max(min(len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids)), cut or np.inf)
-                  for p in pairs)
-    multiple = args["pad_to_multiple_of"] or 1
-    width = -(-int(longest) // multiple) * multiple
+    width = _width(pairs, args)
     batches = []
     for s in plan:
-        micro = [collate([pairs[i] for i in m], max_length=cut, truncation_mode=args["truncation_mode"], width=width,
-                         slots=args["per_device_train_batch_size"], pad_id=pad_id) for m in s.micro_batches]
+        micro = [collate([pairs[i] for i in m], max_length=args["max_length"], truncation_mode=args["truncation_mode"],
+                         width=width, slots=args["per_device_train_batch_size"], pad_id=pad_id)
+                 for m in s.micro_batches]
         batches.append(stack(micro, accumulation=args["gradient_accumulation_steps"]))
     return plan, batches
+
+
+def eval_preference_batches(pairs: list[Preference], args: Mapping[str, Any], *, pad_id: int = 0
+                            ) -> list[dict[str, np.ndarray]]:
+    """Eval batches of ``pairs`` in order, as HF's eval dataloader cuts them: each maps ``BATCH_FIELDS`` to
+    [1, 2B, T] (B = per_device_eval_batch_size pair slots); the last keeps its odd pairs (its other slots empty),
+    unless ``dataloader_drop_last`` drops it. T: the longest truncated eval row, rounded up to
+    ``pad_to_multiple_of``. Raises ``RecipeError`` when no batch is left."""
+    size = args["per_device_eval_batch_size"]
+    if args["dataloader_drop_last"]:
+        pairs = pairs[:len(pairs) // size * size]
+    if not pairs:
+        raise RecipeError(f"no eval batch: the eval split has no preference pair left, or fewer than "
+                          f"per_device_eval_batch_size={size} with dataloader_drop_last")
+    width = _width(pairs, args)
+    return [stack([collate(pairs[i:i + size], max_length=args["max_length"], truncation_mode=args["truncation_mode"],
+                           width=width, slots=size, pad_id=pad_id)], accumulation=1)
+            for i in range(0, len(pairs), size)]
+
+
+def _width(pairs: list[Preference], args: Mapping[str, Any]) -> int:
+    # One width for every batch (the longest truncated row, rounded up): the step compiles once.
+    longest = max(min(len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids)), args["max_length"] or np.inf)
+                  for p in pairs)
+    multiple = args["pad_to_multiple_of"] or 1
+    return -(-int(longest) // multiple) * multiple
 
 
 def preference_micro_batches(steps: Iterable[Mapping[str, np.ndarray]]) -> Any:
@@ -106,7 +135,8 @@ class DPORun(SFTRun):
     ``max_length`` under ``keep_start``); ``train_batches[s]`` maps ``BATCH_FIELDS`` to [A, 2B, T];
     ``loss``: the ``DPOLoss``; ``reference``: None (the base, LoRA off) or the LoRA factors the run started from
     (an ``nnx.State``); ``peft_spec``: the adapter's spec as the recipe gives it (its ``lora_dropout`` too, which
-    the model trains without under TRL's ``disable_dropout``). ``pipeline``, ``examples``, ``eval_*``: unused.
+    the model trains without under TRL's ``disable_dropout``); ``eval_batches``: ``eval_preference_batches`` of
+    the eval split, or None. ``pipeline``, ``examples``, ``eval_examples``: unused.
     """
 
     pairs: list[Preference] = dataclasses.field(default_factory=list)
@@ -118,7 +148,7 @@ class DPORun(SFTRun):
 
     @classmethod
     def create(cls, dpo_config: Any, base_dir: str | os.PathLike, train_dataset: Any, *, lora: Any = None,
-               init_adapter: str | os.PathLike | None = None, reference: Reference | None = None, mesh=None,
+               eval_dataset: Any = None, init_adapter: str | os.PathLike | None = None, reference: Reference | None = None, mesh=None,
                fsdp: int | None = None, tp: int | None = None, dtype: Any = None, qlora: QLoraSpec | None = None,
                tokenizer: Any = None, chat_format: Any = None, checkpoint_dir: str | os.PathLike | None = None,
                progress: bool = True, abstract: bool = False) -> DPORun:
@@ -130,6 +160,9 @@ class DPORun(SFTRun):
             checkpoint (with its tokenizer unless ``tokenizer`` is given). train_dataset: TRL preference records
             (``dpo.preferences``) in any form ``masks.formats.read`` reads (a list, a ``datasets.Dataset``, a
             .jsonl/.json/.parquet file).
+        eval_dataset: held-out preference records, in the same forms: evaluated every ``eval_steps`` under
+            ``eval_strategy: steps`` (``eval_loss`` and TRL's ``eval_rewards/*``, ``eval_logps/*``), as TRL's
+            DPOTrainer evaluates; required by that strategy.
         lora, init_adapter, mesh, fsdp, tp, dtype, qlora, checkpoint_dir: as ``SFTRun.create``'s. With ``qlora``
             (QLoRA: the base loaded 4-bit by ``load_qlora_model``) the reference is that 4-bit base with LoRA off,
             as TRL's on a bitsandbytes base.
@@ -141,8 +174,8 @@ class DPORun(SFTRun):
             for ``gemport.plan.dry_run``; the data are tokenized, as the step's shape is theirs. Such a run is
             compiled, never trained; its reference is the base (an adapter's factors are values the step holds).
 
-        Raises RecipeError naming a field gemport does not reproduce (``eval_strategy`` other than ``"no"``: DPO
-        evaluation is not ported; the loss fields ``dpo.from_dpo_config`` refuses), LoraError, MaskError.
+        Raises RecipeError naming a field gemport does not reproduce (the loss fields ``dpo.from_dpo_config``
+        refuses), or ``eval_strategy: steps`` without ``eval_dataset``; LoraError, MaskError.
         """
         import transformers
 
@@ -162,9 +195,9 @@ class DPORun(SFTRun):
         else:
             args = dpo_fields(dpo_config)
         check_strategies(args)
-        if args["eval_strategy"] != "no":
-            raise RecipeError(f"DPOConfig.eval_strategy={args['eval_strategy']!r}: DPO evaluation is not ported "
-                              "yet; set eval_strategy: 'no'")
+        if args["eval_strategy"] != "no" and eval_dataset is None and not abstract:  # as HF's Trainer refuses it
+            raise RecipeError(f"DPOConfig.eval_strategy={args['eval_strategy']!r} needs an eval dataset (the recipe's "
+                              "dataset_test_split); pass eval_dataset, or set eval_strategy: 'no'")
         if jax.process_count() > 1:
             raise RecipeError("DPORun: DPO under jax.distributed (several processes) is not ported yet; run it on "
                               "one host")
@@ -194,9 +227,14 @@ class DPORun(SFTRun):
                               "(TRL drops those under truncation_mode keep_start); raise max_length")
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         plan, batches = preference_batches(pairs, args, pad_id=pad_id)
-        rows = [_Row(np.concatenate([p.prompt_ids, c]), np.r_[np.zeros(len(p.prompt_ids), bool), np.ones(len(c), bool)])
-                for p in pairs for c in (p.chosen_ids, p.rejected_ids)]
+        rows = _rows(pairs)
         check_token_ids(rows, spec.vocab, tokenizer, pad_id=pad_id)  # before the model loads
+        evals = None
+        if eval_dataset is not None:
+            held_out = preferences(records(eval_dataset), tokenizer, chat_format, max_length=args["max_length"],
+                                   truncation_mode=args["truncation_mode"])
+            check_token_ids(_rows(held_out), spec.vocab, tokenizer, split="eval")
+            evals = eval_preference_batches(held_out, args, pad_id=pad_id)
         mesh = mesh if mesh is not None else make_mesh(spec, fsdp=fsdp, tp=tp)
         if dtype is None:
             dtype = jnp.bfloat16 if args["bf16"] else jnp.float32
@@ -214,9 +252,10 @@ class DPORun(SFTRun):
         record["reference"] = reference
         return cls(args=args, base_dir=base_dir, spec=spec, mesh=mesh, model=model, tokenizer=tokenizer,
                    pipeline=None, examples=[], report=TruncationReport(), plan=plan, train_batches=batches,
-                   eval_examples=None, eval_batches=None,
+                   eval_examples=None, eval_batches=evals,
                    optimizer=hf_optimizer(args, num_training_steps=len(batches)),
-                   training_config=training_config(args, len(batches), checkpoint_dir=checkpoint_dir),
+                   training_config=training_config(args, len(batches), checkpoint_dir=checkpoint_dir,
+                                                   evaluate=evals is not None),
                    record=record, pairs=pairs, loss=loss, reference=factors, peft_spec=peft_spec)
 
     @property
@@ -243,4 +282,4 @@ class DPORun(SFTRun):
                                   seed=self.args["seed"], loss=self.loss, reference=self.reference, **kwargs)
 
 
-__all__ = ["DPORun", "dpo_fields", "preference_batches", "preference_micro_batches"]
+__all__ = ["DPORun", "dpo_fields", "eval_preference_batches", "preference_batches", "preference_micro_batches"]

@@ -12,7 +12,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from gemport.dpo.loss import METRICS, DPOLoss, dpo_loss
-from gemport.train.peft_trainer import HFPeftTrainer
+from gemport.train.peft_trainer import EXAMPLE_LOSS, HFPeftTrainer, examples_in
 
 MICRO_BATCHES = "micro_batches_in_step"
 """The field every DPO micro-batch carries: the micro-batches of its optimizer step that hold a pair, int32 [2B]."""
@@ -34,9 +34,27 @@ def trainer_loss(loss: DPOLoss, accumulation: int, reference: Any = None):
     return fn
 
 
+def eval_loss(loss: DPOLoss, reference: Any = None):
+    """``DPOPeftTrainer``'s eval loss: ``(model, tokens, loss_mask, segment_ids, positions, **_) -> (an eval batch's
+    mean per-pair DPO loss float32 [], as TRL's prediction_step computes it; {name in METRICS: float32 [2] =
+    [value, 1]} (TRL averages them over the batches), ``EXAMPLE_LOSS``: [loss x pairs, pairs] (HF's eval_loss
+    weighs a batch by its pairs))``, zero for a batch of padding. ``reference``: ``dpo.dpo_loss``'s."""
+
+    def fn(model, tokens, loss_mask, segment_ids, positions, **_):
+        batch = dict(tokens=tokens, loss_mask=loss_mask, segment_ids=segment_ids, positions=positions)
+        value, metrics = dpo_loss(model, batch, loss, reference)
+        pairs = examples_in(segment_ids) / 2  # a pair is its chosen and its rejected row
+        used = (pairs > 0).astype(jnp.float32)
+        return value * used, {**{k: jnp.stack([v * used, used]) for k, v in metrics.items()},
+                              EXAMPLE_LOSS: jnp.stack([value * pairs, pairs])}
+
+    return fn
+
+
 class DPOPeftTrainer(HFPeftTrainer):
     """``HFPeftTrainer`` whose loss is TRL's DPO loss (``trainer_loss``) and whose logged metrics are TRL's
-    (``dpo.METRICS``, each the mean over the step's real micro-batches, beside ``loss`` and ``grad_norm``).
+    (``dpo.METRICS``, each the mean over the step's real micro-batches, beside ``loss`` and ``grad_norm``; in
+    evaluation each batch's mean, averaged over the batches as TRL and HF average them).
     loss: ``DPOLoss``; reference: ``dpo.dpo_loss``'s (None: the base, LoRA off)."""
 
     LOGGED = METRICS
@@ -45,6 +63,7 @@ class DPOPeftTrainer(HFPeftTrainer):
         super().__init__(model, optimizer, training_config, **kwargs)
         accumulation = training_config.get_with_default("gradient_accumulation_steps", 1)
         self.with_loss_fn(trainer_loss(loss, accumulation, reference), has_aux=True)
+        self.eval_loss_fn = eval_loss(loss, reference)
 
 
-__all__ = ["MICRO_BATCHES", "DPOPeftTrainer", "trainer_loss"]
+__all__ = ["MICRO_BATCHES", "DPOPeftTrainer", "eval_loss", "trainer_loss"]

@@ -258,9 +258,9 @@ DPO = (
     *DPOLossFields.names(),
     # LoRA dropout off while training, as TRL sets every dropout module's p to 0 (gemport.dpo.run)
     "disable_dropout",
-) + tuple(f for f in SFT[SFT.index("per_device_train_batch_size"):] if f not in ("eval_steps", "eval_on_start"))
-"""DPOConfig fields ``gemport dpo`` uses: its data and loss fields and SFT's run fields (order, optimizer, logging,
-checkpoints, remat); evaluation is not ported (``eval_strategy`` other than ``"no"`` is refused)."""
+) + SFT[SFT.index("per_device_train_batch_size"):]
+"""DPOConfig fields ``gemport dpo`` uses: its data and loss fields and SFT's run fields (order, optimizer,
+evaluation, logging, checkpoints, remat)."""
 
 DPO_MAPPED = {
     "padding_free": "TRL 1.16 turns padding_free off itself (it falls back to padded rows); so does gemport",

@@ -30,6 +30,7 @@ from gemport.errors import RecipeError
 from gemport.recipe import OutputsFields
 from gemport.train import trackers
 from gemport.train.order import micro_batches_per_epoch
+from gemport.train.peft_trainer import EXAMPLE_LOSS, final_evaluation
 
 TRAINER_STATE = "trainer_state.json"
 
@@ -129,11 +130,12 @@ class HFOutputs(hooks.TrainingHooks):
     def on_eval_step_end(self, trainer: Any, eval_loss: Any) -> None:
         self._begin(trainer)
         step = trainer.train_steps
-        due = step % self.eval_every == 0 if step else self.eval_on_start
+        due = (step % self.eval_every == 0 or final_evaluation(step, self.eval_every, self.max_steps) if step
+               else self.eval_on_start)
         if not due or any(e.get("step") == step and "eval_loss" in e for e in self.history):
             return  # Tunix also evaluates when train() starts; HF does not, unless eval_on_start
-        entry = {"epoch": self.epochs[step - 1] if step else 0.0, "eval_loss": self._latest(trainer, "loss", "eval"),
-                 "step": step}
+        entry = {"epoch": self.epochs[step - 1] if step else 0.0,
+                 "eval_loss": self._latest(trainer, EXAMPLE_LOSS, "eval"), "step": step}
         entry.update({f"eval_{name}": self._latest(trainer, name, "eval") for name in trainer.LOGGED})
         self.pending.append(entry)
         if step <= self.start_step:  # the evaluation when a run starts or resumes: its train entry is written

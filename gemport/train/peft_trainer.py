@@ -58,6 +58,25 @@ SCOPES = ("masked_loss", "full_sequence_loss")
 """The loss scopes ``HFPeftTrainer`` logs beside ``loss``, train and eval (``masks.loss_scopes``): the
 targets of ``loss_mask`` (assistant-only under the default policy) and every token of its own segment."""
 
+EXAMPLE_LOSS = "example_loss"
+"""The eval metric that is HF's ``eval_loss``: each eval batch's loss weighted by its examples, float32 [2] =
+[loss x examples, examples] per batch. HF repeats a batch's loss once per example and drops a short last batch's
+padding as it gathers them, so a short last batch weighs its examples only (Tunix's own eval ``loss`` is the
+plain mean over batches)."""
+
+
+def final_evaluation(step: int, eval_every: int | None, max_steps: int | None) -> bool:
+    """Whether HF evaluates after ``step`` beyond every ``eval_every`` steps: after the last step (``max_steps``)
+    when evaluation is on (``eval_every`` at most ``max_steps``, ``train.run.training_config``'s) and that step
+    is not a multiple of ``eval_every``, as transformers' ``DefaultFlowCallback`` does."""
+    return (None not in (eval_every, max_steps) and step == max_steps and eval_every <= max_steps
+            and max_steps % eval_every != 0)
+
+
+def examples_in(segment_ids: jax.Array) -> jax.Array:
+    """The rows of a batch [B, T] that hold an example (any token of a segment), float32 []."""
+    return jnp.sum(jnp.any(segment_ids > 0, axis=-1)).astype(jnp.float32)
+
 
 def micro_batches(steps: Iterable[Mapping[str, np.ndarray]]) -> grain.MapDataset:
     """A Grain ``MapDataset`` of PeftTrainer's micro-batches from optimizer steps' batches.
@@ -155,11 +174,13 @@ def hf_loss(accumulation: int, *,
 
 def eval_loss(model: nnx.Module, tokens: jax.Array, loss_mask: jax.Array, segment_ids: jax.Array, positions: jax.Array,
               loss_fn: LossFn = segment_loss, **_: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """An eval batch's mean target loss (HF's ``eval_loss`` per batch) and the scopes of ``SCOPES``; ``loss_fn``
-    as ``hf_loss``'s."""
+    """An eval batch's mean target loss (HF's per-batch loss) and the scopes of ``SCOPES``, with
+    ``EXAMPLE_LOSS`` [that loss x the batch's examples, examples]; ``loss_fn`` as ``hf_loss``'s."""
     scopes = _scoped(model, tokens, loss_mask, segment_ids, positions, loss_fn)
     masked = scopes["masked_loss"]
-    return masked[0] / jnp.maximum(masked[1], 1), scopes
+    value = masked[0] / jnp.maximum(masked[1], 1)
+    examples = examples_in(segment_ids)
+    return value, {**scopes, EXAMPLE_LOSS: jnp.stack([value * examples, examples])}
 
 
 def _last(values):
@@ -327,6 +348,8 @@ class HFPeftTrainer(upstream.peft_trainer_class()):
         # Called once per optimizer step, after its metrics are written and before PeftTrainer's periodic checkpoint.
         if self._preemption is not None:
             self._preemption.check(step, self._stop, where=str(self.config.checkpoint_root_directory))
+        if final_evaluation(step, self.config.eval_every_n_steps, self.config.max_steps):
+            self.evaluate()
 
     def check_step(self, buffer) -> None:
         """Refuses the step just taken when its loss or gradient norm is not finite, before it is checkpointed.
@@ -358,23 +381,28 @@ class HFPeftTrainer(upstream.peft_trainer_class()):
     def post_train_step(self, buffer, aux):
         values, _ = buffer.additional_metrics["grad_norm"]
         buffer.additional_metrics["grad_norm"] = (values, _last)
-        self._buffer_scopes(buffer, aux)
+        self._buffer_ratios(buffer, aux, self.LOGGED)
 
     def post_eval_step(self, buffer, aux):
-        self._buffer_scopes(buffer, aux)
+        self._buffer_ratios(buffer, aux, (*self.LOGGED, EXAMPLE_LOSS))
 
-    def _buffer_scopes(self, buffer, aux):
-        for name in self.LOGGED:
+    @staticmethod
+    def _buffer_ratios(buffer, aux, names):
+        # Each [sum, weight] of aux, summed over the step's micro-batches (or the eval batches) before dividing.
+        for name in names:
             values, _ = buffer.additional_metrics.setdefault(name, ([], _ratio))
             values.append(aux[name])
 
 
 __all__ = [
     "ACCUMULATION",
+    "EXAMPLE_LOSS",
     "NUM_ITEMS",
     "SCOPES",
     "HFPeftTrainer",
     "eval_loss",
+    "examples_in",
+    "final_evaluation",
     "hf_loss",
     "micro_batches",
 ]

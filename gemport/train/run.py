@@ -337,7 +337,6 @@ class SFTRun:
         """
         from gemport.train.lock import claim_output
         from gemport.train.outputs import HFOutputs, step_epochs, step_tokens
-        from gemport.train.peft_trainer import micro_batches
         from gemport.train.preemption import Preemption
 
         f = RunFields.from_config(self.args)
@@ -365,7 +364,7 @@ class SFTRun:
         if hooks is not None:
             self.trainer.with_training_hooks(hooks)
         train_ds = self.micro_batches(self.train_batches)
-        eval_ds = micro_batches(self.eval_batches) if self.eval_batches else None
+        eval_ds = self.micro_batches(self.eval_batches) if self.eval_batches else None
         try:
             with use_mesh(self.mesh):
                 self.trainer.train(train_ds, eval_ds)
@@ -377,7 +376,8 @@ class SFTRun:
         return self.trainer
 
     def micro_batches(self, steps: Sequence[Mapping[str, np.ndarray]]) -> Any:
-        """The trainer's dataset of ``steps`` (``train_batches``): ``train.peft_trainer.micro_batches``."""
+        """The trainer's dataset of ``steps`` (``train_batches`` or ``eval_batches``):
+        ``train.peft_trainer.micro_batches``."""
         from gemport.train.peft_trainer import micro_batches
 
         return micro_batches(steps)
