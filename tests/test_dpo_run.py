@@ -185,9 +185,9 @@ def test_gemport_dpo_equals_trl_through_a_sigkill_and_resumes(workdir, tmp_path)
     """`gemport dpo --init-adapter` SIGKILLed once step 3 is logged (checkpoint 2 complete, no 3), run again: it
     resumes from step 2 and its step 3 is the killed run's exactly; every logged step (loss, grad_norm,
     learning_rate, rewards, logps), the evaluations at step 2 and after the last step on the test split
-    (eval_loss, eval_rewards/*, eval_logps/*; its last batch short) and the final adapter equal TRL's uninterrupted training from the same
-    adapter; the adapter left in output_dir gives TRL's logits in PEFT. Step 2 is an epoch's short step (one
-    micro-batch of two), whose mean TRL takes over the one."""
+    (eval_loss, eval_rewards/*, eval_logps/*; its last batch short) and the final adapter equal TRL's
+    uninterrupted training from the same adapter; the adapter left in output_dir gives TRL's logits in PEFT.
+    Step 2 is an epoch's short step (one micro-batch of two), whose mean TRL takes over the one."""
     import float64
     import torch
     from safetensors.numpy import load_file

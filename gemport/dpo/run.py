@@ -148,16 +148,17 @@ class DPORun(SFTRun):
 
     @classmethod
     def create(cls, dpo_config: Any, base_dir: str | os.PathLike, train_dataset: Any, *, lora: Any = None,
-               eval_dataset: Any = None, init_adapter: str | os.PathLike | None = None, reference: Reference | None = None, mesh=None,
-               fsdp: int | None = None, tp: int | None = None, dtype: Any = None, qlora: QLoraSpec | None = None,
+               eval_dataset: Any = None, init_adapter: str | os.PathLike | None = None,
+               reference: Reference | None = None, mesh=None, fsdp: int | None = None, tp: int | None = None,
+               dtype: Any = None, qlora: QLoraSpec | None = None,
                tokenizer: Any = None, chat_format: Any = None, checkpoint_dir: str | os.PathLike | None = None,
                progress: bool = True, abstract: bool = False) -> DPORun:
         """Build the DPO run of ``dpo_config`` on ``base_dir`` and ``train_dataset``.
 
         dpo_config: ``DPOConfig``, a dict of its fields, or a ``trl dpo --config`` YAML (its ``use_peft`` +
             ``lora_*`` fields the default ``lora``, its ``dtype`` the default ``dtype``, its 4-bit base fields the
-            default ``qlora``). base_dir: the HF Gemma
-            checkpoint (with its tokenizer unless ``tokenizer`` is given). train_dataset: TRL preference records
+            default ``qlora``). base_dir: the HF Gemma checkpoint (with its tokenizer unless ``tokenizer`` is
+            given). train_dataset: TRL preference records
             (``dpo.preferences``) in any form ``masks.formats.read`` reads (a list, a ``datasets.Dataset``, a
             .jsonl/.json/.parquet file).
         eval_dataset: held-out preference records, in the same forms: evaluated every ``eval_steps`` under

@@ -194,9 +194,10 @@ def from_sft_config(config: Any, tokenizer: Any, *, chat_format: Gemma3 | Gemma4
 
     Returns:
       An `SFTPipeline`: ``examples(records, tokenizer)`` tokenizes and masks TRL records into ``(examples,
-      TruncationReport)`` (each `Example`'s tokens int32 [n] and loss_mask bool [n]), ``batches(examples)`` yields every optimizer step of HF's Trainer as
-      ``(OptimizerStep, batch)`` with ``BATCH_FIELDS`` [gradient_accumulation_steps, rows, T] for `train_step`;
-      ``remat`` is the model's remat for ``gradient_checkpointing``.
+      TruncationReport)`` (each `Example`'s tokens int32 [n] and loss_mask bool [n]), ``batches(examples)``
+      yields every optimizer step of HF's Trainer as ``(OptimizerStep, batch)`` with ``BATCH_FIELDS``
+      [gradient_accumulation_steps, rows, T] for `train_step`; ``remat`` is the model's remat for
+      ``gradient_checkpointing``.
 
     Raises:
       RecipeError: a setting gemport does not reproduce (above), ``packing`` without ``max_length``, an
