@@ -22,9 +22,10 @@ from gemport.errors import GemportError, LoraError, RecipeError, SpecError
 from gemport.recipe import TRL_LORA, read
 
 GPU_OVERRIDES = dict(logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False, fp16=False,
-                     dataloader_num_workers=0, push_to_hub=False)
+                     dataloader_num_workers=0, push_to_hub=False, eval_strategy="no")
 """What a comparison (SFT's and ``dpo.parity``'s) fixes on the GPU side whatever the recipe says: one process on
-CPU, float32, a log line per step, nothing written."""
+CPU, float32, a log line per step, nothing written, no evaluation (the training steps are compared; a recipe's
+``eval_strategy: steps`` would make TRL ask for an eval split)."""
 
 
 FLOOR_MULTIPLE = 10

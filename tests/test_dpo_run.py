@@ -255,9 +255,11 @@ def test_gemport_dpo_equals_trl_through_a_sigkill_and_resumes(workdir, tmp_path)
 
 # A recipe in TRL's documentation style for `gemport parity --trainer dpo`: use_peft with lora_r, lora_alpha and
 # all-linear; lora_dropout (0.05), bf16 and gradient_checkpointing at TRL's defaults; two micro-batches a step and
-# clipping in play (a fresh adapter's first gradients exceed 0.05), across an epoch's short step.
+# clipping in play (a fresh adapter's first gradients exceed 0.05), across an epoch's short step. It evaluates, which
+# parity leaves out on both sides (it compares the training steps).
 PARITY = dict(use_peft=True, lora_r=4, lora_alpha=8, lora_target_modules="all-linear", per_device_train_batch_size=1,
-              gradient_accumulation_steps=2, max_steps=3, learning_rate=5e-3, max_grad_norm=0.05, beta=0.5, seed=3)
+              gradient_accumulation_steps=2, max_steps=3, learning_rate=5e-3, max_grad_norm=0.05, beta=0.5, seed=3,
+              eval_strategy="steps", eval_steps=2)
 
 
 def test_gemport_parity_takes_a_dpo_recipe(workdir, tmp_path, monkeypatch):
