@@ -183,7 +183,7 @@ def test_chat_template_path_gemport_cannot_follow_is_refused(work, tmp_path, mon
     (tmp_path / "t.jinja").write_text(template())
     with pytest.raises(RecipeError, match=re.escape("chat_template_path") + ".*" + re.escape(words)):
         SFTRun.create({**RECIPE, "chat_template_path": str(tmp_path / "t.jinja")}, work / "base", chats(8),
-                      lora=LORA)
+                      eval_dataset=chats(2), lora=LORA)
 
 
 def test_chat_template_path_takes_a_tokenizer_folder_as_trl(work, tmp_path):
@@ -220,7 +220,18 @@ def test_eos_token_outside_the_vocabulary_is_refused_as_trl(work, tmp_path, monk
                    train_dataset=datasets.Dataset.from_list(chats(2)))
     _refused_before_loading(monkeypatch)
     with pytest.raises(RecipeError, match="eos_token='<nope>' is not in the tokenizer's vocabulary"):
-        SFTRun.create({**RECIPE, "eos_token": "<nope>"}, work / "base", chats(8), lora=LORA)
+        SFTRun.create({**RECIPE, "eos_token": "<nope>"}, work / "base", chats(8), eval_dataset=chats(2), lora=LORA)
+
+
+def test_evaluation_without_an_eval_dataset_is_refused_as_hf(work, monkeypatch):
+    """HF's Trainer refuses eval_strategy steps without an eval_dataset; so do SFTRun and DPORun, before the data
+    is tokenized or the model loads (it was accepted and nothing evaluated)."""
+    from gemport.dpo import DPORun
+
+    _refused_before_loading(monkeypatch)
+    for create in (SFTRun.create, DPORun.create):
+        with pytest.raises(RecipeError, match="eval_strategy='steps' needs an eval dataset"):
+            create({"eval_strategy": "steps"}, work / "base", chats(8), lora=LORA)
 
 
 @pytest.mark.parametrize("field, value", [("eval_strategy", "epoch"), ("save_strategy", "epoch"),

@@ -197,7 +197,7 @@ class DPORun(SFTRun):
             args = dpo_fields(dpo_config)
         check_strategies(args)
         if args["eval_strategy"] != "no" and eval_dataset is None and not abstract:  # as HF's Trainer refuses it
-            raise RecipeError(f"DPOConfig.eval_strategy={args['eval_strategy']!r} needs an eval dataset (the recipe's "
+            raise RecipeError(f"eval_strategy={args['eval_strategy']!r} needs an eval dataset (the recipe's "
                               "dataset_test_split); pass eval_dataset, or set eval_strategy: 'no'")
         if jax.process_count() > 1:
             raise RecipeError("DPORun: DPO under jax.distributed (several processes) is not ported yet; run it on "

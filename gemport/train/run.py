@@ -188,7 +188,8 @@ class SFTRun:
           optimizer and ``training_config`` built; ``trainer`` is None until ``train()``.
 
         Raises:
-          RecipeError: a field gemport cannot honour (naming it), or no training example left after truncation.
+          RecipeError: a field gemport cannot honour (naming it), no training example left after truncation, or
+            ``eval_strategy: steps`` without ``eval_dataset``.
           LoraError, MaskError: a LoRA config or a chat template / record gemport cannot carry.
         """
         import transformers
@@ -204,6 +205,9 @@ class SFTRun:
             args = sft_fields(sft_config)
         check_strategies(args)
         f = RunFields.from_config(args)
+        if f.eval_strategy != "no" and eval_dataset is None and not abstract:  # as HF's Trainer refuses it
+            raise RecipeError(f"eval_strategy={f.eval_strategy!r} needs an eval dataset (the recipe's "
+                              "dataset_test_split); pass eval_dataset, or set eval_strategy: 'no'")
         trackers.names(f.report_to)  # a missing tracker fails before the load
         base_dir = Path(base_dir)
         spec = GemmaSpec.from_hf(base_dir)
