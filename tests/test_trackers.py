@@ -153,7 +153,7 @@ def test_wandb_offline_run_holds_trainer_states_metrics_and_hfs_config(tracked):
     assert run.display_name == RUN_NAME and run.project == WANDB_PROJECT
     history = [{key(i): json.loads(i.value_json) for i in r.history.item if not key(i).startswith("_")}
                for r in records if r.WhichOneof("record_type") == "history"]
-    assert [e["step"] for e in state["log_history"]] == [1, 2, 2, 3, 4, 4]  # train and eval entries
+    assert [e["step"] for e in state["log_history"]] == [1, 2, 3, 3, 4, 4]  # train entries, evals at 3 and the last
     assert history == expected_logs(state)
     assert {"train/loss", "train/grad_norm", "train/learning_rate", "train/epoch", "train/global_step",
             "eval/loss"} <= set().union(*history)
