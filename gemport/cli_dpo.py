@@ -163,9 +163,6 @@ def parity_comparison(args):
     from gemport import recipe as trl_recipe
 
     # Checked before anything loads: what this comparison does not run.
-    if args.dtype != "float32":
-        raise RecipeError(f"--dtype {args.dtype}: --trainer dpo compares in float32 only (a bfloat16 DPO "
-                          "comparison is not built yet); drop --dtype")
     if args.loss != "segment":
         raise RecipeError(f"--loss {args.loss}: gemport dpo trains with the segment step only (segment attention, "
                           "chunked log-probabilities); drop --loss")
@@ -193,14 +190,14 @@ def parity_comparison(args):
             raise RecipeError(f"{args.port_config}: its lora_* fields differ from {args.config}'s; both sides start "
                               "from one adapter, the recipe's: give the port's DPOConfig fields only")
         port = port_recipe.sft
-    if config["bf16"]:
+    if config["bf16"] and args.dtype == "float32":
         print(f"{args.config} trains in bfloat16 (bf16, TRL's default): compared in float32, where a disagreement is "
-              "in what is computed")
+              "in what is computed; --dtype bfloat16 compares it in bfloat16, against the bfloat16 floor")
     tolerances = FLOORS if args.rtol is None else Tolerances(loss=args.rtol, grad_norm=args.rtol)
     tolerances = dataclasses.replace(tolerances, adapter=args.adapter_rtol)
     return lambda base, tokenizer: trajectory(base, args.data, dpo_config=config, lora_config=lora,
                                               steps=args.steps, tokenizer=tokenizer, port_dpo_config=port,
-                                              tolerances=tolerances, qlora=recipe.qlora())
+                                              tolerances=tolerances, qlora=recipe.qlora(), dtype=args.dtype)
 
 
 __all__ = ["DESCRIPTION", "add_parser", "parity_comparison", "run"]

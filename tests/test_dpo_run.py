@@ -300,6 +300,25 @@ def test_gemport_parity_fails_a_dpo_port_with_another_beta(workdir, tmp_path, mo
     assert not json.loads((tmp_path / "gemport-parity" / "parity.json").read_text())["ok"]
 
 
+def test_gemport_parity_compares_a_dpo_recipe_in_bfloat16(workdir, tmp_path, monkeypatch):
+    """`--dtype bfloat16`: the recipe as bf16 trains it (TRL on a bfloat16 base under CPU autocast, the port on a
+    bfloat16 base, float32 adapters on both) against TRL's own float32-vs-bfloat16 floor, and the same port with
+    another beta fails it at step 0 (the gradient is beta times another)."""
+    monkeypatch.chdir(tmp_path)
+    config = write_recipe(tmp_path / "dpo.yaml", workdir, **PARITY)
+    port = write_recipe(tmp_path / "port.yaml", workdir, **dict(PARITY, beta=0.1))
+    args = ("parity", workdir / "base", workdir / "data" / "train.jsonl", "--config", config, "--trainer", "dpo",
+            "--dtype", "bfloat16")
+    done = gemport(*args, ok=False)
+    print(done.stdout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "gemport-parity" / "parity.json").read_text())
+    assert report["ok"] and report["floor_name"] == "TRL float32 vs bfloat16 (autocast)"
+    broken = gemport(*args, "--port-config", port, "--steps", 1, ok=False)
+    assert broken.returncode == 1, broken.stdout[-3000:] + broken.stderr[-3000:]
+    assert "DISAGREE at step 0: grad_norm" in broken.stdout.splitlines()[-1], broken.stdout[-2000:]
+
+
 def test_the_dpo_verdict_names_a_metric_beyond_its_floor():
     """Each DPO metric is held to 10x its step's floor; rewards/accuracies (a share of pairs) to TRL's own two runs'
     absolute difference: equal when they agree."""
@@ -322,7 +341,7 @@ def test_the_dpo_verdict_names_a_metric_beyond_its_floor():
 
 
 @pytest.mark.parametrize("fields, args, words", [
-    ({}, ("--dtype", "bfloat16"), "--trainer dpo compares in float32 only"),
+    ({}, ("--loss", "tunix"), "--loss tunix: gemport dpo trains with the segment step only"),
     ({"precompute_ref_log_probs": True}, (), "precompute_ref_log_probs=True"),
     ({"use_peft": False}, (), "use_peft is not set"),
     ({}, ("--sft-data",), "no ['chosen', 'rejected'] key"),

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from gemport.dpo.loss import METRICS
-from gemport.errors import GemportError, MaskError, RecipeError, TemplateMismatchError
+from gemport.errors import GemportError, LoraError, MaskError, RecipeError, TemplateMismatchError
 from gemport.parity import (FLOOR_MULTIPLE, GPU_OVERRIDES, LEAST_FLOOR, StepRow, Tolerances, Trajectory,
                             adapter_distances, step_floors, without_dropout)
 
@@ -117,6 +117,16 @@ class DPOTrajectory(Trajectory):
         return out
 
 
+def _by_kind(floors: dict[str, float | None]) -> dict[str, float | None]:
+    # Each rewards/* (but accuracies) and logps/* floor raised to the largest of its kind at the step.
+    out = dict(floors)
+    for kind in ("rewards/", "logps/"):
+        names = [n for n in METRICS if n.startswith(kind) and n != ACCURACIES and out.get(n) is not None]
+        for n in names:
+            out[n] = max(out[m] for m in names)
+    return out
+
+
 def conversations(record: Mapping[str, Any]) -> list:
     """The two conversations of a conversational preference record, as ``masks.template.check_template`` reads
     them: prompt + chosen, prompt + rejected (chosen and rejected alone when the prompt is implicit), with the
@@ -130,7 +140,8 @@ def conversations(record: Mapping[str, Any]) -> list:
 
 
 def trajectory(base_dir, data, *, dpo_config, lora_config, steps=None, tokenizer=None, chat_format=None,
-               port_dpo_config=None, tolerances=FLOORS, progress=True, qlora=None) -> DPOTrajectory:
+               port_dpo_config=None, tolerances=FLOORS, progress=True, qlora=None,
+               dtype="float32") -> DPOTrajectory:
     """Run a ``trl dpo`` recipe with TRL and with ``gemport dpo``'s step for the same steps from the same step-0
     adapter; a ``DPOTrajectory``.
 
@@ -150,6 +161,10 @@ def trajectory(base_dir, data, *, dpo_config, lora_config, steps=None, tokenizer
         both computing in float32 as the rest of the comparison does, each reference being its 4-bit base with
         LoRA off. TRL's cast of a quantized model's adapters to bfloat16 is undone on the GPU side: the port
         trains float32 factors, as PEFT creates them (docs/qlora.md).
+    dtype: ``"float32"`` (the default: a disagreement is in what is computed) or ``"bfloat16"``, the recipe as
+        ``bf16: true`` trains it: TRL on a bfloat16 base under torch's CPU bfloat16 autocast (PEFT's adapters
+        float32), the port on a bfloat16 base with float32 factors, as ``gemport dpo`` trains it; the floor is
+        then TRL's own float32 run against its bfloat16 one (``gemport.parity.trajectory``'s bfloat16 floor).
 
     The step-0 adapter is PEFT's initialisation of ``lora_config`` under ``torch.manual_seed(seed)``. The GPU side
     is TRL's ``DPOTrainer`` given the base and the recipe's ``peft_config`` (the reference: the adapter disabled),
@@ -162,8 +177,13 @@ def trajectory(base_dir, data, *, dpo_config, lora_config, steps=None, tokenizer
     that run logged them from the first (``parity.step_floors``), the final adapters to ``FLOOR_MULTIPLE`` times
     how far the two end apart, and at least ``parity.LEAST_ADAPTER_TOLERANCE``.
 
-    Raises RecipeError (recipe fields, no steps), LoraError, MaskError / TemplateMismatchError (data, template),
-    OptimizerConfigError, before either side trains.
+    A DPO metric's floor is the largest of its kind at its step (``rewards/*`` but accuracies, ``logps/*``): the
+    chosen and rejected rows go through the same computation and round alike, and one of them landing near the
+    exact value by chance (its roundings cancelling) does not set the bound.
+
+    Raises RecipeError (recipe fields, no steps, a dtype other than float32 or bfloat16), LoraError (also a QLoRA
+    recipe in bfloat16), MaskError / TemplateMismatchError (data, template), OptimizerConfigError, before either
+    side trains.
     """
     import datasets
     import jax
@@ -181,6 +201,11 @@ def trajectory(base_dir, data, *, dpo_config, lora_config, steps=None, tokenizer
     from gemport.mesh import make_mesh
     from gemport.specs import GemmaSpec
 
+    if dtype not in ("float32", "bfloat16"):
+        raise RecipeError(f"dpo parity: dtype {dtype!r}; compare in float32 or bfloat16")
+    bf16 = dtype == "bfloat16"
+    if bf16 and qlora is not None:
+        raise LoraError("dpo parity: a QLoRA recipe is compared in float32 (its compute dtype is overridden)")
     records = list(formats.read(data)) if isinstance(data, (str, Path)) else list(data)
     lora, dropout = without_dropout(lora_config)
     with tempfile.TemporaryDirectory(prefix="gemport-dpo-parity-") as work:
@@ -217,8 +242,8 @@ def trajectory(base_dir, data, *, dpo_config, lora_config, steps=None, tokenizer
             qlora = dataclasses.replace(qlora, compute_dtype="float32")
         quantization = transformers.BitsAndBytesConfig(**qlora.to_bnb()) if qlora is not None else None
 
-        def base_model(attention):
-            return transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32,
+        def base_model(attention, dtype=torch.float32):
+            return transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype,
                                                                      attn_implementation=attention,
                                                                      quantization_config=quantization)
 
@@ -229,12 +254,14 @@ def trajectory(base_dir, data, *, dpo_config, lora_config, steps=None, tokenizer
         del start
         mesh = make_mesh(spec, fsdp=1, tp=1, devices=jax.devices()[:1])  # one device, as on a GPU
         port = DPORun.create(port_args, base_dir, records, init_adapter=work / "adapter0", reference="base",
-                             mesh=mesh, dtype=jnp.float32, qlora=qlora, tokenizer=tokenizer,
-                             chat_format=chat_format, progress=progress)
+                             mesh=mesh, dtype=jnp.bfloat16 if bf16 else jnp.float32, qlora=qlora,
+                             tokenizer=tokenizer, chat_format=chat_format, progress=progress)
 
-        def gpu_run(attention):
+        def gpu_run(attention, bf16=False):
+            # A fresh DPOConfig sets accelerate's process-wide state up again, its mixed precision included.
             torch.manual_seed(gpu_args["seed"])
-            trainer = DPOTrainer(model=base_model(attention), args=dataclasses.replace(gpu_config),
+            trainer = DPOTrainer(model=base_model(attention, torch.bfloat16 if bf16 else torch.float32),
+                                 args=dataclasses.replace(gpu_config, bf16=bf16),
                                  train_dataset=datasets.Dataset.from_list(records), processing_class=tokenizer,
                                  peft_config=copy.deepcopy(lora))
             for name, p in trainer.model.named_parameters():  # the step-0 adapter, as the port starts from it
@@ -245,7 +272,7 @@ def trajectory(base_dir, data, *, dpo_config, lora_config, steps=None, tokenizer
             trainer.train()
             return trainer.model, [e for e in trainer.state.log_history if "loss" in e and "grad_norm" in e]
 
-        model, logs = gpu_run("eager")
+        model, logs = gpu_run("eager", bf16)
         port.train()
         state = json.loads((work / "port" / "trainer_state.json").read_text())
         port_logs = [e for e in state["log_history"] if "loss" in e and "grad_norm" in e]
@@ -255,9 +282,11 @@ def trajectory(base_dir, data, *, dpo_config, lora_config, steps=None, tokenizer
         names = ("loss", "grad_norm", *METRICS)
         floors, floor, floor_name = [dict.fromkeys(names)] * len(logs), None, None
         if None in (tolerances.loss, tolerances.grad_norm, tolerances.adapter):
-            floor_name = "TRL eager vs sdpa attention, float32"
-            again, again_logs = gpu_run("sdpa")
-            floors = step_floors(logs, again_logs, names, absolute=(ACCURACIES,))
+            # bfloat16: the recipe trained again in float32, without the dtype's rounding, which the port and TRL
+            # each add at different points; float32: another correct attention kernel.
+            floor_name = "TRL float32 vs bfloat16 (autocast)" if bf16 else "TRL eager vs sdpa attention, float32"
+            again, again_logs = gpu_run("eager") if bf16 else gpu_run("sdpa")
+            floors = [_by_kind(f) for f in step_floors(logs, again_logs, names, absolute=(ACCURACIES,))]
             floor = max(*adapter_distances(again, model).values(), LEAST_FLOOR)
     steps_of = [s.step for s in port.plan]
     rows = tuple(StepRow(s, float(g["learning_rate"]), float(p["learning_rate"]), float(g["loss"]), float(p["loss"]),
