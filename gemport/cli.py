@@ -427,7 +427,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--trainer", choices=("sft", "dpo"), default="sft",
                    help="the recipe's TRL trainer: sft (default; SFTTrainer against gemport sft's step) or dpo "
                         "(DPOTrainer against gemport dpo's step, judging TRL's DPO metrics too: every quantity "
-                        "against 10 x its step's floor unless --rtol fixes a bound; float32 and the fast step only; "
+                        "against 10 x its step's floor unless --rtol fixes a bound; the segment step only; "
                         "docs/dpo.md)")
     c.add_argument("--lora-config", help="PEFT adapter_config.json (default: lora_* fields of --config)")
     c.add_argument("--port-config", help="the port's recipe (SFTConfig; DPOConfig with --trainer dpo), if it differs "
