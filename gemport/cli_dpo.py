@@ -97,7 +97,7 @@ def run(args) -> int:
                           "--init-adapter DIR")
     qlora = recipe.qlora()  # a 4-bit base gemport cannot reproduce is refused before anything loads
     if args.dry_run:
-        return _dry_run(args, recipe, lora)
+        return _dry_run(args, recipe, lora, qlora)
     output_dir = Path(config["output_dir"] or "trainer_output")  # HF's default
     config["output_dir"] = str(output_dir)
     check_outside(output_dir, *(p for p in (base, script["dataset_name"], args.init_adapter, args.config)
@@ -135,7 +135,7 @@ def run(args) -> int:
     return 0
 
 
-def _dry_run(args, recipe, lora) -> int:
+def _dry_run(args, recipe, lora, qlora) -> int:
     """Compile the run's DPO step (``gemport.plan.dry_run`` of an abstract ``DPORun``) and say whether it fits."""
     from gemport.dpo.run import DPORun
     from gemport.mesh import make_mesh, slice_devices
@@ -148,8 +148,7 @@ def _dry_run(args, recipe, lora) -> int:
     devices = slice_devices(args.tpu) if args.tpu else None
     mesh = make_mesh(GemmaSpec.from_hf(base), fsdp=args.fsdp, tp=args.tp, devices=devices)
     dpo_run = DPORun.create(config, base, data, lora=lora, init_adapter=args.init_adapter, mesh=mesh,
-                            dtype=recipe.dtype(), qlora=recipe.qlora(), progress=not config["disable_tqdm"],
-                            abstract=True)
+                            dtype=recipe.dtype(), qlora=qlora, progress=not config["disable_tqdm"], abstract=True)
     return report_dry_run(dpo_run, args.tpu, f"the first step of {len(dpo_run.pairs)} preference pairs",
                    lambda line: print(line, flush=True))
 

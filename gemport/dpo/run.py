@@ -36,7 +36,8 @@ from gemport.mesh import make_mesh
 from gemport.optim.hf import hf_optimizer
 from gemport.specs import GemmaSpec
 from gemport.train.order import optimizer_steps
-from gemport.train.run import SFTRun, checkpoint_root, run_model, starting_adapter, training_config
+from gemport.train.run import (SFTRun, check_eval_split, checkpoint_root, eval_cuts, run_model, starting_adapter,
+                               training_config)
 from gemport.train.step import stack
 
 Reference = Literal["base", "adapter"]
@@ -86,15 +87,10 @@ def eval_preference_batches(pairs: list[Preference], args: Mapping[str, Any], *,
     unless ``dataloader_drop_last`` drops it. T: the longest truncated eval row, rounded up to
     ``pad_to_multiple_of``. Raises ``RecipeError`` when no batch is left."""
     size = args["per_device_eval_batch_size"]
-    if args["dataloader_drop_last"]:
-        pairs = pairs[:len(pairs) // size * size]
-    if not pairs:
-        raise RecipeError(f"no eval batch: the eval split has no preference pair left, or fewer than "
-                          f"per_device_eval_batch_size={size} with dataloader_drop_last")
-    width = _width(pairs, args)
-    return [stack([collate(pairs[i:i + size], max_length=args["max_length"], truncation_mode=args["truncation_mode"],
-                           width=width, slots=size, pad_id=pad_id)], accumulation=1)
-            for i in range(0, len(pairs), size)]
+    cuts = eval_cuts(pairs, size, args["dataloader_drop_last"])
+    width = _width([p for cut in cuts for p in cut], args)
+    return [stack([collate(cut, max_length=args["max_length"], truncation_mode=args["truncation_mode"], width=width,
+                           slots=size, pad_id=pad_id)], accumulation=1) for cut in cuts]
 
 
 def _width(pairs: list[Preference], args: Mapping[str, Any]) -> int:
@@ -196,9 +192,8 @@ class DPORun(SFTRun):
         else:
             args = dpo_fields(dpo_config)
         check_strategies(args)
-        if args["eval_strategy"] != "no" and eval_dataset is None and not abstract:  # as HF's Trainer refuses it
-            raise RecipeError(f"eval_strategy={args['eval_strategy']!r} needs an eval dataset (the recipe's "
-                              "dataset_test_split); pass eval_dataset, or set eval_strategy: 'no'")
+        if not abstract:  # an abstract run is compiled, never evaluated
+            check_eval_split(args["eval_strategy"], eval_dataset)
         if jax.process_count() > 1:
             raise RecipeError("DPORun: DPO under jax.distributed (several processes) is not ported yet; run it on "
                               "one host")

@@ -18,6 +18,16 @@ MICRO_BATCHES = "micro_batches_in_step"
 """The field every DPO micro-batch carries: the micro-batches of its optimizer step that hold a pair, int32 [2B]."""
 
 
+def _pair_loss(model, tokens, loss_mask, segment_ids, positions, loss: DPOLoss, reference: Any):
+    # A micro-batch of pairs: its mean per-pair loss and TRL's metrics as [value, 1] (both zero for one of padding),
+    # and its pairs (a pair is its chosen and its rejected row).
+    batch = dict(tokens=tokens, loss_mask=loss_mask, segment_ids=segment_ids, positions=positions)
+    value, metrics = dpo_loss(model, batch, loss, reference)
+    pairs = examples_in(segment_ids) / 2
+    used = (pairs > 0).astype(jnp.float32)
+    return value * used, {k: jnp.stack([v * used, used]) for k, v in metrics.items()}, pairs
+
+
 def trainer_loss(loss: DPOLoss, accumulation: int, reference: Any = None):
     """``DPOPeftTrainer``'s loss (``has_aux=True``) for steps of ``accumulation`` (A) micro-batches:
     ``(model, tokens, loss_mask, segment_ids, positions, micro_batches_in_step) -> (A / n * dpo_loss float32 [],
@@ -25,11 +35,9 @@ def trainer_loss(loss: DPOLoss, accumulation: int, reference: Any = None):
     micro-batches, ``MICRO_BATCHES``). ``reference``: ``dpo.dpo_loss``'s."""
 
     def fn(model, tokens, loss_mask, segment_ids, positions, micro_batches_in_step, **_):
-        batch = dict(tokens=tokens, loss_mask=loss_mask, segment_ids=segment_ids, positions=positions)
-        value, metrics = dpo_loss(model, batch, loss, reference)
-        used = jnp.any(segment_ids > 0).astype(jnp.float32)
+        value, metrics, _ = _pair_loss(model, tokens, loss_mask, segment_ids, positions, loss, reference)
         scale = accumulation / jnp.maximum(jnp.max(micro_batches_in_step), 1).astype(jnp.float32)
-        return value * used * scale, {k: jnp.stack([v * used, used]) for k, v in metrics.items()}
+        return value * scale, metrics
 
     return fn
 
@@ -41,12 +49,8 @@ def eval_loss(loss: DPOLoss, reference: Any = None):
     weighs a batch by its pairs))``, zero for a batch of padding. ``reference``: ``dpo.dpo_loss``'s."""
 
     def fn(model, tokens, loss_mask, segment_ids, positions, **_):
-        batch = dict(tokens=tokens, loss_mask=loss_mask, segment_ids=segment_ids, positions=positions)
-        value, metrics = dpo_loss(model, batch, loss, reference)
-        pairs = examples_in(segment_ids) / 2  # a pair is its chosen and its rejected row
-        used = (pairs > 0).astype(jnp.float32)
-        return value * used, {**{k: jnp.stack([v * used, used]) for k, v in metrics.items()},
-                              EXAMPLE_LOSS: jnp.stack([value * pairs, pairs])}
+        value, metrics, pairs = _pair_loss(model, tokens, loss_mask, segment_ids, positions, loss, reference)
+        return value, {**metrics, EXAMPLE_LOSS: jnp.stack([value * pairs, pairs])}
 
     return fn
 

@@ -76,16 +76,30 @@ def eval_batches(examples: Sequence[Example], batch_size: int, *, pad_id: int = 
     """Eval batches [1, batch_size, T] of ``examples`` in order, one padded example a row; the last batch keeps
     its odd examples (its missing rows are empty: no target), unless ``drop_last`` (HF's ``dataloader_drop_last``,
     which its eval dataloader honours too) drops it. T is the longest example, rounded up."""
-    if drop_last:
-        examples = examples[:len(examples) // batch_size * batch_size]
-    if not examples:
-        raise RecipeError("eval_batches: no eval example" + (f" (dataloader_drop_last drops all, fewer than "
-                                                            f"per_device_eval_batch_size={batch_size})" if drop_last
-                                                            else ""))
+    cuts = eval_cuts(examples, batch_size, drop_last)
     multiple = pad_to_multiple_of or 1
-    width = math.ceil(max(len(e.tokens) for e in examples) / multiple) * multiple
-    return [stack([pad(examples[i:i + batch_size], width, pad_id=pad_id)], accumulation=1, rows=batch_size)
-            for i in range(0, len(examples), batch_size)]
+    width = math.ceil(max(len(e.tokens) for cut in cuts for e in cut) / multiple) * multiple
+    return [stack([pad(cut, width, pad_id=pad_id)], accumulation=1, rows=batch_size) for cut in cuts]
+
+
+def eval_cuts(items: Sequence[Any], batch_size: int, drop_last: bool) -> list[Sequence[Any]]:
+    """``items`` in order as HF's eval dataloader cuts them: batches of ``batch_size``, the last shorter unless
+    ``drop_last`` (``dataloader_drop_last``, which HF's eval dataloader honours too) drops it. Raises
+    ``RecipeError`` when no batch is left."""
+    if drop_last:
+        items = items[:len(items) // batch_size * batch_size]
+    if not items:
+        raise RecipeError("no eval example" + (f" (dataloader_drop_last drops all, fewer than "
+                                               f"per_device_eval_batch_size={batch_size})" if drop_last else ""))
+    return [items[i:i + batch_size] for i in range(0, len(items), batch_size)]
+
+
+def check_eval_split(eval_strategy: str, eval_dataset: Any) -> None:
+    """Raises ``RecipeError`` for an ``eval_strategy`` that evaluates without an eval dataset, as HF's Trainer
+    refuses it (accepted, it would evaluate nothing)."""
+    if eval_strategy != "no" and eval_dataset is None:
+        raise RecipeError(f"eval_strategy={eval_strategy!r} needs an eval dataset (the recipe's "
+                          "dataset_test_split); pass eval_dataset, or set eval_strategy: 'no'")
 
 
 @dataclasses.dataclass
@@ -205,9 +219,8 @@ class SFTRun:
             args = sft_fields(sft_config)
         check_strategies(args)
         f = RunFields.from_config(args)
-        if f.eval_strategy != "no" and eval_dataset is None and not abstract:  # as HF's Trainer refuses it
-            raise RecipeError(f"eval_strategy={f.eval_strategy!r} needs an eval dataset (the recipe's "
-                              "dataset_test_split); pass eval_dataset, or set eval_strategy: 'no'")
+        if not abstract:  # an abstract run is compiled, never evaluated
+            check_eval_split(f.eval_strategy, eval_dataset)
         trackers.names(f.report_to)  # a missing tracker fails before the load
         base_dir = Path(base_dir)
         spec = GemmaSpec.from_hf(base_dir)
@@ -547,5 +560,5 @@ def training_config(args: Any, max_steps: int, *, checkpoint_dir: str | os.PathL
                           checkpointing_options=options, pbar_description=None, max_inflight_computations=1)
 
 
-__all__ = ["CHECKPOINTS", "SFTRun", "checkpoint_root", "eval_batches", "lora_spec_of", "sft_fields", "steps_of",
+__all__ = ["CHECKPOINTS", "SFTRun", "check_eval_split", "checkpoint_root", "eval_batches", "eval_cuts", "lora_spec_of", "sft_fields", "steps_of",
            "starting_adapter", "training_config", "with_peft_targets"]
