@@ -24,8 +24,8 @@ from transformers import PreTrainedTokenizerFast
 from trl import pack_dataset
 from trl.chat_template_utils import gemma3_training_chat_template
 
-import gemport.masks as masks
-from gemport.masks.tokenize import piece_lengths, text_of
+from gemport.data import build, Gemma3, Gemma4, MaskPolicy, pack, Truncation
+from gemport.data.tokenize import piece_lengths, text_of
 
 TARGET = 2.0  # issue 13: masks at least twice as fast as TRL's template path, masks still equal
 WORDS = [
@@ -56,7 +56,7 @@ def tokenizer(rng):
     trainer = trainers.BpeTrainer(
         vocab_size=1000,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=["<pad>", "<unk>", *masks.Gemma4.control_tokens, *masks.Gemma3.control_tokens[1:]],
+        special_tokens=["<pad>", "<unk>", *Gemma4.control_tokens, *Gemma3.control_tokens[1:]],
     )
     bpe.train_from_iterator((sentence(rng, 5, 50) for _ in range(2000)), trainer)
     return PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", unk_token="<unk>")
@@ -89,9 +89,9 @@ def main():
     tok = tokenizer(rng)
     chats = [conversation(rng) for _ in range(args.n)]
 
-    policy, truncation = masks.MaskPolicy(), masks.Truncation(args.seq_len, "trim")
+    policy, truncation = MaskPolicy(), Truncation(args.seq_len, "trim")
     (examples, report), mask_seconds = timed(
-        lambda: masks.build(chats, tok, masks.Gemma4(thinking="on"), policy, truncation)
+        lambda: build(chats, tok, Gemma4(thinking="on"), policy, truncation)
     )
     tokens = [e.tokens for e in examples]
     loss_mask = [e.loss_mask for e in examples]
@@ -100,7 +100,7 @@ def main():
     print(f"truncation report: {report}")
     print(f"gemport masks (render, tokenize, mask, truncate): {total / mask_seconds:,.0f} tokens/s ({mask_seconds:.1f} s)")
 
-    packed, pack_seconds = timed(lambda: masks.pack(examples, args.seq_len), repeat=3)
+    packed, pack_seconds = timed(lambda: pack(examples, args.seq_len), repeat=3)
     rows = packed["tokens"].shape[0]
     ours_padding = 1 - total / (rows * args.seq_len)
 
@@ -124,7 +124,7 @@ def main():
 def compare_masks(tok, chats, seq_len, rounds=5):
     # Wall-clock seconds here: the batch API's gain is the cores it tokenizes on, which CPU time cannot show.
     chats = [[{k: v for k, v in m.items() if k != "reasoning"} for m in chat] for chat in chats]
-    ours = lambda: masks.build(chats, tok, masks.Gemma3(), masks.MaskPolicy(), masks.Truncation(1 << 30), progress=False)
+    ours = lambda: build(chats, tok, Gemma3(), MaskPolicy(), Truncation(1 << 30), progress=False)
     trl = lambda: [
         tok.apply_chat_template(
             chat, chat_template=gemma3_training_chat_template, tokenize=True, return_dict=True,
@@ -132,7 +132,7 @@ def compare_masks(tok, chats, seq_len, rounds=5):
         )
         for chat in chats
     ]
-    texts = [text_of(masks.Gemma3().render(chat)) for chat in chats]
+    texts = [text_of(Gemma3().render(chat)) for chat in chats]
     # The tokenizer's offset-free batch call alone on the same texts: no pipeline that tokenizes with
     # it can take less CPU time.
     tokenizer_only = lambda: tok.backend_tokenizer.encode_batch_fast(texts, add_special_tokens=False)

@@ -1,6 +1,6 @@
 """Compiled peak per device of the train step ``SFTRun.train()`` runs (``gemport.plan.compiled``: HFPeftTrainer's
 jitted step with TRL's default recipe, HF's AdamW with clipping) at Gemma 4 31B's widths, with Tunix's attention and
-logits (``HFPeftTrainer(loss_fn=train.tunix_loss)``) against gemport's fast loss.
+logits (``HFPeftTrainer(loss_fn=step.tunix_loss)``) against gemport's fast loss.
 
 Two layers (one sliding, one global), vocabulary 262144, LoRA r=16 on all seven projections, bf16, decoder
 remat, one row per device: lowered for abstract arguments and compiled on this host (nothing allocated), XLA's
@@ -24,8 +24,8 @@ os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_MEMORY_SCHEDU
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from gemport.plan.compiled import compile_step, step_trainer  # noqa: E402
-from gemport.train import segment_loss, tunix_loss  # noqa: E402
-from gemport.train.model import lora_model  # noqa: E402
+from gemport.step import segment_loss, tunix_loss  # noqa: E402
+from gemport.run.model import lora_model  # noqa: E402
 
 from gemport.lora import LoraSpec  # noqa: E402
 from gemport.mesh import make_mesh  # noqa: E402

@@ -34,8 +34,8 @@ CASES = ("v5p-2:4096", "v5p-2:8192", "v5p-8:4096", "v5p-8:8192", "v6e-8:4096", "
 def recipe():
     """The bundled recipe's ``SFTConfig`` fields, ``LoraSpec`` and remat, as ``gemport sft`` reads them."""
     from gemport.recipe import read
-    from gemport.train.run import lora_spec_of
-    from gemport.train.sft import remat_of
+    from gemport.run.sft import lora_spec_of
+    from gemport.data.sft import remat_of
 
     read_ = read(RECIPE)
     return read_.sft, lora_spec_of(read_.lora()), remat_of(read_.sft)
@@ -71,7 +71,7 @@ def compile_case(spec, tpu: str, seq_len: int, dump: str | None = None, mesh: tu
     from gemport.mesh import make_mesh
     from gemport.mesh.tpu import slice_devices
     from gemport.plan.compiled import compile_step, step_trainer
-    from gemport.train.model import lora_model
+    from gemport.run.model import lora_model
 
     devices = slice_devices(tpu)
     fsdp, tp = mesh or mesh_sizes(spec, len(devices))

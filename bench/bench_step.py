@@ -1,4 +1,4 @@
-"""gemport.train's HF Trainer step beside the demo's former hand-written LoRA step, on CPU.
+"""gemport.step's HF Trainer step beside the demo's former hand-written LoRA step, on CPU.
 
 Both train the same Qwix LoRA on the same random Tunix Gemma 4 (31B layout, small widths) with the same
 rows: the baseline is the loop the demo used to write by hand (``nnx.value_and_grad`` of the mean masked
@@ -24,7 +24,9 @@ import qwix  # noqa: E402
 from flax import nnx  # noqa: E402
 from tunix.models.gemma4 import model as gemma4  # noqa: E402
 
-from gemport import masks, train  # noqa: E402
+from gemport.data import pad, stack, tunix_inputs
+
+from gemport.step import masked_cross_entropy, train_step
 from gemport.optim import hf_optimizer  # noqa: E402
 
 CONFIG = dict(num_layers=6, num_embed=4096, embed_dim=256, hidden_dim=1024, num_heads=8, head_dim=32,
@@ -46,16 +48,16 @@ def rows(n, seq_len, vocab, seed=0):
     lengths = rng.integers(seq_len // 2, seq_len + 1, n)
     tokens = [rng.integers(1, vocab, k) for k in lengths]
     loss_mask = [np.arange(k) >= k // 3 for k in lengths]
-    return masks.pad(list(zip(tokens, loss_mask)), seq_len)
+    return pad(list(zip(tokens, loss_mask)), seq_len)
 
 
 def baseline_step():
     @nnx.jit
     def step(model, optimizer, batch):
         def loss_fn(model):
-            inputs = masks.tunix_inputs(**batch)
+            inputs = tunix_inputs(**batch)
             logits, _ = model(inputs["input_tokens"], inputs["positions"], None, inputs["attention_mask"])
-            return masks.masked_cross_entropy(logits, batch["tokens"], batch["loss_mask"])
+            return masked_cross_entropy(logits, batch["tokens"], batch["loss_mask"])
 
         loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
         optimizer.update(model, grads)
@@ -91,10 +93,10 @@ def main(argv=None):
     half = args.rows // 2
     cases = {
         "demo loop (mean loss, no grad_norm)": (baseline_step(), batch),
-        "train_step, A=1": (train.train_step(), train.stack([batch])),
+        "train_step, A=1": (train_step(), stack([batch])),
         f"train_step, A=2 x {half} rows": (
-            train.train_step(),
-            train.stack([{k: v[:half] for k, v in batch.items()}, {k: v[half:] for k, v in batch.items()}]),
+            train_step(),
+            stack([{k: v[:half] for k, v in batch.items()}, {k: v[half:] for k, v in batch.items()}]),
         ),
     }
     print(f"Tunix Gemma 4 ({CONFIG['num_layers']} layers, D={CONFIG['embed_dim']}), Qwix LoRA r=16 on every "

@@ -2,8 +2,8 @@
 
 The step is the one ``SFTRun.train()`` runs (``HFPeftTrainer.jitted_train_step``, compiled as ``gemport.plan``
 compiles it: TRL's default recipe, HF's AdamW with clipping, model and optimizer state donated) on a Gemma 4
-with Gemma 4 31B's layout, twice: Tunix's own attention and logits (``HFPeftTrainer(loss_fn=train.tunix_loss)``),
-and gemport's segment loss (segment attention, chunked cross-entropy: ``train.segment_loss``). MFU is model FLOPs
+with Gemma 4 31B's layout, twice: Tunix's own attention and logits (``HFPeftTrainer(loss_fn=step.tunix_loss)``),
+and gemport's segment loss (segment attention, chunked cross-entropy: ``step.segment_loss``). MFU is model FLOPs
 per trained token (``4 x`` the
 weights a token passes through, forward and backward through the activations, plus ``12 x`` keys seen x head
 width x heads per layer for attention) times tokens/s over the device's bf16 peak (``PEAK_TFLOPS``); on CPU
@@ -40,9 +40,9 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 from gemport.plan.compiled import _placed, compile_step, step_trainer  # noqa: E402
-from gemport.train import segment_loss, tunix_loss  # noqa: E402
-from gemport.train.model import lora_model  # noqa: E402
-from gemport.train.peft_trainer import NUM_ITEMS  # noqa: E402
+from gemport.step import segment_loss, tunix_loss  # noqa: E402
+from gemport.run.model import lora_model  # noqa: E402
+from gemport.run.trainer import NUM_ITEMS  # noqa: E402
 
 from gemport.lora import LoraSpec  # noqa: E402
 from gemport.mesh import make_mesh  # noqa: E402

@@ -15,7 +15,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from gemport import names
+from gemport.specs import names
 from gemport.checkpoint.output import write_sharded
 from gemport.checkpoint.safetensors import TensorSource
 from gemport.specs import GemmaSpec

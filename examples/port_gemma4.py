@@ -72,7 +72,7 @@ def tiny_checkpoint(out: Path, conversations: list) -> Path:
     import torch
     import transformers
 
-    from gemport.masks import Gemma4
+    from gemport.data import Gemma4
 
     texts = [m["content"] + " " + m.get("reasoning", "") for c in conversations for m in c]
     bpe = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     run = gemport.SFTRun.create(
         sft_config(args.hf_dir, args.steps, work / "run"), base,
         records[:-EVAL_CONVERSATIONS], eval_dataset=records[-EVAL_CONVERSATIONS:], lora=PEFT_CONFIG,
-        fsdp=args.fsdp, tp=args.tp, chat_format=gemport.masks.Gemma4(thinking="on", keep_reasoning=True))
+        fsdp=args.fsdp, tp=args.tp, chat_format=gemport.data.Gemma4(thinking="on", keep_reasoning=True))
     print(f"mesh {dict(run.mesh.shape)}; {len(run.examples)} chats -> {run.max_steps} steps of "
           f"{run.train_batches[0]['tokens'].shape} (A, B, T) packed rows; truncation: {run.report}")
     trainer = run.train()

@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     import transformers
 
     from gemport.cli import main as gemport
-    from gemport.masks.training_template import gemma4_training_template
+    from gemport.data.training_template import gemma4_training_template
 
     work = args.out or Path(tempfile.mkdtemp(prefix="gemport-sft-"))
     base = work / "base"

@@ -17,9 +17,9 @@ The common flow reads from here, one call per step::
     trainer = gemport.HFPeftTrainer(model, optimizer.tx, config, lora_spec=...)   # or gemport.train_step
     gemport.export_merged("checkpoints", "merged", base_dir="gemma-4-31b-it")      # for vLLM
 
-``import gemport`` is cheap: every name, and the submodules (``specs``, ``names``, ``checkpoint``, ``mesh``, ``plan``,
-``sharding``, ``lora``, ``masks``, ``optim``, ``recipe``, ``train``, ``parity``, ``verify``, ``engines``, ``dpo``), load JAX and
-friends on first use. The submodules hold the rest of the API.
+``import gemport`` is cheap: every name, and the stages (``specs``, ``lora``, ``recipe``, ``checkpoint``, ``mesh``,
+``data``, ``optim``, ``step``, ``run``, ``plan``, ``check``, ``cli``: a stage imports only those before it), load JAX
+and friends on first use. The stages hold the rest of the API.
 """
 
 import importlib
@@ -52,8 +52,8 @@ from gemport.errors import (
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("specs", "names", "checkpoint", "mesh", "plan", "sharding", "lora", "masks", "optim", "recipe", "train",
-               "parity", "verify", "engines", "dpo")
+# The stages of a port, in the order data flows through them.
+_SUBMODULES = ("specs", "lora", "recipe", "checkpoint", "mesh", "data", "optim", "step", "run", "plan", "check", "cli")
 
 # Top-level name -> the module that defines it, imported on first access.
 _LAZY = {
@@ -77,18 +77,19 @@ _LAZY = {
     "QLoraSpec": "gemport.lora",
     "load_qlora_model": "gemport.checkpoint",
     "apply_lora": "gemport.lora",
-    "audit": "gemport.sharding",
-    "fix_lora": "gemport.sharding",
-    "optimizer_shardings": "gemport.sharding",
-    "from_sft_config": "gemport.train",
-    "SFTRun": "gemport.train",
+    "audit": "gemport.mesh",
+    "fix_lora": "gemport.mesh",
+    "optimizer_shardings": "gemport.mesh",
+    "from_sft_config": "gemport.data",
+    "SFTRun": "gemport.run",
     "hf_optimizer": "gemport.optim",
-    "optimizer_steps": "gemport.train",
-    "train_step": "gemport.train",
-    "HFPeftTrainer": "gemport.train.peft_trainer",
-    "micro_batches": "gemport.train.peft_trainer",
-    "compare_logits": "gemport.verify",
-    "trajectory": "gemport.parity",
+    "optimizer_steps": "gemport.data",
+    "train_step": "gemport.step",
+    "DPORun": "gemport.run",
+    "HFPeftTrainer": "gemport.run.trainer",
+    "micro_batches": "gemport.run.trainer",
+    "compare_logits": "gemport.check.verify",
+    "trajectory": "gemport.check.parity",
 }
 
 

@@ -100,7 +100,7 @@ class BatchError(GemportError, ValueError):
 
 
 class VerifyError(GemportError, ValueError):
-    """A comparison (``gemport.verify``) asked for in a way it cannot judge: a dtype it does not compare in, or no
+    """A comparison (``gemport.check.verify``) asked for in a way it cannot judge: a dtype it does not compare in, or no
     tolerance (neither a multiple of a measured floor nor a fixed bound)."""
 
 

@@ -18,7 +18,7 @@ def write_checkpoints(root, saved=3, fail_at=0, keep=0):
     from flax import nnx
     from tunix.sft import checkpoint_manager
 
-    from gemport.train.peft_trainer import _Checkpoints
+    from gemport.run.trainer import _Checkpoints
 
     class Model(nnx.Module):
         def __init__(self):

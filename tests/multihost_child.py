@@ -2,14 +2,14 @@
 
     python multihost_child.py PORT PROCESS_ID NUM_PROCESSES OUT JOB [JOB ...]      JOB = LOOP:PATH:NAME[:TERM_AFTER]
 
-LOOP is ``nnx`` (the user's loop: train.train_step, Tunix's CheckpointManager, train.preemption.Preemption;
+LOOP is ``nnx`` (the user's loop: step.train_step, Tunix's CheckpointManager, run.preemption.Preemption;
 PATH the tiny Gemma's HF directory) or ``sft`` (``gemport sft --config PATH --output_dir OUT/NAME --merge`` on
 the same 8-device fsdp mesh, run in this process; as the first job of a multi-process launch it is given
 ``--coordinator-address``, ``--num-processes`` and ``--process-id`` and joins the processes itself, for the
 jobs after it too).
 
 An ``nnx`` job trains the tiny Gemma with LoRA for STEPS optimizer steps of 2 micro-batches of 8 packed rows
-on an 8-device fsdp mesh; every process lays out only its own rows of HF's batches (train.distributed). It
+on an 8-device fsdp mesh; every process lays out only its own rows of HF's batches (data.distributed). It
 checkpoints every 2 steps into OUT/NAME/checkpoints and resumes from there. Process 0 appends one line per
 trained step to OUT/NAME/log.jsonl (step, loss, grad_norm, the micro-batches by index) and at the end writes
 OUT/NAME/lora.npz. An ``sft`` job leaves what ``gemport sft`` leaves in OUT/NAME. With TERM_AFTER every
@@ -39,14 +39,16 @@ from flax import nnx  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 from tunix.sft import checkpoint_manager  # noqa: E402
 
-from gemport import masks, train  # noqa: E402
+from gemport.data import optimizer_steps, pack, stack
+
+from gemport.step import train_step
 from gemport.checkpoint import load_model, save_lora_spec  # noqa: E402
 from gemport.lora import LoraSpec, apply_lora  # noqa: E402
 from gemport.mesh import make_mesh  # noqa: E402
 from gemport.optim import hf_optimizer  # noqa: E402
 from gemport.specs import GemmaSpec  # noqa: E402
-from gemport.train.distributed import batch_sharding, global_batch, process_rows, process_step  # noqa: E402
-from gemport.train.preemption import Preempted, Preemption  # noqa: E402
+from gemport.data.distributed import batch_sharding, global_batch, process_rows, process_step  # noqa: E402
+from gemport.run.preemption import Preempted, Preemption  # noqa: E402
 
 STEPS, EVERY, ROWS, ACCUMULATION, SEQ = 5, 2, 8, 2, 12
 # adam_epsilon: Adam moves an element whose gradient is fp32 noise by ~lr (lr * sign(g)); a larger epsilon
@@ -63,17 +65,17 @@ def packed_rows(vocab):
     """Packed rows of random examples (a random tail of each trained): about two steps an epoch."""
     rng = np.random.default_rng(1)
     tokens = [rng.integers(1, vocab, int(n)).astype(np.int32) for n in rng.integers(4, SEQ + 1, 40)]
-    return masks.pack([(t, np.arange(len(t)) >= int(rng.integers(1, len(t)))) for t in tokens], SEQ)
+    return pack([(t, np.arange(len(t)) >= int(rng.integers(1, len(t)))) for t in tokens], SEQ)
 
 
 def local_steps(rows, sharding):
     """This process's rows of every step's batch [A, B_p, SEQ], with the global steps' sample indices."""
-    plan = list(train.optimizer_steps(ARGS, len(rows["tokens"])))
+    plan = list(optimizer_steps(ARGS, len(rows["tokens"])))
     mine = process_rows(sharding, (ACCUMULATION, ROWS, SEQ))
     batches = []
     for s in plan:
         part = process_step(s, mine)
-        batches.append(train.stack([{k: v[m] for k, v in rows.items()} for m in part.micro_batches],
+        batches.append(stack([{k: v[m] for k, v in rows.items()} for m in part.micro_batches],
                                    accumulation=ACCUMULATION, rows=mine.stop - mine.start))
     return plan, batches, mine
 
@@ -96,7 +98,7 @@ def nnx_loop(model, mesh, rows, out, term_after):
     manager = checkpoint_manager.CheckpointManager(str(out / "checkpoints"), OPTIONS)
     save_lora_spec(out / "checkpoints", LORA)
     start, _ = manager.maybe_restore(model, optimizer, restore_only_lora_params=True)
-    step_fn = train.train_step(wrt=nnx.LoRAParam)
+    step_fn = train_step(wrt=nnx.LoRAParam)
     with Preemption() as preemption:
         for s in range(start, STEPS):  # the data position is the optimizer step: HF's order is a function of it
             metrics = step_fn(model, optimizer, global_batch(batches[s], sharding, ROWS))

@@ -2,8 +2,8 @@
 
     python resume_child.py HF_DIR JOB [JOB ...]      JOB = LOOP:DIR[:KILL_AFTER]
 
-LOOP is ``peft`` (gemport.train.peft_trainer.HFPeftTrainer) or ``nnx`` (the user's own loop with
-gemport.train.train_step and Tunix's CheckpointManager). Each job trains a tiny Gemma 3 with LoRA (dropout
+LOOP is ``peft`` (gemport.run.trainer.HFPeftTrainer) or ``nnx`` (the user's own loop with
+gemport.step.train_step and Tunix's CheckpointManager). Each job trains a tiny Gemma 3 with LoRA (dropout
 DROPOUT[LOOP]) for STEPS optimizer steps of 2 micro-batches, checkpointing into DIR/checkpoints (every EVERY[LOOP]
 steps, asynchronously: Orbax's default), resuming from the latest checkpoint there if any. It appends to DIR/log.jsonl one line per optimizer step trained: the step, its loss
 and the micro-batches (by index in the run's data) it consumed; at the end it writes DIR/lora.npz. With
@@ -25,12 +25,14 @@ from flax import nnx
 from tunix.sft import checkpoint_manager, hooks
 from tunix.sft.peft_trainer import TrainingConfig
 
-from gemport import masks, train
+from gemport.data import optimizer_steps, pack, stack
+
+from gemport.step import train_step
 from gemport.checkpoint import load_model
 from gemport.lora import LoraSpec, apply_lora
 from gemport.optim import hf_optimizer
 from gemport.specs import GemmaSpec
-from gemport.train.peft_trainer import HFPeftTrainer, micro_batches
+from gemport.run.trainer import HFPeftTrainer, micro_batches
 
 STEPS = 5
 # The PeftTrainer loop checkpoints every step: each save is still being written while the next step runs with the
@@ -55,9 +57,9 @@ def data(vocab):
     rng = np.random.default_rng(1)
     tokens = [rng.integers(1, vocab, int(n)).astype(np.int32) for n in rng.integers(4, 13, 30)]
     loss_mask = [np.arange(len(t)) >= len(t) // 2 for t in tokens]
-    rows = masks.pack(list(zip(tokens, loss_mask)), 12)
-    return [train.stack([{k: v[m] for k, v in rows.items()} for m in s.micro_batches], accumulation=2, rows=2)
-            for s in train.optimizer_steps({**ARGS, "max_steps": None, "num_train_epochs": 2}, len(rows["tokens"]))]
+    rows = pack(list(zip(tokens, loss_mask)), 12)
+    return [stack([{k: v[m] for k, v in rows.items()} for m in s.micro_batches], accumulation=2, rows=2)
+            for s in optimizer_steps({**ARGS, "max_steps": None, "num_train_epochs": 2}, len(rows["tokens"]))]
 
 
 def log(out, record):
@@ -112,7 +114,7 @@ def nnx_loop(model, steps, out, kill_after):
     optimizer = nnx.Optimizer(model, hf_optimizer(ARGS, num_training_steps=STEPS).tx, wrt=nnx.LoRAParam)
     manager = checkpoint_manager.CheckpointManager(str(out / "checkpoints"), options("nnx"))
     start, _ = manager.maybe_restore(model, optimizer, restore_only_lora_params=True)
-    step_fn = train.train_step(wrt=nnx.LoRAParam)
+    step_fn = train_step(wrt=nnx.LoRAParam)
     for s in range(start, STEPS):  # the data position is the optimizer step: HF's order is a function of it
         metrics = step_fn(model, optimizer, steps[s])
         log(out, {"step": s + 1, "loss": float(metrics.loss), "micro_batches": [2 * s, 2 * s + 1]})

@@ -14,7 +14,7 @@ import signal
 import sys
 import time
 
-from gemport.train.outputs import HFOutputs
+from gemport.run.outputs import HFOutputs
 
 
 def signal_after(kind: str, after: int) -> None:

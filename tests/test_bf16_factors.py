@@ -6,13 +6,15 @@ import numpy as np
 import tiny
 from flax import nnx
 
-from gemport import masks, train
+from gemport.data import pad, stack
+
+from gemport.step import train_step
 from gemport.checkpoint import load_model
 from gemport.lora import LoraSpec, apply_lora
 from gemport.plan import memory_plan
 from gemport.optim import hf_optimizer
 from gemport.specs import GemmaSpec
-from gemport.train.step import segment_loss
+from gemport.step.hf import segment_loss
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -35,7 +37,7 @@ def test_a_bfloat16_base_trains_float32_factors_gradients_and_moments(real_check
     nnx.update(model, jax.tree_util.tree_map_with_path(
         lambda path, x: 0.05 * jnp.asarray(rng.standard_normal(x.shape), x.dtype) if "lora_b" in str(path) else x, state))
     rows = [(rng.integers(1, spec.vocab, tiny.SEQ).astype(np.int32), np.arange(tiny.SEQ) >= 4) for _ in range(2)]
-    batch = train.stack([masks.pad(rows, tiny.SEQ)], accumulation=1, rows=2)
+    batch = stack([pad(rows, tiny.SEQ)], accumulation=1, rows=2)
 
     # The projections compute in the base's dtype (PEFT casts the float32 adapter's sum back); the factors'
     # gradients are float32.
@@ -50,7 +52,7 @@ def test_a_bfloat16_base_trains_float32_factors_gradients_and_moments(real_check
     optimizer = nnx.Optimizer(model, hf_optimizer(args, num_training_steps=1).tx, wrt=nnx.LoRAParam)
     flat = lambda: {path: np.asarray(v.get_value()) for path, v in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))}
     before = flat()
-    metrics = train.train_step()(model, optimizer, batch)
+    metrics = train_step()(model, optimizer, batch)
     assert np.isfinite(float(metrics.loss)) and float(metrics.grad_norm) > 0
     assert dtypes(nnx.state(model, nnx.LoRAParam)) == {"float32"} and dtypes(optimizer.opt_state) == {"float32"}
     # Adam's first update, lr * sign(g) = 1e-4 on entries of A of order 0.1, is below half of bfloat16's spacing

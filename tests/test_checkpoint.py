@@ -14,11 +14,11 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from safetensors import safe_open
 from tiny import TEXT_CONFIGS, hf_logits, token_ids
 
-from gemport import names
+from gemport.specs import names
 from gemport.checkpoint import HFCheckpoint, load_hf, load_model, save_hf
 from gemport._src.params import abstract_model, path_str
 from gemport.specs import GemmaSpec
-from gemport.verify import tunix_logits
+from gemport.check.verify import tunix_logits
 
 CASES = [(name, "causal") for name in TEXT_CONFIGS] + [("gemma4_dense", "conditional"), ("gemma3_qkv", "conditional")]
 

@@ -1,4 +1,4 @@
-"""gemport.train.chunked_loss and the fast step against the full-logits path: per-target losses, both loss scopes
+"""gemport.step.chunked_loss and the fast step against the full-logits path: per-target losses, both loss scopes
 and LoRA gradients from Tunix's logits; train_step's logged loss, grad_norm and trained adapter with the fast
 step (segment attention + chunked cross-entropy, the default) against train_step(loss_fn=tunix_loss)."""
 
@@ -11,10 +11,12 @@ import tiny
 from flax import nnx
 from test_fast_attention import lora_model, rel_err, rows
 
-from gemport import train
-from gemport.masks import attention_mask
-from gemport.masks.loss import loss_scopes, nll_scopes
-from gemport.train.chunked_loss import hidden_states, slice_rows, target_nll
+from gemport.data import stack
+
+from gemport.step import segment_loss, train_step, tunix_loss
+from gemport.data import attention_mask
+from gemport.step.cross_entropy import loss_scopes, nll_scopes
+from gemport.step.chunked_loss import hidden_states, slice_rows, target_nll
 
 
 @pytest.mark.parametrize("name", ["gemma4_dense", "gemma3_1b"])
@@ -55,13 +57,13 @@ def test_fast_step_trains_as_tunix_step(hf_checkpoint):
     tokens, positions, segment_ids, loss_mask = rows(tiny.text_config("gemma4_dense").vocab_size)
     micro = [dict(tokens=tokens, loss_mask=loss_mask, segment_ids=segment_ids, positions=positions)]
     flipped = {k: v[::-1] for k, v in micro[0].items()}
-    batch = train.stack(micro + [flipped])
+    batch = stack(micro + [flipped])
     runs = {}
     lr = 1e-3
-    for loss_fn in (train.tunix_loss, train.segment_loss):
+    for loss_fn in (tunix_loss, segment_loss):
         m = nnx.clone(model)
         optimizer = nnx.Optimizer(m, optax.adamw(lr), wrt=nnx.LoRAParam)
-        step = train.train_step(loss_fn=loss_fn)
+        step = train_step(loss_fn=loss_fn)
         metrics = [jax.device_get(step(m, optimizer, batch)) for _ in range(3)]
         runs[loss_fn.__name__] = metrics, nnx.state(m, nnx.LoRAParam)
     (ref, ref_lora), (got, got_lora) = runs["tunix_loss"], runs["segment_loss"]

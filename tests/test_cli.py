@@ -82,7 +82,7 @@ def test_help_shows_the_library_defaults_it_does_not_repeat():
     import inspect
 
     from gemport.checkpoint import save_hf
-    from gemport.verify import compare_logits, compare_vllm
+    from gemport.check.verify import compare_logits, compare_vllm
 
     def default(function, name):
         return str(inspect.signature(function).parameters[name].default)
@@ -251,9 +251,9 @@ def test_continuations_are_judged_against_a_floor_or_a_chosen_atol():
     atol given on purpose."""
     import numpy as np
 
-    from gemport.engines import Served
+    from gemport.check.vllm import Served
     from gemport.errors import VerifyError
-    from gemport.verify import compare_continuations, compare_logits, compare_vllm, log_softmax
+    from gemport.check.verify import compare_continuations, compare_logits, compare_vllm, log_softmax
 
     reference = log_softmax(np.array([[[0.0, 1.0, 3.0], [2.0, 0.0, 0.0]]]))  # one prompt token, one served token
     served = Served(np.array([[2]]), [[{2: float(reference[0, 0, 2]) + 1e-6}]], "engine")

@@ -9,13 +9,13 @@ import importlib
 import pytest
 from test_masks_tokenizers import GEMMA4_CONTROL, char_tokenizer
 
-from gemport.masks.training_template import gemma4_training_template
+from gemport.data.training_template import gemma4_training_template
 
-MODULES = ["gemport.recipe", "gemport.optim.hf", "gemport.train.order", "gemport.specs.spec",
+MODULES = ["gemport.recipe", "gemport.optim.hf", "gemport.data.order", "gemport.specs.spec",
            "gemport.checkpoint.load", "gemport.lora.qwix", "gemport.plan.memory", "gemport.mesh.factory",
-           "gemport.verify", "gemport.lora.layout", "gemport.sharding.audit", "gemport.checkpoint.adapters",
-           "gemport.checkpoint.peft_io", "gemport.checkpoint.orbax", "gemport.train.peft_trainer",
-           "gemport.train.sft"]
+           "gemport.check.verify", "gemport.lora.layout", "gemport.mesh.audit", "gemport.checkpoint.adapters",
+           "gemport.checkpoint.peft_io", "gemport.checkpoint.orbax", "gemport.run.trainer",
+           "gemport.data.sft"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -22,8 +22,9 @@ from trl import DPOConfig, DPOTrainer
 from trl.chat_template_utils import gemma3_chat_template
 from trl.trainer.dpo_trainer import DataCollatorForPreference
 
-import gemport.dpo as dpo
-import gemport.masks as masks
+from gemport.data import collate, Gemma3, Gemma4, Preference, preferences
+
+from gemport.step import from_dpo_config, METRICS, PAIR_LOSSES, preference_loss, sequence_logps, without_lora
 from gemport.checkpoint import import_peft, load_model
 from gemport.errors import MaskError, RecipeError
 from gemport.lora import PROJECTIONS, LoraLayout, apply_lora
@@ -120,25 +121,25 @@ def test_tokens_equal_trl(gemma3_trainer, tokenizer, kind):
     _, trainer = gemma3_trainer
     records = RECORDS[kind]
     want = prepared(trainer, tokenizer, records)
-    got = dpo.preferences(records, tokenizer, masks.Gemma3(), max_length=None)
+    got = preferences(records, tokenizer, Gemma3(), max_length=None)
     assert len(got) == len(want) == len(records)
     for g, w in zip(got, want, strict=True):
-        for field in dpo.Preference._fields:
+        for field in Preference._fields:
             assert g._asdict()[field].tolist() == w[field], (kind, field)
     prompts = sorted(len(w["prompt_ids"]) for w in want)
     short = prompts[len(prompts) // 2]  # drops the records whose prompt has at least this many tokens
     want = prepared(trainer, tokenizer, records, max_length=short)
-    got = dpo.preferences(records, tokenizer, masks.Gemma3(), max_length=short)
+    got = preferences(records, tokenizer, Gemma3(), max_length=short)
     assert 0 < len(got) == len(want) < len(records)
     assert [g.prompt_ids.tolist() for g in got] == [w["prompt_ids"] for w in want]
-    assert len(dpo.preferences(records, tokenizer, masks.Gemma3(), max_length=short,
+    assert len(preferences(records, tokenizer, Gemma3(), max_length=short,
                                truncation_mode="keep_end")) == len(records)
 
 
 @pytest.mark.parametrize("truncation_mode", ["keep_start", "keep_end"])
 @pytest.mark.parametrize("max_length", [None, 9])
 def test_collated_batch_equals_trl(gemma3_trainer, tokenizer, max_length, truncation_mode):
-    """TRL's DataCollatorForPreference and dpo.collate lay a micro-batch out identically: input_ids, attention
+    """TRL's DataCollatorForPreference and data.collate lay a micro-batch out identically: input_ids, attention
     and completion masks, chosen rows then rejected rows, truncated per row, padded on the right."""
     _, trainer = gemma3_trainer
     records = RECORDS["conversational"]
@@ -146,8 +147,8 @@ def test_collated_batch_equals_trl(gemma3_trainer, tokenizer, max_length, trunca
     collator = DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id, max_length=max_length,
                                          truncation_mode=truncation_mode, pad_to_multiple_of=4)
     want = collator(rows)
-    pairs = dpo.preferences(records, tokenizer, masks.Gemma3(), max_length=None)
-    got = dpo.collate(pairs, max_length=max_length, truncation_mode=truncation_mode, pad_to_multiple_of=4,
+    pairs = preferences(records, tokenizer, Gemma3(), max_length=None)
+    got = collate(pairs, max_length=max_length, truncation_mode=truncation_mode, pad_to_multiple_of=4,
                       pad_id=tokenizer.pad_token_id)
     assert got["tokens"].tolist() == want["input_ids"].tolist()
     assert got["segment_ids"].tolist() == want["attention_mask"].tolist()
@@ -156,16 +157,16 @@ def test_collated_batch_equals_trl(gemma3_trainer, tokenizer, max_length, trunca
 
 def test_bad_records_and_settings_are_refused(tokenizer):
     with pytest.raises(MaskError, match=r"records\[1\].*'rejected'"):
-        dpo.preferences([RECORDS["explicit"][0], {"prompt": "a", "chosen": "b"}], tokenizer)
+        preferences([RECORDS["explicit"][0], {"prompt": "a", "chosen": "b"}], tokenizer)
     with pytest.raises(RecipeError, match="truncation_mode"):
-        dpo.preferences(RECORDS["explicit"], tokenizer, truncation_mode="keep_middle")
+        preferences(RECORDS["explicit"], tokenizer, truncation_mode="keep_middle")
     for field, value in (("loss_type", "aot"), ("loss_type", ["sigmoid", "sft"]), ("ld_alpha", 0.5),
                          ("f_divergence_type", "js_divergence"), ("use_weighting", True),
                          ("precompute_ref_log_probs", True)):
         with pytest.raises(RecipeError, match=field if field != "loss_type" else "aot|sft"):
-            dpo.from_dpo_config({field: value})
+            from_dpo_config({field: value})
     with pytest.raises(RecipeError, match="label_smoothing"):
-        dpo.from_dpo_config({"loss_type": "robust", "label_smoothing": 0.5})
+        from_dpo_config({"loss_type": "robust", "label_smoothing": 0.5})
 
 
 def trl_loss(trainer, rows, backward=True):
@@ -174,7 +175,7 @@ def trl_loss(trainer, rows, backward=True):
     trainer._metrics["train"].clear()
     trainer.model.zero_grad()
     loss = trainer.compute_loss(trainer.model, batch)
-    metrics = {k: trainer._metrics["train"][k][-1] for k in dpo.METRICS}
+    metrics = {k: trainer._metrics["train"][k][-1] for k in METRICS}
     if not backward:
         return float(loss), metrics, None
     loss.backward()
@@ -216,7 +217,7 @@ def dpo_case(request, hf_checkpoint, tokenizer, tmp_path_factory):
     spec = GemmaSpec.from_hf(path)
     lora_params = import_peft(adapter, spec=spec)
     model = apply_lora(load_model(path), spec, lora_params)
-    pairs = dpo.preferences(records, tokenizer, masks.Gemma3(), max_length=None)
+    pairs = preferences(records, tokenizer, Gemma3(), max_length=None)
     rows = prepared(trainer, tokenizer, records)
     return trainer, trainer64, mode, model, spec, lora_params, pairs, rows
 
@@ -228,19 +229,19 @@ def assert_step_equals_trl(trainer, trainer64, mode, model, spec, lora_spec, pai
     with mode:
         loss64, metrics64, grads64 = trl_loss(trainer64, rows)
     assert not mode.float32_results, mode.float32_results
-    batch = dpo.collate(pairs, max_length=None, pad_id=0)
-    config = dpo.from_dpo_config(trainer.args)
+    batch = collate(pairs, max_length=None, pad_id=0)
+    config = from_dpo_config(trainer.args)
 
-    def value(m, reference):  # dpo.dpo_loss, keeping the log-probabilities for the other loss types
-        logps, ref_logps = dpo.sequence_logps(m, batch), dpo.sequence_logps(dpo.without_lora(m, reference), batch)
-        loss, metrics = dpo.preference_loss(logps, ref_logps, batch, config)
+    def value(m, reference):  # step.dpo_loss, keeping the log-probabilities for the other loss types
+        logps, ref_logps = sequence_logps(m, batch), sequence_logps(without_lora(m, reference), batch)
+        loss, metrics = preference_loss(logps, ref_logps, batch, config)
         return loss, (metrics, logps, ref_logps)
 
     grad_fn = nnx.jit(nnx.value_and_grad(value, argnums=nnx.DiffState(0, nnx.LoRAParam), has_aux=True))
     (loss, (metrics, logps, ref_logps)), grads = grad_fn(model, reference)
     operands = reward_operands(config.beta, metrics64)
     assert abs(float(loss) - loss64) / loss64 <= tolerance(loss32, loss64, operands), (float(loss), loss32, loss64)
-    for k in dpo.METRICS:
+    for k in METRICS:
         if k == "rewards/accuracies":
             assert float(metrics[k]) == metrics64[k] == metrics32[k]
             continue
@@ -271,9 +272,9 @@ def test_loss_metrics_and_lora_gradients_equal_trl(dpo_case):
     trainer, trainer64, mode, model, spec, lora_params, pairs, rows = dpo_case
     batch, logps, reference = assert_step_equals_trl(trainer, trainer64, mode, model, spec, lora_params.lora_spec,
                                                      pairs, rows)
-    for loss_type in dpo.PAIR_LOSSES:
+    for loss_type in PAIR_LOSSES:
         smoothing = {"robust": 0.1, "exo_pair": 1e-3}.get(loss_type, 0.0)
-        config = dpo.from_dpo_config({"loss_type": loss_type, "label_smoothing": smoothing, "beta": 0.5})
+        config = from_dpo_config({"loss_type": loss_type, "label_smoothing": smoothing, "beta": 0.5})
         for t in (trainer, trainer64):
             t.loss_types, t.loss_weights, t.label_smoothing, t.beta = [loss_type], [1.0], smoothing, 0.5
         try:
@@ -283,7 +284,7 @@ def test_loss_metrics_and_lora_gradients_equal_trl(dpo_case):
         finally:
             for t in (trainer, trainer64):
                 t.loss_types, t.loss_weights, t.label_smoothing, t.beta = ["sigmoid"], [1.0], 0.0, 0.1
-        got = float(dpo.preference_loss(logps, reference, batch, config)[0])
+        got = float(preference_loss(logps, reference, batch, config)[0])
         assert abs(got - loss64) / abs(loss64) <= tolerance(loss32, loss64), (loss_type, got, loss32, loss64)
 
 
@@ -324,8 +325,8 @@ def test_reference_from_an_existing_adapter_equals_trl(dpo_case, tmp_path):
 
 
 def test_gemma4_conversational_tokens_equal_trl(tmp_path):
-    """Gemma 4 turns (TRL's shipped Gemma 4 template against masks.Gemma4), a system message and an implicit
-    prompt, tokenized by TRL's DPOTrainer data preparation (no model needed) and by dpo.preferences."""
+    """Gemma 4 turns (TRL's shipped Gemma 4 template against data.Gemma4), a system message and an implicit
+    prompt, tokenized by TRL's DPOTrainer data preparation (no model needed) and by data.preferences."""
     from test_masks_tokenizers import GEMMA4_CONTROL
     from trl.chat_template_utils import gemma4_v5_chat_template
 
@@ -345,8 +346,8 @@ def test_gemma4_conversational_tokens_equal_trl(tmp_path):
     for kind, rows in records.items():
         trainer = type("Prep", (), {"_tokenizer": tokenizer})()
         want = list(DPOTrainer._prepare_dataset(trainer, Dataset.from_list(rows), tokenizer, args, "train"))
-        got = dpo.preferences(rows, tokenizer, masks.Gemma4(), max_length=None)
+        got = preferences(rows, tokenizer, Gemma4(), max_length=None)
         assert len(got) == len(want) == len(rows)
         for g, w in zip(got, want, strict=True):
-            for field in dpo.Preference._fields:
+            for field in Preference._fields:
                 assert g._asdict()[field].tolist() == w[field], (kind, field)

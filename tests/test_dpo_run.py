@@ -322,8 +322,8 @@ def test_gemport_parity_compares_a_dpo_recipe_in_bfloat16(workdir, tmp_path, mon
 def test_the_dpo_verdict_names_a_metric_beyond_its_floor():
     """Each DPO metric is held to 10x its step's floor; rewards/accuracies (a share of pairs) to TRL's own two runs'
     absolute difference: equal when they agree."""
-    from gemport.dpo.parity import FLOORS, DPOTrajectory, MetricRow
-    from gemport.parity import LEAST_FLOOR, StepRow
+    from gemport.check.dpo_parity import FLOORS, DPOTrajectory, MetricRow
+    from gemport.check.parity import LEAST_FLOOR, StepRow
 
     rows = (StepRow(0, 1e-3, 1e-3, 0.69, 0.69, 2.0, 2.0, LEAST_FLOOR, LEAST_FLOOR),)
     metrics = (MetricRow(0, "rewards/margins", 0.5, 0.5 * (1 + 1e-4), 1e-6),
@@ -355,7 +355,7 @@ def test_dpo_parity_refuses_before_either_side_trains(workdir, tmp_path, monkeyp
 
     import trl
 
-    from gemport.train.run import SFTRun
+    from gemport.run.sft import SFTRun
 
     monkeypatch.setattr(trl.DPOTrainer, "train", lambda self: pytest.fail("the GPU side trained"))
     monkeypatch.setattr(SFTRun, "train", lambda self: pytest.fail("the port trained"))

@@ -26,7 +26,7 @@ from gemport.checkpoint import (
 from gemport.checkpoint.safetensors import SafetensorsFile, TensorSource, write_file
 from gemport.lora import PROJECTIONS, LoraLayout, LoraSpec, apply_lora
 from gemport.specs import GemmaSpec
-from gemport.verify import tunix_logits
+from gemport.check.verify import tunix_logits
 
 
 def randomize_lora(model, seed=1):
@@ -195,7 +195,7 @@ def test_exports_of_a_real_scale_checkpoint_agree_within_the_floor(real_checkpoi
     """Logits at Gemma 4's cap of 30 (`tiny.real_magnitudes`), where the miniatures' fixed 1e-4 above says nothing:
     both exports of a random LoRA on every projection, judged as `gemport verify` judges them, against transformers'
     eager vs sdpa floor measured on the same tokens."""
-    from gemport.verify import compare_logits
+    from gemport.check.verify import compare_logits
 
     _, base = real_checkpoint("gemma4_dense")
     spec, lora_spec = GemmaSpec.from_hf(base), LoraSpec(rank=4, alpha=8.0)

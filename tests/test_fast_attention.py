@@ -1,4 +1,4 @@
-"""gemport.train.attention against Tunix's own einsum attention: logits and LoRA gradients of tiny Gemma 4 (k_eq_v)
+"""gemport.step.attention against Tunix's own einsum attention: logits and LoRA gradients of tiny Gemma 4 (k_eq_v)
 and Gemma 3 models on packed rows, a sliding window reaching across example boundaries, padding and an empty row;
 the blockwise kernel against a dense softmax over several tile sizes; the refusal of segment-blind attention."""
 
@@ -14,11 +14,11 @@ from flax import nnx
 
 from gemport.checkpoint import load_model
 from gemport.lora import LoraSpec, apply_lora
-from gemport.masks import attention_mask
+from gemport.data import attention_mask
 from gemport.specs import GemmaSpec
-from gemport.train import attention
+from gemport.step import attention
 from gemport.errors import BatchError
-from gemport.train.attention import (check_segments, segment_attention,
+from gemport.step.attention import (check_segments, segment_attention,
                                      segment_attention_model, segment_blind)
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -107,7 +107,7 @@ def test_logits_and_lora_grads_match_tunix(hf_checkpoint, real_checkpoint, name,
 
 
 def dense_reference(q, k, v, segment_ids, window):
-    # The mask of masks.attention_mask and Tunix's sliding band, as one dense softmax.
+    # The mask of data.attention_mask and Tunix's sliding band, as one dense softmax.
     b, t, n, h = q.shape
     kv_heads = k.shape[2]
     qg = q.reshape(b, t, kv_heads, n // kv_heads, h)

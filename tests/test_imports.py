@@ -1,6 +1,6 @@
-"""Imports point down: no two of gemport's packages (or top-level modules) import each other, directly or around
-a circle, counting imports inside functions (a lazy import is still a dependency); imports for type checkers only
-(``if TYPE_CHECKING:``) are not dependencies."""
+"""Imports point down the stages: each of gemport's stage packages imports only the stages before it, counting
+imports inside functions (a lazy import is still a dependency); imports for type checkers only (``if
+TYPE_CHECKING:``) are not dependencies."""
 
 import ast
 from pathlib import Path
@@ -11,7 +11,7 @@ ROOT = Path(gemport.__file__).parent
 
 
 def _unit(module: str) -> str:
-    # gemport.train.run -> gemport.train; gemport.cli -> gemport.cli
+    # gemport.run.sft -> gemport.run; gemport.cli.main -> gemport.cli
     return ".".join(module.split(".")[:2])
 
 
@@ -64,11 +64,33 @@ def _cycle(edges):
     return None
 
 
-def test_no_import_circle_between_packages():
+STAGES = ("errors", "_src", "specs", "lora", "recipe", "checkpoint", "mesh", "data", "optim", "step", "run", "plan",
+          "check", "cli")
+"""gemport's units in the order a port flows through them (``gemport._SUBMODULES``' order, after the shared errors
+and internals): each may import only those before it."""
+
+
+def test_every_unit_is_a_stage_in_the_order_of_the_pipeline():
+    units = {p.stem if p.is_file() else p.name for p in ROOT.iterdir()
+             if (p.suffix == ".py" or (p / "__init__.py").is_file())}
+    assert units - {"__init__", "__main__"} == set(STAGES)
+    assert gemport._SUBMODULES == STAGES[2:]
+
+
+def test_imports_point_down_the_stages():
     edges = _graph()
-    assert "gemport.train" in edges and "gemport.plan" in edges
-    assert "gemport.train" in edges["gemport.plan"]  # planning sits above training
+    rank = {f"gemport.{s}": i for i, s in enumerate(STAGES)}
+    upward = sorted(f"{a} -> {b}" for a, targets in edges.items() if a in rank for b in targets if rank[b] >= rank[a])
+    assert upward == []
+    assert "gemport.run" in edges["gemport.plan"]  # planning sits above training
     assert _cycle(edges) is None, " -> ".join(_cycle(edges))
+
+
+def test_an_upward_import_is_found():
+    edges = {"gemport.data": {"gemport.run"}}
+    rank = {f"gemport.{s}": i for i, s in enumerate(STAGES)}
+    assert [f"{a} -> {b}" for a, targets in edges.items() for b in targets if rank[b] >= rank[a]] == [
+        "gemport.data -> gemport.run"]
 
 
 def test_a_circle_is_found():
@@ -138,7 +160,7 @@ def test_the_privacy_rules_find_what_they_forbid():
     found = _privacy({
         UPSTREAM: "from qwix._src.core import qarray\ntrainer._pbar.close()\n",
         "gemport/lora/x.py": "from qwix._src.providers import ptq\nimport tunix._private\n",
-        "gemport/train/y.py": "from gemport.masks.formats import _tools\nfrom gemport.train.z import _ok\n"
+        "gemport/train/y.py": "from gemport.data.formats import _tools\nfrom gemport.train.z import _ok\n"
                               "trainer._mode\nself._own = 1\nself._own\nrow._replace(a=1)\n",
     })
     assert [f.split(":")[0] + ":" + f.split(":")[1] for f in found] == [
@@ -149,7 +171,7 @@ def test_subclasses_of_upstream_classes_override_no_upstream_private():
     """gemport's Tunix trainer and Qwix provider override public hooks of ``gemport._src.upstream``'s bases, never
     a private method of Tunix's or Qwix's classes."""
     from gemport.lora.qwix import Provider
-    from gemport.train.peft_trainer import HFPeftTrainer
+    from gemport.run.trainer import HFPeftTrainer
 
     for cls, upstream_base in ((HFPeftTrainer, HFPeftTrainer.__mro__[2]), (Provider, Provider.__mro__[2])):
         assert upstream_base.__module__.split(".")[0] in ("tunix", "qwix"), cls.__mro__

@@ -19,7 +19,9 @@ import pytest
 import torch
 from flax import nnx
 
-from gemport import masks, train
+from gemport.data import pack
+
+from gemport.step import tunix_loss
 from gemport.checkpoint import import_peft, load_model
 from gemport.lora import PROJECTIONS, LoraLayout, LoraParams, LoraSpec, apply_lora, dropout_key, lora_dropout
 from gemport.specs import GemmaSpec
@@ -32,7 +34,7 @@ NAME = "gemma3_1b"  # q_einsum, o, MLP through Qwix's own LoRA; k_proj and v_pro
 def micro_batch(vocab):
     rng = np.random.default_rng(0)
     tokens = [rng.integers(1, vocab, int(n)).astype(np.int32) for n in (9, 7, 11, 5)]
-    rows = masks.pack([(t, np.arange(len(t)) >= 2) for t in tokens], 16)
+    rows = pack([(t, np.arange(len(t)) >= 2) for t in tokens], 16)
     return {k: v[:2] for k, v in rows.items()}
 
 
@@ -66,9 +68,9 @@ def recorded_dropouts(model, mb, key, monkeypatch):
 @nnx.jit
 def forward(model, mb, key):
     if key is None:
-        return train.tunix_loss(model, mb)
+        return tunix_loss(model, mb)
     with lora_dropout(model, key):
-        return train.tunix_loss(model, mb)
+        return tunix_loss(model, mb)
 
 
 def test_masks_follow_peft_rule(model, monkeypatch):

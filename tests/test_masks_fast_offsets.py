@@ -13,8 +13,8 @@ from hypothesis import given, settings, strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import GemmaTokenizer, PreTrainedTokenizerFast
 
-import gemport.masks as masks
-from gemport.masks.tokenize import piece_lengths, tokenize_batch
+from gemport.data import build, encode, Gemma3, MaskPolicy, Truncation
+from gemport.data.tokenize import piece_lengths, tokenize_batch
 from test_masks_tokenizers import GEMMA3_CONTROL, bpe_tokenizer
 
 PIECES = ["Sure", "use", "model", "a", " ", "\n", "é", "ö", "日本", "😀", "▁", "<unk>", "<0x41>", "x y",
@@ -171,12 +171,12 @@ CHATS = [
 @pytest.mark.parametrize("name", ["gemma", "bpe", "byte_level"])
 def test_build_equals_encode_with_the_tokenizers_offsets(eligible, name):
     tokenizer = eligible[name]
-    policy = masks.MaskPolicy("all")
-    examples, report = masks.build(CHATS, tokenizer, masks.Gemma3(), policy, masks.Truncation(4096), batch_size=2)
+    policy = MaskPolicy("all")
+    examples, report = build(CHATS, tokenizer, Gemma3(), policy, Truncation(4096), batch_size=2)
     assert report.kept == len(CHATS)
     for example, chat in zip(examples, CHATS, strict=True):
-        segments = masks.Gemma3().render(chat)
-        expected = masks.encode(segments, policy.select(segments), tokenizer)
+        segments = Gemma3().render(chat)
+        expected = encode(segments, policy.select(segments), tokenizer)
         assert all(a.tolist() == b.tolist() for a, b in zip(example, expected, strict=True))
 
 
@@ -184,7 +184,7 @@ def test_gemma_like_non_ascii_masks_equal_trl_template_path(eligible):
     from trl.chat_template_utils import gemma3_training_chat_template
 
     tokenizer = eligible["gemma"]
-    examples, _ = masks.build(CHATS, tokenizer, masks.Gemma3(), masks.MaskPolicy(), masks.Truncation(4096))
+    examples, _ = build(CHATS, tokenizer, Gemma3(), MaskPolicy(), Truncation(4096))
     for example, chat in zip(examples, CHATS, strict=True):
         theirs = tokenizer.apply_chat_template(
             chat, chat_template=gemma3_training_chat_template, tokenize=True, return_dict=True,
@@ -202,13 +202,13 @@ def test_truncation_left_on_the_tokenizer_by_an_earlier_call_is_ignored(eligible
     (nor lose the table: spans still come from ids)."""
     tokenizer = eligible["gemma"]
     table = piece_lengths(tokenizer)
-    policy, truncation = masks.MaskPolicy("all"), masks.Truncation(4096)
-    before, _ = masks.build(CHATS, tokenizer, masks.Gemma3(), policy, truncation)
+    policy, truncation = MaskPolicy("all"), Truncation(4096)
+    before, _ = build(CHATS, tokenizer, Gemma3(), policy, truncation)
     tokenizer("a long enough text to cut", truncation=True, max_length=4, padding="max_length")
     assert tokenizer.backend_tokenizer.truncation and tokenizer.backend_tokenizer.padding
     try:
         assert piece_lengths(tokenizer).tolist() == table.tolist()
-        after, report = masks.build(CHATS, tokenizer, masks.Gemma3(), policy, truncation)
+        after, report = build(CHATS, tokenizer, Gemma3(), policy, truncation)
         assert report.kept == len(CHATS)
         for a, b in zip(after, before, strict=True):
             assert all(x.tolist() == y.tolist() for x, y in zip(a, b, strict=True))

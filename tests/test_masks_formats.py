@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from tokenizers.processors import TemplateProcessing
 
-import gemport.masks as masks
+from gemport.data import Gemma3, Gemma4, MaskPolicy, Truncation
 from gemport.errors import MaskError
-from gemport.masks import dataset, formats, template
+from gemport.data import dataset, formats, template
 from test_masks_tokenizers import GEMMA3_CONTROL, GEMMA4_CONTROL, bpe_tokenizer
 
 pytest.importorskip("trl")
@@ -93,7 +93,7 @@ def assert_same(examples, rows):
 
 def ours(records, tok, chat_format, **options):
     options = {"check": "raise", **options}
-    examples, report = dataset.examples(records, tok, chat_format, masks.Truncation(1024), progress=False, **options)
+    examples, report = dataset.examples(records, tok, chat_format, Truncation(1024), progress=False, **options)
     assert report.kept == len(records)
     return examples
 
@@ -101,13 +101,13 @@ def ours(records, tok, chat_format, **options):
 def test_gemma3_content_parts_equal_trl_assistant_only_loss(sft):
     tok = tokenizer(GEMMA3_CONTROL, gemma3_chat_template)
     rows = sft(tok, PARTS, assistant_only_loss=True)
-    assert_same(ours(PARTS, tok, masks.Gemma3(), policy=masks.MaskPolicy("assistant")), rows)
+    assert_same(ours(PARTS, tok, Gemma3(), policy=MaskPolicy("assistant")), rows)
 
 
 @pytest.mark.parametrize("records", [PROMPT_COMPLETION, STANDARD, TEXT], ids=["conversational", "standard", "text"])
 def test_gemma3_prompt_completion_and_text_equal_trl(sft, records):
     tok = tokenizer(GEMMA3_CONTROL, gemma3_chat_template)
-    examples = ours(records, tok, masks.Gemma3())
+    examples = ours(records, tok, Gemma3())
     assert_same(examples, sft(tok, records))
     if records is not TEXT:  # the completion is trained, not the prompt (the second record merges across)
         assert examples[0].loss_mask.sum() < len(examples[0].tokens) - 1
@@ -116,7 +116,7 @@ def test_gemma3_prompt_completion_and_text_equal_trl(sft, records):
 def test_gemma3_conversational_prompt_completion_with_assistant_only_loss(sft):
     tok = tokenizer(GEMMA3_CONTROL, gemma3_chat_template)
     rows = sft(tok, PROMPT_COMPLETION, assistant_only_loss=True)
-    assert_same(ours(PROMPT_COMPLETION, tok, masks.Gemma3(), policy=masks.MaskPolicy("assistant")), rows)
+    assert_same(ours(PROMPT_COMPLETION, tok, Gemma3(), policy=MaskPolicy("assistant")), rows)
 
 
 @pytest.mark.parametrize("records", [GEMMA4_CHATS, PARTS], ids=["tools, developer, None", "content parts"])
@@ -129,10 +129,10 @@ def test_gemma4_conversations_equal_trl(sft, records):
 
 
 def test_gemma4_assistant_only_loss_with_the_training_template_equals_trl(sft):
-    from gemport.masks.training_template import gemma4_training_template
+    from gemport.data.training_template import gemma4_training_template
 
     tok = tokenizer(GEMMA4_CONTROL, gemma4_training_template())
-    examples = ours(GEMMA4_CHATS, tok, template.chat_format(tok), policy=masks.MaskPolicy("assistant"))
+    examples = ours(GEMMA4_CHATS, tok, template.chat_format(tok), policy=MaskPolicy("assistant"))
     assert_same(examples, sft(tok, GEMMA4_CHATS, assistant_only_loss=True))
 
 
@@ -154,12 +154,12 @@ def test_per_record_enable_thinking_equals_trl(sft):
     tok = tokenizer(GEMMA4_CONTROL, gemma4_v5_chat_template)
     chat = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", "reasoning": "add"}]
     records = [{"messages": chat, "chat_template_kwargs": {"enable_thinking": flag}} for flag in (True, False)]
-    examples = ours(records, tok, masks.Gemma4(), policy=masks.MaskPolicy("assistant"))
+    examples = ours(records, tok, Gemma4(), policy=MaskPolicy("assistant"))
     rows = sft(tok, records)
     assert [e.tokens.tolist() for e in examples] == [ids for ids, _ in rows]
     assert "<|think|>" in "".join(tok.convert_ids_to_tokens(examples[0].tokens.tolist()))
     with pytest.raises(MaskError, match="chat_template_kwargs"):
-        ours([{"messages": chat, "chat_template_kwargs": {"reasoning_effort": "high"}}], tok, masks.Gemma4())
+        ours([{"messages": chat, "chat_template_kwargs": {"reasoning_effort": "high"}}], tok, Gemma4())
 
 
 @pytest.mark.parametrize("thinking, enable_thinking, expected", [
@@ -169,7 +169,7 @@ def test_per_record_enable_thinking_equals_trl(sft):
 def test_enable_thinking_of_a_record_sets_gemma4_thinking(thinking, enable_thinking, expected):
     # Thinking off keeps the empty thought block a 26B/31B rendering asked for, as the template variables do.
     record = {"messages": [], "chat_template_kwargs": {"enable_thinking": enable_thinking}}
-    assert formats.for_record(masks.Gemma4(thinking=thinking, revision=3), record) == masks.Gemma4(
+    assert formats.for_record(Gemma4(thinking=thinking, revision=3), record) == Gemma4(
         thinking=expected, revision=3)
 
 
@@ -191,7 +191,7 @@ def test_every_source_gives_the_same_examples(tmp_path):
 
     sources = [records, jsonl, str(tmp_path / "chats.parquet"), Dataset.from_list(records),
                grain.MapDataset.source(records), DataSource()]
-    results = [dataset.examples(s, tok, masks.Gemma4(), masks.Truncation(500), progress=False) for s in sources]
+    results = [dataset.examples(s, tok, Gemma4(), Truncation(500), progress=False) for s in sources]
     for examples, report in results:
         assert report.which == {"dropped_too_long": ["long"]} and report.kept == 2
         assert [e.tokens.tolist() for e in examples] == [e.tokens.tolist() for e in results[0][0]]
@@ -200,13 +200,13 @@ def test_every_source_gives_the_same_examples(tmp_path):
 
 def test_grain_transform_reads_every_format():
     grain = pytest.importorskip("grain")
-    from gemport.masks.grain import MaskTransform
+    from gemport.data.grain import MaskTransform
 
     tok = tokenizer(GEMMA3_CONTROL, gemma3_chat_template)
     records = PROMPT_COMPLETION + STANDARD + TEXT
-    transform = MaskTransform(tok, masks.Gemma3(), None, masks.Truncation(1024))
+    transform = MaskTransform(tok, Gemma3(), None, Truncation(1024))
     rows = list(grain.MapDataset.source(records).map_with_index(transform))
-    expected, report = dataset.examples(records, tok, masks.Gemma3(), masks.Truncation(1024), progress=False)
+    expected, report = dataset.examples(records, tok, Gemma3(), Truncation(1024), progress=False)
     assert transform.report == report
     for row, example in zip(rows, expected, strict=True):
         assert np.array_equal(row["tokens"], example.tokens) and np.array_equal(row["loss_mask"], example.loss_mask)
@@ -214,7 +214,7 @@ def test_grain_transform_reads_every_format():
 
 def test_plain_text_is_trimmed_anywhere():
     tok = tokenizer(GEMMA3_CONTROL, gemma3_chat_template)
-    [example], report = dataset.examples(TEXT[:1], tok, masks.Gemma3(), masks.Truncation(5, "trim"), progress=False)
+    [example], report = dataset.examples(TEXT[:1], tok, Gemma3(), Truncation(5, "trim"), progress=False)
     assert len(example.tokens) == 5 and report.which == {"trimmed": [0]}
 
 
@@ -229,7 +229,7 @@ def test_plain_text_is_trimmed_anywhere():
 def test_bad_records_raise_mask_error(record, match):
     tok = tokenizer(GEMMA4_CONTROL, gemma4_v5_chat_template)
     with pytest.raises(MaskError, match=match):
-        dataset.examples([record], tok, masks.Gemma4(), masks.Truncation(64), progress=False, check=None)
+        dataset.examples([record], tok, Gemma4(), Truncation(64), progress=False, check=None)
 
 
 def test_bad_files_are_named(tmp_path):

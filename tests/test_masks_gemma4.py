@@ -3,7 +3,7 @@
 import pytest
 from transformers.utils.chat_template_utils import render_jinja_template
 
-import gemport.masks as masks
+from gemport.data import encode, Gemma4, MaskPolicy, PARTS, ROLES
 from gemport.errors import MaskError
 from test_masks_tokenizers import GEMMA4_CONTROL, bpe_tokenizer, char_tokenizer, trained_spans
 
@@ -23,10 +23,10 @@ CHAT = [
 CALL = "<|tool_call>call:add{a:2,b:2}<tool_call|><|tool_response>"
 
 
-def spans(messages, policy=masks.MaskPolicy(), tokenizer=None, **options):
+def spans(messages, policy=MaskPolicy(), tokenizer=None, **options):
     tokenizer = tokenizer or char_tokenizer(GEMMA4_CONTROL)
-    segments = masks.Gemma4(**options).render(messages)
-    return trained_spans(masks.encode(segments, policy.select(segments), tokenizer), tokenizer)
+    segments = Gemma4(**options).render(messages)
+    return trained_spans(encode(segments, policy.select(segments), tokenizer), tokenizer)
 
 
 def test_assistant_turns_train_content_calls_and_turn_end_only():
@@ -34,7 +34,7 @@ def test_assistant_turns_train_content_calls_and_turn_end_only():
 
 
 def test_reasoning_is_trainable_by_option():
-    assert spans(CHAT, masks.MaskPolicy(reasoning=True), thinking="on") == [
+    assert spans(CHAT, MaskPolicy(reasoning=True), thinking="on") == [
         "Hello!<turn|>\n",
         "<|channel>thought\nneed the tool\n<channel|>" + CALL,
         "<|channel>thought\nthe tool said 4\n<channel|>It is 4.<turn|>\n",
@@ -42,27 +42,27 @@ def test_reasoning_is_trainable_by_option():
 
 
 def test_keep_reasoning_renders_earlier_traces():
-    policy = masks.MaskPolicy(reasoning=True)
+    policy = MaskPolicy(reasoning=True)
     assert spans(CHAT, policy, thinking="on", keep_reasoning=True)[0] == "<|channel>thought\ngreet them\n<channel|>Hello!<turn|>\n"
     assert spans(CHAT, policy, thinking="on")[0] == "Hello!<turn|>\n"
 
 
 def test_all_turns_trains_users_but_never_system_or_tool():
-    assert spans(CHAT, masks.MaskPolicy("all"), thinking="on") == [
+    assert spans(CHAT, MaskPolicy("all"), thinking="on") == [
         "Hi<turn|>\n", "Hello!<turn|>\n", "Add 2 and 2<turn|>\n", CALL, "It is 4.<turn|>\n",
     ]
 
 
 def test_last_assistant_trains_the_whole_final_model_turn():
-    assert spans(CHAT, masks.MaskPolicy("last_assistant"), thinking="on") == [CALL, "It is 4.<turn|>\n"]
+    assert spans(CHAT, MaskPolicy("last_assistant"), thinking="on") == [CALL, "It is 4.<turn|>\n"]
 
 
 def test_no_header_system_tool_or_reasoning_token_is_trained():
     tokenizer = char_tokenizer(GEMMA4_CONTROL)
-    segments = masks.Gemma4(thinking="on").render(CHAT)
-    example = masks.encode(segments, masks.MaskPolicy().select(segments), tokenizer)
-    roles = [masks.ROLES[i] for i in example.role_ids[example.loss_mask]]
-    parts = [masks.PARTS[i] for i in example.part_ids[example.loss_mask]]
+    segments = Gemma4(thinking="on").render(CHAT)
+    example = encode(segments, MaskPolicy().select(segments), tokenizer)
+    roles = [ROLES[i] for i in example.role_ids[example.loss_mask]]
+    parts = [PARTS[i] for i in example.part_ids[example.loss_mask]]
     assert set(roles) == {"assistant"} and set(parts) == {"content", "tool_call", "end"}
     untrained = "".join(tokenizer.convert_ids_to_tokens(example.tokens[~example.loss_mask].tolist()))
     assert untrained.startswith("<bos><|turn>system\n<|think|>\nYou are terse.<turn|>\n<|turn>user\nHi<turn|>\n<|turn>model\n")
@@ -72,8 +72,8 @@ def test_no_header_system_tool_or_reasoning_token_is_trained():
 
 def test_turn_end_is_trained_after_every_trained_turn():
     tokenizer = char_tokenizer(GEMMA4_CONTROL)
-    segments = masks.Gemma4().render(CHAT)
-    example = masks.encode(segments, masks.MaskPolicy().select(segments), tokenizer)
+    segments = Gemma4().render(CHAT)
+    example = encode(segments, MaskPolicy().select(segments), tokenizer)
     turn_end = tokenizer.convert_tokens_to_ids("<turn|>")
     for turn in set(example.turn_ids[example.loss_mask].tolist()):
         in_turn = example.turn_ids == turn
@@ -89,11 +89,11 @@ def test_header_merge_trains_the_fused_token():
 
 def test_empty_reasoning_is_never_rendered_and_empty_thought_is_context():
     chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo", "reasoning": " \n"}]
-    text = "".join(s.text for s in masks.Gemma4().render(chat))
+    text = "".join(s.text for s in Gemma4().render(chat))
     assert text == "<bos><|turn>user\nHi<turn|>\n<|turn>model\nYo<turn|>\n"
-    segments = masks.Gemma4(thinking="empty_thought").render(chat)
+    segments = Gemma4(thinking="empty_thought").render(chat)
     assert "".join(s.text for s in segments).endswith("<|turn>model\n<|channel>thought\n<channel|>Yo<turn|>\n")
-    assert spans(chat, masks.MaskPolicy(reasoning=True), thinking="empty_thought") == ["Yo<turn|>\n"]
+    assert spans(chat, MaskPolicy(reasoning=True), thinking="empty_thought") == ["Yo<turn|>\n"]
 
 
 def test_tool_call_without_response_ends_on_tool_response_token():
@@ -126,7 +126,7 @@ def test_rendering_matches_trls_shipped_gemma4_template(chat, thinking):
     expected, _ = render_jinja_template(
         conversations=[chat], chat_template=gemma4_v5_chat_template, bos_token="<bos>", enable_thinking=thinking == "on"
     )
-    assert "".join(s.text for s in masks.Gemma4(thinking=thinking).render(chat)) == expected[0]
+    assert "".join(s.text for s in Gemma4(thinking=thinking).render(chat)) == expected[0]
 
 
 @pytest.mark.parametrize(
@@ -143,12 +143,12 @@ def test_rendering_matches_trls_shipped_gemma4_template(chat, thinking):
 )
 def test_bad_conversations_raise_mask_error(chat, match):
     with pytest.raises(MaskError, match=match):
-        masks.Gemma4().render(chat)
+        Gemma4().render(chat)
 
 
 def test_render_does_not_modify_its_input():
     import copy
 
     before = copy.deepcopy(CHAT)
-    masks.Gemma4(thinking="on", keep_reasoning=True).render(CHAT)
+    Gemma4(thinking="on", keep_reasoning=True).render(CHAT)
     assert CHAT == before

@@ -5,11 +5,11 @@ from collections import Counter
 import numpy as np
 import pytest
 
-import gemport.masks as masks
+from gemport.data import build, Gemma4, MaskPolicy, Truncation, tunix_inputs
 from test_masks_tokenizers import GEMMA4_CONTROL, char_tokenizer
 
 grain = pytest.importorskip("grain")
-from gemport.masks.grain import MaskTransform, from_grain, has_target  # noqa: E402
+from gemport.data.grain import MaskTransform, from_grain, has_target  # noqa: E402
 
 TOKENIZER = char_tokenizer(GEMMA4_CONTROL)
 WORDS = ["Hi", "Sure", "It is 4.", "x", "a longer answer"]  # 18 + user + answer tokens <= 63
@@ -22,8 +22,8 @@ SEQ_LEN = 64
 
 @pytest.mark.parametrize("packer", ["FirstFitPackIterDataset", "BestFitPackIterDataset"])
 def test_grain_packers_keep_masks_and_boundaries(packer):
-    policy, truncation = masks.MaskPolicy(), masks.Truncation(SEQ_LEN)
-    transform = MaskTransform(TOKENIZER, masks.Gemma4(), policy, truncation)
+    policy, truncation = MaskPolicy(), Truncation(SEQ_LEN)
+    transform = MaskTransform(TOKENIZER, Gemma4(), policy, truncation)
     dataset = (
         grain.MapDataset.source([{"messages": c} for c in CHATS])
         .map_with_index(transform)
@@ -34,7 +34,7 @@ def test_grain_packers_keep_masks_and_boundaries(packer):
         dataset, length_struct={"tokens": SEQ_LEN, "loss_mask": SEQ_LEN}, num_packing_bins=3, shuffle_bins=False
     )
     rows = [from_grain(row) for row in packed]
-    expected, report = masks.build(CHATS, TOKENIZER, masks.Gemma4(), policy, truncation)
+    expected, report = build(CHATS, TOKENIZER, Gemma4(), policy, truncation)
     assert transform.report == report
     assert (report.kept, report.dropped_no_target, report.dropped_too_long) == (12, 1, 1)
     assert report.which == {"dropped_no_target": [12], "dropped_too_long": [13]}
@@ -53,11 +53,11 @@ def test_grain_packers_keep_masks_and_boundaries(packer):
 
 
 def test_dropped_example_maps_to_an_empty_record():
-    transform = MaskTransform(TOKENIZER, masks.Gemma4(), masks.MaskPolicy(), masks.Truncation(SEQ_LEN))
+    transform = MaskTransform(TOKENIZER, Gemma4(), MaskPolicy(), Truncation(SEQ_LEN))
     record = transform.map({"messages": CHATS[-2], "id": "q7"})
     assert record["tokens"].shape == (0,) and not has_target(record)
     assert transform.report.dropped_no_target == 1 and transform.report.which == {"dropped_no_target": ["q7"]}
-    assert np.array_equal(masks.tunix_inputs(**from_grain({
+    assert np.array_equal(tunix_inputs(**from_grain({
         "tokens": np.ones((1, 4)), "loss_mask": np.zeros((1, 4), bool),
         "tokens_segment_ids": np.ones((1, 4)), "tokens_positions": np.arange(4)[None],
     }))["positions"], np.arange(4)[None])

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-import gemport.masks as masks
+from gemport.data import check_tokenizer, encode, Gemma3, Gemma4, MaskPolicy, Thinking, token_offsets
 from gemport.errors import MaskError
 from test_masks_tokenizers import GEMMA3_CONTROL, GEMMA4_CONTROL, bpe_tokenizer, char_tokenizer
 
@@ -25,8 +25,8 @@ def chats(draw):
     return chat
 
 
-POLICIES = st.builds(masks.MaskPolicy, st.sampled_from(["assistant", "all", "last_assistant"]), st.booleans())
-GEMMA4 = st.builds(masks.Gemma4, st.sampled_from(typing.get_args(masks.Thinking)), st.booleans())
+POLICIES = st.builds(MaskPolicy, st.sampled_from(["assistant", "all", "last_assistant"]), st.booleans())
+GEMMA4 = st.builds(Gemma4, st.sampled_from(typing.get_args(Thinking)), st.booleans())
 
 
 def char_mask(segments, trained):
@@ -36,7 +36,7 @@ def char_mask(segments, trained):
 
 def reference(example, tokenizer, text, chars):
     """A token is a target when one of its characters is; a zero-width one when the next character is."""
-    _, starts, ends = masks.token_offsets(tokenizer, text)
+    _, starts, ends = token_offsets(tokenizer, text)
     expected = [chars[s:e].any() if e > s else chars[min(s, len(text) - 1)] for s, e in zip(starts, ends)]
     expected[0] = False
     return expected
@@ -45,8 +45,8 @@ def reference(example, tokenizer, text, chars):
 def test_char_tokenizer_mask_is_the_segment_mask():
     tokenizer = char_tokenizer(GEMMA4_CONTROL)
     chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
-    segments = masks.Gemma4().render(chat)
-    example = masks.encode(segments, masks.MaskPolicy().select(segments), tokenizer)
+    segments = Gemma4().render(chat)
+    example = encode(segments, MaskPolicy().select(segments), tokenizer)
     pieces = tokenizer.convert_ids_to_tokens(example.tokens.tolist())
     assert [p for p, m in zip(pieces, example.loss_mask) if m] == ["Y", "o", "<turn|>", "\n"]
 
@@ -59,10 +59,10 @@ def test_bpe_masks_equal_the_character_reference(chat, policy, chat_format):
     text = "".join(s.text for s in segments)
     chars = char_mask(segments, trained)
     tokenizer = bpe_tokenizer(GEMMA4_CONTROL)
-    example = masks.encode(segments, trained, tokenizer)
+    example = encode(segments, trained, tokenizer)
     assert example.loss_mask.tolist() == reference(example, tokenizer, text, chars)
     # Merges only ever widen a trained span to whole tokens: every trained character is covered.
-    _, starts, ends = masks.token_offsets(tokenizer, text)
+    _, starts, ends = token_offsets(tokenizer, text)
     covered = np.zeros(len(text), bool)
     for s, e, m in zip(starts, ends, example.loss_mask):
         covered[s:e] |= m
@@ -87,24 +87,24 @@ def sentencepiece_tokenizer():
 @given(chat=chats(), policy=POLICIES)
 def test_sentencepiece_masks_equal_the_character_reference(sentencepiece_tokenizer, chat, policy):
     chat = [{k: v for k, v in m.items() if k != "reasoning"} for m in chat]
-    segments = masks.Gemma3().render(chat)
+    segments = Gemma3().render(chat)
     trained = policy.select(segments)
     text = "".join(s.text for s in segments)
-    example = masks.encode(segments, trained, sentencepiece_tokenizer)
+    example = encode(segments, trained, sentencepiece_tokenizer)
     assert example.tokens.tolist() == sentencepiece_tokenizer.encode(text)
     expected = reference(example, sentencepiece_tokenizer, text, char_mask(segments, trained))
     assert example.loss_mask.tolist() == expected
 
 
 def test_sentencepiece_byte_pieces_of_a_trained_character_are_trained(sentencepiece_tokenizer):
-    masks.check_tokenizer(sentencepiece_tokenizer, masks.Gemma3())
+    check_tokenizer(sentencepiece_tokenizer, Gemma3())
     chat = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "ö"}]
-    segments = masks.Gemma3().render(chat)
-    example = masks.encode(segments, masks.MaskPolicy().select(segments), sentencepiece_tokenizer)
+    segments = Gemma3().render(chat)
+    example = encode(segments, MaskPolicy().select(segments), sentencepiece_tokenizer)
     pieces = [sentencepiece_tokenizer.id_to_piece(int(i)) for i in example.tokens[example.loss_mask]]
     assert pieces == ["<0xC3>", "<0xB6>", "<end_of_turn>", "\n"]
 
 
 def test_tokenizer_without_offsets_raises():
     with pytest.raises(MaskError, match="offsets"):
-        masks.token_offsets(object(), "x")
+        token_offsets(object(), "x")

@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-import gemport.masks as masks
+from gemport.data import attention_mask, pack, tunix_inputs
+
+from gemport.step import masked_cross_entropy
 from gemport.errors import MaskError
 
 
@@ -51,7 +53,7 @@ def reference_fills(lengths, seq_len):
 def test_packing_properties(batch):
     tokens, loss_mask, seq_len = batch
     snapshot = [t.copy() for t in tokens], [m.copy() for m in loss_mask]
-    packed = masks.pack(list(zip(tokens, loss_mask)), seq_len)
+    packed = pack(list(zip(tokens, loss_mask)), seq_len)
     rows = packed["tokens"].shape[0]
     assert {k: (v.shape, v.dtype) for k, v in packed.items()} == {
         "tokens": ((rows, seq_len), np.int32), "loss_mask": ((rows, seq_len), bool),
@@ -81,7 +83,7 @@ def test_packing_properties(batch):
 def test_pack_places_longest_first_into_the_tightest_row():
     tokens = [np.full(n, n, np.int32) for n in (3, 5, 2, 4)]
     loss_mask = [np.arange(n) > 0 for n in (3, 5, 2, 4)]
-    packed = masks.pack(list(zip(tokens, loss_mask)), seq_len=8)
+    packed = pack(list(zip(tokens, loss_mask)), seq_len=8)
     assert packed["tokens"].tolist() == [[5, 5, 5, 5, 5, 3, 3, 3], [4, 4, 4, 4, 2, 2, 0, 0]]
     assert packed["segment_ids"].tolist() == [[1, 1, 1, 1, 1, 2, 2, 2], [1, 1, 1, 1, 2, 2, 0, 0]]
     assert packed["positions"].tolist() == [[0, 1, 2, 3, 4, 0, 1, 2], [0, 1, 2, 3, 0, 1, 0, 0]]
@@ -96,12 +98,12 @@ def test_pack_places_longest_first_into_the_tightest_row():
 ])
 def test_pack_rejects_bad_examples(tokens, loss_mask, match):
     with pytest.raises(MaskError, match=match):
-        masks.pack(list(zip(tokens, loss_mask)), seq_len=8)
+        pack(list(zip(tokens, loss_mask)), seq_len=8)
 
 
 def test_attention_mask_is_causal_and_block_diagonal():
     segment_ids = np.array([[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 1, 1]], np.int32)
-    got = np.asarray(masks.attention_mask(segment_ids))
+    got = np.asarray(attention_mask(segment_ids))
     for b, q, k in np.ndindex(got.shape):
         assert got[b, q, k] == (k <= q and segment_ids[b, q] == segment_ids[b, k])
     assert got.any(axis=-1).all()
@@ -111,8 +113,8 @@ def test_tunix_inputs_feed_tunix_default_loss():
     peft_trainer = pytest.importorskip("tunix.sft.peft_trainer")
     tokens = [np.array([2, 7, 8, 9], np.int32), np.array([2, 5, 6], np.int32)]
     loss_mask = [np.array([0, 0, 1, 1], bool), np.array([0, 1, 1], bool)]
-    packed = masks.pack(list(zip(tokens, loss_mask)), seq_len=8)
-    inputs = masks.tunix_inputs(**packed)
+    packed = pack(list(zip(tokens, loss_mask)), seq_len=8)
+    inputs = tunix_inputs(**packed)
     assert inputs["attention_mask"].shape == (1, 8, 8) and inputs["input_mask"].dtype == jnp.bool_
     logits = jnp.asarray(np.random.default_rng(0).normal(size=(1, 8, 16)), jnp.float32)
     seen = {}
@@ -123,5 +125,5 @@ def test_tunix_inputs_feed_tunix_default_loss():
 
     loss = peft_trainer._default_loss_fn(model, **inputs)
     assert np.array_equal(seen["positions"], [[0, 1, 2, 3, 0, 1, 2, 0]])
-    assert np.array_equal(seen["attention_mask"], masks.attention_mask(packed["segment_ids"]))
-    np.testing.assert_allclose(loss, masks.masked_cross_entropy(logits, packed["tokens"], packed["loss_mask"]), rtol=1e-6)
+    assert np.array_equal(seen["attention_mask"], attention_mask(packed["segment_ids"]))
+    np.testing.assert_allclose(loss, masked_cross_entropy(logits, packed["tokens"], packed["loss_mask"]), rtol=1e-6)

@@ -12,11 +12,11 @@ import pytest
 from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 
-import gemport.masks as masks
+from gemport.data import check_tokenizer, Gemma3, Gemma4, token_offsets
 from gemport.errors import MaskError
 
 GEMMA3_CONTROL = ["<bos>", "<start_of_turn>", "<end_of_turn>", "<pad>"]
-GEMMA4_CONTROL = list(masks.Gemma4.control_tokens) + ["<pad>"]
+GEMMA4_CONTROL = list(Gemma4.control_tokens) + ["<pad>"]
 ALPHABET = sorted(set(string.printable) | {"é", "ö"})
 MERGES = [("\n", "S"), ("\nS", "u"), ("\nSu", "r"), ("\nSur", "e"), ("\n", "I"), ("\nI", "t"), ("u", "s"),
           ("us", "e"), ("use", "r"), ("m", "o"), ("mo", "d"), ("mod", "e"), ("mode", "l"), ("\n", "\n")]
@@ -60,22 +60,22 @@ def trained_spans(example, tokenizer):
 
 def test_control_tokens_are_single_tokens():
     """Both test tokenizers give each control token one id of its own, which check_tokenizer accepts."""
-    for control, chat_format in ((GEMMA3_CONTROL, masks.Gemma3()), (GEMMA4_CONTROL, masks.Gemma4())):
+    for control, chat_format in ((GEMMA3_CONTROL, Gemma3()), (GEMMA4_CONTROL, Gemma4())):
         for tokenizer in (char_tokenizer(control), bpe_tokenizer(control)):
             ids = [tokenizer.encode(t, add_special_tokens=False) for t in chat_format.control_tokens]
             assert all(len(i) == 1 for i in ids) and len({i[0] for i in ids}) == len(ids)
             assert [tokenizer.decode(i) for i in ids] == list(chat_format.control_tokens)
-            masks.check_tokenizer(tokenizer, chat_format)
+            check_tokenizer(tokenizer, chat_format)
 
 
 def test_check_tokenizer_rejects_split_control_tokens():
     with pytest.raises(MaskError, match="<|turn>"):
-        masks.check_tokenizer(char_tokenizer(GEMMA3_CONTROL), masks.Gemma4())
+        check_tokenizer(char_tokenizer(GEMMA3_CONTROL), Gemma4())
 
 
 def test_bpe_merges_across_the_model_header():
     text = "<start_of_turn>model\nSure"
-    ids, starts, ends = masks.token_offsets(bpe_tokenizer(GEMMA3_CONTROL), text)
+    ids, starts, ends = token_offsets(bpe_tokenizer(GEMMA3_CONTROL), text)
     spans = [text[s:e] for s, e in zip(starts, ends)]
     assert spans == ["<start_of_turn>", "model", "\nSure"]
     assert np.array_equal(ids, bpe_tokenizer(GEMMA3_CONTROL).encode(text, add_special_tokens=False))

@@ -2,7 +2,6 @@
 
 import pytest
 
-import gemport.masks as masks
 from test_masks_tokenizers import GEMMA3_CONTROL, bpe_tokenizer
 
 CONVERSATIONS = [
@@ -52,9 +51,11 @@ def trl_labels(tmp_path_factory):
 
 
 def test_gemma3_masks_equal_trl_assistant_only_loss(trl_labels):
+    from gemport.data import Gemma3, MaskPolicy, Truncation, build
+
     tokenizer, rows = trl_labels
-    examples, report = masks.build(
-        CONVERSATIONS, tokenizer, masks.Gemma3(), masks.MaskPolicy("assistant"), masks.Truncation(4096)
+    examples, report = build(
+        CONVERSATIONS, tokenizer, Gemma3(), MaskPolicy("assistant"), Truncation(4096)
     )
     assert report.kept == len(CONVERSATIONS)
     for example, (input_ids, labels) in zip(examples, rows, strict=True):
@@ -82,7 +83,7 @@ def test_text_and_prompt_completion_without_a_chat_template_equal_trl(tmp_path, 
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
     from trl import SFTConfig, SFTTrainer
 
-    from gemport import train
+    from gemport.data import from_sft_config
 
     from tokenizers import processors
 
@@ -97,7 +98,7 @@ def test_text_and_prompt_completion_without_a_chat_template_equal_trl(tmp_path, 
     config = Gemma3TextConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                               num_attention_heads=1, num_key_value_heads=1, head_dim=16)
     args = SFTConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, completion_only_loss=completion_only_loss)
-    pipeline = train.from_sft_config(args, tokenizer)
+    pipeline = from_sft_config(args, tokenizer)
     assert pipeline.chat_format is None
     for records in (PLAIN[:2], PLAIN[2:]):  # TRL takes one format per dataset
         trainer = SFTTrainer(model=Gemma3ForCausalLM(config), args=args, processing_class=tokenizer,

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from gemport import names
+from gemport.specs import names
 from gemport.lora import LoraSpec
 from gemport.mesh import MeshError, make_mesh, sharded_dims, valid_tp
 from gemport.plan import HBM, memory_plan, valid_meshes

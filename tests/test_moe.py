@@ -14,7 +14,7 @@ from tunix.models.gemma4 import model as g4
 
 from gemport.checkpoint import load_hf, load_model
 from gemport.specs import GemmaSpec
-from gemport.verify import tunix_logits
+from gemport.check.verify import tunix_logits
 
 VARIANTS = {
     "8x2": dict(num_experts=8, top_k_experts=2),  # the miniature: 8 experts, top 2, k_eq_v

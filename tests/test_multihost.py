@@ -4,7 +4,7 @@ The split is tested in-process on the 8 simulated devices, grouped into two "hos
 groups them: the hosts' rows are disjoint, contiguous, and together the single-process batch, row for row.
 
 Then 2 processes of 4 CPU devices (gloo collectives on localhost, as test_sharding_multiprocess) train a tiny
-Gemma 4 (the user's nnx loop with train.train_step) and Gemma 3 (`gemport sft` on a TRL recipe, which drives
+Gemma 4 (the user's nnx loop with step.train_step) and Gemma 3 (`gemport sft` on a TRL recipe, which drives
 HFPeftTrainer, joining the processes with --coordinator-address/--num-processes/--process-id) with LoRA, 5
 steps of 2 micro-batches of 8 rows, and 1 process of 8 devices runs the same: per-step losses and final LoRA
 agree within 1e-5. Both processes then get SIGTERM mid-run; they save at one step, exit with 143, and the
@@ -30,13 +30,13 @@ import transformers
 import yaml
 from jax.sharding import NamedSharding, PartitionSpec
 
-from gemport import masks, train
+from gemport.data import from_sft_config, optimizer_steps, pack, stack
 from gemport.checkpoint import export_merged, export_peft
 from gemport.checkpoint.adapters import LORA_SPEC_FILE
 from gemport.errors import BatchError, RecipeError
 from gemport.lora import LoraSpec
-from gemport.train.distributed import batch_sharding, device_rows, global_batch, process_rows, process_step
-from gemport.train.preemption import Preempted, Preemption
+from gemport.data.distributed import batch_sharding, device_rows, global_batch, process_rows, process_step
+from gemport.run.preemption import Preempted, Preemption
 from test_sharding_multiprocess import free_port
 from test_train_sft import CONFIG, chats, tokenizer
 
@@ -76,7 +76,7 @@ def test_rows_that_are_not_one_range_are_refused():
 def packed_rows(n=23, seed=1):
     rng = np.random.default_rng(seed)
     tokens = [rng.integers(1, 96, int(k)).astype(np.int32) for k in rng.integers(4, 13, n)]
-    return masks.pack([(t, np.arange(len(t)) >= len(t) // 2) for t in tokens], 12)
+    return pack([(t, np.arange(len(t)) >= len(t) // 2) for t in tokens], 12)
 
 
 def test_hosts_rows_are_the_single_process_batches():
@@ -84,11 +84,11 @@ def test_hosts_rows_are_the_single_process_batches():
     args = dict(per_device_train_batch_size=8, gradient_accumulation_steps=2, num_train_epochs=2, seed=5)
     mesh = meshes()[0]
     sharding = batch_sharding(mesh)
-    steps = list(train.optimizer_steps(args, len(rows["tokens"])))
+    steps = list(optimizer_steps(args, len(rows["tokens"])))
     assert len(steps[-1].micro_batches[-1]) < 8  # a short last micro-batch: one host gets fewer rows, or none
 
     def batch(step, count):
-        return train.stack([{k: v[m] for k, v in rows.items()} for m in step.micro_batches], accumulation=2, rows=count)
+        return stack([{k: v[m] for k, v in rows.items()} for m in step.micro_batches], accumulation=2, rows=count)
 
     for step in steps:
         whole = batch(step, 8)
@@ -106,7 +106,7 @@ def test_hosts_rows_are_the_single_process_batches():
 @pytest.mark.parametrize("layout", [{}, {"packing": False}])
 def test_sft_pipeline_lays_out_only_a_hosts_rows(layout):
     config = {**CONFIG, **layout, "per_device_train_batch_size": 4, "max_steps": 5}
-    pipeline = train.from_sft_config(config, tokenizer())
+    pipeline = from_sft_config(config, tokenizer())
     examples, _ = pipeline.examples(chats(), tokenizer(), progress=False)
     whole = list(pipeline.batches(examples))
     parts = [list(pipeline.batches(examples, rows=rows)) for rows in (slice(0, 2), slice(2, 4))]
@@ -117,7 +117,7 @@ def test_sft_pipeline_lays_out_only_a_hosts_rows(layout):
             np.testing.assert_array_equal(np.concatenate([step0.micro_batches[a], step1.micro_batches[a]]), m)
         for k in batch:
             np.testing.assert_array_equal(np.concatenate([part0[k], part1[k]], axis=1), batch[k], err_msg=k)
-    free = train.from_sft_config({**config, "packing": False, "padding_free": True}, tokenizer())
+    free = from_sft_config({**config, "packing": False, "padding_free": True}, tokenizer())
     with pytest.raises(RecipeError, match="padding_free"):
         next(free.batches(examples, rows=slice(0, 1)))
 

@@ -16,7 +16,7 @@ from gemport import SFTRun
 from gemport.mesh import make_mesh
 from gemport.plan.compiled import compile_step, fingerprint, lower_step, micro_batch_shapes, step_trainer
 from gemport.specs import GemmaSpec
-from gemport.train.model import lora_model
+from gemport.run.model import lora_model
 from test_train_sft import chats, tokenizer
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "down_proj"]}
@@ -98,7 +98,7 @@ def test_the_step_returns_the_model_and_optimizer_in_their_own_buffers(runs):
 def test_dpo_planning_lowers_the_program_dpo_training_compiles(runs, hf_checkpoint, tmp_path):
     """``gemport dpo --dry-run``'s step is ``DPORun.train()``'s: chosen and rejected rows of the longest pair, the
     reference pass with LoRA off, DPO's loss and metrics, TRL's defaults for the rest (gradient checkpointing)."""
-    from gemport.dpo import DPORun
+    from gemport.run import DPORun
     from test_dpo import RECORDS
 
     _, mesh, sft_planned, _ = runs

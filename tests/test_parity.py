@@ -1,15 +1,14 @@
-"""gemport.parity.trajectory and `gemport parity`: TRL SFTTrainer + PEFT against the port, step by step."""
+"""gemport.check.parity.trajectory and `gemport parity`: TRL SFTTrainer + PEFT against the port, step by step."""
 
 import json
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 import yaml
 
 from gemport.errors import LoraError, MaskError, OptimizerConfigError, RecipeError
-from gemport.parity import (LEAST_FLOOR, Tolerances, Trajectory, StepRow, dropout_note, read_recipe, trajectory,
+from gemport.check.parity import (LEAST_FLOOR, Tolerances, Trajectory, StepRow, dropout_note, read_recipe, trajectory,
                             without_dropout)
 from test_cli import gemport
 from test_trackers import assert_picture
@@ -138,7 +137,7 @@ def test_cli_on_a_miniature_of_the_31b_config(recipe, tmp_path):
 
 
 def test_miniature_keeps_the_head_structure_and_pattern(tmp_path):
-    from gemport.parity import miniature
+    from gemport.check.parity import miniature
     from gemport.specs import GemmaSpec
 
     full = GemmaSpec.preset("gemma4-31b")
@@ -152,7 +151,7 @@ def test_miniature_keeps_the_head_structure_and_pattern(tmp_path):
 def test_miniature_of_kv_shared_models_shares_as_hf_does(tmp_path, name):
     """E2B's and E4B's first layers end sliding, global, global (and all sliding): a miniature taking them as they
     are would have KV sharing that Tunix computes unlike HF (a SpecError); its unshared part ends sliding, global."""
-    from gemport.parity import miniature
+    from gemport.check.parity import miniature
     from gemport.specs import GemmaSpec
 
     full = GemmaSpec.preset(name)
@@ -166,7 +165,7 @@ def test_miniature_of_kv_shared_models_shares_as_hf_does(tmp_path, name):
 def test_twenty_steps_agree_on_gemma4(recipe, thinking, packing):
     """The acceptance recipe: 20 steps, accumulation 2, weight decay, clipping, warmup; all seven projections;
     thinking on with packed rows, and thinking off with padded rows."""
-    from gemport import masks
+    from gemport.data import Gemma4
 
     sft = {k: v for k, v in RECIPE.items() if not k.startswith("lora_")} | {"max_steps": 20, "packing": packing}
     records = [dict(r, chat_template_kwargs={"enable_thinking": thinking}) for r in chats(24)]
@@ -174,7 +173,7 @@ def test_twenty_steps_agree_on_gemma4(recipe, thinking, packing):
         r["messages"][-1]["reasoning"] = "think it over"
     report = trajectory(recipe / "base", records, sft_config=sft, tokenizer=tokenizer(), progress=False,
                         lora_config={"r": 4, "lora_alpha": 8, "target_modules": RECIPE["lora_target_modules"]},
-                        chat_format=masks.Gemma4(thinking="on" if thinking else "off"))
+                        chat_format=Gemma4(thinking="on" if thinking else "off"))
     print(report.table())
     assert len(report.rows) == 20 and report.ok, report.table()
     assert len(report.adapters) == 6 * 7 - 1  # k_eq_v global layer 5 has no v_proj
@@ -184,8 +183,8 @@ def test_twenty_steps_agree_on_gemma4(recipe, thinking, packing):
 def test_twenty_steps_agree_on_a_gemma3_1b_miniature(tmp_path, packing):
     from trl.chat_template_utils import gemma3_training_chat_template
 
-    from gemport import masks
-    from gemport.parity import miniature
+    from gemport.check.parity import miniature
+    from gemport.data import Gemma3
     from gemport.specs import GemmaSpec
     from test_masks_tokenizers import GEMMA3_CONTROL, char_tokenizer
 
@@ -193,7 +192,7 @@ def test_twenty_steps_agree_on_a_gemma3_1b_miniature(tmp_path, packing):
     gemma3_tokenizer = char_tokenizer(GEMMA3_CONTROL)
     gemma3_tokenizer.chat_template = gemma3_training_chat_template
     sft = {k: v for k, v in RECIPE.items() if not k.startswith("lora_")} | {"max_steps": 20, "packing": packing}
-    report = trajectory(base, chats(24), sft_config=sft, tokenizer=gemma3_tokenizer, chat_format=masks.Gemma3(),
+    report = trajectory(base, chats(24), sft_config=sft, tokenizer=gemma3_tokenizer, chat_format=Gemma3(),
                         lora_config={"r": 4, "lora_alpha": 8, "target_modules": RECIPE["lora_target_modules"]},
                         progress=False)
     print(report.table())
@@ -262,10 +261,10 @@ def test_a_port_two_parts_in_1e5_off_disagrees_against_the_float32_floor(recipe)
     """A port whose loss is 2e-5 (relative) too large, as a slightly wrong denominator would make it, passes the
     fixed 1e-4 that was float32's default bound, and fails at step 0 against the floor of TRL's float32 run from
     its float64 one (here about one float32 unit of the loss)."""
-    from gemport import train
+    from gemport.step import segment_loss
 
     def off(model, micro_batch):
-        total, count = train.segment_loss(model, micro_batch)
+        total, count = segment_loss(model, micro_batch)
         return total * (1 + 2e-5), count
 
     sft = {k: v for k, v in RECIPE.items() if not k.startswith("lora_")} | {"max_steps": 1}

@@ -1,7 +1,7 @@
 """Tunix's PeftTrainer.train() driven by gemport: HF-equal accumulation, both loss scopes, eval, exports.
 
 A few optimizer steps on tiny random Gemma 4 (31B layout) and Gemma 3 (1B), on one device and on a 2-device
-mesh; the per-step loss equals gemport.train's HF-semantics ``train_step`` on the same batches, and the
+mesh; the per-step loss equals gemport.step's HF-semantics ``train_step`` on the same batches, and the
 trained adapter, exported merged and as PEFT, gives transformers the Tunix model's logits.
 """
 
@@ -16,15 +16,17 @@ import pytest
 from flax import nnx
 from tunix.sft.peft_trainer import TrainingConfig
 
-from gemport import masks, train
+from gemport.data import optimizer_steps, pack, pad, stack
+
+from gemport.step import train_step, tunix_loss
 from gemport.checkpoint import export_merged, export_peft, load_model, load_lora
 from gemport.errors import BatchError
 from gemport.lora import LoraSpec, apply_lora
 from gemport.mesh import make_mesh
 from gemport.optim import hf_optimizer
 from gemport.specs import GemmaSpec
-from gemport.train.peft_trainer import NUM_ITEMS, HFPeftTrainer, micro_batches
-from gemport.verify import compare_logits
+from gemport.run.trainer import NUM_ITEMS, HFPeftTrainer, micro_batches
+from gemport.check.verify import compare_logits
 
 SEQ = 12
 STEPS = 3
@@ -52,11 +54,11 @@ def examples(vocab, n, seed):
 
 def step_batches(vocab):
     """HF-ordered [A, B, SEQ] batches of packed rows (targets unequal across micro-batches), and an eval split."""
-    rows = masks.pack(examples(vocab, 20, seed=1), SEQ)
-    steps = [train.stack([{k: v[m] for k, v in rows.items()} for m in s.micro_batches],
+    rows = pack(examples(vocab, 20, seed=1), SEQ)
+    steps = [stack([{k: v[m] for k, v in rows.items()} for m in s.micro_batches],
                          accumulation=ARGS["gradient_accumulation_steps"], rows=ARGS["per_device_train_batch_size"])
-             for s in train.optimizer_steps(ARGS, len(rows["tokens"]))]
-    held_out = masks.pad(examples(vocab, 4, seed=2), SEQ)
+             for s in optimizer_steps(ARGS, len(rows["tokens"]))]
+    held_out = pad(examples(vocab, 4, seed=2), SEQ)
     evals = [{k: v[None, i:i + 2] for k, v in held_out.items()} for i in (0, 2)]
     return steps, evals
 
@@ -99,7 +101,7 @@ def test_peft_trainer_takes_hf_steps(hf_checkpoint, tmp_path, name, mesh_shape, 
 
     with on_mesh(mesh):
         model = lora_model(hf_dir, spec, lora_spec, mesh)
-        # The same step-0 model, trained below by train.train_step, in arrays of its own: the trainer's step donates
+        # The same step-0 model, trained below by step.train_step, in arrays of its own: the trainer's step donates
         # the model's (a clone would share them).
         graphdef, state = nnx.split(model)
         reference = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
@@ -114,11 +116,11 @@ def test_peft_trainer_takes_hf_steps(hf_checkpoint, tmp_path, name, mesh_shape, 
         eval_full = logger.get_metric_history("", "full_sequence_loss", "eval")
 
         optimizer = nnx.Optimizer(reference, hf.tx, wrt=nnx.LoRAParam)
-        step = train.train_step(wrt=nnx.LoRAParam, seed=ARGS["seed"])
+        step = train_step(wrt=nnx.LoRAParam, seed=ARGS["seed"])
         expected = [step(reference, optimizer, batch) for batch in steps[:STEPS]]
         expected_eval = []
         for batch in evals:
-            summed, count = train.tunix_loss(reference, {k: v[0] for k, v in batch.items()})
+            summed, count = tunix_loss(reference, {k: v[0] for k, v in batch.items()})
             expected_eval.append(float(summed / count))
 
     assert len(losses) == STEPS

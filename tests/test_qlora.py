@@ -9,7 +9,7 @@ import torch
 import transformers as tf
 from flax import nnx
 
-from gemport import names
+from gemport.specs import names
 from gemport.checkpoint.quantize import load_qlora_model, nf4, nf4_values, to_qarray
 from gemport.lora.qlora import tile_shape
 from gemport.errors import LoraError
@@ -101,7 +101,7 @@ def test_bitsandbytes_config_its_dict_and_trl_fields_map_to_the_same_base(tmp_pa
     assert recipe.read(tmp_path / "recipe.yaml").qlora() == expected  # a recipe has one reader
     with pytest.raises(LoraError, match=r"gemport.recipe.read\(.*\).qlora\(\)"):
         QLoraSpec.from_config(tmp_path / "recipe.yaml")
-    from gemport.parity import read_recipe
+    from gemport.check.parity import read_recipe
 
     with pytest.raises(LoraError, match=r"recipe.yaml: the recipe loads its base in 4 bits .*trajectory"):
         read_recipe(tmp_path / "recipe.yaml")
@@ -316,9 +316,9 @@ def test_qlora_trajectory_agrees_with_trl_on_the_4bit_base(base):
     """TRL's SFTTrainer + PEFT on bitsandbytes' double-quantized NF4 base vs the port on its Qwix NF4 base:
     4 steps with accumulation 2, clipping, weight decay and a warmup + cosine schedule, on the two-layer
     Gemma 4 (a k_eq_v global layer), float32 adapters on both sides (TRL's bfloat16 cast undone, see
-    `gemport.parity.trajectory`). The tolerance is the unquantized trajectory's float32 one plus what the two
+    `gemport.check.parity.trajectory`). The tolerance is the unquantized trajectory's float32 one plus what the two
     bases differ by, measured here: nothing (the bases are equal)."""
-    from gemport.parity import Tolerances, trajectory
+    from gemport.check.parity import Tolerances, trajectory
     from test_parity import RECIPE
     from test_train_sft import chats, tokenizer
 
@@ -349,8 +349,8 @@ def test_qlora_dpo_trajectory_agrees_with_trl_on_the_4bit_base(base, tmp_path):
     import yaml
 
     from gemport import recipe
-    from gemport.dpo import DPORun
-    from gemport.dpo.parity import trajectory
+    from gemport.run import DPORun
+    from gemport.check.dpo_parity import trajectory
     from gemport.mesh import make_mesh
     from test_dpo import RECORDS
     from test_train_sft import tokenizer

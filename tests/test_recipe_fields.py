@@ -23,8 +23,8 @@ from gemport.errors import GemportError, LoraError, MaskError, OptimizerConfigEr
 from gemport.lora import LoraSpec
 from gemport.optim.hf import hf_optimizer
 from gemport import recipe
-from gemport.train.run import checkpoint_root, eval_batches, training_config
-from gemport.train.sft import from_sft_config
+from gemport.run.sft import checkpoint_root, eval_batches, training_config
+from gemport.data.sft import from_sft_config
 from test_cli import gemport, one_line_error
 from test_train_sft import chats, tokenizer
 from tiny import text_config
@@ -68,7 +68,7 @@ def updates(**fields):
 
 def outputs(tmp_path, **fields):
     """``HFOutputs`` of a run of ``fields`` (its plan, batches and cadence; no model), started."""
-    from gemport.train.outputs import HFOutputs, step_epochs, step_tokens
+    from gemport.run.outputs import HFOutputs, step_epochs, step_tokens
 
     args = sft(**fields)
     order, batches = steps(**fields)
@@ -111,7 +111,7 @@ def cli_recipe(tmp_path, **fields):
 # ---- the checks, one per used field -----------------------------------------------------------------------------
 
 def _dataset_splits(tmp_path):
-    from gemport.train.data import load_splits
+    from gemport.data.splits import load_splits
 
     (tmp_path / "d").mkdir()
     for split, n in (("train", 3), ("test", 2), ("validation", 1)):
@@ -178,7 +178,7 @@ def check_lora_target_modules(tmp_path):
     # the run: test_sft_fields; equal to PEFT: test_lora_peft_training's +qv cases).
     from gemport.lora import LoraLayout
     from gemport.specs import GemmaSpec
-    from gemport.train.run import with_peft_targets
+    from gemport.run.sft import with_peft_targets
 
     unset = recipe.read({"use_peft": True}).lora()
     assert unset["target_modules"] is None
@@ -198,7 +198,7 @@ def check_lora_target_parameters(tmp_path):
     refused(LoraError, "lora_dropout", lambda: lora(lora_target_parameters=experts))
     # Without lora_target_modules, on a model_type PEFT has no default for (gemma4_text), PEFT adapts the
     # parameters alone.
-    from gemport.train.run import with_peft_targets
+    from gemport.run.sft import with_peft_targets
 
     text_config("gemma4_moe").save_pretrained(tmp_path / "moe")
     unset = recipe.read({"use_peft": True, "lora_target_parameters": experts, "lora_dropout": 0.0}).lora()
@@ -295,7 +295,7 @@ def check_shuffle_dataset(tmp_path):
 
 
 def check_chat_template_path(tmp_path):
-    from gemport.train.chat_template import check_records, with_chat_template
+    from gemport.data.chat_template import check_records, with_chat_template
 
     (tmp_path / "t.jinja").write_text("Hello " + TOK.chat_template)
     other = with_chat_template(TOK, tmp_path / "t.jinja", 128)
@@ -392,7 +392,7 @@ def check_save_total_limit(tmp_path):
 def check_resume_from_checkpoint(tmp_path):
     one_line_error(gemport("sft", "--config", cli_recipe(tmp_path, lora_target_modules=["q_proj"]),
                            "--resume_from_checkpoint", "true", ok=False), "no checkpoint in")
-    from gemport.train.record import check_resume
+    from gemport.run.record import check_resume
 
     (tmp_path / "root" / "1").mkdir(parents=True)
     refused(RecipeError, "without gemport_recipe.json", lambda: check_resume(tmp_path / "root", {}, explicit=False))

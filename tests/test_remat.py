@@ -1,4 +1,4 @@
-"""Decoder remat that recomputes one layer at a time (``train.remat``) against Tunix's ``nnx.remat``.
+"""Decoder remat that recomputes one layer at a time (``step.remat``) against Tunix's ``nnx.remat``.
 
 The fast step rematerialises each decoder layer after its output's cotangent exists; the values and LoRA
 gradients are those of Tunix's own decoder remat and of no remat at all, and a compile for a TPU slice shows
@@ -18,9 +18,9 @@ from gemport.lora import LoraSpec
 from gemport.mesh import make_mesh, slice_devices
 from gemport.plan.compiled import compile_step, step_trainer
 from gemport.specs import GemmaSpec
-from gemport.train import segment_loss
-from gemport.train import remat as remat_lib
-from gemport.train.remat import set_remat
+from gemport.step import segment_loss
+from gemport.step import remat as remat_lib
+from gemport.step.remat import set_remat
 
 
 def _loss_and_grads(model, batch):
@@ -50,7 +50,7 @@ def test_the_fast_steps_remat_gives_tunixs_loss_and_lora_grads(hf_checkpoint, na
     if family == "gemma4":
         with monkeypatch.context() as m:  # Tunix's own decoder remat
             m.setattr(remat_lib, "tied_remat_model", lambda model: model)
-            m.setattr("gemport.train.step.tied_remat_model", lambda model: model)
+            m.setattr("gemport.step.hf.tied_remat_model", lambda model: model)
             results["tunix"] = _loss_and_grads(model, batch)
     (loss, grads) = results.pop("decoder")
     assert any(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(grads))
@@ -79,11 +79,11 @@ def test_one_layers_backward_is_live_at_a_time_on_a_tpu_slice(monkeypatch):
     mesh = make_mesh(spec, fsdp=4, tp=1, devices=slice_devices("v5p-8"))
     peaks = {}
     for name, tied in (("tied", True), ("tunix", False)):
-        from gemport.train.model import lora_model as abstract_lora_model
+        from gemport.run.model import lora_model as abstract_lora_model
 
         model = abstract_lora_model(spec, LoraSpec(4, 8.0), remat="decoder", param_dtype=jnp.bfloat16)
         with monkeypatch.context() as m:
             if not tied:
-                m.setattr("gemport.train.step.tied_remat_model", lambda model: model)
+                m.setattr("gemport.step.hf.tied_remat_model", lambda model: model)
             peaks[name] = compile_step(step_trainer(model), mesh, 4, 512).temp_bytes
     assert peaks["tied"] < peaks["tunix"], peaks

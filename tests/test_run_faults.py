@@ -19,12 +19,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gemport import train
+from gemport.data import from_sft_config
+
+from gemport.run import SFTRun
 from gemport.checkpoint.integrity import damage, resume_step, steps
 from gemport.errors import CheckpointError, CheckpointWarning, LoraError, MaskError
-from gemport.train.data import load_splits
-from gemport.train.lock import LOCK, claim_output
-from gemport.train.vocabulary import check_token_ids
+from gemport.data.splits import load_splits
+from gemport.run.lock import LOCK, claim_output
+from gemport.data.vocabulary import check_token_ids
 from fault_child import write_checkpoints
 from test_masks_tokenizers import GEMMA3_CONTROL, char_tokenizer
 from test_train_sft import chats, tokenizer
@@ -147,7 +149,7 @@ RECORDS = {
 def examples_of(source):
     t = tokenizer()
     t.eos_token = "<turn|>"  # the standard formats append it
-    return train.from_sft_config({"max_length": 128, "assistant_only_loss": True}, t).examples(source, t,
+    return from_sft_config({"max_length": 128, "assistant_only_loss": True}, t).examples(source, t,
                                                                                                  progress=False)
 
 
@@ -201,7 +203,7 @@ def test_token_ids_past_the_embedding_are_refused_before_the_model_loads(hf_chec
     records[3]["messages"][-1]["content"] += " " + added[-1]
     args = dict(max_length=128, per_device_train_batch_size=2, max_steps=1, assistant_only_loss=True)
     with pytest.raises(MaskError) as error:
-        train.SFTRun.create(args, base, records, lora={"r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}, tokenizer=t)
+        SFTRun.create(args, base, records, lora={"r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}, tokenizer=t)
     message = str(error.value)
     for words in ("train example 3: token id 129 ('<extra_", "vocab_size 128", f"tokenizer has {len(t)} tokens",
                   "resize_token_embeddings"):
@@ -210,7 +212,7 @@ def test_token_ids_past_the_embedding_are_refused_before_the_model_loads(hf_chec
 
 
 def test_token_id_check_is_one_pass_over_every_id_and_the_pad_id():
-    from gemport.masks.tokenize import Example
+    from gemport.data.tokenize import Example
 
     t = char_tokenizer(GEMMA3_CONTROL)
 
@@ -233,7 +235,7 @@ def test_tokenizer_without_the_chat_formats_control_tokens_is_refused():
     t = char_tokenizer(["<bos>", "<pad>"])  # a tokenizer of another family: Gemma's turn markers split into pieces
     t.chat_template = tokenizer().chat_template
     with pytest.raises(MaskError, match="encodes to .* tokens .*add the Gemma control tokens"):
-        train.from_sft_config({"max_length": 128}, tokenizer()).examples(chats(2), t, progress=False)
+        from_sft_config({"max_length": 128}, tokenizer()).examples(chats(2), t, progress=False)
 
 
 # The output directory.

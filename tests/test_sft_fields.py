@@ -17,12 +17,12 @@ import yaml
 from flax import nnx
 
 from gemport.errors import LoraError, RecipeError, UnsafePathError
-from gemport.masks.training_template import gemma4_training_template
+from gemport.data.training_template import gemma4_training_template
 from gemport.mesh import make_mesh
 from gemport.specs import GemmaSpec
 from gemport import recipe
-from gemport.train.record import RECIPE_FILE, check_resume, recipe_record
-from gemport.train.run import CHECKPOINTS, SFTRun, eval_batches
+from gemport.run.record import RECIPE_FILE, check_resume, recipe_record
+from gemport.run.sft import CHECKPOINTS, SFTRun, eval_batches
 from test_cli import gemport, one_line_error
 from test_train_sft import chats, tokenizer
 
@@ -163,7 +163,7 @@ def test_chat_template_path_renders_and_masks_as_trl(run, work, tmp_path):
 
 def _refused_before_loading(monkeypatch):
     import gemport.checkpoint
-    from gemport.train.sft import SFTPipeline
+    from gemport.data.sft import SFTPipeline
 
     def never(*args, **kwargs):
         raise AssertionError("the model loaded or the data was tokenized before the field was refused")
@@ -190,7 +190,7 @@ def test_chat_template_path_takes_a_tokenizer_folder_as_trl(work, tmp_path):
     import transformers
     from trl.chat_template_utils import clone_chat_template
 
-    from gemport.train.chat_template import with_chat_template
+    from gemport.data.chat_template import with_chat_template
 
     source = tokenizer()
     source.save_pretrained(tmp_path / "tok")
@@ -226,7 +226,7 @@ def test_eos_token_outside_the_vocabulary_is_refused_as_trl(work, tmp_path, monk
 def test_evaluation_without_an_eval_dataset_is_refused_as_hf(work, monkeypatch):
     """HF's Trainer refuses eval_strategy steps without an eval_dataset; so do SFTRun and DPORun, before the data
     is tokenized or the model loads (it was accepted and nothing evaluated)."""
-    from gemport.dpo import DPORun
+    from gemport.run import DPORun
 
     _refused_before_loading(monkeypatch)
     for create in (SFTRun.create, DPORun.create):
@@ -322,8 +322,8 @@ def test_port_gemma4_runs_on_the_devices_present_in_the_recipes_dtype(tmp_path):
 def test_chat_template_path_checks_where_the_completion_mask_starts(tmp_path):
     """Prompt/completion conversations: TRL's completion mask starts where the prompt rendered with the generation
     prompt ends; a template whose generation prompt differs from gemport's is refused, naming the field."""
-    from gemport.train.chat_template import check_records, with_chat_template
-    from gemport.train.sft import from_sft_config
+    from gemport.data.chat_template import check_records, with_chat_template
+    from gemport.data.sft import from_sft_config
 
     records = [{"prompt": r["messages"][:-1], "completion": r["messages"][-1:]} for r in chats(6)]
     fmt = from_sft_config({}, tokenizer()).chat_format

@@ -4,7 +4,7 @@ Python QLoRA path trains it (tests/test_qlora.py proves that path against TRL + 
 The recipe YAML sets ``load_in_4bit``, ``bnb_4bit_quant_type: nf4``, ``use_bnb_nested_quant`` and ``dtype``.
 ``SFTRun.create`` on that YAML (what `gemport sft` runs, on one device here) loads a base equal to
 ``load_qlora_model``'s with double quantization, bitwise (and not the one without), and trains it with
-HFPeftTrainer; ``train.train_step`` trains a copy of its step-0 model on the recipe's batches. Per-step loss and
+HFPeftTrainer; ``step.train_step`` trains a copy of its step-0 model on the recipe's batches. Per-step loss and
 grad_norm agree to float32 reordering, as tests/test_peft_trainer.py bounds HFPeftTrainer against train_step.
 """
 
@@ -15,7 +15,9 @@ import pytest
 import yaml
 from flax import nnx
 
-from gemport import SFTRun, train
+from gemport import SFTRun
+
+from gemport.step import train_step
 from gemport.checkpoint.quantize import load_qlora_model
 from gemport.errors import LoraError
 from gemport.lora import QLoraSpec
@@ -54,7 +56,7 @@ def test_gemport_sft_trains_a_qlora_recipe_as_the_python_path(base, tmp_path):  
     logger = run.train().metrics_logger
     got = np.stack([logger.get_metric_history("", name, "train") for name in ("loss", "grad_norm")], axis=1)
     optimizer = nnx.Optimizer(reference, run.optimizer.tx, wrt=nnx.LoRAParam)
-    step = train.train_step(wrt=nnx.LoRAParam)
+    step = train_step(wrt=nnx.LoRAParam)
     expected = np.array([[float(m.loss), float(m.grad_norm)]
                          for m in (step(reference, optimizer, batch) for batch in run.train_batches)])
     assert got.shape == expected.shape == (3, 2)

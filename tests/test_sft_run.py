@@ -11,8 +11,8 @@ from gemport.checkpoint import load_lora
 from gemport.errors import BatchError, RecipeError
 from gemport.mesh import make_mesh
 from gemport.specs import GemmaSpec
-from gemport.train.peft_trainer import HFPeftTrainer
-from gemport.train.run import eval_batches
+from gemport.run.trainer import HFPeftTrainer
+from gemport.run.sft import eval_batches
 from test_train_sft import chats, tokenizer
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "down_proj"]}
@@ -57,7 +57,7 @@ def test_trainer_refuses_batches_laid_out_for_another_accumulation(run):
 def test_a_trl_yaml_is_read_as_trl_sft_reads_it(tmp_path):
     import yaml
 
-    from gemport.train.run import sft_fields
+    from gemport.run.sft import sft_fields
 
     path = tmp_path / "sft.yaml"
     path.write_text(yaml.safe_dump({**ARGS, "use_peft": True, "lora_target_modules": ["q_proj"]}))

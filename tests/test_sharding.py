@@ -20,7 +20,7 @@ from gemport.lora import LoraLayout, LoraParams, LoraSpec, apply_lora
 from gemport.mesh import make_mesh
 from gemport.plan import memory_plan
 from gemport._src.params import lora_state
-from gemport.sharding import audit, fix_lora, optimizer_shardings
+from gemport.mesh import audit, fix_lora, optimizer_shardings
 from gemport.specs import GemmaSpec
 
 # Gemma 4 31B's layout (k_eq_v global layer) with every tp-sharded dimension divisible by 4 and D by 2:

@@ -202,7 +202,7 @@ def test_spec_is_frozen():
 
 
 def test_a_layout_string_is_parsed_into_dimensions():
-    from gemport import names
+    from gemport.specs import names
     from gemport._src.pattern import Pattern, shape, words
 
     p = Pattern.parse("s (k h) d -> s k d h")
@@ -231,7 +231,7 @@ def test_an_einsum_equation_is_parsed_once():
 
 @pytest.mark.parametrize("preset", GemmaSpec.presets())
 def test_every_layout_letter_is_in_the_axis_alphabet(preset):
-    from gemport import names
+    from gemport.specs import names
 
     for entry in names.entries(GemmaSpec.preset(preset)):
         assert entry.pattern.letters <= set(names.AXES), entry.tunix

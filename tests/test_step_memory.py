@@ -24,7 +24,7 @@ from gemport.lora import LoraSpec
 from gemport.mesh import MeshError
 from gemport.plan import memory_plan
 from gemport.specs import GemmaSpec
-from gemport.train import segment_loss, tunix_loss
+from gemport.step import segment_loss, tunix_loss
 
 BENCH = Path(__file__).parent.parent / "bench"
 G31 = GemmaSpec.preset("gemma4-31b")
@@ -62,9 +62,9 @@ sys.path[:0] = [{bench!r}, {tests!r}]
 import tiny
 from gemport.lora import LoraSpec, QLoraSpec
 from gemport.plan import compiled_peak
-from gemport.train import segment_loss, tunix_loss
+from gemport.step import segment_loss, tunix_loss
 from gemport.specs import GemmaSpec
-from gemport.train import segment_loss, tunix_loss
+from gemport.step import segment_loss, tunix_loss
 import transformers
 qlora_spec = GemmaSpec.from_hf(transformers.Gemma4TextConfig(**{qlora!r}).to_dict())
 wide = dataclasses.replace(GemmaSpec.preset("gemma4-31b"), num_layers=2, layer_types=("sliding", "global"), vocab=8192)
@@ -266,8 +266,8 @@ def test_vocabulary_slices_give_the_full_logits_loss_and_gradients(hf_checkpoint
     from flax import nnx
     from test_fast_attention import lora_model, rel_err, rows, summed_loss
 
-    from gemport.masks import attention_mask
-    from gemport.train.chunked_loss import hidden_states, num_slices, target_nll
+    from gemport.data import attention_mask
+    from gemport.step.chunked_loss import hidden_states, num_slices, target_nll
 
     vocab = tiny.text_config(name).vocab_size
     assert num_slices(vocab, 22) > 2

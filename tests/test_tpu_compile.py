@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 from gemport.errors import MeshError
-from gemport.train import segment_loss, tunix_loss
+from gemport.step import segment_loss, tunix_loss
 from gemport.lora import LoraSpec
 from gemport.mesh import TpuSlice, make_mesh, slice_devices
 from gemport.mesh.tpu import platform
@@ -79,7 +79,7 @@ def compiled_for_v5p():
     import tiny
     from gemport.plan.compiled import compile_step, step_trainer
     from gemport.specs import GemmaSpec
-    from gemport.train.model import lora_model
+    from gemport.run.model import lora_model
 
     spec = dataclasses.replace(GemmaSpec.from_hf(tiny.text_config("gemma4_mesh").to_dict()), num_layers=2,
                                layer_types=("sliding", "global"))
@@ -140,7 +140,7 @@ def test_tunix_constrains_activations_in_a_step_compiled_for_the_slice():
     from tunix.utils import sharding_utils
 
     from gemport._src.upstream import tunix_shard_on
-    from gemport.train.model import lora_model
+    from gemport.run.model import lora_model
     from gemport.mesh.context import use_mesh
 
     spec = _spec()

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from gemport.errors import MissingDependencyError, RecipeError
-from gemport.train import trackers
+from gemport.run import trackers
 from test_cli import gemport, one_line_error
 from test_sft_cli import workdir, write_recipe  # noqa: F401  (the module's fixture)
 
@@ -218,8 +218,8 @@ def test_sft_plot_draws_the_loss_curves(tracked):
 
 
 def test_parity_json_holds_every_figure_and_the_picture_draws_them(tmp_path):
-    from gemport.parity import StepRow, Tolerances, Trajectory
-    from gemport.plots import write_parity
+    from gemport.check.parity import StepRow, Tolerances, Trajectory
+    from gemport.check.plots import write_parity
 
     rows = (StepRow(0, 0.0, 0.0, 2.0, 2.0, 1.0, 1.0, 1e-7, 1e-7),
             StepRow(1, 1e-3, 1e-3, 1.9, 1.9 * (1 + 3e-5), 1.0, 1.01, 1e-5, 1e-4))

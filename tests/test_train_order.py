@@ -1,4 +1,4 @@
-"""gemport.train's sample order against torch's RandomSampler and HF's Trainer dataloader (in test_train_step)."""
+"""gemport.data's sample order against torch's RandomSampler and HF's Trainer dataloader (in test_train_step)."""
 
 import numpy as np
 import pytest
@@ -7,7 +7,7 @@ import transformers
 from torch.utils.data import RandomSampler
 
 from gemport.errors import RecipeError
-from gemport.train import optimizer_steps, randperm, sample_order
+from gemport.data import optimizer_steps, randperm, sample_order
 
 
 @pytest.mark.parametrize("n, seed", [(0, 0), (1, 3), (2, 0), (10, 42), (1000, 7), (37, 2**33 + 5)])

@@ -11,11 +11,13 @@ from flax import nnx
 from float64 import TorchFloat64, relative, trajectory_bound
 from trl import SFTConfig, SFTTrainer
 
-from gemport import masks, train
+from gemport.data import from_sft_config, Gemma4, MaskPolicy
+
+from gemport.step import train_step
 from gemport.checkpoint import import_peft, load_model
 from gemport.errors import RecipeError
 from gemport.lora import apply_lora
-from gemport.masks.training_template import gemma4_training_template
+from gemport.data.training_template import gemma4_training_template
 from gemport.optim import hf_optimizer
 from gemport.specs import GemmaSpec
 from test_masks_tokenizers import GEMMA4_CONTROL, char_tokenizer
@@ -49,30 +51,30 @@ CONFIG = dict(assistant_only_loss=True, packing=True, max_length=128, per_device
 
 def test_config_maps_onto_the_masks_pipeline():
     t = tokenizer()
-    pipeline = train.from_sft_config(SFTConfig(output_dir="unused", **CONFIG), t)
-    assert isinstance(pipeline.chat_format, masks.Gemma4) and pipeline.policy == masks.MaskPolicy("assistant")
+    pipeline = from_sft_config(SFTConfig(output_dir="unused", **CONFIG), t)
+    assert isinstance(pipeline.chat_format, Gemma4) and pipeline.policy == MaskPolicy("assistant")
     assert (pipeline.layout, pipeline.truncation.max_len, pipeline.pad_id) == ("pack", 128, t.pad_token_id)
-    assert train.from_sft_config({"padding_free": True}, t).layout == "padding_free"
-    plain = train.from_sft_config({"max_length": None, "pad_to_multiple_of": 8}, t)
+    assert from_sft_config({"padding_free": True}, t).layout == "padding_free"
+    plain = from_sft_config({"max_length": None, "pad_to_multiple_of": 8}, t)
     assert (plain.layout, plain.policy, plain.pad_to_multiple_of) == ("pad", None, 8)
     # TRL's SFTConfig checkpoints gradients by default; the port recomputes each decoder layer.
     assert pipeline.remat == "decoder" and plain.remat == "decoder"
-    assert train.from_sft_config({"gradient_checkpointing": False}, t).remat == "none"
+    assert from_sft_config({"gradient_checkpointing": False}, t).remat == "none"
     # torch's use_reentrant has no JAX counterpart and changes nothing; any other key is refused by name
-    assert train.from_sft_config({"gradient_checkpointing_kwargs": {"use_reentrant": False}}, t).remat == "decoder"
+    assert from_sft_config({"gradient_checkpointing_kwargs": {"use_reentrant": False}}, t).remat == "decoder"
     with pytest.raises(RecipeError, match=r"gradient_checkpointing_kwargs\['preserve_rng_state'\]"):
-        train.from_sft_config({"gradient_checkpointing_kwargs": {"preserve_rng_state": True}}, t)
+        from_sft_config({"gradient_checkpointing_kwargs": {"preserve_rng_state": True}}, t)
     for bad, field in [({"truncation_mode": "keep_end"}, "truncation_mode"), ({"loss_type": "dft"}, "loss_type"),
                        ({"packing": True, "packing_strategy": "wrapped"}, "packing_strategy"),
                        ({"shuffle_dataset": True}, "shuffle_dataset"), ({"packing": True, "max_length": None}, "max_length")]:
         with pytest.raises(RecipeError, match=field):
-            train.from_sft_config(bad, t)
+            from_sft_config(bad, t)
 
 
 @pytest.mark.parametrize("layout", [{}, {"packing": False}, {"packing": False, "padding_free": True}])
 def test_batches_have_one_shape_and_hold_every_target(layout):
     config = {**CONFIG, **layout, "max_steps": 6}
-    pipeline = train.from_sft_config(config, tokenizer())
+    pipeline = from_sft_config(config, tokenizer())
     examples, _ = pipeline.examples(chats(), tokenizer(), progress=False)
     shapes, targets = set(), 0
     for _, batch in pipeline.batches(examples):
@@ -118,7 +120,7 @@ def test_packed_run_matches_trl(hf_checkpoint, tmp_path):
     logs = [e for e in trainer.state.log_history if "loss" in e]
     exact = float64_logs(base, tmp_path, data)
 
-    pipeline = train.from_sft_config(args, tokenizer())
+    pipeline = from_sft_config(args, tokenizer())
     examples, report = pipeline.examples(data, tokenizer(), progress=False)
     rows = pipeline.units(examples)
     expected_rows = [r for r in trainer.train_dataset["input_ids"]]
@@ -128,7 +130,7 @@ def test_packed_run_matches_trl(hf_checkpoint, tmp_path):
     port = apply_lora(load_model(base), spec, import_peft(tmp_path / "adapter0", base_dir=base))
     hf = hf_optimizer(args, num_training_steps=args.max_steps)
     optimizer = nnx.Optimizer(port, hf.tx, wrt=nnx.LoRAParam)
-    step = train.train_step()
+    step = train_step()
     metrics = [jax.device_get(step(port, optimizer, batch)) for _, batch in pipeline.batches(examples)]
     assert len(metrics) == len(logs) == args.max_steps
     # Each step within 10x the float32 TRL run's largest distance from the float64 run (float64.trajectory_bound).

@@ -1,4 +1,4 @@
-"""gemport.train against TRL's SFTTrainer + PEFT on torch: the rows each step sees, the logged loss and
+"""gemport.step's train_step against TRL's SFTTrainer + PEFT on torch: the rows each step sees, the logged loss and
 grad_norm per step, and the adapter after training, on tiny random Gemma 4 (31B layout) and Gemma 3 (1B)."""
 
 from types import SimpleNamespace
@@ -16,7 +16,9 @@ from float64 import TorchFloat64, relative, trajectory_bound
 from tokenizers import Tokenizer, models
 from trl import SFTConfig, SFTTrainer
 
-from gemport import masks, train
+from gemport.data import BATCH_FIELDS, optimizer_steps, pad, padding_free, stack
+
+from gemport.step import train_step
 from gemport.checkpoint import import_peft, load_model
 from gemport._src.params import flat_params
 from gemport.errors import BatchError
@@ -111,18 +113,18 @@ def port_run(base, adapter, tokens, loss_mask, args, layout="pad"):
     model = apply_lora(load_model(base), spec, lora)
     hf = hf_optimizer(args, num_training_steps=STEPS)
     optimizer = nnx.Optimizer(model, hf.tx, wrt=nnx.LoRAParam)
-    step = train.train_step()
+    step = train_step()
     metrics, fed = [], []
-    for s in train.optimizer_steps(args, len(tokens)):
+    for s in optimizer_steps(args, len(tokens)):
         micro = []
         for rows in s.micro_batches:
             fed.append([int(tokens[i][0]) for i in rows])
             pick = [(tokens[i], loss_mask[i]) for i in rows]
             if layout == "pad":
-                micro.append(masks.pad(pick, SEQ))
+                micro.append(pad(pick, SEQ))
             else:
-                micro.append(masks.padding_free(pick, pad_to_multiple_of=2 * SEQ))
-        batch = train.stack(micro, accumulation=args.gradient_accumulation_steps,
+                micro.append(padding_free(pick, pad_to_multiple_of=2 * SEQ))
+        batch = stack(micro, accumulation=args.gradient_accumulation_steps,
                             rows=1 if layout == "padding_free" else args.per_device_train_batch_size)
         metrics.append(jax.device_get(step(model, optimizer, batch)))
     return SimpleNamespace(metrics=metrics, fed=fed, model=model, lora_spec=lora.lora_spec, spec=spec, schedule=hf.schedule)
@@ -212,12 +214,12 @@ def test_padding_free_rows_give_the_same_steps(runs):
 
 def test_stack_refuses_batches_that_do_not_fit_with_a_batch_error():
     def micro(rows, width):
-        return {k: np.zeros((rows, width), np.int32) for k in train.BATCH_FIELDS}
+        return {k: np.zeros((rows, width), np.int32) for k in BATCH_FIELDS}
 
     with pytest.raises(BatchError, match="no micro-batch"):
-        train.stack([])
+        stack([])
     with pytest.raises(BatchError, match=r"different lengths \[8, 16\]"):
-        train.stack([micro(2, 8), micro(2, 16)])
+        stack([micro(2, 8), micro(2, 16)])
     with pytest.raises(BatchError, match="accumulation=1, rows=2"):
-        train.stack([micro(2, 8), micro(2, 8)], accumulation=1, rows=2)
-    assert train.stack([micro(2, 8), micro(1, 8)])["tokens"].shape == (2, 2, 8)
+        stack([micro(2, 8), micro(2, 8)], accumulation=1, rows=2)
+    assert stack([micro(2, 8), micro(1, 8)])["tokens"].shape == (2, 2, 8)

@@ -11,8 +11,8 @@ from transformers.utils.chat_template_utils import render_jinja_template
 from trl import SFTConfig, SFTTrainer
 from trl.chat_template_utils import gemma4_v5_chat_template, has_generation_markers
 
-import gemport.masks as masks
-from gemport.masks.training_template import gemma4_training_template
+from gemport.data import encode, Gemma4, MaskPolicy
+from gemport.data.training_template import gemma4_training_template
 from test_masks_gemma4 import CHAT
 from test_masks_template import SHAPES, TOOLS, conversations
 from test_masks_tokenizers import GEMMA4_CONTROL, bpe_tokenizer, char_tokenizer
@@ -51,9 +51,9 @@ def test_random_conversations_render_as_trls_template(chat, thinking, tools):
     assert jinja(TEMPLATE, chat, tools, enable_thinking=thinking)[0] == expected
 
 
-def gemport_mask(tokenizer, chat, tools=None, policy=masks.MaskPolicy(), **options):
-    segments = masks.Gemma4(**options).render(chat, tools)
-    return masks.encode(segments, policy.select(segments), tokenizer)
+def gemport_mask(tokenizer, chat, tools=None, policy=MaskPolicy(), **options):
+    segments = Gemma4(**options).render(chat, tools)
+    return encode(segments, policy.select(segments), tokenizer)
 
 
 @pytest.mark.parametrize("tokenizer", [char_tokenizer, bpe_tokenizer])
@@ -88,7 +88,7 @@ def test_train_reasoning_marks_reasoning_too():
     tokenizer.chat_template = TEMPLATE
     out = tokenizer.apply_chat_template(CHAT, return_dict=True, return_assistant_tokens_mask=True,
                                         enable_thinking=True, train_reasoning=True)
-    expected = gemport_mask(tokenizer, CHAT, policy=masks.MaskPolicy(reasoning=True), thinking="on")
+    expected = gemport_mask(tokenizer, CHAT, policy=MaskPolicy(reasoning=True), thinking="on")
     np.testing.assert_array_equal(np.asarray(out["assistant_masks"], bool), expected.loss_mask)
 
 

@@ -29,11 +29,11 @@ from flax import nnx
 
 from gemport.checkpoint import export_merged, export_peft, load_model, peft_for_vllm, vllm_misserved
 from gemport.cli import main
-from gemport.engines import serve_vllm
+from gemport.check.vllm import serve_vllm
 from gemport.errors import EngineError
 from gemport.lora import PROJECTIONS, LoraSpec, apply_lora
 from gemport.specs import GemmaSpec
-from gemport.verify import (WITHIN, compare_continuations, log_softmax, logprob_floor, transformers_model,
+from gemport.check.verify import (WITHIN, compare_continuations, log_softmax, logprob_floor, transformers_model,
                             tunix_logits)
 
 VLLM_PYTHON = Path(os.environ.get("GEMPORT_VLLM_PYTHON") or Path(__file__).parents[1] / ".venv-vllm/bin/python")

@@ -2,7 +2,7 @@
 
 A layout is an einops pattern such as ``"s (k h) d -> s k d h"``: each side lists the dimensions of an array,
 and a dimension is one axis letter or a parenthesised group of letters merged into one. ``Pattern.parse``
-turns the string into that structure; the names table (``gemport.names``), the LoRA factor layouts
+turns the string into that structure; the names table (``gemport.specs.names``), the LoRA factor layouts
 (``gemport.lora``) and the mesh's dimension names (``gemport.mesh``) all read layouts through it. An einsum equation such as ``"BTD,NDH->BTNH"`` (one letter per
 dimension, as Tunix's modules record them) is read by ``Equation.parse``.
 """

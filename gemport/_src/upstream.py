@@ -143,7 +143,7 @@ def peft_trainer_class():
     """
     from gemport._src.extras import require
 
-    peft_trainer = require("tunix.sft.peft_trainer", "gemport.train.peft_trainer")
+    peft_trainer = require("tunix.sft.peft_trainer", "gemport.run.trainer")
 
     class PeftTrainer(peft_trainer.PeftTrainer):
         def prepare_inputs(self, inputs, training: bool):

@@ -9,7 +9,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from gemport import names
+from gemport.specs import names
 from gemport.checkpoint.hf_dir import HFCheckpoint, resolve_spec
 from gemport.checkpoint.safetensors import DTYPES, FLOAT_DTYPES
 from gemport.errors import CheckpointError
@@ -50,7 +50,7 @@ def load_hf(hf_dir: str | Path, *, spec: GemmaSpec | None = None, mesh=None, par
     """Load an HF Gemma checkpoint as the Tunix parameter state, tensor by tensor.
 
     Each Tunix parameter is built from HF tensors read one at a time (renamed, transposed, fused per
-    ``gemport.names``) and placed straight into its sharding: with ``mesh``, Tunix's default annotation on
+    ``gemport.specs.names``) and placed straight into its sharding: with ``mesh``, Tunix's default annotation on
     that mesh (axes ``fsdp`` and ``tp``), each device reading only its slice; without, the default device.
     Peak memory is the loaded state plus one tensor.
 

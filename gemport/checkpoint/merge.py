@@ -31,7 +31,7 @@ def export_merged(lora, out_dir: str | Path, *, base_dir: str | Path, lora_spec:
     """Write the base checkpoint with the LoRA deltas merged in, as an HF checkpoint directory.
 
     Each adapted HF weight W [out, in] becomes ``W + lora_B @ lora_A * scale`` (the module's PEFT scale), computed in float32 a block
-    of rows at a time and cast to W's dtype; fused Tunix modules are split per ``gemport.names``. Every other
+    of rows at a time and cast to W's dtype; fused Tunix modules are split per ``gemport.specs.names``. Every other
     tensor (embeddings, norms, vision and audio towers) is copied byte for byte without being decoded.
     Config, tokenizer and other files are copied. Peak memory is the adapter plus a few 16 MiB blocks,
     independent of model size. The directory appears atomically when complete.

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gemport import names
+from gemport.specs import names
 from gemport.checkpoint.adapters import load_lora
 from gemport.checkpoint.hf_dir import HFCheckpoint, resolve_spec
 from gemport.checkpoint.load import matched_entries

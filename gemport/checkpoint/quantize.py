@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import qwix
 from tqdm.auto import tqdm
 
-from gemport import names
+from gemport.specs import names
 from gemport.checkpoint.hf_dir import HFCheckpoint, resolve_spec
 from gemport.checkpoint.load import _place, _sharding, matched_entries
 from gemport.checkpoint.safetensors import DTYPES

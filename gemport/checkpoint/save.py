@@ -8,7 +8,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from gemport import names
+from gemport.specs import names
 from gemport.checkpoint.hf_dir import HFCheckpoint, resolve_spec
 from gemport.checkpoint.load import matched_entries
 from gemport.checkpoint.output import atomic_dir, check_output, copy_side_files, write_sharded
@@ -22,7 +22,7 @@ def save_hf(state_or_model, out_dir: str | Path, *, base_dir: str | Path | None 
             spec: GemmaSpec | None = None, max_shard_size: int | str = "5GB") -> Path:
     """Write Tunix parameters as an HF checkpoint: sharded safetensors, index and config.json.
 
-    Each Tunix parameter is gathered, converted back to its HF tensor(s) (``gemport.names``) in its own
+    Each Tunix parameter is gathered, converted back to its HF tensor(s) (``gemport.specs.names``) in its own
     dtype, and written before the next is read, so peak memory is one tensor beyond the state itself.
     The directory appears atomically when complete.
 

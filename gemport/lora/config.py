@@ -18,7 +18,7 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
-from gemport import names
+from gemport.specs import names
 from gemport.errors import LoraError
 from gemport._src.jsonfile import Fields, read_json
 

@@ -34,7 +34,7 @@ import math
 import einops
 import numpy as np
 
-from gemport import names
+from gemport.specs import names
 from gemport._src.partition import Spec
 from gemport._src.pattern import Pattern, words
 from gemport.lora.config import EXPERT_PARAMETERS, LoraSpec

@@ -1,7 +1,7 @@
 """Where LoRA sits on a Tunix Gemma model, and how its factors are shaped: one answer per (GemmaSpec, LoraSpec).
 
 PEFT adapts HF linear modules (``q_proj``, ``k_proj``...), each with ``lora_A`` [r, in] and ``lora_B``
-[out, r]. Tunix's weights fuse and reshape those linears (``gemport.names``): one ``kv_einsum`` (s=2, K, D, H)
+[out, r]. Tunix's weights fuse and reshape those linears (``gemport.specs.names``): one ``kv_einsum`` (s=2, K, D, H)
 holds ``k_proj`` and ``v_proj``. An `Adapter` is the LoRA of one Tunix module, derived from its names-table
 entry: ``lora_a`` has the weight's input axes then r, ``lora_b`` r then the remaining axes, in the weight's
 order (Qwix's convention); on a fused module with separate factors the stacking axis ``s`` leads both, so each
@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import einops
 import numpy as np
 
-from gemport import names
+from gemport.specs import names
 from gemport._src import pattern
 from gemport.errors import LoraError
 from gemport.lora.config import PROJECTIONS, LoraSpec

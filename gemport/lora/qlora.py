@@ -24,7 +24,7 @@ from os import PathLike
 from pathlib import Path
 from typing import Any
 
-from gemport import names
+from gemport.specs import names
 from gemport._src.jsonfile import Fields, read_json
 from gemport._src.partition import axes_of, padded
 from gemport._src.partition import bytes_per_device as per_device

@@ -248,7 +248,7 @@ def apply_lora(model, spec: GemmaSpec, lora: LoraSpec | LoraParams, *, seed: int
 
     Runs ``qwix.apply_lora_to_model`` with `provider` on a dummy batch. Each factor carries its base weight's
     sharding annotation with the rank axis unsharded (`LoraLayout.specs`) and, on a mesh, is placed
-    accordingly: no `gemport.sharding.fix_lora` needed.
+    accordingly: no `gemport.mesh.fix_lora` needed.
 
     Args:
       model: a Tunix Gemma model of ``spec`` (e.g. from `gemport.checkpoint.load_model`), on a mesh or not.

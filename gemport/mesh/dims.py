@@ -2,7 +2,7 @@
 
 Tunix annotates every Gemma parameter with a spec over the axes ``fsdp`` and ``tp`` (e.g. ``q_einsum``
 (N, D, H) -> ("tp", "fsdp", None)). Building the model as shapes only (``nnx.eval_shape``) gives every
-parameter's shape and spec for any spec, without memory; the ``gemport.names`` layouts name each axis.
+parameter's shape and spec for any spec, without memory; the ``gemport.specs.names`` layouts name each axis.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import re
 
 from flax import nnx
 
-from gemport import names
+from gemport.specs import names
 from gemport._src import pattern
 from gemport._src.params import abstract_model, path_str
 from gemport._src.partition import axes_of, spec_of

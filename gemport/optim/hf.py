@@ -48,8 +48,8 @@ class HFOptimizer(NamedTuple):
     """What ``hf_optimizer`` returns.
 
     tx: the optimizer step, applied once per accumulated batch to the gradient of the batch's mean token loss
-        (the mean over the targets of all its micro-batches): what ``train.train_step`` and
-        ``train.peft_trainer.HFPeftTrainer`` take, whatever ``gradient_accumulation_steps`` is.
+        (the mean over the targets of all its micro-batches): what ``step.train_step`` and
+        ``run.trainer.HFPeftTrainer`` take, whatever ``gradient_accumulation_steps`` is.
     schedule: the learning rate of each optimizer step.
     accumulation: ``gradient_accumulation_steps``, the micro-batches A of one optimizer step.
     """

@@ -1,6 +1,6 @@
 """Planning a run before renting: what each device holds, estimated and compiled, and the whole recipe checked.
 
-Planning sits above training: it compiles the step ``gemport.train`` runs, never one of its own.
+Planning sits above training: it compiles the step ``gemport.run`` trains, never one of its own.
 ``memory_plan`` / ``valid_meshes`` estimate what each device of an (fsdp, tp) mesh holds (params, LoRA, Adam
 moments, a train step's gradients, activations and logits: ``gemport.plan.activations``) without compiling;
 ``compiled_peak`` compiles the train step ``SFTRun.train()`` runs (``gemport.plan.compiled.lower_step`` of

@@ -25,7 +25,7 @@ import numpy as np
 
 from gemport.errors import MeshError
 from gemport.specs import GemmaSpec
-from gemport.train.step import LossFn, segment_loss
+from gemport.step.hf import LossFn, segment_loss
 
 REMAT = ("none", "block", "decoder")
 
@@ -38,7 +38,7 @@ _BACKWARD = {"scores": 2.0, "mlp": 1.0, "model": 2.0}
 _LOGIT_COPIES = 4
 # Model-width tensors per layer kept under remat: the layer's inputs (decoder), or each block's (block).
 _REMAT_KEPT = {"decoder": 2.0, "block": 5.0}
-# gemport's default step (``train.segment_loss``) holds float32 blocks of logits [rows, CHUNK, VOCAB_SLICE], not
+# gemport's default step (``step.segment_loss``) holds float32 blocks of logits [rows, CHUNK, VOCAB_SLICE], not
 # (B, T, V): the block, its exponentials and its cotangent.
 _BLOCK_COPIES = 3
 
@@ -54,7 +54,7 @@ class StepMemory:
       logits_bytes: the float32 logits (B, T, V) and the loss's temporaries of that size.
       batch_bytes: the input rows (tokens, positions, loss mask; segment ids, or Tunix's attention mask
         [B, T, T]).
-      loss_fn: the step's loss: gemport's default (``train.segment_loss``), or ``train.tunix_loss`` (Tunix's own
+      loss_fn: the step's loss: gemport's default (``step.segment_loss``), or ``step.tunix_loss`` (Tunix's own
         attention and logits).
       gathered_bytes: under fsdp, the weights gathered whole over fsdp for a dot (``gemport.plan.memory``); 0
         without fsdp.
@@ -78,8 +78,8 @@ class StepMemory:
 
 def _layer_widths(spec: GemmaSpec, layer: int, seq_len: int, tp: int, tiled: bool) -> dict[str, float]:
     """Per-token elements on one device of each kind of tensor a layer computes; attention scores are one
-    [T, S] row per head under Tunix's attention, one tile row (``train.attention.BLOCK`` keys) under gemport's."""
-    from gemport.train.attention import BLOCK
+    [T, S] row per head under Tunix's attention, one tile row (``step.attention.BLOCK`` keys) under gemport's."""
+    from gemport.step.attention import BLOCK
 
     keys = min(seq_len, BLOCK) if tiled else seq_len
     head_dim, kv_heads = spec.layer_head_dim(layer), spec.layer_kv_heads(layer)
@@ -115,8 +115,8 @@ def step_memory(
       trainable_bytes: per-device bytes of the trainable params (their gradients are as large).
       compute_dtype: the compute dtype of activations (Tunix Gemma 4's ``dtype``; Gemma 3 computes in its param
         dtype). Gemma 4 takes attention softmax in float32 whatever it is; logits are float32.
-      loss_fn: ``train.segment_loss``, the step ``train.train_step`` runs by default (segment attention in tiles,
-        the loss in blocks of logits); ``train.tunix_loss``: Tunix's own attention ([B, T, N, S] scores) and
+      loss_fn: ``step.segment_loss``, the step ``step.train_step`` runs by default (segment attention in tiles,
+        the loss in blocks of logits); ``step.tunix_loss``: Tunix's own attention ([B, T, N, S] scores) and
         [B, T, V] logits.
       gathered_bytes: per-device bytes of the weights fsdp gathers whole for the dot that needs them at the
         peak (``gemport.plan.memory`` counts them from the params' annotations); carried as they are.
@@ -156,7 +156,7 @@ def step_memory(
         # int32 tokens and positions, bool loss mask and attention mask.
         batch_bytes = rows * seq_len * (4 + 4 + 1 + seq_len)
     else:
-        from gemport.train.chunked_loss import CHUNK, VOCAB_SLICE, num_slices
+        from gemport.step.chunked_loss import CHUNK, VOCAB_SLICE, num_slices
 
         block = rows * min(CHUNK, seq_len) * -(-spec.vocab // num_slices(spec.vocab, VOCAB_SLICE) // tp)
         logits = _BLOCK_COPIES * block * 4

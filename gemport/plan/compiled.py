@@ -28,8 +28,9 @@ from gemport.mesh.context import use_mesh
 from gemport._src import upstream
 from gemport._src.partition import padded, spec_of
 from gemport.specs import GemmaSpec
-from gemport.train.model import lora_model
-from gemport.train.step import BATCH_FIELDS, LossFn, segment_loss
+from gemport.run.model import lora_model
+from gemport.step.hf import LossFn, segment_loss
+from gemport.data.batching import BATCH_FIELDS
 
 # XLA:CPU orders a program for concurrency by default: it runs every layer's rematerialisation as early
 # as its inputs allow, so remat saves nothing. Accelerators schedule for memory; with this flag in XLA_FLAGS
@@ -40,7 +41,7 @@ CPU_MEMORY_SCHEDULER = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 def micro_batch_shapes(rows: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
     """One micro-batch as ``HFPeftTrainer``'s step takes it (``micro_batches``' elements without the accumulation
     field): tokens, segment_ids, positions int32 [B, T], loss_mask bool [B, T], num_items_in_batch int32 [B]."""
-    from gemport.train.peft_trainer import NUM_ITEMS
+    from gemport.run.trainer import NUM_ITEMS
 
     shapes = {k: jax.ShapeDtypeStruct((rows, seq_len), jnp.bool_ if k == "loss_mask" else jnp.int32)
               for k in BATCH_FIELDS}
@@ -74,7 +75,7 @@ def lower_step(trainer: Any, mesh, rows: int, seq_len: int, *,
     element of ``SFTRun.micro_batches``: a ``DPORun``'s carries DPO's fields); default ``micro_batch_shapes``.
     """
     rows_sharding = NamedSharding(mesh, PartitionSpec(*trainer.config.data_sharding_axis))
-    from gemport.train.peft_trainer import ACCUMULATION
+    from gemport.run.trainer import ACCUMULATION
 
     layout = micro_batch if micro_batch is not None else micro_batch_shapes(rows, seq_len)
     inputs = {k: jax.ShapeDtypeStruct(np.shape(v), v.dtype, sharding=rows_sharding) for k, v in layout.items()
@@ -141,8 +142,8 @@ def step_trainer(model: nnx.Module, args: Mapping[str, Any] | None = None, *, lo
     for the rest; one optimizer step), without data: ``hf_optimizer``'s transformation and schedule, Tunix's
     ``TrainingConfig`` with the recipe's accumulation, no checkpoints."""
     from gemport.optim import hf_optimizer
-    from gemport.train.peft_trainer import HFPeftTrainer
-    from gemport.train.run import sft_fields, training_config
+    from gemport.run.trainer import HFPeftTrainer
+    from gemport.run.sft import sft_fields, training_config
 
     args = sft_fields(dict(args or {}))
     return HFPeftTrainer(model, hf_optimizer(args, num_training_steps=1).tx, training_config(args, 1), loss_fn=loss_fn)
@@ -159,18 +160,18 @@ def compiled_peak(spec: GemmaSpec, lora_spec: LoraSpec, fsdp: int, tp: int, *, b
     ``seq_len`` tokens per micro-batch, the optimizer, accumulation, clipping and schedule of the ``SFTConfig``
     fields ``args`` (TRL's defaults for the rest), on an abstract model of ``spec`` with ``lora_spec``; lowered for
     abstract inputs and compiled, never run: nothing is allocated. remat: Tunix's ``remat_config``; default the
-    recipe's ``gradient_checkpointing`` (``train.sft.remat_of``: TRL's default is decoder remat). loss_fn: the loss
+    recipe's ``gradient_checkpointing`` (``data.sft.remat_of``: TRL's default is decoder remat). loss_fn: the loss
     of ``HFPeftTrainer(loss_fn=)``. For a TPU slice it is the program the slice would run, splash attention included.
     XLA:CPU computes bfloat16 in float32, so its figure for a bf16 model includes float32 copies of weights
     and activations a TPU would not make: an upper bound for the TPU's. With ``qlora`` the base is 4-bit as
-    ``load_qlora_model`` places it (``gemport.train.model.quantize_base``). On CPU, give XLA
+    ``load_qlora_model`` places it (``gemport.run.model.quantize_base``). On CPU, give XLA
     ``CPU_MEMORY_SCHEDULER`` before JAX starts, or remat saves nothing.
     Raises MeshError when the host has fewer than fsdp * tp CPU devices
     (``--xla_force_host_platform_device_count``), or fsdp * tp is not the TPU slice's chip count.
     """
     from gemport.mesh.factory import make_mesh
     from gemport.mesh.tpu import slice_devices
-    from gemport.train.sft import remat_of
+    from gemport.data.sft import remat_of
 
     if tpu is not None:
         devices = slice_devices(tpu)

@@ -102,7 +102,7 @@ def dry_run(run: Any, *, hbm_bytes: int | None = None) -> DryRun:
     rows, seq_len = first["tokens"].shape
     trainer = run.make_trainer() if run.trainer is None else run.trainer
     compiled = compile_step(trainer, run.mesh, rows, seq_len, micro_batch=first)
-    from gemport.train.sft import remat_of
+    from gemport.data.sft import remat_of
 
     remat = remat_of(run.args)  # the model's, as create set it
     return DryRun(compiled.argument_bytes, compiled.temp_bytes, compiled.peak_bytes,

@@ -17,7 +17,7 @@ from gemport.lora.qlora import bytes_per_device as qlora_bytes_per_device
 from gemport.lora.qlora import is_quantized
 from gemport._src.partition import axes_of, bytes_per_device
 from gemport.specs import GemmaSpec
-from gemport.train.step import LossFn, segment_loss, tunix_loss
+from gemport.step.hf import LossFn, segment_loss, tunix_loss
 
 GiB = 2**30
 
@@ -164,8 +164,8 @@ def memory_plan(
         fsdp > 1, the largest weight and embedding slice gathered whole over fsdp for their dots.
       compute_dtype: the compute dtype of activations (default ``param_dtype``).
       backend: ``"cpu"`` adds the weight copies XLA:CPU makes for its dots, to compare with a CPU compile.
-      loss_fn: ``train.segment_loss`` plans ``train.train_step``'s default step (segment attention in tiles, the
-        loss in blocks of logits), as ``compiled_peak(loss_fn=)`` compiles it; ``train.tunix_loss``: Tunix's own
+      loss_fn: ``step.segment_loss`` plans ``step.train_step``'s default step (segment attention in tiles, the
+        loss in blocks of logits), as ``compiled_peak(loss_fn=)`` compiles it; ``step.tunix_loss``: Tunix's own
         attention and logits. With a batch
         the plan also carries Tunix's step (``tunix_step``), what it would need.
       qlora: a 4-bit base (QLoRA): every projection weight counts its 4-bit codes and float32 block scales
@@ -232,7 +232,7 @@ def _gathered(spec, params, sizes, param_dtype, loss_fn: LossFn, qlora=None) -> 
     # over fsdp just before its dot (forward, remat recompute, backward) into a temporary the size of its tp shard,
     # and frees it after: at the peak the largest layer weight is gathered (libtpu, 31B widths on a v6e-8). The
     # tied embedding is read by the loss: the fast step gathers one vocabulary slice of it at a time
-    # (gemport.train.chunked_loss), Tunix's step all of it.
+    # (gemport.step.chunked_loss), Tunix's step all of it.
     if sizes[FSDP] == 1:
         return 0
     whole = {**sizes, FSDP: 1}
@@ -251,7 +251,7 @@ def _gathered(spec, params, sizes, param_dtype, loss_fn: LossFn, qlora=None) -> 
     embedding = sum(bytes_per_device(shape, ann, whole, item) for path, shape, ann, _ in params
                     if path.endswith("input_embedding") and sharded(ann))
     if loss_fn is segment_loss:
-        from gemport.train.chunked_loss import VOCAB_SLICE, num_slices
+        from gemport.step.chunked_loss import VOCAB_SLICE, num_slices
 
         embedding //= num_slices(spec.vocab, VOCAB_SLICE)
     return weights + embedding
@@ -261,7 +261,7 @@ def _weight_copy(params, sizes, param_dtype, loss_fn: LossFn, qlora=None, comput
     # XLA:CPU transposes q/kv/k einsum weights (D is not their leading axis) and, in Tunix's step, the
     # embedding (used as x @ E.T) into a temporary before each dot, one at a time: the largest one is live at
     # the peak. The fast step decodes slices of the embedding; XLA:CPU slices no bfloat16 array, so it holds
-    # a 16-bit view of a bfloat16 one (gemport.train.chunked_loss).
+    # a 16-bit view of a bfloat16 one (gemport.step.chunked_loss).
     item = np.dtype(param_dtype).itemsize
     tiled = loss_fn is segment_loss
     copied = ("q_einsum.w", "kv_einsum.w", "k_einsum.w", "qkv_einsum.w") + (("input_embedding",) if not tiled

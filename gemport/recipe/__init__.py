@@ -4,9 +4,9 @@ A recipe (a ``trl sft`` / ``trl dpo`` YAML, a dict of its fields, an ``SFTConfig
 ``TrainingArguments``) enters gemport here and nowhere else: ``read`` accounts for every field it sets (used,
 mapped with a note, or refused with a ``RecipeError``), ``trainer_fields`` gives every trainer-config field of it,
 and each consumer takes its group of fields as a typed value (``OptimizerFields`` for ``optim.hf_optimizer``,
-``OrderFields`` for ``train.optimizer_steps``, ``DataFields`` for ``train.from_sft_config``, ``RunFields`` for
-``train.SFTRun`` and ``dpo.DPORun``, ``OutputsFields`` for ``train.outputs``, ``DPOLossFields`` for
-``dpo.from_dpo_config``; ``parity`` and the command lines take a whole ``Recipe``), each absent field at its
+``OrderFields`` for ``data.optimizer_steps``, ``DataFields`` for ``data.from_sft_config``, ``RunFields`` for
+``run.SFTRun`` and ``run.DPORun``, ``OutputsFields`` for ``run.outputs``, ``DPOLossFields`` for
+``step.from_dpo_config``; ``parity`` and the command lines take a whole ``Recipe``), each absent field at its
 owner's default, read from TRL or transformers (never written down in gemport).
 
 Example::

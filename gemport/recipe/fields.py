@@ -26,7 +26,7 @@ from typing import Any, ClassVar, Self
 from gemport.errors import MissingDependencyError
 
 SCRIPT = ("dataset_name", "dataset_config", "dataset_train_split", "dataset_test_split")
-"""ScriptArguments fields gemport uses (``gemport.train.data.load_splits``)."""
+"""ScriptArguments fields gemport uses (``gemport.data.splits.load_splits``)."""
 
 QLORA = ("load_in_4bit", "bnb_4bit_quant_type", "use_bnb_nested_quant")
 """ModelConfig fields of a QLoRA recipe's 4-bit base (``gemport.lora.QLoraSpec.from_config``, with ``dtype``)."""
@@ -135,7 +135,7 @@ class OptimizerFields(Fields):
 
 @dataclasses.dataclass(frozen=True)
 class OrderFields(Fields):
-    """What ``gemport.train.optimizer_steps`` reads: the sample order and the optimizer steps."""
+    """What ``gemport.data.optimizer_steps`` reads: the sample order and the optimizer steps."""
 
     owner: ClassVar[str] = "TrainingArguments"
     per_device_train_batch_size: int
@@ -150,7 +150,7 @@ class OrderFields(Fields):
 
 @dataclasses.dataclass(frozen=True)
 class DataFields(Fields):
-    """What ``gemport.train.from_sft_config`` reads: the data, the batch geometry and ``remat_of``'s remat."""
+    """What ``gemport.data.from_sft_config`` reads: the data, the batch geometry and ``remat_of``'s remat."""
 
     assistant_only_loss: bool
     completion_only_loss: bool | None
@@ -173,7 +173,7 @@ class DataFields(Fields):
 
 @dataclasses.dataclass(frozen=True)
 class RunFields(Fields):
-    """What ``gemport.train.SFTRun`` (and ``gemport.dpo.DPORun``) reads beyond its pipeline's and its
+    """What ``gemport.run.SFTRun`` (and ``gemport.run.DPORun``) reads beyond its pipeline's and its
     optimizer's: the template, evaluation, checkpoints, the dtype and the trackers."""
 
     output_dir: str | None
@@ -196,7 +196,7 @@ class RunFields(Fields):
 
 @dataclasses.dataclass(frozen=True)
 class OutputsFields(Fields):
-    """What ``gemport.train.outputs`` reads: ``trainer_state.json``, the trackers, the bar, ``step_epochs``."""
+    """What ``gemport.run.outputs`` reads: ``trainer_state.json``, the trackers, the bar, ``step_epochs``."""
 
     logging_steps: float
     logging_first_step: bool
@@ -213,7 +213,7 @@ class OutputsFields(Fields):
 
 @dataclasses.dataclass(frozen=True)
 class DPOLossFields(Fields):
-    """What ``gemport.dpo.from_dpo_config`` reads (those it does not reproduce are refused there, by name)."""
+    """What ``gemport.step.from_dpo_config`` reads (those it does not reproduce are refused there, by name)."""
 
     owner: ClassVar[str] = "DPOConfig"
     beta: float
@@ -229,21 +229,21 @@ class DPOLossFields(Fields):
 
 
 SFT = (
-    # data (gemport.train.from_sft_config)
+    # data (gemport.data.from_sft_config)
     "assistant_only_loss", "completion_only_loss", "max_length", "truncation_mode", "packing", "packing_strategy",
     "padding_free", "pad_to_multiple_of", "dataset_text_field", "eos_token", "pad_token", "loss_type",
     "shuffle_dataset", "chat_template_path",
-    # sample order and steps (gemport.train.optimizer_steps)
+    # sample order and steps (gemport.data.optimizer_steps)
     "per_device_train_batch_size", "gradient_accumulation_steps", "seed", "data_seed", "train_sampling_strategy",
     "max_steps", "num_train_epochs", "dataloader_drop_last",
     # optimizer and schedule (gemport.optim.hf_optimizer)
     "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "lr_scheduler_type",
     "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio", "optim", "average_tokens_across_devices",
-    # run: evaluation, logging, checkpoints, outputs (gemport.train.run, gemport.train.outputs)
+    # run: evaluation, logging, checkpoints, outputs (gemport.run.sft, gemport.run.outputs)
     "output_dir", "bf16", "eval_strategy", "eval_steps", "per_device_eval_batch_size", "eval_on_start",
     "logging_strategy", "logging_steps", "logging_first_step", "logging_dir", "report_to", "run_name", "project",
     "save_strategy", "save_steps", "save_total_limit", "resume_from_checkpoint", "disable_tqdm",
-    # memory (gemport.train.sft.remat_of: decoder remat, set on the model by gemport.train.run)
+    # memory (gemport.data.sft.remat_of: decoder remat, set on the model by gemport.run.sft)
     "gradient_checkpointing", "gradient_checkpointing_kwargs",
 )
 """SFTConfig fields gemport uses."""
@@ -252,11 +252,11 @@ USED = frozenset(SCRIPT + MODEL + SFT)
 
 
 DPO = (
-    # data (gemport.dpo.preferences, gemport.dpo.collate)
+    # data (gemport.data.preferences, gemport.data.collate)
     "max_length", "truncation_mode", "pad_to_multiple_of",
-    # loss (gemport.dpo.from_dpo_config)
+    # loss (gemport.step.from_dpo_config)
     *DPOLossFields.names(),
-    # LoRA dropout off while training, as TRL sets every dropout module's p to 0 (gemport.dpo.run)
+    # LoRA dropout off while training, as TRL sets every dropout module's p to 0 (gemport.run.dpo)
     "disable_dropout",
 ) + SFT[SFT.index("per_device_train_batch_size"):]
 """DPOConfig fields ``gemport dpo`` uses: its data and loss fields and SFT's run fields (order, optimizer,

@@ -1,0 +1,189 @@
+"""Cross-entropy from a Tunix Gemma's final hidden states and its tied embedding, a block of logits at a time.
+
+Tunix's model returns float32 logits [B, T, V] (4 GiB per 4096-token row at Gemma's 262144-token vocabulary,
+and as much again for their gradient). Here the logits of ``CHUNK`` tokens against ``VOCAB_SLICE`` embedding
+rows at a time are computed from the hidden states (Tunix's ``embedder.decode`` on those rows, then Gemma 4's
+final softcap) and folded into each token's log-sum-exp (an online softmax, as flash attention takes it); the
+backward pass (`jax.custom_vjp`) recomputes each block from the saved log-sum-exp. Memory holds one block of
+logits, never a chunk's or the row's, and no float32 copy of the whole embedding: a compiler that computes a
+bfloat16 dot in float32 (XLA:CPU) converts one slice of rows at a time, not 262144 x D (``slice_rows``).
+
+The slices interleave (slice b holds tokens b, b + s, b + 2s, ...), so on a mesh whose tp axis splits the
+vocabulary each device reads its own rows of every slice, without communication.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gemport.mesh.tpu import platform
+
+CHUNK = 512
+"""Tokens of each row per block of logits (and per float32 cotangent [B, CHUNK, D] of the backward pass)."""
+
+VOCAB_SLICE = 16384
+"""Embedding rows per block of logits: [B, CHUNK, VOCAB_SLICE] float32 (32 MiB a row) are held at once."""
+
+
+@functools.cache
+def _tap(norm_cls: type) -> type:
+    # The final norm, also recording its output: the hidden states Tunix decodes into logits.
+    def __call__(self, x):
+        y = norm_cls.__call__(self, x)
+        self.sow(nnx.Intermediate, "hidden_states", y)
+        return y
+
+    return type(f"HiddenStates{norm_cls.__name__}", (norm_cls,), {"__call__": __call__})
+
+
+def hidden_states(model: nnx.Module, tokens: jax.Array, positions: jax.Array, attention: jax.Array) -> jax.Array:
+    """The final hidden states [B, T, D] of a Tunix Gemma 3 / Gemma 4 model (after its final norm), the
+    input of its ``embedder.decode``.
+
+    tokens, positions: int [B, T]; attention: what the model takes as ``attention_mask`` (bool [B, T, T] for a
+    Tunix model, segment_ids int [B, T] for a ``segment_attention_model``). The model runs as it is (remat,
+    LoRA, sharding); its logits are left unused, so XLA drops their computation. ``model`` is not changed.
+    """
+    copy = nnx.merge(*nnx.split(model))
+    copy.final_norm.__class__ = _tap(type(copy.final_norm))
+    copy(tokens, positions, None, attention)
+    (hidden,) = jax.tree.leaves(nnx.pop(copy, nnx.Intermediate))
+    return hidden
+
+
+def num_slices(vocab: int, vocab_slice: int = VOCAB_SLICE) -> int:
+    """The fewest interleaved slices of at most ``vocab_slice`` rows that split ``vocab`` evenly."""
+    return next(s for s in range(-(-vocab // vocab_slice), vocab + 1) if vocab % s == 0)
+
+
+def _slice_logits(graphdef, state, softcap, slices, h_c, b):
+    # Slice b's raw logits [C, V / s] as Tunix's decode computes them, its rows [V / s, D], and the softcap's
+    # tanh (None without one) and the float32 logits the loss reads.
+    embedder = nnx.merge(graphdef, state)
+    w_b = slice_rows(embedder.input_embedding.get_value(), slices, b)
+    embedder.input_embedding = nnx.Param(w_b)
+    raw = embedder.decode(h_c)
+    z = raw.astype(jnp.float32)
+    if softcap is None:
+        return raw, w_b, None, z
+    tanh = jnp.tanh(z / softcap)
+    return raw, w_b, tanh, tanh * softcap
+
+
+def slice_rows(w: jax.Array, slices: int, b: jax.Array, *, bits: bool | None = None) -> jax.Array:
+    """Rows b, b + s, b + 2s, ... [V / s, D] of the embedding ``w`` [V, D], for ``s = slices`` and a traced b.
+
+    bits: slice a bfloat16 ``w`` as its 16-bit pattern (default: when the trace compiles for CPU,
+    ``gemport.mesh.tpu.platform``). XLA:CPU moves no bfloat16 data as such: it would convert the whole
+    embedding to float32 to slice it (5 GiB at Gemma's vocabulary), where the bit pattern costs one 16-bit copy. Accelerators slice bfloat16 in place. Both give the same rows.
+    """
+    if bits is None:
+        bits = platform() == "cpu"
+    if not (bits and w.dtype == jnp.bfloat16):
+        return jax.lax.dynamic_index_in_dim(w.reshape(-1, slices, w.shape[-1]), b, axis=1, keepdims=False)
+    pattern = jax.lax.bitcast_convert_type(w, jnp.uint16).reshape(-1, slices, w.shape[-1])
+    return jax.lax.bitcast_convert_type(jax.lax.dynamic_index_in_dim(pattern, b, axis=1, keepdims=False), w.dtype)
+
+
+def _split_targets(t_c, slices):
+    # Token v is row v // s of slice v % s.
+    return t_c // slices, t_c % slices
+
+
+def _forward(h, targets, state, graphdef, softcap, slices):
+    f32 = jnp.float32
+
+    def chunk(_, xs):
+        h_c, t_c = xs
+        row, which = _split_targets(t_c, slices)
+
+        def one(carry, b):
+            m, l, picked = carry
+            z = _slice_logits(graphdef, state, softcap, slices, h_c, b)[3]
+            m_new = jnp.maximum(m, z.max(-1))
+            l = l * jnp.exp(m - m_new) + jnp.exp(z - m_new[..., None]).sum(-1)
+            picked = picked + jnp.where(which == b, jnp.take_along_axis(z, row[..., None], -1)[..., 0], 0.0)
+            return (m_new, l, picked), None
+
+        c = h_c.shape[:-1]
+        init = (jnp.full(c, -jnp.inf, f32), jnp.zeros(c, f32), jnp.zeros(c, f32))
+        (m, l, picked), _ = jax.lax.scan(one, init, jnp.arange(slices))
+        lse = m + jnp.log(l)
+        return None, (lse - picked, lse)
+
+    _, (nll, lse) = jax.lax.scan(chunk, None, (h, targets))
+    return nll, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _nll(h, targets, state, graphdef, softcap, slices):
+    return _forward(h, targets, state, graphdef, softcap, slices)[0]
+
+
+def _nll_fwd(h, targets, state, graphdef, softcap, slices):
+    nll, lse = _forward(h, targets, state, graphdef, softcap, slices)
+    return nll, (h, targets, state, lse)
+
+
+def _nll_bwd(graphdef, softcap, slices, residuals, g):
+    h, targets, state, lse = residuals
+    f32 = jnp.float32
+    w = nnx.merge(graphdef, state).input_embedding.get_value()
+    rows = w.shape[0] // slices
+
+    def chunk(dw, xs):
+        h_c, t_c, lse_c, g_c = xs
+        row, which = _split_targets(t_c, slices)
+
+        def one(carry, b):
+            dh, dw = carry
+            raw, w_b, tanh, z = _slice_logits(graphdef, state, softcap, slices, h_c, b)
+            target = (which[..., None] == b) & (row[..., None] == jnp.arange(rows))
+            dz = g_c[..., None] * (jnp.exp(z - lse_c[..., None]) - target)
+            if tanh is not None:
+                dz = dz * (1 - tanh * tanh)
+            # The cotangent of decode's output in its dtype, contracted with float32 accumulation over all
+            # slices: the one dot over the whole vocabulary that the full-logits gradient is.
+            d = dz.astype(raw.dtype)
+            dh = dh + jnp.dot(d, w_b.astype(raw.dtype), preferred_element_type=f32)
+            dw = dw.at[:, b].add(jnp.einsum("bcv,bcd->vd", d, h_c.astype(raw.dtype), preferred_element_type=f32))
+            return (dh, dw), None
+
+        (dh, dw), _ = jax.lax.scan(one, (jnp.zeros(h_c.shape, f32), dw), jnp.arange(slices))
+        return dw, dh.astype(h_c.dtype)
+
+    # The embedding's gradient is only built when it is trained: under LoRA nothing reads it and XLA drops it.
+    dw, dh = jax.lax.scan(chunk, jnp.zeros((rows, slices, w.shape[-1]), f32), (h, targets, lse, g))
+    d_state = jax.tree.map(jnp.zeros_like, state)
+    d_state["input_embedding"] = d_state["input_embedding"].replace(dw.reshape(w.shape).astype(w.dtype))
+    return dh, None, d_state
+
+
+_nll.defvjp(_nll_fwd, _nll_bwd)
+
+
+def target_nll(model: nnx.Module, hidden: jax.Array, tokens: jax.Array, *, chunk: int = CHUNK,
+               vocab_slice: int = VOCAB_SLICE) -> jax.Array:
+    """Next-token negative log-likelihoods from hidden states, ``chunk`` tokens by ``vocab_slice`` rows' logits
+    at a time.
+
+    model: the Tunix Gemma whose ``embedder`` (and final logit softcap, if its config has one) turn hidden
+    states into logits; hidden: [B, T, D] (``hidden_states``); tokens: int [B, T]. Position t predicts token
+    t + 1, as ``step.cross_entropy``. Returns float32 [B, T - 1]: the value of ``step.cross_entropy``' per-target loss on
+    Tunix's logits, with float32 log-softmax. Differentiable in ``hidden`` and the embedding (whose gradient
+    is built only when it is trained).
+    """
+    b, t, d = hidden.shape
+    n = t - 1
+    chunk = min(chunk, n)
+    pad = -n % chunk
+    # [chunks, B, chunk, ...]: each block keeps the rows of the batch, so fsdp keeps splitting them.
+    h = jnp.pad(hidden[:, :-1], ((0, 0), (0, pad), (0, 0))).reshape(b, -1, chunk, d).swapaxes(0, 1)
+    targets = jnp.pad(jnp.asarray(tokens, jnp.int32)[:, 1:], ((0, 0), (0, pad))).reshape(b, -1, chunk).swapaxes(0, 1)
+    graphdef, state = nnx.split(model.embedder)
+    softcap = getattr(model.config, "final_logit_softcap", None)
+    slices = num_slices(state["input_embedding"].get_value().shape[0], vocab_slice)
+    nll = _nll(h, targets, state, graphdef, softcap, slices)
+    return nll.swapaxes(0, 1).reshape(b, -1)[:, :n]
