@@ -29,7 +29,7 @@ SUBPACKAGES = {
         "load_orbax", "load_qlora_model", "peft_for_vllm", "load_lora", "save_hf", "save_lora", "save_lora_spec",
         "save_orbax", "vllm_misserved",
     ],
-    "gemport.check.vllm": ["PYTHON_ENV", "Served", "max_lora_rank", "serve_vllm", "vllm_python"],
+    "gemport.check.vllm_offline": ["PYTHON_ENV", "Served", "max_lora_rank", "serve_vllm", "vllm_python"],
     "gemport.lora": [
         "PROJECTIONS", "VLLM_RANKS", "Adapter", "LoraLayout", "LoraParams", "LoraSpec", "Provider", "QLoraSpec",
         "apply_lora", "dropout_key", "factor_axes", "factor_specs", "lora_dropout", "provider",
@@ -61,7 +61,7 @@ SUBPACKAGES = {
     "gemport.recipe": [
         "COMMANDS", "DEFAULT_ONLY", "DPO", "DPO_MAPPED", "MAPPED", "MODEL", "OWNERS", "QLORA", "REFUSED_WHEN_SET",
         "RETIRED", "SCRIPT", "SFT", "STRATEGIES", "TRL_LORA", "USED", "DataFields", "DPOLossFields", "Fields",
-        "OptimizerFields", "OrderFields", "OutputsFields", "Recipe", "RunFields", "check_strategies", "class_defaults",
+        "OptimizerFields", "OrderFields", "OutputsFields", "PreferenceFields", "Recipe", "RunFields", "check_strategies", "class_defaults",
         "defaults", "given", "owner_class", "parse_overrides", "read", "trainer_fields",
     ],
     "gemport.run.trainer": ["ACCUMULATION", "EXAMPLE_LOSS", "NUM_ITEMS", "SCOPES", "HFPeftTrainer", "eval_loss",

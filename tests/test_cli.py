@@ -251,7 +251,7 @@ def test_continuations_are_judged_against_a_floor_or_a_chosen_atol():
     atol given on purpose."""
     import numpy as np
 
-    from gemport.check.vllm import Served
+    from gemport.check.vllm_offline import Served
     from gemport.errors import VerifyError
     from gemport.check.verify import compare_continuations, compare_logits, compare_vllm, log_softmax
 

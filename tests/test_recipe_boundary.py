@@ -138,7 +138,7 @@ def test_each_consumer_group_reads_fields_its_owner_has_and_the_table_uses():
     (or a ``RETIRED`` one) and one the table counts as used: a group cannot read a field the reader refuses."""
     groups = recipe.Fields.__subclasses__()
     assert {g.__name__ for g in groups} == {"OptimizerFields", "OrderFields", "DataFields", "RunFields",
-                                            "OutputsFields", "DPOLossFields"}
+                                            "OutputsFields", "DPOLossFields", "PreferenceFields"}
     for group in groups:
         owner = set(recipe.defaults(group.owner)) | set(recipe.RETIRED)
         used = set(recipe.DPO) if group.owner == "DPOConfig" else set(recipe.SFT)

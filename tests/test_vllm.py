@@ -29,7 +29,7 @@ from flax import nnx
 
 from gemport.checkpoint import export_merged, export_peft, load_model, peft_for_vllm, vllm_misserved
 from gemport.cli import main
-from gemport.check.vllm import serve_vllm
+from gemport.check.vllm_offline import serve_vllm
 from gemport.errors import EngineError
 from gemport.lora import PROJECTIONS, LoraSpec, apply_lora
 from gemport.specs import GemmaSpec

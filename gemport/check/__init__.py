@@ -3,7 +3,7 @@
 - ``check.parity``: the GPU recipe (TRL's ``SFTTrainer`` + PEFT) and the port, step by step (``gemport parity``);
   ``check.dpo_parity``: the same for TRL's ``DPOTrainer``.
 - ``check.verify``: logits of an export against transformers (``compare_logits``), and vLLM's greedy continuations
-  against both (``compare_vllm``, served by ``check.vllm`` in vLLM's own venv).
+  against both (``compare_vllm``, served by ``check.vllm_offline`` in vLLM's own venv).
 - ``check.plots``: loss curves and parity's per-step pictures (``gemport[plot]``).
 
 Each module is imported on its own: they need the ``parity`` / ``hf`` extras.

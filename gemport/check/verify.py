@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gemport.check.vllm import Served, serve_vllm
+from gemport.check.vllm_offline import Served, serve_vllm
 from gemport._src.extras import require
 from gemport.errors import VerifyError
 from gemport.specs import GemmaSpec
@@ -286,7 +286,7 @@ def compare_vllm(hf_dir: str | Path, *, adapter_dir: str | Path | None = None, t
       within: agree within this multiple of the floor (in log-probability).
       atol: a fixed tolerance in log-probability instead (the floor is still reported).
       dtype: vLLM's dtype; the references run in float32.
-      python: the interpreter with vLLM (`gemport.check.vllm.vllm_python`).
+      python: the interpreter with vLLM (`gemport.check.vllm_offline.vllm_python`).
 
     Returns:
       One `ContinuationReport` per reference: transformers first, then Tunix.

@@ -2,7 +2,7 @@
 vLLM: ``python vllm_worker.py REQUEST.json RESPONSE.json``.
 
 It imports only the standard library and vLLM, so that venv needs nothing of gemport (vLLM pins its own torch
-and transformers). `gemport.check.vllm` writes the request and reads the response:
+and transformers). `gemport.check.vllm_offline` writes the request and reads the response:
 
 - request: ``runs``, each ``{"model": HF directory, "adapters": [PEFT adapter directory or null (the model
   itself), ...]}``, served one engine per run in this one process; ``prompts`` (lists of token ids),

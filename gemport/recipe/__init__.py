@@ -5,8 +5,8 @@ A recipe (a ``trl sft`` / ``trl dpo`` YAML, a dict of its fields, an ``SFTConfig
 mapped with a note, or refused with a ``RecipeError``), ``trainer_fields`` gives every trainer-config field of it,
 and each consumer takes its group of fields as a typed value (``OptimizerFields`` for ``optim.hf_optimizer``,
 ``OrderFields`` for ``data.optimizer_steps``, ``DataFields`` for ``data.from_sft_config``, ``RunFields`` for
-``run.SFTRun`` and ``run.DPORun``, ``OutputsFields`` for ``run.outputs``, ``DPOLossFields`` for
-``step.from_dpo_config``; ``parity`` and the command lines take a whole ``Recipe``), each absent field at its
+``run.SFTRun`` and ``run.DPORun``, ``OutputsFields`` for ``run.outputs``, ``PreferenceFields`` for
+``run.DPORun``'s pairs, ``DPOLossFields`` for ``step.from_dpo_config``; ``parity`` and the command lines take a whole ``Recipe``), each absent field at its
 owner's default, read from TRL or transformers (never written down in gemport).
 
 Example::
@@ -24,11 +24,12 @@ transformers; everything that reads a recipe imports it.
 
 from gemport.recipe.fields import (COMMANDS, DEFAULT_ONLY, DPO, DPO_MAPPED, MAPPED, MODEL, OWNERS, QLORA,
                                    REFUSED_WHEN_SET, RETIRED, SCRIPT, SFT, STRATEGIES, TRL_LORA, USED, DataFields,
-                                   DPOLossFields, Fields, OptimizerFields, OrderFields, OutputsFields, RunFields,
+                                   DPOLossFields, Fields, OptimizerFields, OrderFields, OutputsFields,
+                                   PreferenceFields, RunFields,
                                    class_defaults, defaults, given, owner_class)
 from gemport.recipe.read import Recipe, check_strategies, parse_overrides, read, trainer_fields
 
 __all__ = ["COMMANDS", "DEFAULT_ONLY", "DPO", "DPO_MAPPED", "MAPPED", "MODEL", "OWNERS", "QLORA", "REFUSED_WHEN_SET",
            "RETIRED", "SCRIPT", "SFT", "STRATEGIES", "TRL_LORA", "USED", "DataFields", "DPOLossFields", "Fields",
-           "OptimizerFields", "OrderFields", "OutputsFields", "Recipe", "RunFields", "check_strategies",
+           "OptimizerFields", "OrderFields", "OutputsFields", "PreferenceFields", "Recipe", "RunFields", "check_strategies",
            "class_defaults", "defaults", "given", "owner_class", "parse_overrides", "read", "trainer_fields"]

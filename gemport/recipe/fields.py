@@ -212,6 +212,22 @@ class OutputsFields(Fields):
 
 
 @dataclasses.dataclass(frozen=True)
+class PreferenceFields(Fields):
+    """What ``gemport.run.DPORun`` reads of a ``DPOConfig`` to lay its preference pairs out: truncation, batch
+    geometry and TRL's ``disable_dropout``."""
+
+    owner: ClassVar[str] = "DPOConfig"
+    max_length: int | None
+    truncation_mode: str
+    pad_to_multiple_of: int | None
+    per_device_train_batch_size: int
+    per_device_eval_batch_size: int
+    gradient_accumulation_steps: int
+    dataloader_drop_last: bool
+    disable_dropout: bool
+
+
+@dataclasses.dataclass(frozen=True)
 class DPOLossFields(Fields):
     """What ``gemport.step.from_dpo_config`` reads (those it does not reproduce are refused there, by name)."""
 

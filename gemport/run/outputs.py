@@ -59,7 +59,6 @@ class HFOutputs(hooks.TrainingHooks):
         if f.logging_strategy != "steps":
             raise RecipeError(f"SFTConfig.logging_strategy={f.logging_strategy!r}: gemport logs by "
                                        "'steps' (logging_steps)")
-        from gemport.run.sft import steps_of
 
         self.out, self.args = Path(output_dir), args
         self.max_steps = len(epochs)
@@ -184,6 +183,13 @@ class HFOutputs(hooks.TrainingHooks):
     def on_eval_step_start(self, trainer: Any) -> None: ...
 
 
+def steps_of(value: float | int, max_steps: int, name: str) -> int:
+    """HF's reading of ``logging_steps`` / ``eval_steps`` / ``save_steps``: below 1 a ratio of ``max_steps``."""
+    if not value or value <= 0:
+        raise RecipeError(f"SFTConfig.{name}={value!r}: give a positive number of steps (or a ratio < 1)")
+    return math.ceil(value * max_steps) if value < 1 else int(value)
+
+
 def step_epochs(plan: Sequence[Any], num_units: int, args: Any) -> list[float]:
     """Each optimizer step's epoch as HF counts it: micro-batches done over the micro-batches of a whole epoch.
 
@@ -213,4 +219,4 @@ def step_tokens(train_batches: Sequence[Mapping[str, np.ndarray]]) -> list[int]:
     return tokens.tolist()
 
 
-__all__ = ["TRAINER_STATE", "HFOutputs", "step_epochs", "step_tokens"]
+__all__ = ["TRAINER_STATE", "HFOutputs", "step_epochs", "step_tokens", "steps_of"]

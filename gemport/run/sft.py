@@ -19,7 +19,10 @@ from every process, and ``lora_params`` gathers the trained factors for process 
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
+import json
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -29,34 +32,44 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+from jax.experimental import multihost_utils
+from tunix.sft.peft_trainer import TrainingConfig
 
-from gemport.errors import LoraError, MaskError, RecipeError
-from gemport.lora import LoraParams, LoraSpec, QLoraSpec
-from gemport.data.batching import pad
+from gemport._src.extras import require
+from gemport._src.params import flat_params
+from gemport.checkpoint import export_merged, export_peft, import_peft, load_lora, load_model
+from gemport.checkpoint.quantize import load_qlora_model
+from gemport.data.batching import pad, stack
+from gemport.data.chat_template import check_records, with_chat_template
+from gemport.data.distributed import batch_sharding, process_rows
+from gemport.data.formats import read as records
+from gemport.data.gemma3 import Gemma3
+from gemport.data.gemma4 import Gemma4
+from gemport.data.order import OptimizerStep
+from gemport.data.sft import SFTPipeline, from_sft_config, remat_of
 from gemport.data.tokenize import Example
 from gemport.data.truncation import TruncationReport
+from gemport.data.vocabulary import check_token_ids
+from gemport.errors import LoraError, MaskError, RecipeError
+from gemport.lora import LoraLayout, LoraParams, LoraSpec, QLoraSpec, apply_lora
+from gemport.lora.config import peft_default_targets
 from gemport.mesh import make_mesh, use_mesh
 from gemport.optim.hf import HFOptimizer, hf_optimizer
-from gemport.recipe import RunFields, check_strategies, trainer_fields
-from gemport.specs import GemmaSpec
-from gemport.data.distributed import batch_sharding, process_rows
-from gemport.data.order import OptimizerStep
-from gemport.step.remat import set_remat
-from gemport.data.sft import SFTPipeline, from_sft_config
+from gemport.recipe import RunFields, check_strategies, read, trainer_fields
 from gemport.run import trackers
-from gemport.data.batching import stack
-from gemport.data.vocabulary import check_token_ids
+from gemport.run.lock import claim_output
+from gemport.run.model import lora_model
+from gemport.run.outputs import HFOutputs, step_epochs, step_tokens, steps_of
+from gemport.run.preemption import Preemption
+from gemport.run.record import check_resume, recipe_record
+from gemport.run.trainer import HFPeftTrainer, micro_batches
+from gemport.specs import GemmaSpec
+from gemport.step.remat import set_remat
 
 CHECKPOINTS = "checkpoints"
 """The Orbax checkpoint root inside ``output_dir`` (``<output_dir>/checkpoints/<step>``)."""
-
-
-def steps_of(value: float | int, max_steps: int, name: str) -> int:
-    """HF's reading of ``logging_steps`` / ``eval_steps`` / ``save_steps``: below 1 a ratio of ``max_steps``."""
-    if not value or value <= 0:
-        raise RecipeError(f"SFTConfig.{name}={value!r}: give a positive number of steps (or a ratio < 1)")
-    return math.ceil(value * max_steps) if value < 1 else int(value)
-
 
 def sft_fields(config: Any) -> dict[str, Any]:
     """Every ``SFTConfig`` field of ``config``: an ``SFTConfig``, a dict of its fields, or a ``trl sft --config``
@@ -65,9 +78,23 @@ def sft_fields(config: Any) -> dict[str, Any]:
     return trainer_fields(config)
 
 
+def run_fields(config: RunFields | Any) -> RunFields:
+    """``config``'s ``RunFields``: itself when it is one, else read from it (``RunFields.from_config``)."""
+    return config if isinstance(config, RunFields) else RunFields.from_config(config)
+
+
+def load_tokenizer(base_dir: str | os.PathLike) -> Any:
+    """The HF tokenizer of ``base_dir`` (``AutoTokenizer.from_pretrained``).
+
+    Raises ``MissingDependencyError`` naming the extra when transformers is not installed."""
+    return require("transformers", "loading the base checkpoint's tokenizer").AutoTokenizer.from_pretrained(base_dir)
+
+
 def lora_spec_of(lora: Any) -> LoraSpec:
-    """A ``LoraSpec`` from a ``LoraSpec``, ``peft.LoraConfig``, its dict, or an ``adapter_config.json`` / its
-    directory."""
+    """A ``LoraSpec`` from a ``LoraSpec``, ``LoraParams`` (its spec), ``peft.LoraConfig``, its dict, or an
+    ``adapter_config.json`` / its directory."""
+    if isinstance(lora, LoraParams):
+        return lora.lora_spec
     return lora if isinstance(lora, LoraSpec) else LoraSpec.from_peft(lora)
 
 
@@ -102,6 +129,25 @@ def check_eval_split(eval_strategy: str, eval_dataset: Any) -> None:
                           "dataset_test_split); pass eval_dataset, or set eval_strategy: 'no'")
 
 
+@dataclasses.dataclass(frozen=True)
+class RunRecipe:
+    """A recipe as a run reads it, once (``SFTRun.read``); every later stage takes it.
+
+    Attributes:
+      args: every field of the trainer config (``SFTConfig`` / ``DPOConfig``), a dict, absent ones at TRL's
+        defaults (``recipe.trainer_fields``, or a YAML's as ``gemport.recipe.read`` reads it).
+      fields: the run's own typed group of them (``RunFields``).
+      lora: the LoRA config given, else the YAML's ``use_peft`` + ``lora_*`` fields (None: none).
+      qlora: the 4-bit base (``QLoraSpec``), given or the YAML's ``load_in_4bit`` fields; None: unquantized.
+      dtype: the base weights' dtype: given, else the YAML's ``dtype``, else bfloat16 with ``bf16``, else float32.
+    """
+    args: dict[str, Any]
+    fields: RunFields
+    lora: Any
+    qlora: QLoraSpec | None
+    dtype: Any
+
+
 @dataclasses.dataclass
 class SFTRun:
     """A TRL SFT recipe on JAX devices: the model, its data, optimizer and Tunix trainer, built once.
@@ -110,8 +156,8 @@ class SFTRun:
     then).
 
     Attributes:
-      args: the recipe's ``SFTConfig`` fields, a dict (``sft_fields``, or a YAML's as ``gemport.recipe.read``
-        reads them).
+      args: the recipe's ``SFTConfig`` fields, a dict (``RunRecipe.args``).
+      fields: their ``RunFields`` (``RunRecipe.fields``), what the run itself reads of them.
       base_dir: the HF checkpoint directory the model was loaded from.
       spec: its architecture (``GemmaSpec.from_hf(base_dir)``).
       mesh: the ``("fsdp", "tp")`` mesh the model is placed on.
@@ -132,14 +178,14 @@ class SFTRun:
       record: what the recipe trains (``run.record.recipe_record``), kept beside the checkpoints so a rerun
         resumes only the same recipe.
     """
-
     args: dict[str, Any]
+    fields: RunFields
     base_dir: Path
     spec: GemmaSpec
     mesh: jax.sharding.Mesh | None
     model: Any
     tokenizer: Any
-    pipeline: SFTPipeline
+    pipeline: SFTPipeline | None
     examples: list[Example]
     report: TruncationReport
     plan: list[OptimizerStep]
@@ -158,8 +204,11 @@ class SFTRun:
                eval_dataset: Any = None, init_adapter: str | os.PathLike | None = None, mesh=None,
                fsdp: int | None = None, tp: int | None = None, dtype: Any = None, tokenizer: Any = None,
                chat_format: Any = None, checkpoint_dir: str | os.PathLike | None = None, qlora: Any = None,
-               progress: bool = True, abstract: bool = False) -> SFTRun:
-        """Build the run of ``sft_config`` on ``base_dir`` and ``train_dataset``.
+               progress: bool = True, abstract: bool = False, **kind: Any) -> SFTRun:
+        """Build the run of ``sft_config`` on ``base_dir`` and ``train_dataset``, stage by stage: ``read`` the
+        recipe, ``check`` it, the adapter it starts from (``start``), its ``data``, the model (``run_model``),
+        what the kind of run adds (``extras``), the optimizer and Tunix's ``training_config``, and the record a
+        rerun resumes against (``with_record``). ``DPORun`` overrides the stages where DPO differs.
 
         The model's remat is ``gradient_checkpointing``'s (``data.sft.remat_of``). ``chat_template_path`` (a
         .jinja file or a tokenizer folder) sets the template, as TRL does, and every training conversation is
@@ -196,6 +245,7 @@ class SFTRun:
           abstract: build the model from ``config.json`` alone, shapes only (``run.model.lora_model``: no weight
             is read, nothing allocated), for ``gemport.plan.dry_run``; such a run is compiled, never trained.
             ``train_dataset`` may then be None: one step of full ``max_length`` rows stands for the data.
+          kind: what a kind of run takes beside (``DPORun``: ``reference``), passed to its stages.
 
         Returns:
           The `SFTRun`, its model loaded (or built abstract) on the mesh with LoRA, its batches laid out and its
@@ -206,47 +256,83 @@ class SFTRun:
             ``eval_strategy: steps`` without ``eval_dataset``.
           LoraError, MaskError: a LoRA config or a chat template / record gemport cannot carry.
         """
-        import transformers
+        recipe = cls.read(sft_config, lora=lora, qlora=qlora, dtype=dtype)
+        cls.check(recipe, eval_dataset=eval_dataset, abstract=abstract, **kind)
+        base_dir = Path(base_dir)
+        spec = GemmaSpec.from_hf(base_dir)
+        given = starting_adapter(recipe.lora, init_adapter, base_dir, cls.__name__)
+        start = cls.start(recipe, given)
+        mesh = mesh if mesh is not None else make_mesh(spec, fsdp=fsdp, tp=tp)
+        data = cls.data(recipe, base_dir, spec, mesh, train_dataset, eval_dataset, tokenizer=tokenizer,
+                        chat_format=chat_format, progress=progress, abstract=abstract)
+        model = run_model(base_dir, spec, start, mesh=mesh, dtype=recipe.dtype, seed=recipe.fields.seed,
+                          remat=remat_of(recipe.args), qlora=recipe.qlora, abstract=abstract)
+        if checkpoint_dir is None and not abstract:
+            checkpoint_dir = checkpoint_root(recipe.fields)
+        num_steps = len(data["train_batches"])
+        extras = cls.extras(recipe, given, model, **kind)
+        record = recipe_record(recipe.args, base_dir=base_dir, dtype=recipe.dtype, lora_spec=model.lora_spec,
+                               qlora=recipe.qlora, examples=cls.recorded_rows(data))
+        return cls(args=recipe.args, fields=recipe.fields, base_dir=base_dir, spec=spec, mesh=mesh, model=model,
+                   optimizer=hf_optimizer(recipe.args, num_training_steps=num_steps),
+                   training_config=training_config(recipe.fields, num_steps, checkpoint_dir=checkpoint_dir,
+                                                   evaluate=data["eval_batches"] is not None),
+                   record=cls.with_record(record, **kind), **data, **extras)
 
-        if isinstance(sft_config, (str, os.PathLike)):
-            from gemport.recipe import read
-
-            recipe = read(sft_config)
-            args, lora = recipe.sft, lora if lora is not None else recipe.lora()
+    @classmethod
+    def read(cls, config: Any, *, lora: Any = None, qlora: Any = None, dtype: Any = None) -> RunRecipe:
+        """The ``read`` stage: ``config`` (a trainer config, a dict of its fields, or a YAML for ``COMMAND``) read
+        once, with the arguments given to ``create`` taking precedence over the YAML's."""
+        if isinstance(config, (str, os.PathLike)):
+            recipe = read(config, command=cls.COMMAND)
+            args = recipe.sft
+            lora = lora if lora is not None else recipe.lora()
             qlora = qlora if qlora is not None else recipe.qlora()
             dtype = dtype if dtype is not None else recipe.dtype()
         else:
-            args = sft_fields(sft_config)
-        check_strategies(args)
-        f = RunFields.from_config(args)
-        if not abstract:  # an abstract run is compiled, never evaluated
-            check_eval_split(f.eval_strategy, eval_dataset)
-        trackers.names(f.report_to)  # a missing tracker fails before the load
-        base_dir = Path(base_dir)
-        spec = GemmaSpec.from_hf(base_dir)
-        start = starting_adapter(lora, init_adapter, base_dir, "SFTRun")
+            args = trainer_fields(config, cls.COMMAND)
+        fields = RunFields.from_config(args)
+        if dtype is None:
+            dtype = jnp.bfloat16 if fields.bf16 else jnp.float32
+        return RunRecipe(args=args, fields=fields, lora=lora, qlora=qlora, dtype=dtype)
+
+    @classmethod
+    def check(cls, recipe: RunRecipe, *, eval_dataset: Any, abstract: bool, **kind: Any) -> None:
+        """The ``check`` stage, before anything long runs: the strategies gemport reproduces, an eval dataset
+        where the recipe evaluates (an abstract run is compiled, never evaluated) and its trackers installed."""
+        check_strategies(recipe.args)
+        if not abstract:
+            check_eval_split(recipe.fields.eval_strategy, eval_dataset)
+        trackers.names(recipe.fields.report_to)
+
+    @classmethod
+    def start(cls, recipe: RunRecipe, given: LoraSpec | LoraParams) -> LoraSpec | LoraParams:
+        """The ``start`` stage: the adapter the model trains from, given the one the recipe names
+        (``starting_adapter``): SFT trains it as given."""
+        return given
+
+    @classmethod
+    def data(cls, recipe: RunRecipe, base_dir: Path, spec: GemmaSpec, mesh, train_dataset: Any, eval_dataset: Any, *,
+             tokenizer: Any, chat_format: Any, progress: bool, abstract: bool) -> dict[str, Any]:
+        """The ``data`` stage: the tokenizer, the recipe's pipeline (``from_sft_config``), the tokenized and
+        masked examples, each optimizer step's batch in HF's order (this process's rows of it under
+        ``jax.distributed``) and the eval batches, as the run's attributes; every token id checked against the
+        vocabulary (before the model loads)."""
+        f = recipe.fields
         if tokenizer is None and abstract and train_dataset is None and not (base_dir / "tokenizer_config.json").is_file():
             # Rows of max_length need no text: Gemma's chat format and pad id 0 stand for the tokenizer's.
-            from gemport.data.gemma3 import Gemma3
-            from gemport.data.gemma4 import Gemma4
-
             chat_format = chat_format or (Gemma4() if spec.family == "gemma4" else Gemma3())
         else:
-            tokenizer = tokenizer or transformers.AutoTokenizer.from_pretrained(base_dir)
+            tokenizer = tokenizer or load_tokenizer(base_dir)
             if f.chat_template_path is not None:
-                from gemport.data.chat_template import with_chat_template
-
                 tokenizer = with_chat_template(tokenizer, f.chat_template_path, spec.vocab)
         try:
-            pipeline = from_sft_config(args, tokenizer, chat_format=chat_format)
+            pipeline = from_sft_config(recipe.args, tokenizer, chat_format=chat_format)
         except MaskError as e:  # the chat format is read from the template: name the field that set it
             if f.chat_template_path is None:
                 raise
             raise RecipeError(f"chat_template_path={str(f.chat_template_path)!r}: {e}") from None
         if f.chat_template_path is not None and train_dataset is not None:
-            from gemport.data.formats import read as records
-            from gemport.data.chat_template import check_records
-
             check_records(records(train_dataset), tokenizer, pipeline.chat_format, policy=pipeline.policy,
                           text_field=pipeline.text_field)
         if abstract and train_dataset is None:
@@ -259,22 +345,13 @@ class SFTRun:
         held_out = None
         if eval_dataset is not None:
             held_out, _ = pipeline.examples(eval_dataset, tokenizer, progress=progress)
-        check_token_ids(examples, spec.vocab, tokenizer, pad_id=pipeline.pad_id)  # before the model loads
+        check_token_ids(examples, spec.vocab, tokenizer, pad_id=pipeline.pad_id)
         check_token_ids(held_out or [], spec.vocab, tokenizer, split="eval")
-        mesh = mesh if mesh is not None else make_mesh(spec, fsdp=fsdp, tp=tp)
         rows = None
         if jax.process_count() > 1:  # this process's rows of each batch [A, B, T]
             rows = process_rows(batch_sharding(mesh),
                                 (f.gradient_accumulation_steps, f.per_device_train_batch_size, 1))
         steps = list(pipeline.batches(examples, rows=rows)) if examples else [(None, _full_rows(pipeline, f, rows))]
-        plan, batches = [s for s, _ in steps if s is not None], [b for _, b in steps]
-        num_steps = len(batches)
-        if dtype is None:
-            dtype = jnp.bfloat16 if f.bf16 else jnp.float32
-        model = run_model(base_dir, spec, start, mesh=mesh, dtype=dtype, seed=f.seed, remat=pipeline.remat,
-                          qlora=qlora, abstract=abstract)
-        if checkpoint_dir is None and not abstract:
-            checkpoint_dir = checkpoint_root(args)
         evals = None
         if held_out:
             evals = eval_batches(held_out, f.per_device_eval_batch_size, pad_id=pipeline.pad_id,
@@ -283,16 +360,24 @@ class SFTRun:
             if jax.process_count() > 1:  # the eval set is small: laid out whole, each process keeps its rows
                 mine = process_rows(batch_sharding(mesh), evals[0]["tokens"].shape)
                 evals = [{k: v[:, mine] for k, v in b.items()} for b in evals]
-        from gemport.run.record import recipe_record
+        return dict(tokenizer=tokenizer, pipeline=pipeline, examples=examples, report=report,
+                    plan=[s for s, _ in steps if s is not None], train_batches=[b for _, b in steps],
+                    eval_examples=held_out, eval_batches=evals)
 
-        return cls(args=args, base_dir=base_dir, spec=spec, mesh=mesh, model=model, tokenizer=tokenizer,
-                   pipeline=pipeline, examples=examples, report=report, plan=plan, train_batches=batches,
-                   eval_examples=held_out, eval_batches=evals,
-                   optimizer=hf_optimizer(args, num_training_steps=num_steps),
-                   training_config=training_config(args, num_steps, checkpoint_dir=checkpoint_dir,
-                                                   evaluate=evals is not None),
-                   record=recipe_record(args, base_dir=base_dir, dtype=dtype, lora_spec=model.lora_spec,
-                                        qlora=qlora, examples=examples))
+    @classmethod
+    def extras(cls, recipe: RunRecipe, given: LoraSpec | LoraParams, model: nnx.Module, **kind: Any) -> dict[str, Any]:
+        """The attributes a kind of run adds, once its model is built: none for SFT."""
+        return {}
+
+    @classmethod
+    def recorded_rows(cls, data: Mapping[str, Any]) -> Sequence[Any]:
+        """What the ``record`` stage hashes as the data trained (``run.record.data_hash``): the examples."""
+        return data["examples"]
+
+    @classmethod
+    def with_record(cls, record: dict[str, Any], **kind: Any) -> dict[str, Any]:
+        """The ``record`` stage's last word: the entries a kind of run adds (none for SFT)."""
+        return record
 
     @property
     def lora_spec(self) -> LoraSpec:
@@ -308,9 +393,6 @@ class SFTRun:
     def num_parameters(self) -> int:
         """The model's parameters, LoRA factors included (what HF's ``model.num_parameters()`` counts: PEFT's
         factors, without the zero padding and zero slots that Tunix's fused modules hold, `LoraLayout.num_params`)."""
-        from flax import nnx
-
-        from gemport.lora import LoraLayout
 
         base = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
         return (sum(int(np.size(v)) for v in jax.tree.leaves(nnx.state(self.model, base)))
@@ -325,18 +407,14 @@ class SFTRun:
         """An ``HFPeftTrainer`` of the current ``model``, ``optimizer`` and ``training_config`` (on the mesh,
         which Tunix reads when it shards the optimizer). With checkpoints in its root it resumes from the latest.
         LoRA dropout draws from the recipe's ``seed``. ``kwargs`` go to the trainer (``metrics_logger``, ...)."""
-        from gemport.run.trainer import HFPeftTrainer
-
         with self._trainer_placement():
             return HFPeftTrainer(self.model, self.optimizer.tx, self.training_config, lora_spec=self.lora_spec,
-                                 seed=RunFields.from_config(self.args).seed, **kwargs)
+                                 seed=self.fields.seed, **kwargs)
 
     def _trainer_placement(self):
         # An abstract run's trainer starts its optimizer state off the mesh, whose devices may be compile-only (a
         # TPU slice's); gemport.plan lowers its step with the state placed on the mesh.
-        import contextlib
 
-        from flax import nnx
 
         abstract = any(isinstance(v, jax.ShapeDtypeStruct) for v in jax.tree.leaves(nnx.state(self.model)))
         return contextlib.nullcontext() if abstract else use_mesh(self.mesh)
@@ -352,15 +430,9 @@ class SFTRun:
         is the same in the same order), when they trained this recipe (``record``, recorded beside them); a
         changed recipe raises ``RecipeError`` naming what changed, unless ``resume_from_checkpoint`` is set.
         """
-        from gemport.run.lock import claim_output
-        from gemport.run.outputs import HFOutputs, step_epochs, step_tokens
-        from gemport.run.preemption import Preemption
-
-        f = RunFields.from_config(self.args)
+        f = self.fields
         root = self.training_config.checkpoint_root_directory
         if self.trainer is None and root is not None and self.record is not None:
-            from gemport.run.record import check_resume
-
             check_resume(root, self.record,
                          explicit=f.resume_from_checkpoint not in (None, False, "", "false", "False"))
         output_dir = f.output_dir
@@ -395,18 +467,11 @@ class SFTRun:
     def micro_batches(self, steps: Sequence[Mapping[str, np.ndarray]]) -> Any:
         """The trainer's dataset of ``steps`` (``train_batches`` or ``eval_batches``):
         ``run.trainer.micro_batches``."""
-        from gemport.run.trainer import micro_batches
-
         return micro_batches(steps)
 
     def lora_params(self) -> LoraParams:
         """The trained factors on the host, with their spec. Under ``jax.distributed`` every process must call
         it (the factors are gathered from all of them)."""
-        from flax import nnx
-        from jax.experimental import multihost_utils
-
-        from gemport.checkpoint import load_lora
-        from gemport._src.params import flat_params
 
         flat = flat_params(self.model, nnx.LoRAParam)
         if jax.process_count() > 1:
@@ -416,8 +481,6 @@ class SFTRun:
     def export_peft(self, out_dir: str | os.PathLike, **kwargs: Any) -> Path:
         """The trained adapter as PEFT files (``checkpoint.export_peft`` of ``lora_params()`` on ``base_dir``).
         Under ``jax.distributed`` every process calls it and process 0 writes."""
-        from gemport.checkpoint import export_peft
-
         lora = self.lora_params()
         return export_peft(lora, out_dir, base_dir=self.base_dir, **kwargs) if jax.process_index() == 0 \
             else Path(out_dir)
@@ -425,17 +488,15 @@ class SFTRun:
     def export_merged(self, out_dir: str | os.PathLike, **kwargs: Any) -> Path:
         """The base with the trained adapter merged in (``checkpoint.export_merged``), for vLLM; under
         ``jax.distributed`` as ``export_peft``."""
-        from gemport.checkpoint import export_merged
-
         lora = self.lora_params()
         return export_merged(lora, out_dir, base_dir=self.base_dir, **kwargs) if jax.process_index() == 0 \
             else Path(out_dir)
 
 
-def checkpoint_root(args: Any) -> Path | None:
-    """The Orbax checkpoint root of the ``SFTConfig`` ``args``: ``<output_dir>/checkpoints``, or None without
-    ``output_dir`` or with ``save_strategy="no"``."""
-    f = RunFields.from_config(args)
+def checkpoint_root(config: RunFields | Any) -> Path | None:
+    """The Orbax checkpoint root of a recipe (its ``RunFields``, or a config they are read from):
+    ``<output_dir>/checkpoints``, or None without ``output_dir`` or with ``save_strategy="no"``."""
+    f = run_fields(config)
     return None if f.output_dir is None or f.save_strategy == "no" else Path(f.output_dir) / CHECKPOINTS
 
 
@@ -445,20 +506,13 @@ def run_model(base_dir: Path, spec: GemmaSpec, start: LoraSpec | LoraParams, *, 
     ``checkpoint.quantize.load_qlora_model``), with LoRA from ``start`` (``starting_adapter``; a fresh adapter
     initialised from ``seed``) and decoder remat ``remat`` (``step.remat.set_remat``). ``abstract``: shapes only,
     from ``spec`` (``run.model.lora_model``: no weight read), for ``gemport.plan.dry_run``."""
-    from gemport.checkpoint import load_model
-    from gemport.lora import apply_lora
-
     lora_spec = start if isinstance(start, LoraSpec) else start.lora_spec
     if abstract:
-        from gemport.run.model import lora_model
-
         return lora_model(spec, lora_spec, param_dtype=dtype, remat=remat, qlora=qlora)
     with use_mesh(mesh):
         if qlora is None:
             base = load_model(base_dir, spec=spec, mesh=mesh, param_dtype=dtype)
         else:
-            from gemport.checkpoint.quantize import load_qlora_model
-
             base = load_qlora_model(base_dir, qlora, spec=spec, mesh=mesh, compute_dtype=dtype)
         model = apply_lora(base, spec, start, seed=seed, qlora=qlora)
     set_remat(model, spec.family, remat)
@@ -471,8 +525,6 @@ def starting_adapter(lora: Any, init_adapter: str | os.PathLike | None, base_dir
     ``LoraSpec`` of ``lora`` (a LoraConfig, adapter_config.json or lora_* fields; PEFT's default targets where it
     leaves them unset). Raises ``LoraError`` when both are given and differ, or neither is; ``who`` names the
     caller in the message."""
-    from gemport.checkpoint import import_peft
-
     if lora is not None:
         lora = with_peft_targets(lora, base_dir)
     if init_adapter is not None:
@@ -491,10 +543,6 @@ def with_peft_targets(lora: Any, base_dir: Path) -> Any:
     """``lora`` with PEFT's per-architecture ``target_modules`` (``lora.peft_default_targets`` of the base's
     ``model_type``) where a LoraConfig or its dict leaves them unset. Raises ``LoraError`` naming
     ``lora_target_modules`` where PEFT has no default."""
-    import copy
-    import json
-
-    from gemport.lora.config import peft_default_targets
 
     unset = lora.get("target_modules") is None if isinstance(lora, Mapping) else (
         not isinstance(lora, (LoraSpec, str, os.PathLike)) and getattr(lora, "target_modules", ...) is None)
@@ -532,20 +580,17 @@ def _full_rows(pipeline: SFTPipeline, f: Mapping[str, Any], rows: slice | None) 
             "positions": np.broadcast_to(np.arange(shape[-1], dtype=np.int32), shape).copy()}
 
 
-def training_config(args: Any, max_steps: int, *, checkpoint_dir: str | os.PathLike | None = None,
-                    evaluate: bool = False):
-    """Tunix's ``TrainingConfig`` for ``max_steps`` optimizer steps of the ``SFTConfig`` ``args``.
+def training_config(config: RunFields | Any, max_steps: int, *, checkpoint_dir: str | os.PathLike | None = None,
+                    evaluate: bool = False) -> TrainingConfig:
+    """Tunix's ``TrainingConfig`` for ``max_steps`` optimizer steps of a recipe (its ``RunFields``, or a config
+    they are read from).
 
     ``gradient_accumulation_steps`` as given; evaluation every ``eval_steps`` (default ``logging_steps``, as HF)
     when ``evaluate`` and ``eval_strategy="steps"`` (``"epoch"`` is refused; ``"no"``: never); checkpoints in
     ``checkpoint_dir`` every ``save_steps``, keeping ``save_total_limit``. Tunix's own progress bar is off.
     """
-    import orbax.checkpoint as ocp
-    from tunix.sft.peft_trainer import TrainingConfig
 
-    from gemport.recipe import check_strategies
-
-    f = RunFields.from_config(args)
+    f = run_fields(config)
     check_strategies(dataclasses.asdict(f))
     eval_every = max_steps + 1
     if evaluate and f.eval_strategy == "steps":
@@ -560,5 +605,5 @@ def training_config(args: Any, max_steps: int, *, checkpoint_dir: str | os.PathL
                           checkpointing_options=options, pbar_description=None, max_inflight_computations=1)
 
 
-__all__ = ["CHECKPOINTS", "SFTRun", "check_eval_split", "checkpoint_root", "eval_batches", "eval_cuts", "lora_spec_of", "sft_fields", "steps_of",
-           "starting_adapter", "training_config", "with_peft_targets"]
+__all__ = ["CHECKPOINTS", "SFTRun", "check_eval_split", "checkpoint_root", "eval_batches", "eval_cuts", "load_tokenizer", "lora_spec_of",
+           "RunRecipe", "sft_fields", "starting_adapter", "training_config", "with_peft_targets"]
