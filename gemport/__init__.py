@@ -30,6 +30,7 @@ from gemport.errors import (
     CheckpointError,
     CheckpointWarning,
     CorruptFileError,
+    DefaultsWarning,
     EngineError,
     GemportError,
     LoraError,

@@ -89,6 +89,11 @@ class OptimizerConfigError(GemportError, ValueError):
     or an optimizer whose decay mask was fixed for one params tree is given another."""
 
 
+class DefaultsWarning(UserWarning):
+    """Not an error: an installed TRL or transformers whose defaults differ from those gemport recorded (names the
+    fields and both versions); gemport follows the installed owner."""
+
+
 class RecipeError(GemportError, ValueError):
     """A training recipe (TRL's SFT YAML, an ``SFTConfig``, its overrides) cannot be read, or asks for a data,
     logging or evaluation setting gemport does not reproduce; names the field."""
@@ -118,6 +123,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointWarning",
     "CorruptFileError",
+    "DefaultsWarning",
     "EngineError",
     "GemportError",
     "LoraError",

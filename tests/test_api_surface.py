@@ -13,7 +13,7 @@ import pytest
 import gemport
 
 TOP_LEVEL = [
-    "BatchError", "CheckpointError", "CheckpointWarning", "CorruptFileError", "EngineError", "GemmaSpec", "GemportError", "HFPeftTrainer", "LoraError", "LoraLayout",
+    "BatchError", "CheckpointError", "CheckpointWarning", "CorruptFileError", "DefaultsWarning", "EngineError", "GemmaSpec", "GemportError", "HFPeftTrainer", "LoraError", "LoraLayout",
     "LoraParams", "LoraSpec", "MaskError", "MeshError", "MissingDependencyError", "MissingTensorError",
     "OptimizerConfigError", "Preempted", "RecipeError", "SFTRun", "DPORun", "ShapeMismatchError", "SpecError", "TemplateMismatchError",
     "TemplateMismatchWarning", "TrainingError", "UnexpectedTensorError", "UnsafePathError", "VerifyError",

@@ -22,11 +22,12 @@ This package sits low: it imports ``gemport.errors``, the standard library, PyYA
 transformers; everything that reads a recipe imports it.
 """
 
-from gemport.recipe.fields import (COMMANDS, DEFAULT_ONLY, DPO, DPO_MAPPED, MAPPED, MODEL, OWNERS, QLORA,
+from gemport.recipe.fields import (COMMANDS, DEFAULT_ONLY, DPO, DPO_MAPPED, MAPPED, MODEL, QLORA,
                                    REFUSED_WHEN_SET, RETIRED, SCRIPT, SFT, STRATEGIES, TRL_LORA, USED, DataFields,
                                    DPOLossFields, Fields, OptimizerFields, OrderFields, OutputsFields,
                                    PreferenceFields, RunFields,
-                                   class_defaults, defaults, given, owner_class)
+                                   given)
+from gemport.recipe.owners import OWNERS, class_defaults, defaults, owner_class
 from gemport.recipe.read import Recipe, check_strategies, parse_overrides, read, trainer_fields
 
 __all__ = ["COMMANDS", "DEFAULT_ONLY", "DPO", "DPO_MAPPED", "MAPPED", "MODEL", "OWNERS", "QLORA", "REFUSED_WHEN_SET",

@@ -2,7 +2,7 @@
 
 A field belongs to one of TRL's dataclasses: ``ScriptArguments`` (the dataset), ``ModelConfig`` (the model and its
 LoRA), ``SFTConfig`` / ``DPOConfig`` (each a ``transformers.TrainingArguments`` with TRL's own fields). Its default
-is its owner's, read from the installed class (``defaults``), never written down here. A field a recipe sets is of
+is its owner's (``gemport.recipe.owners.defaults``: recorded from TRL and transformers), never written down here. A field a recipe sets is of
 one kind:
 
 - used: gemport reproduces what TRL does with it (``SFT``, ``DPO``, ``SCRIPT``, ``MODEL``); the consumer that reads
@@ -16,14 +16,11 @@ one kind:
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import functools
-import importlib
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Self
 
-from gemport.errors import MissingDependencyError
+from gemport.recipe.owners import defaults
 
 SCRIPT = ("dataset_name", "dataset_config", "dataset_train_split", "dataset_test_split")
 """ScriptArguments fields gemport uses (``gemport.data.splits.load_splits``)."""
@@ -343,50 +340,6 @@ REFUSED_WHEN_SET = {
 }
 """Fields refused when set (to a true value other than the default), with the reason."""
 
-OWNERS = {"ScriptArguments": "trl", "ModelConfig": "trl", "SFTConfig": "trl", "DPOConfig": "trl",
-          "TrainingArguments": "transformers"}
-"""Each owner dataclass and the package it is read from (``gemport[trl]``, ``gemport[hf]``)."""
-
-_EXTRAS = {"trl": "trl", "transformers": "hf"}
-
-
-def owner_class(owner: str) -> type:
-    """The owner dataclass named ``owner`` (a key of ``OWNERS``), imported from TRL or transformers.
-
-    Raises ``MissingDependencyError`` naming the extra to install when its package is absent.
-    """
-    package = OWNERS[owner]
-    try:
-        return getattr(importlib.import_module(package), owner)
-    except ImportError:
-        raise MissingDependencyError(f"the defaults of {owner}'s fields are read from {package}, which is not "
-                                     f"installed: pip install 'gemport[{_EXTRAS[package]}]', or give every field"
-                                     ) from None
-
-
-def class_defaults(cls: type) -> dict[str, Any]:
-    """The defaults of dataclass ``cls`` (TRL's ``SFTConfig``, ``DPOConfig``...): {field name: default}, each
-    field with a default or a default factory (called)."""
-    out = {}
-    for f in dataclasses.fields(cls):
-        if f.default is not dataclasses.MISSING:
-            out[f.name] = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            out[f.name] = f.default_factory()
-    return out
-
-
-@functools.cache
-def _defaults(owner: str) -> dict[str, Any]:
-    return class_defaults(owner_class(owner))
-
-
-def defaults(owner: str) -> dict[str, Any]:
-    """{field: default} of the owner dataclass ``owner`` (a key of ``OWNERS``) as installed: a new copy each call."""
-    return copy.deepcopy(_defaults(owner))
-
-
-__all__ = ["COMMANDS", "DEFAULT_ONLY", "DPO", "DPO_MAPPED", "MAPPED", "MODEL", "OWNERS", "QLORA", "REFUSED_WHEN_SET",
+__all__ = ["COMMANDS", "DEFAULT_ONLY", "DPO", "DPO_MAPPED", "MAPPED", "MODEL", "QLORA", "REFUSED_WHEN_SET",
            "RETIRED", "SCRIPT", "SFT", "STRATEGIES", "TRL_LORA", "USED", "DataFields", "DPOLossFields", "Fields",
-           "OptimizerFields", "OrderFields", "OutputsFields", "RunFields", "class_defaults", "defaults", "given",
-           "owner_class"]
+           "OptimizerFields", "OrderFields", "OutputsFields", "PreferenceFields", "RunFields", "given"]

@@ -100,10 +100,7 @@ def _plain(value: Any) -> Any:
 def sft_config_dict(args: Mapping[str, Any]) -> dict[str, Any]:
     """``TrainingArguments.to_dict()`` of the run's SFTConfig fields: every field (TRL's defaults under
     ``args``), enums as values, ``report_to`` as a list, ``*_token`` fields masked (``<EOS_TOKEN>``...)."""
-    from gemport.recipe import defaults, owner_class
-
-    init = {f.name for f in dataclasses.fields(owner_class("SFTConfig")) if f.init}
-    fields = {k: _plain(args[k] if k in args else v) for k, v in defaults("SFTConfig").items() if k in init}
+    fields = {k: _plain(args[k] if k in args else v) for k, v in defaults("SFTConfig").items()}
     fields["report_to"] = list(names(fields["report_to"]))
     for key in fields:
         if key.endswith("_token"):
