@@ -35,7 +35,7 @@ def hf_checkpoint(tmp_path_factory):
     """Factory ``(config name, kind) -> (torch model, saved directory)``, each built and saved once per session.
 
     ``kind`` is ``"causal"`` (``Gemma*ForCausalLM``) or ``"conditional"`` (``Gemma*ForConditionalGeneration``
-    with a tiny vision tower). Config names are those of ``tests/tiny.py``.
+    with a tiny vision tower). Config names are those of ``tests/helpers/tiny.py``.
     """
     from tiny import causal_lm, conditional_generation
 
@@ -55,7 +55,7 @@ def hf_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def real_checkpoint(tmp_path_factory):
     """Factory ``(config name, dtype="float32") -> (torch model, saved directory)``: a tiny model of
-    ``tests/tiny.py`` with a real checkpoint's magnitudes (``tiny.real_magnitudes``: logits of order 100, norm
+    ``tests/helpers/tiny.py`` with a real checkpoint's magnitudes (``tiny.real_magnitudes``: logits of order 100, norm
     gains to tens, large-norm embedding rows), saved in ``dtype`` (``"bfloat16"`` as Gemma checkpoints ship);
     each built once per session."""
     import torch

@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,8 +22,9 @@ from gemport.errors import RecipeError
 from gemport import recipe
 from test_cli import gemport, one_line_error
 from test_dpo import EPS32, RECORDS, reward_operands, tolerance
+from repo_paths import HELPERS, ROOT
 
-CHILD = Path(__file__).with_name("sft_child.py")
+CHILD = HELPERS / "sft_child.py"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Three pairs, one a micro-batch, two a step: step 2 is the epoch's short step (one micro-batch), step 3 the next
 # epoch's first. Evaluated at steps 2 and 3 (the last) on three held-out pairs, two an eval batch: the last batch is
@@ -77,7 +77,7 @@ def write_recipe(path, root, **fields):
 def one_device(tmp_path):
     """A subprocess's environment: JAX on one CPU device, compiled executables cached in ``tmp_path``."""
     return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
-                PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                 JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax-cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
 
 

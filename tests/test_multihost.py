@@ -19,7 +19,6 @@ import re
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -39,6 +38,7 @@ from gemport.data.distributed import batch_sharding, device_rows, global_batch, 
 from gemport.run.preemption import Preempted, Preemption
 from test_sharding_multiprocess import free_port
 from test_train_sft import CONFIG, chats, tokenizer
+from repo_paths import HELPERS, ROOT
 
 HOSTS = 2
 
@@ -135,7 +135,7 @@ def test_sigterm_on_one_process_stops_at_the_next_check():
     assert signal.getsignal(signal.SIGTERM) is before
 
 
-CHILD = Path(__file__).with_name("multihost_child.py")
+CHILD = HELPERS / "multihost_child.py"
 TERM_AFTER = 2
 STEPS = 5
 
@@ -146,7 +146,7 @@ def launch(out, jobs, processes):
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // processes} "
                          "--xla_cpu_collective_call_terminate_timeout_seconds=900")
-    env["PYTHONPATH"] = os.pathsep.join([str(CHILD.parents[1]), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     port = free_port()
     procs, logs = [], []
     for pid in range(processes):

@@ -28,6 +28,7 @@ from gemport.data.sft import from_sft_config
 from test_cli import gemport, one_line_error
 from test_train_sft import chats, tokenizer
 from tiny import text_config
+from repo_paths import HELPERS
 
 TOK = tokenizer()
 DATA = chats(12)
@@ -449,7 +450,7 @@ def _trackio_runs(tmp_path, **fields):
 
     script = f"""
 import json, sys, types
-sys.path[:0] = {[str(Path(__file__).parent)]!r}
+sys.path[:0] = {[str(Path(__file__).parent), str(HELPERS)]!r}
 from test_recipe_fields import outputs
 from pathlib import Path
 hooks = outputs(Path({str(tmp_path)!r}), report_to="trackio", **{fields!r})

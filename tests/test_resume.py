@@ -16,11 +16,11 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
+from repo_paths import HELPERS
 
-CHILD = Path(__file__).with_name("resume_child.py")
+CHILD = HELPERS / "resume_child.py"
 KILL_AFTER = 3
 RESTART = {"peft": 4, "nnx": 3}  # the step the restarted run trains first: after checkpoint 3, or 2
 

@@ -30,8 +30,9 @@ from gemport.data.vocabulary import check_token_ids
 from fault_child import write_checkpoints
 from test_masks_tokenizers import GEMMA3_CONTROL, char_tokenizer
 from test_train_sft import chats, tokenizer
+from repo_paths import HELPERS
 
-CHILD = Path(__file__).with_name("fault_child.py")
+CHILD = HELPERS / "fault_child.py"
 
 
 @pytest.fixture(scope="module")

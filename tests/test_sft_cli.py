@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,8 +22,9 @@ from gemport.errors import RecipeError
 from gemport import recipe
 from test_cli import gemport, one_line_error
 from test_train_sft import chats, tokenizer
+from repo_paths import HELPERS
 
-CHILD = Path(__file__).with_name("sft_child.py")
+CHILD = HELPERS / "sft_child.py"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RECIPE = dict(assistant_only_loss=True, max_length=128, per_device_train_batch_size=2, gradient_accumulation_steps=2,
               max_steps=4, learning_rate=5e-3, weight_decay=0.1, max_grad_norm=0.5, lr_scheduler_type="cosine",

@@ -25,6 +25,7 @@ from gemport.run.record import RECIPE_FILE, check_resume, recipe_record
 from gemport.run.sft import CHECKPOINTS, SFTRun, eval_batches
 from test_cli import gemport, one_line_error
 from test_train_sft import chats, tokenizer
+from repo_paths import ROOT
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj"]}
 MARKERS = re.compile(r"\{%-?\s*(end)?generation\s*-?%\}")
@@ -298,7 +299,7 @@ def test_port_gemma4_runs_on_the_devices_present_in_the_recipes_dtype(tmp_path):
     import sys
     from pathlib import Path
 
-    path = Path(__file__).parents[1] / "examples" / "port_gemma4.py"
+    path = ROOT / "examples" / "port_gemma4.py"
     loader = importlib.util.spec_from_file_location("port_gemma4", path)
     demo = importlib.util.module_from_spec(loader)
     loader.loader.exec_module(demo)

@@ -8,7 +8,6 @@ import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +15,7 @@ from flax import nnx
 
 from gemport.checkpoint.load import load_hf
 from test_sharding import mesh24_causal_lm
+from repo_paths import ROOT
 
 WORKER = """
 import json, sys
@@ -60,7 +60,7 @@ def test_two_processes_load_only_their_slices(ckpt, tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     port = free_port()
     logs = [(tmp_path / f"out{pid}", tmp_path / f"err{pid}") for pid in (0, 1)]
     # Output goes to files: a full pipe would block one worker, and the other then waits for it at shutdown.

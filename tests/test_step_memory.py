@@ -16,7 +16,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -25,8 +24,9 @@ from gemport.mesh import MeshError
 from gemport.plan import memory_plan
 from gemport.specs import GemmaSpec
 from gemport.step import segment_loss, tunix_loss
+from repo_paths import HELPERS, ROOT
 
-BENCH = Path(__file__).parent.parent / "bench"
+BENCH = ROOT / "bench"
 G31 = GemmaSpec.preset("gemma4-31b")
 WIDE = dataclasses.replace(G31, num_layers=2, layer_types=("sliding", "global"), vocab=8192)
 
@@ -98,7 +98,7 @@ def _measure(cases):
 
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {CPU_MEMORY_SCHEDULER}")
-    code = _CHILD.format(bench=str(BENCH), tests=str(Path(__file__).parent), cases=cases, qlora=QLORA)
+    code = _CHILD.format(bench=str(BENCH), tests=str(HELPERS), cases=cases, qlora=QLORA)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=1200)
     assert out.returncode == 0, out.stderr[-3000:]
     return [json.loads(line) for line in out.stdout.splitlines()]

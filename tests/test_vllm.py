@@ -35,8 +35,9 @@ from gemport.lora import PROJECTIONS, LoraSpec, apply_lora
 from gemport.specs import GemmaSpec
 from gemport.check.verify import (WITHIN, compare_continuations, log_softmax, logprob_floor, transformers_model,
                             tunix_logits)
+from repo_paths import ROOT
 
-VLLM_PYTHON = Path(os.environ.get("GEMPORT_VLLM_PYTHON") or Path(__file__).parents[1] / ".venv-vllm/bin/python")
+VLLM_PYTHON = Path(os.environ.get("GEMPORT_VLLM_PYTHON") or ROOT / ".venv-vllm/bin/python")
 pytestmark = pytest.mark.skipif(not VLLM_PYTHON.is_file(), reason=f"no vLLM venv at {VLLM_PYTHON}: `make vllm` "
                                                                    "creates it (or set GEMPORT_VLLM_PYTHON)")
 LORA = LoraSpec(rank=8, alpha=16.0)
