@@ -2,7 +2,6 @@
 
 import json
 import shutil
-from pathlib import Path
 
 import float64
 import jax
@@ -19,6 +18,7 @@ from gemport.checkpoint import HFCheckpoint, load_hf, load_model, save_hf
 from gemport._src.params import abstract_model, path_str
 from gemport.specs import GemmaSpec
 from gemport.check.verify import tunix_logits
+from repo_paths import FILES
 
 CASES = [(name, "causal") for name in TEXT_CONFIGS] + [("gemma4_dense", "conditional"), ("gemma3_qkv", "conditional")]
 
@@ -49,8 +49,7 @@ def test_gemma4_loads_under_the_config_of_either_transformers_generation(hf_chec
     for file in path.iterdir():
         if file.name != "config.json":
             shutil.copy(file, tmp_path)
-    (tmp_path / "config.json").write_bytes((Path(__file__).parent / "data" / f"gemma4_config_{generation}.json")
-                                           .read_bytes())
+    (tmp_path / "config.json").write_bytes((FILES / f"gemma4_config_{generation}.json").read_bytes())
     ids = token_ids(model.config.vocab_size)
     np.testing.assert_allclose(tunix_logits(load_model(tmp_path), ids), hf_logits(model, ids), atol=1e-5, rtol=0)
 

@@ -1,7 +1,6 @@
 """GemmaSpec from HF configs and presets, and its Tunix configs."""
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 import transformers as tf
@@ -11,6 +10,7 @@ from tunix.models.gemma4 import model as g4
 
 from gemport import SpecError
 from gemport.specs import GemmaSpec
+from repo_paths import FILES
 
 PRESETS = ("gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b", "gemma4-e2b", "gemma4-e4b", "gemma4-31b",
            "gemma4-26b-a4b")
@@ -84,7 +84,6 @@ def test_from_hf_reads_legacy_gemma3_rope_keys():
 
 
 GEMMA4 = sorted(name for name, fields in TEXT_CONFIGS.items() if fields["model_type"] == "gemma4_text")
-DATA = Path(__file__).parent / "data"
 
 
 @pytest.mark.parametrize("name", GEMMA4)
@@ -104,8 +103,8 @@ def test_gemma4_widths_are_those_of_the_installed_transformers(name, tmp_path):
 def test_gemma4_config_files_of_both_generations_read_alike():
     # Stored as transformers 5.12 (global_head_dim, num_global_key_value_heads) and 5.24 (per_layer_config) wrote
     # the same gemma4_dense config.
-    older = GemmaSpec.from_hf(DATA / "gemma4_config_5.12.json")
-    newer = GemmaSpec.from_hf(DATA / "gemma4_config_5.24.json")
+    older = GemmaSpec.from_hf(FILES / "gemma4_config_5.12.json")
+    newer = GemmaSpec.from_hf(FILES / "gemma4_config_5.24.json")
     assert older == newer
     assert (older.head_dim, older.num_kv_heads, older.global_head_dim, older.global_kv_heads) == (8, 2, 16, 1)
     written = GemmaSpec.from_hf(older.to_hf_config())
