@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
-from test_cli import gemport, one_line_error
+from gemport_cli import gemport, one_line_error
 
 from gemport import (
     CheckpointError,

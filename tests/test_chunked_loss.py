@@ -9,7 +9,7 @@ import optax
 import pytest
 import tiny
 from flax import nnx
-from test_fast_attention import lora_model, rel_err, rows
+from packed_rows import lora_model, rel_err, rows
 
 from gemport.data import stack
 

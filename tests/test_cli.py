@@ -5,9 +5,7 @@ pay for importing JAX, torch and transformers again; ``test_the_entry_point_runs
 real entry point.
 """
 
-import contextlib
 import copy
-import io
 import shutil
 import subprocess
 import sys
@@ -17,32 +15,9 @@ import safetensors.torch
 import torch
 
 from gemport.checkpoint import HFCheckpoint
-from gemport.cli import main
+from gemport_cli import gemport, one_line_error
 
 COMMANDS = ("plan", "convert", "export", "import-peft", "verify", "peft-for-vllm")
-
-
-def gemport(*args, ok=True):
-    """``gemport ARGS`` as a ``CompletedProcess``: exit status, stdout and stderr."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main([str(a) for a in args])
-        except SystemExit as e:  # argparse: --help and usage errors
-            code = e.code
-    result = subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
-    if ok:
-        assert result.returncode == 0, result.stderr
-    return result
-
-
-def one_line_error(result, *fragments):
-    assert fragments, "name what the message must say"
-    assert result.returncode == 2
-    lines = [line for line in result.stderr.splitlines() if line.startswith("gemport")]
-    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import torch
 import transformers
 from datasets import Dataset
 from flax import nnx
-from test_masks_tokenizers import GEMMA3_CONTROL, bpe_tokenizer
+from tiny_tokenizers import GEMMA3_CONTROL, bpe_tokenizer
 from trl import DPOConfig, DPOTrainer
 from trl.chat_template_utils import gemma3_chat_template
 from trl.trainer.dpo_trainer import DataCollatorForPreference
@@ -29,45 +29,8 @@ from gemport.checkpoint import import_peft, load_model
 from gemport.errors import MaskError, RecipeError
 from gemport.lora import PROJECTIONS, LoraLayout, apply_lora
 from gemport.specs import GemmaSpec
-
-EPS32 = float(np.finfo(np.float32).eps)
-
-
-def user(text):
-    return {"role": "user", "content": text}
-
-
-def assistant(text):
-    return {"role": "assistant", "content": text}
-
-
-RECORDS = {
-    "explicit": [
-        {"prompt": "What is 2+2?", "chosen": " It is 4.", "rejected": " Five"},
-        {"prompt": "user model", "chosen": "\nSure, go on", "rejected": "\nIt is"},
-        {"prompt": "Name a colour: ", "chosen": "blue<end_of_turn>", "rejected": "a long answer, not a colour"},
-        {"prompt": "Say yes", "chosen": " yes", "rejected": " no way"},
-    ],
-    "implicit": [
-        {"chosen": "The sky is blue.", "rejected": "The sky is green, often."},
-        {"chosen": "Q: 2+2? A: 4", "rejected": "Q: 2+2? A: 5"},
-        {"chosen": "same start", "rejected": "same start and more"},  # one a prefix of the other: TRL's quirk
-    ],
-    "conversational": [
-        {"prompt": [user("Hi")], "chosen": [assistant("Sure thing")], "rejected": [assistant("No.")]},
-        {"prompt": [{"role": "system", "content": "Be brief."}, user(" What is 2+2? "), assistant("It is 4. "),
-                    user("And 3+3?")],
-         "chosen": [assistant("Sure: 6")], "rejected": [assistant("It is seven, I think")]},
-        {"prompt": [user("user model\n\nuse")], "chosen": [assistant("model\nSure\n\n")],
-         "rejected": [assistant("")]},
-        {"prompt": [user("Colour?")], "chosen": [assistant("Blue")], "rejected": [assistant("Green, or red")]},
-    ],
-    "conversational_implicit": [
-        {"chosen": [user("Hi"), assistant("Sure thing")], "rejected": [user("Hi"), assistant("Never")]},
-        {"chosen": [user("a"), assistant("b"), user("c"), assistant("d")],
-         "rejected": [user("a"), assistant("b"), user("c"), assistant("e, f")]},
-    ],
-}
+from dpo_tolerance import EPS32, reward_operands, tolerance
+from preference_records import RECORDS, assistant, user
 
 
 @pytest.fixture(scope="module")
@@ -182,21 +145,6 @@ def trl_loss(trainer, rows, backward=True):
     grads = {n.replace(".default", ""): p.grad.double().numpy()
              for n, p in trainer.model.named_parameters() if p.requires_grad}
     return loss.item(), metrics, grads
-
-
-def tolerance(peer32, exact, operands=0.0):
-    """10x TRL's float32 distance from float64, relative to ``exact``, and never below float32's rounding of the
-    result or of the operands it was computed from (``operands``: their summed magnitude). Rewards, margins and
-    the loss are differences of log-probabilities of tens: TRL's own float32 error there can be far below their
-    rounding, because its policy and reference passes round alike and cancel, which another correct float32
-    implementation need not do."""
-    return 10 * max(abs(peer32 - exact), EPS32 * abs(exact), EPS32 * operands) / abs(exact)
-
-
-def reward_operands(beta, metrics):
-    """The summed magnitude of the log-probabilities a pair's reward difference is taken of: policy and
-    reference (about as large), chosen and rejected (log-probabilities are negative, so |mean| = mean |.|)."""
-    return beta * 2 * (abs(metrics["logps/chosen"]) + abs(metrics["logps/rejected"]))
 
 
 @pytest.fixture(scope="module", params=[("gemma3_vllm", "conversational"), ("gemma4_mesh", "explicit")],
@@ -327,7 +275,7 @@ def test_reference_from_an_existing_adapter_equals_trl(dpo_case, tmp_path):
 def test_gemma4_conversational_tokens_equal_trl(tmp_path):
     """Gemma 4 turns (TRL's shipped Gemma 4 template against data.Gemma4), a system message and an implicit
     prompt, tokenized by TRL's DPOTrainer data preparation (no model needed) and by data.preferences."""
-    from test_masks_tokenizers import GEMMA4_CONTROL
+    from tiny_tokenizers import GEMMA4_CONTROL
     from trl.chat_template_utils import gemma4_v5_chat_template
 
     tokenizer = bpe_tokenizer(GEMMA4_CONTROL)

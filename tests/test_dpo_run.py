@@ -16,16 +16,15 @@ import sys
 
 import numpy as np
 import pytest
-import yaml
 
 from gemport.errors import RecipeError
 from gemport import recipe
-from test_cli import gemport, one_line_error
-from test_dpo import EPS32, RECORDS, reward_operands, tolerance
+from gemport_cli import gemport, one_line_error
+from dpo_tolerance import EPS32, reward_operands, tolerance
 from repo_paths import HELPERS, ROOT
+from dpo_command import write_recipe
 
 CHILD = HELPERS / "sft_child.py"
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Three pairs, one a micro-batch, two a step: step 2 is the epoch's short step (one micro-batch), step 3 the next
 # epoch's first. Evaluated at steps 2 and 3 (the last) on three held-out pairs, two an eval batch: the last batch is
 # short.
@@ -34,44 +33,6 @@ RECIPE = dict(per_device_train_batch_size=1, gradient_accumulation_steps=2, max_
               eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=2)
 METRICS = ("loss", "grad_norm", "learning_rate", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
            "rewards/margins", "logps/chosen", "logps/rejected")
-
-
-@pytest.fixture(scope="module")
-def workdir(hf_checkpoint, tmp_path_factory):
-    """A tiny Gemma 3 with its tokenizer, a data folder of three preference records (train.jsonl) and three
-    held-out ones (test.jsonl), and a PEFT adapter."""
-    import peft
-    import torch
-    import transformers
-    from test_masks_tokenizers import GEMMA3_CONTROL, bpe_tokenizer
-    from trl.chat_template_utils import gemma3_chat_template
-
-    _, base = hf_checkpoint("gemma3_vllm")
-    root = tmp_path_factory.mktemp("dpo")
-    tokenizer = bpe_tokenizer(GEMMA3_CONTROL)
-    tokenizer.chat_template = gemma3_chat_template
-    tokenizer.eos_token = "<end_of_turn>"
-    tokenizer.save_pretrained(root / "base")
-    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager")
-    model.save_pretrained(root / "base")
-    (root / "data").mkdir()
-    (root / "data" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS["conversational"][:3]))
-    held_out = [RECORDS["conversational"][i] for i in (3, 0, 1)]
-    (root / "data" / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in held_out))
-    torch.manual_seed(0)
-    start = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0))
-    with torch.no_grad():  # an adapter as if trained by SFT: B away from PEFT's zero init
-        for name, p in start.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05)
-    start.save_pretrained(root / "adapter0")
-    return root
-
-
-def write_recipe(path, root, **fields):
-    path.write_text(yaml.safe_dump({"model_name_or_path": str(root / "base"), "dataset_name": str(root / "data"),
-                                    **fields}))
-    return path
 
 
 def one_device(tmp_path):
@@ -97,13 +58,13 @@ def peft_logits(base, adapter, ids, dtype="float64", merge=False):
         return model(torch.as_tensor(ids)).logits.double().numpy()
 
 
-def test_a_trl_documentation_recipe_runs_unchanged(workdir, tmp_path):
+def test_a_trl_documentation_recipe_runs_unchanged(dpo_workdir, tmp_path):
     """TRL's documented recipe shape: use_peft with lora_r and lora_alpha, everything else TRL's default (lora_dropout
     0.05, which TRL's disable_dropout turns off; bf16; gradient_checkpointing). trainer_state.json has TRL's DPO
     metric names at every step; PEFT loads the adapter, which moved away from the base, and merged/ gives the same
     logits as the base with it, within 10x the distance of PEFT's own float32 merge from the float64 adapter."""
     out = tmp_path / "out"
-    config = write_recipe(tmp_path / "dpo.yaml", workdir, output_dir=str(out), use_peft=True, lora_r=8,
+    config = write_recipe(tmp_path / "dpo.yaml", dpo_workdir, output_dir=str(out), use_peft=True, lora_r=8,
                           lora_alpha=16, lora_target_modules="all-linear", max_steps=2, logging_steps=1,
                           per_device_train_batch_size=2, learning_rate=1e-3)
     # One device (a subprocess): the step compiles faster than on the suite's eight simulated ones.
@@ -120,10 +81,10 @@ def test_a_trl_documentation_recipe_runs_unchanged(workdir, tmp_path):
     adapter = json.loads((out / "adapter_config.json").read_text())
     assert adapter["lora_dropout"] == 0.05 and adapter["r"] == 8
     ids = np.array([[2, 5, 9, 14, 3, 7, 11, 4]])
-    base, tuned = peft_logits(workdir / "base", None, ids), peft_logits(workdir / "base", out, ids)
+    base, tuned = peft_logits(dpo_workdir / "base", None, ids), peft_logits(dpo_workdir / "base", out, ids)
     assert np.abs(tuned - base).max() > 0
     merged = peft_logits(out / "merged", None, ids)
-    floor = np.abs(peft_logits(workdir / "base", out, ids, "float32", merge=True) - tuned).max()
+    floor = np.abs(peft_logits(dpo_workdir / "base", out, ids, "float32", merge=True) - tuned).max()
     bound = 10 * max(floor, EPS32 * np.abs(tuned).max())
     assert np.abs(merged - tuned).max() <= bound, (np.abs(merged - tuned).max(), bound)
 
@@ -136,8 +97,8 @@ def test_a_trl_documentation_recipe_runs_unchanged(workdir, tmp_path):
     ({"eval_strategy": "steps", "dataset_test_split": "validation"}, "validation"),
     ({"load_in_4bit": True, "bnb_4bit_quant_type": "fp4"}, "bnb_4bit_quant_type='fp4'"),
 ])
-def test_fields_gemport_does_not_reproduce_are_refused_by_name(workdir, tmp_path, fields, words):
-    config = write_recipe(tmp_path / "dpo.yaml", workdir, output_dir=str(tmp_path / "out"), use_peft=True, **fields)
+def test_fields_gemport_does_not_reproduce_are_refused_by_name(dpo_workdir, tmp_path, fields, words):
+    config = write_recipe(tmp_path / "dpo.yaml", dpo_workdir, output_dir=str(tmp_path / "out"), use_peft=True, **fields)
     one_line_error(gemport("dpo", "--config", config, ok=False), words)
 
 
@@ -181,7 +142,7 @@ def lora_factors(model):
             if ".default." in n}
 
 
-def test_gemport_dpo_equals_trl_through_a_sigkill_and_resumes(workdir, tmp_path):
+def test_gemport_dpo_equals_trl_through_a_sigkill_and_resumes(dpo_workdir, tmp_path):
     """`gemport dpo --init-adapter` SIGKILLed once step 3 is logged (checkpoint 2 complete, no 3), run again: it
     resumes from step 2 and its step 3 is the killed run's exactly; every logged step (loss, grad_norm,
     learning_rate, rewards, logps), the evaluations at step 2 and after the last step on the test split
@@ -193,10 +154,10 @@ def test_gemport_dpo_equals_trl_through_a_sigkill_and_resumes(workdir, tmp_path)
     from safetensors.numpy import load_file
 
     out = tmp_path / "out"
-    config = write_recipe(tmp_path / "dpo.yaml", workdir, output_dir=str(out), **RECIPE)
+    config = write_recipe(tmp_path / "dpo.yaml", dpo_workdir, output_dir=str(out), **RECIPE)
     env = one_device(tmp_path)  # the restart loads the first process's executables instead of compiling again
     command = [sys.executable, str(CHILD), "kill:3", "dpo", "--config", str(config), "--init-adapter",
-               str(workdir / "adapter0")]
+               str(dpo_workdir / "adapter0")]
     killed = subprocess.run(command, env=env, cwd=CHILD.parent, capture_output=True, text=True, timeout=900)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert not (out / "adapter_config.json").exists()
@@ -215,9 +176,9 @@ def test_gemport_dpo_equals_trl_through_a_sigkill_and_resumes(workdir, tmp_path)
     kept = [e for e in before if "loss" in e or "eval_loss" in e]
     assert len(kept) >= 4 and kept == logged[:len(kept)]
 
-    logs32, model32 = trl_run(workdir, tmp_path / "trl32", torch.float32)
+    logs32, model32 = trl_run(dpo_workdir, tmp_path / "trl32", torch.float32)
     with float64.TorchFloat64():
-        logs64, model64 = trl_run(workdir, tmp_path / "trl64", torch.float64)
+        logs64, model64 = trl_run(dpo_workdir, tmp_path / "trl64", torch.float64)
     assert logs64[0]["rewards/margins"] == 0.0 != logs64[3]["rewards/margins"]  # the reference: adapter0
     for got, want32, want64 in zip(logged, logs32, logs64, strict=True):
         assert got["step"] == want64["step"] and got["epoch"] == pytest.approx(want64["epoch"])
@@ -248,7 +209,7 @@ def test_gemport_dpo_equals_trl_through_a_sigkill_and_resumes(workdir, tmp_path)
     with torch.no_grad():
         exact = model64(torch.as_tensor(ids)).logits.double().numpy()
         rounded = model32(torch.as_tensor(ids)).logits.double().numpy()
-    got = peft_logits(workdir / "base", out, ids)
+    got = peft_logits(dpo_workdir / "base", out, ids)
     bound = 10 * max(np.abs(rounded - exact).max(), EPS32 * np.abs(exact).max())
     assert np.abs(got - exact).max() <= bound, (np.abs(got - exact).max(), bound)
 
@@ -262,14 +223,14 @@ PARITY = dict(use_peft=True, lora_r=4, lora_alpha=8, lora_target_modules="all-li
               eval_strategy="steps", eval_steps=2)
 
 
-def test_gemport_parity_takes_a_dpo_recipe(workdir, tmp_path, monkeypatch):
+def test_gemport_parity_takes_a_dpo_recipe(dpo_workdir, tmp_path, monkeypatch):
     """`gemport parity --trainer dpo`: TRL's DPOTrainer + PEFT and gemport dpo's step from the same adapter agree at
     every step on loss, grad_norm and TRL's DPO metrics, and on the final adapter, each within 10x its floor
     measured in the run (TRL eager vs sdpa); parity.json holds the metrics with their bounds."""
     monkeypatch.chdir(tmp_path)
-    config = write_recipe(tmp_path / "dpo.yaml", workdir, **PARITY)
-    done = gemport("parity", workdir / "base", workdir / "data" / "train.jsonl", "--config", config, "--trainer",
-                   "dpo", ok=False)
+    config = write_recipe(tmp_path / "dpo.yaml", dpo_workdir, **PARITY)
+    done = gemport("parity", dpo_workdir / "base", dpo_workdir / "data" / "train.jsonl", "--config", config,
+                   "--trainer", "dpo", ok=False)
     print(done.stdout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = done.stdout.splitlines()
@@ -286,29 +247,30 @@ def test_gemport_parity_takes_a_dpo_recipe(workdir, tmp_path, monkeypatch):
     assert any(m["gpu"] != 0 for m in report["metrics"] if m["name"] == "rewards/margins")  # the adapter moved
 
 
-def test_gemport_parity_fails_a_dpo_port_with_another_beta(workdir, tmp_path, monkeypatch):
+def test_gemport_parity_fails_a_dpo_port_with_another_beta(dpo_workdir, tmp_path, monkeypatch):
     """The port trained with beta 0.1 where the recipe says 0.5: at step 0 (policy = reference, loss log 2 on both
     sides) the gradient is beta times another: exit 1 naming step 0's grad_norm."""
     monkeypatch.chdir(tmp_path)
-    config = write_recipe(tmp_path / "dpo.yaml", workdir, **PARITY)
-    port = write_recipe(tmp_path / "port.yaml", workdir, **dict(PARITY, beta=0.1))
-    done = gemport("parity", workdir / "base", workdir / "data" / "train.jsonl", "--config", config, "--trainer",
-                   "dpo", "--port-config", port, "--steps", 1, "--rtol", 1e-4, "--adapter-rtol", 1e-2, ok=False)
+    config = write_recipe(tmp_path / "dpo.yaml", dpo_workdir, **PARITY)
+    port = write_recipe(tmp_path / "port.yaml", dpo_workdir, **dict(PARITY, beta=0.1))
+    done = gemport("parity", dpo_workdir / "base", dpo_workdir / "data" / "train.jsonl", "--config", config,
+                   "--trainer", "dpo", "--port-config", port, "--steps", 1, "--rtol", 1e-4, "--adapter-rtol", 1e-2,
+                   ok=False)
     print(done.stdout)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     assert "DISAGREE at step 0: grad_norm" in done.stdout.splitlines()[-1]
     assert not json.loads((tmp_path / "gemport-parity" / "parity.json").read_text())["ok"]
 
 
-def test_gemport_parity_compares_a_dpo_recipe_in_bfloat16(workdir, tmp_path, monkeypatch):
+def test_gemport_parity_compares_a_dpo_recipe_in_bfloat16(dpo_workdir, tmp_path, monkeypatch):
     """`--dtype bfloat16`: the recipe as bf16 trains it (TRL on a bfloat16 base under CPU autocast, the port on a
     bfloat16 base, float32 adapters on both) against TRL's own float32-vs-bfloat16 floor, and the same port with
     another beta fails it at step 0 (the gradient is beta times another)."""
     monkeypatch.chdir(tmp_path)
-    config = write_recipe(tmp_path / "dpo.yaml", workdir, **PARITY)
-    port = write_recipe(tmp_path / "port.yaml", workdir, **dict(PARITY, beta=0.1))
-    args = ("parity", workdir / "base", workdir / "data" / "train.jsonl", "--config", config, "--trainer", "dpo",
-            "--dtype", "bfloat16")
+    config = write_recipe(tmp_path / "dpo.yaml", dpo_workdir, **PARITY)
+    port = write_recipe(tmp_path / "port.yaml", dpo_workdir, **dict(PARITY, beta=0.1))
+    args = ("parity", dpo_workdir / "base", dpo_workdir / "data" / "train.jsonl", "--config", config, "--trainer",
+            "dpo", "--dtype", "bfloat16")
     done = gemport(*args, ok=False)
     print(done.stdout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -348,7 +310,7 @@ def test_the_dpo_verdict_names_a_metric_beyond_its_floor():
     ({}, ("--other-template",), "records[0]: conversation 0: gemport's Gemma3"),
     ({}, ("--port-config", "port.yaml"), "port.yaml: its lora_* fields differ"),
 ])
-def test_dpo_parity_refuses_before_either_side_trains(workdir, tmp_path, monkeypatch, fields, args, words):
+def test_dpo_parity_refuses_before_either_side_trains(dpo_workdir, tmp_path, monkeypatch, fields, args, words):
     """Recipe fields, the comparison's options, the data's format and the tokenizer's template are checked before
     TRL or the port trains (here, training at all fails the test), with a one-line typed error."""
     import shutil
@@ -360,7 +322,7 @@ def test_dpo_parity_refuses_before_either_side_trains(workdir, tmp_path, monkeyp
     monkeypatch.setattr(trl.DPOTrainer, "train", lambda self: pytest.fail("the GPU side trained"))
     monkeypatch.setattr(SFTRun, "train", lambda self: pytest.fail("the port trained"))
     monkeypatch.chdir(tmp_path)
-    base, data = workdir / "base", workdir / "data" / "train.jsonl"
+    base, data = dpo_workdir / "base", dpo_workdir / "data" / "train.jsonl"
     if "--sft-data" in args:
         data = tmp_path / "sft.jsonl"
         data.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}]}) + "\n")
@@ -368,11 +330,11 @@ def test_dpo_parity_refuses_before_either_side_trains(workdir, tmp_path, monkeyp
         import transformers
 
         base = tmp_path / "base"
-        shutil.copytree(workdir / "base", base)
+        shutil.copytree(dpo_workdir / "base", base)
         tokenizer = transformers.AutoTokenizer.from_pretrained(base)
         tokenizer.chat_template += "{{ '\n' }}"
         tokenizer.save_pretrained(base)
-    config = write_recipe(tmp_path / "dpo.yaml", workdir, **{**PARITY, **fields})
-    write_recipe(tmp_path / "port.yaml", workdir, **{**PARITY, "lora_r": 8})
+    config = write_recipe(tmp_path / "dpo.yaml", dpo_workdir, **{**PARITY, **fields})
+    write_recipe(tmp_path / "port.yaml", dpo_workdir, **{**PARITY, "lora_r": 8})
     options = [a for a in args if a not in ("--sft-data", "--other-template")]
     one_line_error(gemport("parity", base, data, "--config", config, "--trainer", "dpo", *options, ok=False), words)

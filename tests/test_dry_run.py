@@ -11,8 +11,7 @@ import shutil
 import yaml
 
 from gemport import plan as plan_package
-from test_cli import gemport, one_line_error
-from test_dpo_run import workdir  # noqa: F401 (a fixture)
+from gemport_cli import gemport, one_line_error
 
 
 def _recipe(tmp_path, base, **fields):
@@ -57,16 +56,16 @@ def test_tpu_is_for_a_dry_run(tmp_path, hf_checkpoint):
                        "--tpu v5p-8", "--dry-run")
 
 
-def test_a_dpo_recipe_compiles_for_the_slice(workdir, tmp_path, monkeypatch):
+def test_a_dpo_recipe_compiles_for_the_slice(dpo_workdir, tmp_path, monkeypatch):
     """``gemport dpo --dry-run --tpu v5p-8``: the DPO step (``tests/test_one_step.py``) for the first step's pairs,
     [chosen; rejected] rows of the longest pair, compiled by libtpu; nothing written."""
-    from test_dpo_run import write_recipe
+    from dpo_command import write_recipe
 
     reports = []
     real = plan_package.dry_run
     monkeypatch.setattr(plan_package, "dry_run", lambda run, **kw: reports.append(real(run, **kw)) or reports[-1])
     out = tmp_path / "out"
-    config = write_recipe(tmp_path / "dpo.yaml", workdir, output_dir=str(out), use_peft=True, lora_r=4,
+    config = write_recipe(tmp_path / "dpo.yaml", dpo_workdir, output_dir=str(out), use_peft=True, lora_r=4,
                           lora_alpha=8, per_device_train_batch_size=2)
     result = gemport("dpo", "--config", config, "--dry-run", "--tpu", "v5p-8")
     (report,) = reports

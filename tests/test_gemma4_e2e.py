@@ -22,7 +22,8 @@ import yaml
 from float64 import TorchFloat64, relative, trajectory_bound
 from trl import SFTConfig, SFTTrainer
 
-from test_train_sft import CONFIG, chats, float64_logs, tokenizer
+from chats import chats, tokenizer
+from sft_recipe import CONFIG, float64_logs
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"]
 
@@ -138,8 +139,8 @@ def test_gemport_parity_agrees_on_a_miniature(tmp_path, monkeypatch, preset):
     step under parity's own tolerances, on every adapted module."""
     extra, adapters = MINIATURES[preset]
     from gemport.specs import GemmaSpec
-    from test_cli import gemport
-    from test_parity import RECIPE
+    from gemport_cli import gemport
+    from sft_recipe import RECIPE
 
     real = tmp_path / preset
     real.mkdir()

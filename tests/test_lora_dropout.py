@@ -25,7 +25,7 @@ from gemport.step import tunix_loss
 from gemport.checkpoint import import_peft, load_model
 from gemport.lora import PROJECTIONS, LoraLayout, LoraParams, LoraSpec, apply_lora, dropout_key, lora_dropout
 from gemport.specs import GemmaSpec
-from test_lora_peft_training import batch, jax_loss, peft_grads, peft_model, torch_loss
+from peft_training import batch, jax_loss, peft_grads, peft_model, torch_loss
 
 P = 0.05  # TRL's ModelConfig default
 NAME = "gemma3_1b"  # q_einsum, o, MLP through Qwix's own LoRA; k_proj and v_proj in one fused kv_einsum

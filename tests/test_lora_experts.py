@@ -17,7 +17,7 @@ import torch
 import transformers
 from flax import nnx
 from safetensors.numpy import load_file
-from test_lora_peft_training import EXPERTS, peft_model
+from peft_training import EXPERTS, peft_model
 
 from gemport.check.parity import _distances, _gpu_deltas, _port_deltas
 from gemport.checkpoint import export_merged, export_peft, import_peft, load_model

@@ -14,10 +14,8 @@ import float64
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import peft
 import pytest
-import tiny
 import torch
 import transformers
 from flax import nnx
@@ -27,42 +25,13 @@ from gemport.errors import LoraError
 from gemport.lora import PROJECTIONS, LoraLayout, LoraParams, LoraSpec, apply_lora
 from gemport.optim import hf_optimizer
 from gemport.specs import GemmaSpec
+from peft_training import EXPERTS, batch, jax_loss, peft_grads, peft_model, torch_loss
 
 CASES = ["gemma4_dense", "gemma4_moe", "gemma3_1b", "gemma3_qkv", "gemma4_dense+qv", "gemma3_qkv+qv"]
 QV = ["q_proj", "v_proj"]  # PEFT's default targets for gemma3_text and gemma4
-# PEFT's target_parameters on the MoE experts and router
-EXPERTS = ["experts.gate_up_proj", "experts.down_proj", "router.proj.weight"]
 RECIPE = {"learning_rate": 5e-3, "weight_decay": 0.1, "max_grad_norm": 0.5, "warmup_steps": 3,
           "lr_scheduler_type": "cosine"}
 STEPS = 10
-
-
-def batch(vocab, step):
-    return np.random.default_rng(100 + step).integers(0, vocab, (2, tiny.SEQ), dtype=np.int32)
-
-
-def jax_loss(model, tokens):
-    b, t = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-    logits, _ = model(tokens, positions, None, jnp.tril(jnp.ones((b, t, t), bool)))
-    return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:]).mean()
-
-
-def torch_loss(model, tokens):
-    ids = torch.as_tensor(tokens, dtype=torch.long)
-    logits = model(ids).logits[:, :-1]
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-
-
-def peft_model(path, config):
-    torch.manual_seed(0)
-    base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-    model = peft.get_peft_model(base, config)
-    with torch.no_grad():  # B as after some training, of the base weights' magnitude; A as PEFT initialised it
-        for param_name, param in model.named_parameters():
-            if "lora_B" in param_name:
-                param.copy_(torch.randn_like(param) * 0.02)
-    return model
 
 
 @pytest.fixture(scope="module", params=CASES)
@@ -95,10 +64,6 @@ def peft_tensors(layout, flat):
         key = text + adapter.peft_key(layout.lora_spec.parameters)
         out |= dict(zip((f"{key}.lora_A.weight", f"{key}.lora_B.weight"), adapter.to_peft(a, b)))
     return out
-
-
-def peft_grads(model):
-    return {n.replace(".default", ""): p.grad.numpy() for n, p in model.named_parameters() if p.requires_grad}
 
 
 def peft_factors(model):

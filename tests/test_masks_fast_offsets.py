@@ -15,7 +15,7 @@ from transformers import GemmaTokenizer, PreTrainedTokenizerFast
 
 from gemport.data import build, encode, Gemma3, MaskPolicy, Truncation
 from gemport.data.tokenize import piece_lengths, tokenize_batch
-from test_masks_tokenizers import GEMMA3_CONTROL, bpe_tokenizer
+from tiny_tokenizers import GEMMA3_CONTROL, bpe_tokenizer
 
 PIECES = ["Sure", "use", "model", "a", " ", "\n", "é", "ö", "日本", "😀", "▁", "<unk>", "<0x41>", "x y",
           "<start_of_turn>", "<end_of_turn>"]

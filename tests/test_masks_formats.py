@@ -16,7 +16,7 @@ from tokenizers.processors import TemplateProcessing
 from gemport.data import Gemma3, Gemma4, MaskPolicy, Truncation
 from gemport.errors import MaskError
 from gemport.data import dataset, formats, template
-from test_masks_tokenizers import GEMMA3_CONTROL, GEMMA4_CONTROL, bpe_tokenizer
+from tiny_tokenizers import GEMMA3_CONTROL, GEMMA4_CONTROL, bpe_tokenizer
 
 pytest.importorskip("trl")
 from trl.chat_template_utils import gemma3_chat_template, gemma4_v3_chat_template, gemma4_v5_chat_template  # noqa: E402

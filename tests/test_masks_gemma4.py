@@ -5,21 +5,9 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from gemport.data import encode, Gemma4, MaskPolicy, PARTS, ROLES
 from gemport.errors import MaskError
-from test_masks_tokenizers import GEMMA4_CONTROL, bpe_tokenizer, char_tokenizer, trained_spans
+from tiny_tokenizers import GEMMA4_CONTROL, bpe_tokenizer, char_tokenizer, trained_spans
+from chat_shapes import CHAT
 
-CHAT = [
-    {"role": "system", "content": "You are terse."},
-    {"role": "user", "content": "Hi"},
-    {"role": "assistant", "content": "Hello!", "reasoning": "greet them"},
-    {"role": "user", "content": "Add 2 and 2"},
-    {
-        "role": "assistant",
-        "reasoning": "need the tool",
-        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": {"b": 2, "a": 2}}}],
-    },
-    {"role": "tool", "tool_call_id": "c1", "content": "4"},
-    {"role": "assistant", "content": "It is 4.", "reasoning": "the tool said 4"},
-]
 CALL = "<|tool_call>call:add{a:2,b:2}<tool_call|><|tool_response>"
 
 

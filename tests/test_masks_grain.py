@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from gemport.data import build, Gemma4, MaskPolicy, Truncation, tunix_inputs
-from test_masks_tokenizers import GEMMA4_CONTROL, char_tokenizer
+from tiny_tokenizers import GEMMA4_CONTROL, char_tokenizer
 
 grain = pytest.importorskip("grain")
 from gemport.data.grain import MaskTransform, from_grain, has_target  # noqa: E402

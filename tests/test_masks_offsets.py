@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from gemport.data import check_tokenizer, encode, Gemma3, Gemma4, MaskPolicy, Thinking, token_offsets
 from gemport.errors import MaskError
-from test_masks_tokenizers import GEMMA3_CONTROL, GEMMA4_CONTROL, bpe_tokenizer, char_tokenizer
+from tiny_tokenizers import GEMMA3_CONTROL, GEMMA4_CONTROL, bpe_tokenizer, char_tokenizer
 
 WORDS = st.sampled_from(["Sure", "It", "user", "model", "\n", "\n\n", " ", "x", "é", "ö", "use"])
 TEXT = st.lists(WORDS, min_size=1, max_size=6).map("".join)

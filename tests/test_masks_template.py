@@ -18,7 +18,8 @@ from gemport.data import Gemma3, Gemma4, Truncation
 from gemport import errors
 from gemport.errors import MaskError
 from gemport.data import template
-from test_masks_tokenizers import GEMMA3_CONTROL, GEMMA4_CONTROL, char_tokenizer
+from tiny_tokenizers import GEMMA3_CONTROL, GEMMA4_CONTROL, char_tokenizer
+from chat_shapes import CALL, SHAPES, TEXT_PARTS, TOOLS, conversations
 
 trl_templates = pytest.importorskip("trl.chat_template_utils")
 GEMMA4 = {
@@ -27,50 +28,6 @@ GEMMA4 = {
     3: trl_templates.gemma4_v3_chat_template,
     4: trl_templates.gemma4_v4_chat_template,
     5: trl_templates.gemma4_v5_chat_template,
-}
-
-TOOLS = [
-    {"type": "function", "function": {
-        "name": "weather", "description": "Weather in a city",
-        "parameters": {"type": "object", "required": ["city"], "properties": {
-            "city": {"type": "string", "description": "City name"},
-            "unit": {"type": "string", "enum": ["c", "f"], "nullable": True},
-            "days": {"type": "integer"},
-            "tags": {"type": "array", "items": {"type": "string"}, "description": "Tags"},
-            "at": {"type": "object", "properties": {"lat": {"type": "number"}}, "required": ["lat"]},
-        }},
-    }},
-    {"type": "function", "function": {"name": "now", "description": "The time"}},
-    {"type": "function", "function": {
-        "name": "search", "description": "Search", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
-        "response": {"type": "object", "description": "Hits"},
-    }},
-]
-CALL = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": {"city": "Paris", "days": 2, "x": None}}}
-TEXT_PARTS = [{"type": "text", "text": " a "}, {"type": "text", "text": "b"}]
-SHAPES = {
-    "developer": ([{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                   {"role": "assistant", "content": "Yo"}], None),
-    "content parts": ([{"role": "user", "content": TEXT_PARTS}, {"role": "assistant", "content": TEXT_PARTS}], None),
-    "content None": ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None}], None),
-    "tools": ([{"role": "system", "content": "S"}, {"role": "user", "content": "Weather?"},
-               {"role": "assistant", "content": None, "tool_calls": [CALL]},
-               {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
-               {"role": "assistant", "content": "Sunny."}], TOOLS),
-    "tool parts and reasoning": ([{"role": "user", "content": "Weather?"},
-                                  {"role": "assistant", "reasoning": "call it", "tool_calls": [CALL]},
-                                  {"role": "tool", "name": "weather", "content": TEXT_PARTS},
-                                  {"role": "assistant", "content": "Sunny.", "reasoning": "done"}], TOOLS[:1]),
-    "call awaiting a response": ([{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [CALL]}], TOOLS[1:]),
-    "assistant after assistant": ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-                                   {"role": "assistant", "content": "c"}], None),
-    "tool_responses on the message": ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b",
-                                       "tool_responses": [{"name": "f", "response": {"k": 1, "s": "v"}}]},
-                                       {"role": "user", "content": "q"},
-                                       {"role": "assistant", "content": "ok", "reasoning": "r"}], None),
-    "blank content beside a response": ([{"role": "user", "content": "q"},
-                                         {"role": "assistant", "content": "  ", "tool_calls": [CALL]},
-                                         {"role": "tool", "name": "weather", "content": "r"}], None),
 }
 
 
@@ -94,29 +51,6 @@ def test_every_gemma4_revision_renders_every_message_shape_as_its_template(shape
     chat_format = Gemma4(thinking="on" if thinking else "off", revision=revision)
     options = dict(enable_thinking=thinking, add_generation_prompt=generation_prompt)
     assert text(chat_format, chat, tools, add_generation_prompt=generation_prompt) == jinja(GEMMA4[revision], chat, tools, **options)
-
-
-MESSAGE_TEXT = st.sampled_from(["Hi", " a b ", "x\n", "model", "é"])
-CONTENT = st.one_of(MESSAGE_TEXT, st.lists(MESSAGE_TEXT.map(lambda t: {"type": "text", "text": t}), min_size=1, max_size=2))
-
-
-@st.composite
-def conversations(draw):
-    chat = [{"role": draw(st.sampled_from(["system", "developer"])), "content": draw(CONTENT)}] if draw(st.booleans()) else []
-    for turn in range(draw(st.integers(1, 3))):
-        chat.append({"role": "user", "content": draw(CONTENT)})
-        answer = {"role": "assistant", "content": draw(st.one_of(st.none(), CONTENT))}
-        if draw(st.booleans()):
-            answer["reasoning"] = draw(MESSAGE_TEXT)
-        if draw(st.booleans()):
-            answer["tool_calls"] = [dict(CALL, id=f"c{turn}")]
-            chat.append(answer)
-            chat.append({"role": "tool", "tool_call_id": f"c{turn}", "content": draw(CONTENT)})
-            if draw(st.booleans()):
-                chat.append({"role": "assistant", "content": draw(MESSAGE_TEXT)})
-        else:
-            chat.append(answer)
-    return chat
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])

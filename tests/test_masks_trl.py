@@ -2,7 +2,7 @@
 
 import pytest
 
-from test_masks_tokenizers import GEMMA3_CONTROL, bpe_tokenizer
+from tiny_tokenizers import GEMMA3_CONTROL, bpe_tokenizer
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Sure thing"}],

@@ -8,7 +8,7 @@ import pytest
 
 from gemport.data import build, encode, Gemma3, Gemma4, MaskPolicy, truncate, Truncation, TruncationReport
 from gemport.errors import MaskError
-from test_masks_tokenizers import GEMMA3_CONTROL, char_tokenizer, trained_spans
+from tiny_tokenizers import GEMMA3_CONTROL, char_tokenizer, trained_spans
 
 TOKENIZER = char_tokenizer(GEMMA3_CONTROL)
 # Turn lengths with one token per character: <bos> 1; "<start_of_turn>user\n" 6 + content + 2.

@@ -36,8 +36,9 @@ from gemport.errors import BatchError, RecipeError
 from gemport.lora import LoraSpec
 from gemport.data.distributed import batch_sharding, device_rows, global_batch, process_rows, process_step
 from gemport.run.preemption import Preempted, Preemption
-from test_sharding_multiprocess import free_port
-from test_train_sft import CONFIG, chats, tokenizer
+from ports import free_port
+from chats import chats, tokenizer
+from sft_recipe import CONFIG
 from repo_paths import HELPERS, ROOT
 
 HOSTS = 2

@@ -17,7 +17,7 @@ from gemport.mesh import make_mesh
 from gemport.plan.compiled import compile_step, fingerprint, lower_step, micro_batch_shapes, step_trainer
 from gemport.specs import GemmaSpec
 from gemport.run.model import lora_model
-from test_train_sft import chats, tokenizer
+from chats import chats, tokenizer
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "down_proj"]}
 # A recipe that exercises every part of the step: accumulation, clipping, decay, a warmed-up cosine schedule.
@@ -99,7 +99,7 @@ def test_dpo_planning_lowers_the_program_dpo_training_compiles(runs, hf_checkpoi
     """``gemport dpo --dry-run``'s step is ``DPORun.train()``'s: chosen and rejected rows of the longest pair, the
     reference pass with LoRA off, DPO's loss and metrics, TRL's defaults for the rest (gradient checkpointing)."""
     from gemport.run import DPORun
-    from test_dpo import RECORDS
+    from preference_records import RECORDS
 
     _, mesh, sft_planned, _ = runs
     args = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=1, learning_rate=5e-3,

@@ -10,14 +10,10 @@ import yaml
 from gemport.errors import LoraError, MaskError, OptimizerConfigError, RecipeError
 from gemport.check.parity import (LEAST_FLOOR, Tolerances, Trajectory, StepRow, dropout_note, read_recipe, trajectory,
                             without_dropout)
-from test_cli import gemport
-from test_trackers import assert_picture
-from test_train_sft import chats, tokenizer
-
-RECIPE = dict(assistant_only_loss=True, max_length=128, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-              max_steps=4, learning_rate=5e-3, weight_decay=0.1, max_grad_norm=0.5, lr_scheduler_type="cosine",
-              warmup_steps=1, seed=3, lora_r=4, lora_alpha=8, lora_dropout=0.0,
-              lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+from gemport_cli import gemport
+from pictures import assert_picture
+from chats import chats, tokenizer
+from sft_recipe import RECIPE
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +182,7 @@ def test_twenty_steps_agree_on_a_gemma3_1b_miniature(tmp_path, packing):
     from gemport.check.parity import miniature
     from gemport.data import Gemma3
     from gemport.specs import GemmaSpec
-    from test_masks_tokenizers import GEMMA3_CONTROL, char_tokenizer
+    from tiny_tokenizers import GEMMA3_CONTROL, char_tokenizer
 
     base = miniature(GemmaSpec.preset("gemma3-1b").to_hf_config(), tmp_path / "gemma3", vocab_size=256)
     gemma3_tokenizer = char_tokenizer(GEMMA3_CONTROL)

@@ -16,46 +16,13 @@ from gemport.errors import LoraError
 from gemport.lora import LoraSpec, QLoraSpec, apply_lora
 from gemport.specs import GemmaSpec
 from quantized import dequantized
-from tiny import hf_logits, randomize, token_ids
+from tiny import hf_logits, token_ids
+from lora_targets import TARGETS
+from qlora_configs import QLORA_CONFIGS
 
 bnb_f = pytest.importorskip("bitsandbytes.functional")
 
 NF4 = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype="float32")
-
-# Widths that bitsandbytes' 64-element blocks tile: o_proj's input (4 heads x 16) is one block per row on the
-# split-q config, two heads of 32 per block on the k_eq_v one, and one 64-wide head per block on its global layer.
-QLORA_CONFIGS = {
-    "gemma3": tf.Gemma3TextConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
-                                  sliding_window=4),
-    "gemma4": tf.Gemma4TextConfig(vocab_size=128, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
-                                  num_attention_heads=2, num_key_value_heads=1, head_dim=32, global_head_dim=64,
-                                  num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=4,
-                                  layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=0,
-                                  final_logit_softcapping=30.0),
-    # Tensors large enough that one of them, not the fixed cost of building a model, sets the host peak.
-    "wide": tf.Gemma3TextConfig(vocab_size=96, hidden_size=128, intermediate_size=512, num_hidden_layers=3,
-                                num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32,
-                                sliding_window=4),
-}
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    """Factory name -> saved float32 HF checkpoint directory of a QLORA_CONFIGS model."""
-    cache = {}
-
-    def make(name):
-        if name not in cache:
-            cfg = QLORA_CONFIGS[name]
-            cfg._attn_implementation = "eager"
-            cls = tf.Gemma4ForCausalLM if name == "gemma4" else tf.Gemma3ForCausalLM
-            path = tmp_path_factory.mktemp(f"qlora-{name}")
-            randomize(cls(cfg)).save_pretrained(path)
-            cache[name] = path
-        return cache[name]
-
-    return make
 
 
 def bnb_model(path, double_quant):
@@ -175,8 +142,8 @@ def test_blocks_follow_the_hf_input_dimension_into_tunix_axes():
 
 @pytest.mark.parametrize("name", ["gemma3", "gemma4"])
 @pytest.mark.parametrize("double_quant", [False, True], ids=["plain", "double-quant"])
-def test_loaded_base_is_bitsandbytes_dequantized_weights(base, name, double_quant):
-    path = base(name)
+def test_loaded_base_is_bitsandbytes_dequantized_weights(qlora_base, name, double_quant):
+    path = qlora_base(name)
     expected = bnb_weights(bnb_model(path, double_quant))
     model = load_qlora_model(path, QLoraSpec(double_quant=double_quant))
     got = dequantized(model)
@@ -186,9 +153,6 @@ def test_loaded_base_is_bitsandbytes_dequantized_weights(base, name, double_quan
     for e in entries:
         assert np.array_equal(got[e.tunix], e.to_tunix([expected[h] for h in e.hf])), e.tunix
     assert model.layers[0].attn.attn_vec_einsum.w.array.qvalue.dtype == jnp.uint4
-
-
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def peft_adapter(model, out_dir, seed=1):
@@ -214,13 +178,13 @@ def tunix_logits(model, ids):
 
 
 @pytest.fixture(scope="module")
-def qlora_port(base, tmp_path_factory):
+def qlora_port(qlora_base, tmp_path_factory):
     """The two-layer Gemma 4 (k_eq_v global layer: every tile form of
     `test_blocks_follow_the_hf_input_dimension_into_tunix_axes`) on its double-quantized 4-bit base, with a
     PEFT adapter of random non-zero B: (base dir, adapter dir, PEFT on transformers + bitsandbytes, the port)."""
     from gemport.checkpoint import import_peft
 
-    path, adapter = base("gemma4"), tmp_path_factory.mktemp("qlora-adapter")
+    path, adapter = qlora_base("gemma4"), tmp_path_factory.mktemp("qlora-adapter")
     qlora = QLoraSpec(double_quant=True)
     gpu = peft_adapter(bnb_model(path, True), adapter)
     lora = import_peft(adapter, base_dir=path)
@@ -260,12 +224,12 @@ def test_qlora_logits_match_transformers_bitsandbytes_and_peft(qlora_port, tmp_p
     assert np.abs(hf_logits(unnested, ids) - hf_logits(gpu, ids)).max() > 100 * tolerance
 
 
-def test_loading_holds_one_tensor_at_a_time_on_the_host(base):
+def test_loading_holds_one_tensor_at_a_time_on_the_host(qlora_base):
     """Host (NumPy) allocations while loading, beyond the loaded model itself (on CPU the devices' memory is
     the host's), peak at a few copies of the largest tensor: not the model's size."""
     import tracemalloc
 
-    path = base("wide")
+    path = qlora_base("wide")
     spec = GemmaSpec.from_hf(path)
     sizes = [np.prod(e.hf_shape) * len(e.hf) * 4 for e in names.entries(spec) if e.hf]
     tracemalloc.start()
@@ -277,10 +241,10 @@ def test_loading_holds_one_tensor_at_a_time_on_the_host(base):
     assert model.layers[2].mlp.down_proj.kernel.array.scale.shape == (8, 128)
 
 
-def test_sharded_qlora_base_places_codes_and_scales_on_the_mesh(base):
+def test_sharded_qlora_base_places_codes_and_scales_on_the_mesh(qlora_base):
     from gemport.mesh import make_mesh
 
-    path = base("gemma3")
+    path = qlora_base("gemma3")
     mesh = make_mesh(GemmaSpec.from_hf(path), fsdp=4, tp=2)
     sharded = load_qlora_model(path, QLoraSpec(), mesh=mesh)
     w = sharded.layers[0].mlp.down_proj.kernel.array
@@ -293,13 +257,13 @@ def test_sharded_qlora_base_places_codes_and_scales_on_the_mesh(base):
         assert np.array_equal(on_mesh[key], single[key]), key
 
 
-def test_memory_plan_counts_the_4bit_base_as_loaded(base):
+def test_memory_plan_counts_the_4bit_base_as_loaded(qlora_base):
     """The plan's base bytes per device equal what the loaded 4-bit base holds on device 0 (uint4 codes at 4
     bits, float32 scales, the rest float32), on a 4 x 2 mesh; and the 4-bit base is 4.5/32 of float32's there."""
     from gemport.mesh import make_mesh
     from gemport.plan import memory_plan
 
-    path = base("gemma3")
+    path = qlora_base("gemma3")
     spec = GemmaSpec.from_hf(path)
     model = load_qlora_model(path, QLoraSpec(), mesh=make_mesh(spec, fsdp=4, tp=2))
     held = 0
@@ -312,17 +276,17 @@ def test_memory_plan_counts_the_4bit_base_as_loaded(base):
     assert plan.lora_bytes == full.lora_bytes and plan.base_bytes < full.base_bytes
 
 
-def test_qlora_trajectory_agrees_with_trl_on_the_4bit_base(base):
+def test_qlora_trajectory_agrees_with_trl_on_the_4bit_base(qlora_base):
     """TRL's SFTTrainer + PEFT on bitsandbytes' double-quantized NF4 base vs the port on its Qwix NF4 base:
     4 steps with accumulation 2, clipping, weight decay and a warmup + cosine schedule, on the two-layer
     Gemma 4 (a k_eq_v global layer), float32 adapters on both sides (TRL's bfloat16 cast undone, see
     `gemport.check.parity.trajectory`). The tolerance is the unquantized trajectory's float32 one plus what the two
     bases differ by, measured here: nothing (the bases are equal)."""
     from gemport.check.parity import Tolerances, trajectory
-    from test_parity import RECIPE
-    from test_train_sft import chats, tokenizer
+    from sft_recipe import RECIPE
+    from chats import chats, tokenizer
 
-    path = base("gemma4")
+    path = qlora_base("gemma4")
     qlora = QLoraSpec.from_config({"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "use_bnb_nested_quant": True,
                                    "dtype": "float32"})
     expected = bnb_weights(bnb_model(path, qlora.double_quant))
@@ -340,7 +304,7 @@ def test_qlora_trajectory_agrees_with_trl_on_the_4bit_base(base):
     assert len(report.adapters) == 2 * 7 - 1  # the k_eq_v global layer has no v_proj
 
 
-def test_qlora_dpo_trajectory_agrees_with_trl_on_the_4bit_base(base, tmp_path):
+def test_qlora_dpo_trajectory_agrees_with_trl_on_the_4bit_base(qlora_base, tmp_path):
     """DPO on a 4-bit base: TRL's DPOTrainer + PEFT on bitsandbytes' double-quantized NF4 base (its reference the
     base with the adapter disabled) against `gemport dpo`'s step on the Qwix NF4 base that `DPORun.create` loads
     from a recipe's load_in_4bit fields (bitwise load_qlora_model's), 3 steps with accumulation 2 and clipping:
@@ -352,10 +316,10 @@ def test_qlora_dpo_trajectory_agrees_with_trl_on_the_4bit_base(base, tmp_path):
     from gemport.run import DPORun
     from gemport.check.dpo_parity import trajectory
     from gemport.mesh import make_mesh
-    from test_dpo import RECORDS
-    from test_train_sft import tokenizer
+    from preference_records import RECORDS
+    from chats import tokenizer
 
-    path = base("gemma4")
+    path = qlora_base("gemma4")
     records = RECORDS["conversational"][:3]
     fields = dict(per_device_train_batch_size=1, gradient_accumulation_steps=2, max_steps=3, learning_rate=5e-3,
                   max_grad_norm=0.05, beta=0.5, seed=3, bf16=False, gradient_checkpointing=False)

@@ -12,7 +12,6 @@ import functools
 import json
 import os
 import tempfile
-import types
 from pathlib import Path
 
 import numpy as np
@@ -25,30 +24,11 @@ from gemport.optim.hf import hf_optimizer
 from gemport import recipe
 from gemport.run.sft import checkpoint_root, eval_batches, training_config
 from gemport.data.sft import from_sft_config
-from test_cli import gemport, one_line_error
-from test_train_sft import chats, tokenizer
+from gemport_cli import gemport, one_line_error
+from chats import chats
 from tiny import text_config
 from repo_paths import HELPERS
-
-TOK = tokenizer()
-DATA = chats(12)
-BASE = dict(assistant_only_loss=True, max_length=128, per_device_train_batch_size=2, max_steps=4, seed=3)
-
-
-def sft(**fields):
-    return {**recipe.read({}).sft, **BASE, **fields}
-
-
-def examples(records=DATA, **fields):
-    pipeline = from_sft_config(sft(**fields), TOK)
-    return pipeline.examples(records, TOK, progress=False, check=None)
-
-
-def steps(**fields):
-    """[(micro-batch index lists...)], [batch] of HF's order for ``fields``."""
-    pipeline = from_sft_config(sft(**fields), TOK)
-    out = list(pipeline.batches(examples(**fields)[0]))
-    return [tuple(tuple(int(i) for i in m) for m in s.micro_batches) for s, _ in out], [b for _, b in out]
+from recipe_objects import DATA, TOK, examples, lora, outputs, sft, steps
 
 
 def updates(**fields):
@@ -65,28 +45,6 @@ def updates(**fields):
         u, state = opt.tx.update({"w": jnp.full(4, g) * jnp.arange(1, 5)}, state, params)
         params = optax.apply_updates(params, u)
     return np.asarray(params["w"])
-
-
-def outputs(tmp_path, **fields):
-    """``HFOutputs`` of a run of ``fields`` (its plan, batches and cadence; no model), started."""
-    from gemport.run.outputs import HFOutputs, step_epochs, step_tokens
-
-    args = sft(**fields)
-    order, batches = steps(**fields)
-    plan = list(from_sft_config(args, TOK).batches(examples(**fields)[0]))
-    base = tmp_path / "base"
-    if not base.is_dir():  # the run config trackers upload reads the base's config.json
-        text_config("gemma3_1b").save_pretrained(base)
-    hooks = HFOutputs(tmp_path, args, epochs=step_epochs([s for s, _ in plan], len(examples(**fields)[0]), args),
-                      tokens=step_tokens(batches), learning_rate=None,
-                      eval_every=training_config(args, len(plan), evaluate=True).eval_every_n_steps,
-                      tracker_config=dict(base_dir=base, lora_config=lora().to_peft(str(base)), num_parameters=0))
-    hooks._begin(types.SimpleNamespace(train_steps=0))
-    return hooks
-
-
-def lora(**fields):
-    return LoraSpec.from_peft(recipe.read({"use_peft": True, "lora_target_modules": ["q_proj"], **fields}).lora())
 
 
 def differ(a, b):
@@ -450,8 +408,8 @@ def _trackio_runs(tmp_path, **fields):
 
     script = f"""
 import json, sys, types
-sys.path[:0] = {[str(Path(__file__).parent), str(HELPERS)]!r}
-from test_recipe_fields import outputs
+sys.path[:0] = {[str(HELPERS)]!r}
+from recipe_objects import outputs
 from pathlib import Path
 hooks = outputs(Path({str(tmp_path)!r}), report_to="trackio", **{fields!r})
 for tracker in hooks.trackers:

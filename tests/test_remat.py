@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 import tiny
 from flax import nnx
-from test_fast_attention import lora_model, rel_err, rows
+from packed_rows import lora_model, rel_err, rows
 
 from gemport.lora import LoraSpec
 from gemport.mesh import make_mesh, slice_devices

@@ -28,8 +28,8 @@ from gemport.data.splits import load_splits
 from gemport.run.lock import LOCK, claim_output
 from gemport.data.vocabulary import check_token_ids
 from fault_child import write_checkpoints
-from test_masks_tokenizers import GEMMA3_CONTROL, char_tokenizer
-from test_train_sft import chats, tokenizer
+from tiny_tokenizers import GEMMA3_CONTROL, char_tokenizer
+from chats import chats, tokenizer
 from repo_paths import HELPERS
 
 CHILD = HELPERS / "fault_child.py"
@@ -303,7 +303,7 @@ def adapter(out):
 
 
 def test_sft_resumes_from_the_last_intact_checkpoint_to_the_same_adapter(sft_dir):
-    from test_cli import gemport
+    from gemport_cli import gemport
 
     out = sft_dir / "out"
     data = (sft_dir / "train.jsonl").read_bytes()
@@ -327,7 +327,7 @@ def test_sft_resumes_from_the_last_intact_checkpoint_to_the_same_adapter(sft_dir
 
 
 def test_sft_refuses_a_non_finite_loss_at_its_step_and_keeps_the_checkpoint_before(sft_dir, tmp_path):
-    from test_cli import gemport, one_line_error
+    from gemport_cli import gemport, one_line_error
 
     out = tmp_path / "nan"
     # A learning rate off by many orders of magnitude: step 1's update overflows the weights, step 2's loss is not

@@ -20,47 +20,12 @@ import yaml
 
 from gemport.errors import RecipeError
 from gemport import recipe
-from test_cli import gemport, one_line_error
-from test_train_sft import chats, tokenizer
+from gemport_cli import gemport, one_line_error
+from chats import chats, tokenizer
 from repo_paths import HELPERS
+from sft_command import RECIPE, write_recipe
 
 CHILD = HELPERS / "sft_child.py"
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-RECIPE = dict(assistant_only_loss=True, max_length=128, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-              max_steps=4, learning_rate=5e-3, weight_decay=0.1, max_grad_norm=0.5, lr_scheduler_type="cosine",
-              warmup_steps=1, seed=3, logging_steps=1, eval_strategy="steps", eval_steps=3,
-              per_device_eval_batch_size=2, bf16=False, dataloader_num_workers=2)
-
-
-@pytest.fixture(scope="module")
-def workdir(hf_checkpoint, tmp_path_factory):
-    """A tiny Gemma 4 with its tokenizer, a data folder with train/test splits, and a step-0 PEFT adapter."""
-    import peft
-    import torch
-    import transformers
-
-    _, base = hf_checkpoint("gemma4_mesh")
-    root = tmp_path_factory.mktemp("sft")
-    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager")
-    tokenizer().save_pretrained(root / "base")
-    model.save_pretrained(root / "base")
-    (root / "data").mkdir()
-    (root / "data" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chats(16)))
-    (root / "data" / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chats(5, seed=1)))
-    torch.manual_seed(0)
-    start = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
-    with torch.no_grad():  # an adapter as if trained on GPUs: B away from PEFT's zero init
-        for name, p in start.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.02)
-    start.save_pretrained(root / "adapter0")
-    return root
-
-
-def write_recipe(path, root, **fields):
-    path.write_text(yaml.safe_dump({"model_name_or_path": str(root / "base"), "dataset_name": str(root / "data"),
-                                    **RECIPE, **fields}))
-    return path
 
 
 def trl_run(root, out):
@@ -88,15 +53,15 @@ def relative(a, b):
     return abs(a - b) / max(abs(a), 1e-12)
 
 
-def test_gemport_sft_equals_trl_through_a_sigterm_a_sigkill_and_resumes(workdir, tmp_path):
+def test_gemport_sft_equals_trl_through_a_sigterm_a_sigkill_and_resumes(sft_workdir, tmp_path):
     import peft
     import torch
     import transformers
 
     out = tmp_path / "out"
-    config = write_recipe(tmp_path / "sft.yaml", workdir, output_dir=str(out), save_steps=2, save_total_limit=1,
+    config = write_recipe(tmp_path / "sft.yaml", sft_workdir, output_dir=str(out), save_steps=2, save_total_limit=1,
                           report_to="tensorboard")
-    args = ["--config", config, "--init-adapter", workdir / "adapter0"]
+    args = ["--config", config, "--init-adapter", sft_workdir / "adapter0"]
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
                # The rerun loads the first process's executables instead of compiling again.
                JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax-cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
@@ -125,7 +90,7 @@ def test_gemport_sft_equals_trl_through_a_sigterm_a_sigkill_and_resumes(workdir,
 
     state = json.loads((out / "trainer_state.json").read_text())
     assert state["log_history"][:len(before_kill)] == before_kill  # step 3 again from checkpoint 2: the same
-    expected, trl_model = trl_run(workdir, tmp_path / "trl")
+    expected, trl_model = trl_run(sft_workdir, tmp_path / "trl")
     train = [e for e in state["log_history"] if "loss" in e]
     trl_train = [e for e in expected if "loss" in e and "grad_norm" in e]
     assert state["global_step"] == 4 and [e["step"] for e in train] == [1, 2, 3, 4]
@@ -144,7 +109,7 @@ def test_gemport_sft_equals_trl_through_a_sigterm_a_sigkill_and_resumes(workdir,
     assert list((out / "runs").glob("events.out.tfevents.*"))
 
     def logits(adapter):
-        base = transformers.AutoModelForCausalLM.from_pretrained(workdir / "base", dtype=torch.float32,
+        base = transformers.AutoModelForCausalLM.from_pretrained(sft_workdir / "base", dtype=torch.float32,
                                                                  attn_implementation="eager")
         with torch.no_grad():
             return peft.PeftModel.from_pretrained(base, adapter).eval()(ids).logits.numpy()
@@ -153,7 +118,7 @@ def test_gemport_sft_equals_trl_through_a_sigterm_a_sigkill_and_resumes(workdir,
     ids = torch.tensor(t(t.apply_chat_template(chats(1)[0]["messages"], tokenize=False))["input_ids"])[None]
     with torch.no_grad():
         want = trl_model.eval()(ids).logits.numpy()
-    moved = np.abs(want - logits(workdir / "adapter0")).max()  # how far the 4 steps moved the logits
+    moved = np.abs(want - logits(sft_workdir / "adapter0")).max()  # how far the 4 steps moved the logits
     assert np.abs(logits(out) - want).max() < 1e-2 * moved
 
 
@@ -191,8 +156,8 @@ def test_overrides_read_as_trl_sft_reads_them():
     assert r.sft["gradient_checkpointing"] is False  # used (the run's remat), not a note
 
 
-def test_cli_errors_name_what_is_missing(workdir, tmp_path):
-    config = write_recipe(tmp_path / "sft.yaml", workdir, output_dir=str(tmp_path / "out"))
+def test_cli_errors_name_what_is_missing(sft_workdir, tmp_path):
+    config = write_recipe(tmp_path / "sft.yaml", sft_workdir, output_dir=str(tmp_path / "out"))
     one_line_error(gemport("sft", "--config", config, ok=False), "use_peft is not set")
     one_line_error(gemport("sft", "--config", config, "--use_peft", "--lora_target_modules", "q_proj",
                            "--dataset_test_split", "validation", ok=False), "no split 'validation'")
@@ -203,11 +168,11 @@ def test_cli_errors_name_what_is_missing(workdir, tmp_path):
     assert other.returncode == 2 and "unrecognized arguments: --learning_rate 1" in other.stderr
 
 
-def test_a_recipe_leaving_lora_dropout_at_trls_default_trains(workdir, tmp_path):
+def test_a_recipe_leaving_lora_dropout_at_trls_default_trains(sft_workdir, tmp_path):
     """TRL's ModelConfig gives lora_dropout 0.05 to a recipe that does not set it (PEFT's LoraConfig: 0.0);
     `gemport sft` trains with it (it used to stop at the first step: Qwix found no rngs) and records it."""
     out = tmp_path / "out"
-    config = write_recipe(tmp_path / "sft.yaml", workdir, output_dir=str(out), use_peft=True, lora_r=8,
+    config = write_recipe(tmp_path / "sft.yaml", sft_workdir, output_dir=str(out), use_peft=True, lora_r=8,
                           lora_target_modules=["k_proj", "v_proj", "down_proj"], max_steps=1, eval_strategy="no",
                           save_strategy="no", max_length=64)
     assert "lora_dropout" not in yaml.safe_load(config.read_text())

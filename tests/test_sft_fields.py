@@ -23,8 +23,8 @@ from gemport.specs import GemmaSpec
 from gemport import recipe
 from gemport.run.record import RECIPE_FILE, check_resume, recipe_record
 from gemport.run.sft import CHECKPOINTS, SFTRun, eval_batches
-from test_cli import gemport, one_line_error
-from test_train_sft import chats, tokenizer
+from gemport_cli import gemport, one_line_error
+from chats import chats, tokenizer
 from repo_paths import ROOT
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj"]}

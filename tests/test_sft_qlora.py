@@ -25,8 +25,8 @@ from gemport.mesh import make_mesh
 from gemport.specs import GemmaSpec
 from gemport import recipe
 from quantized import dequantized
-from test_qlora import TARGETS, base  # noqa: F401 (the 4-bit-friendly tiny Gemma 4 fixture)
-from test_train_sft import chats, tokenizer
+from lora_targets import TARGETS
+from chats import chats, tokenizer
 
 QLORA_FIELDS = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", use_bnb_nested_quant=True, dtype="float32")
 RECIPE = dict(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules=TARGETS,
@@ -35,8 +35,8 @@ RECIPE = dict(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_targ
               lr_scheduler_type="cosine", warmup_steps=1, seed=3, save_strategy="no", bf16=False, **QLORA_FIELDS)
 
 
-def test_gemport_sft_trains_a_qlora_recipe_as_the_python_path(base, tmp_path):  # noqa: F811
-    path = base("gemma4")
+def test_gemport_sft_trains_a_qlora_recipe_as_the_python_path(qlora_base, tmp_path):
+    path = qlora_base("gemma4")
     config = tmp_path / "sft.yaml"
     config.write_text(yaml.safe_dump(RECIPE))
     run = SFTRun.create(config, path, chats(8), tokenizer=tokenizer(), progress=False,

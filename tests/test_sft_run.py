@@ -13,7 +13,7 @@ from gemport.mesh import make_mesh
 from gemport.specs import GemmaSpec
 from gemport.run.trainer import HFPeftTrainer
 from gemport.run.sft import eval_batches
-from test_train_sft import chats, tokenizer
+from chats import chats, tokenizer
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "down_proj"]}
 ARGS = dict(assistant_only_loss=True, packing=True, max_length=64, per_device_train_batch_size=2,

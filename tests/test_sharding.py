@@ -9,7 +9,6 @@ import numpy as np
 import optax
 import pytest
 import qwix
-import transformers
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -22,15 +21,8 @@ from gemport.plan import memory_plan
 from gemport._src.params import lora_state
 from gemport.mesh import audit, fix_lora, optimizer_shardings
 from gemport.specs import GemmaSpec
+from mesh24 import mesh24_causal_lm
 
-# Gemma 4 31B's layout (k_eq_v global layer) with every tp-sharded dimension divisible by 4 and D by 2:
-# 8 query heads, 4 KV heads on both layer types, head widths 8 and 16, MLP 64, vocabulary 128.
-MESH24 = dict(
-    model_type="gemma4_text", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-    layer_types=["sliding_attention", "full_attention"], num_attention_heads=8, num_key_value_heads=4, head_dim=8,
-    global_head_dim=16, num_global_key_value_heads=4, attention_k_eq_v=True, sliding_window=4,
-    hidden_size_per_layer_input=0, final_logit_softcapping=30.0,
-)  # fmt: skip
 TARGETS = ".*/(q_einsum|kv_einsum|k_einsum|attn_vec_einsum|gate_proj|up_proj|down_proj)"
 RANK = 4
 EXPECTED_LORA = {
@@ -42,14 +34,6 @@ EXPECTED_LORA = {
     "mlp.up_proj.kernel": (("fsdp", None), (None, "tp")),
     "mlp.down_proj.kernel": (("tp", None), (None, "fsdp")),
 }
-
-
-def mesh24_causal_lm():
-    """A randomised Gemma4ForCausalLM of MESH24, built as tests/tiny.py builds its configs."""
-    kwargs = {k: v for k, v in MESH24.items() if k != "model_type"}
-    cfg = transformers.Gemma4TextConfig(**kwargs)
-    cfg._attn_implementation = "eager"
-    return tiny.randomize(transformers.Gemma4ForCausalLM(cfg))
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -14,8 +13,9 @@ import pytest
 from flax import nnx
 
 from gemport.checkpoint.load import load_hf
-from test_sharding import mesh24_causal_lm
+from mesh24 import mesh24_causal_lm
 from repo_paths import ROOT
+from ports import free_port
 
 WORKER = """
 import json, sys
@@ -41,12 +41,6 @@ shards = {
 report = {"devices": jax.device_count(), "local": jax.local_device_count(), "mesh": dict(mesh.shape), "shards": shards}
 print(json.dumps(report))
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

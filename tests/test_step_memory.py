@@ -264,7 +264,7 @@ def test_vocabulary_slices_give_the_full_logits_loss_and_gradients(hf_checkpoint
     import numpy as np
     import tiny
     from flax import nnx
-    from test_fast_attention import lora_model, rel_err, rows, summed_loss
+    from packed_rows import lora_model, rel_err, rows, summed_loss
 
     from gemport.data import attention_mask
     from gemport.step.chunked_loss import hidden_states, num_slices, target_nll

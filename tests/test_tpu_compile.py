@@ -117,7 +117,7 @@ def _spec():
 
 
 def test_plan_compiles_the_step_for_the_slice(hf_checkpoint):
-    from test_cli import gemport, one_line_error
+    from gemport_cli import gemport, one_line_error
 
     _, base = hf_checkpoint("gemma4_dense")
     out = gemport("plan", base, "--tpu", "v5p-8", "--lora-rank", "4", "--batch", "4", "--seq-len", "64",

@@ -20,8 +20,9 @@ import pytest
 
 from gemport.errors import MissingDependencyError, RecipeError
 from gemport.run import trackers
-from test_cli import gemport, one_line_error
-from test_sft_cli import workdir, write_recipe  # noqa: F401  (the module's fixture)
+from gemport_cli import gemport, one_line_error
+from sft_command import write_recipe
+from pictures import assert_picture
 
 RUN_NAME, WANDB_PROJECT, PROJECT = "tiny-run", "gemport-tests", "gemport-trackers"
 REPORT_TO = ["wandb", "tensorboard"] + (["trackio"] if trackers.installed("trackio") else [])
@@ -122,17 +123,18 @@ def key(item):
 
 
 @pytest.fixture(scope="module")
-def tracked(workdir, tmp_path_factory):  # noqa: F811
+def tracked(sft_workdir, tmp_path_factory):
     """`gemport sft --plot` of a TRL YAML with report_to, run_name and project; W&B offline, trackio local."""
     root = tmp_path_factory.mktemp("tracked")
     out = root / "out"
-    config = write_recipe(root / "sft.yaml", workdir, output_dir=str(out), save_strategy="no", report_to=REPORT_TO,
+    config = write_recipe(root / "sft.yaml", sft_workdir, output_dir=str(out), save_strategy="no", report_to=REPORT_TO,
                           run_name=RUN_NAME, project=PROJECT)
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
                WANDB_MODE="offline", WANDB_DIR=str(root), WANDB_PROJECT=WANDB_PROJECT, WANDB_SILENT="true",
                TRACKIO_DIR=str(root / "trackio"), HF_HUB_OFFLINE="1")
     done = subprocess.run([sys.executable, "-m", "gemport", "sft", "--config", str(config), "--init-adapter",
-                           str(workdir / "adapter0"), "--plot"], env=env, capture_output=True, text=True, timeout=600)
+                           str(sft_workdir / "adapter0"), "--plot"], env=env, capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return root, json.loads((out / "trainer_state.json").read_text())
 
@@ -199,17 +201,6 @@ def test_trackio_local_store_holds_trainer_states_metrics(tracked):
     logs, config = json.loads(done.stdout.splitlines()[-1])
     assert [{k: v for k, v in e.items() if k not in ("timestamp", "step")} for e in logs] == expected_logs(state)
     assert config["run_name"] == RUN_NAME and config["peft_config"]["default"]["lora_alpha"] == 8
-
-
-def assert_picture(png, size):
-    """``png`` opens as an image of ``size`` pixels, under 100 KB, with lines and text drawn on it."""
-    from PIL import Image
-
-    assert png.stat().st_size < 100_000
-    with Image.open(png) as image:
-        assert image.size == size
-        pixels = np.asarray(image.convert("RGB"))
-    assert len(np.unique(pixels.reshape(-1, 3), axis=0)) > 20 and pixels.std() > 10  # drawn, not blank
 
 
 def test_sft_plot_draws_the_loss_curves(tracked):

@@ -2,13 +2,12 @@
 
 import datasets
 import jax
-import numpy as np
 import peft
 import pytest
 import torch
 import transformers
 from flax import nnx
-from float64 import TorchFloat64, relative, trajectory_bound
+from float64 import relative, trajectory_bound
 from trl import SFTConfig, SFTTrainer
 
 from gemport.data import from_sft_config, Gemma4, MaskPolicy
@@ -17,36 +16,10 @@ from gemport.step import train_step
 from gemport.checkpoint import import_peft, load_model
 from gemport.errors import RecipeError
 from gemport.lora import apply_lora
-from gemport.data.training_template import gemma4_training_template
 from gemport.optim import hf_optimizer
 from gemport.specs import GemmaSpec
-from test_masks_tokenizers import GEMMA4_CONTROL, char_tokenizer
-
-WORDS = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"]
-
-
-def chats(n=10, seed=0):
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        chat = [{"role": "system", "content": "Be brief."}] if i % 3 == 0 else []
-        for _ in range(1 + i % 2):
-            chat.append({"role": "user", "content": " ".join(rng.choice(WORDS, rng.integers(1, 4)))})
-            chat.append({"role": "assistant", "content": " ".join(rng.choice(WORDS, rng.integers(1, 5)))})
-        out.append({"messages": chat})
-    return out
-
-
-def tokenizer():
-    t = char_tokenizer(GEMMA4_CONTROL)
-    t.chat_template = gemma4_training_template()
-    return t
-
-
-CONFIG = dict(assistant_only_loss=True, packing=True, max_length=128, per_device_train_batch_size=2,
-              gradient_accumulation_steps=2, max_steps=4, learning_rate=5e-3, weight_decay=0.1, max_grad_norm=0.5,
-              lr_scheduler_type="cosine", warmup_steps=1, seed=3, logging_steps=1, report_to="none",
-              save_strategy="no", use_cpu=True, bf16=False)
+from chats import chats, tokenizer
+from sft_recipe import CONFIG, float64_logs
 
 
 def test_config_maps_onto_the_masks_pipeline():
@@ -83,21 +56,6 @@ def test_batches_have_one_shape_and_hold_every_target(layout):
     assert len(shapes) == 1
     # 6 steps of 2 x 2 units visit each unit of an epoch once, the last epoch partly.
     assert targets > sum(int(e.loss_mask.sum()) for e in examples)
-
-
-def float64_logs(base, tmp_path, data, save_to=None):
-    """The TRL run of test_packed_run_matches_trl without float32 steps (tests/float64.py), from its adapter0;
-    backward runs outside the mode (autograd's thread), so no recomputed forward there. The trained adapter is
-    saved (in float64) to ``save_to`` if given."""
-    with TorchFloat64():
-        model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float64, attn_implementation="eager")
-        model = peft.PeftModel.from_pretrained(model, tmp_path / "adapter0", is_trainable=True)
-        args = SFTConfig(output_dir=str(tmp_path / "trl-float64"), **CONFIG, gradient_checkpointing=False)
-        trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer())
-        trainer.train()
-        if save_to is not None:
-            model.save_pretrained(save_to)
-    return [e for e in trainer.state.log_history if "loss" in e]
 
 
 # The 31B layout; E2B's and E4B's (per-layer inputs, KV-shared layers) train through `gemport sft` against the same

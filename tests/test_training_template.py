@@ -13,9 +13,9 @@ from trl.chat_template_utils import gemma4_v5_chat_template, has_generation_mark
 
 from gemport.data import encode, Gemma4, MaskPolicy
 from gemport.data.training_template import gemma4_training_template
-from test_masks_gemma4 import CHAT
-from test_masks_template import SHAPES, TOOLS, conversations
-from test_masks_tokenizers import GEMMA4_CONTROL, bpe_tokenizer, char_tokenizer
+from chat_shapes import CHAT
+from chat_shapes import SHAPES, TOOLS, conversations
+from tiny_tokenizers import GEMMA4_CONTROL, bpe_tokenizer, char_tokenizer
 
 TEMPLATE = gemma4_training_template()
 CHATS = {"masks chat": (CHAT, None), "masks chat without system": (CHAT[1:], None), **SHAPES}
