@@ -25,7 +25,7 @@ CASES = [(name, "causal") for name in TEXT_CONFIGS] + [("gemma4_dense", "conditi
 
 def assert_logits_equal(got, model, path, ids):
     """Tunix's float32 logits within 10x the distance of transformers' own float32 logits from its float64 ones
-    (no float32 step, tests/float64.py): float32's noise floor for this model, measured on this machine."""
+    (no float32 step, tests/helpers/float64.py): float32's noise floor for this model, measured on this machine."""
     float64.assert_float32_close(got, hf_logits(model, ids), float64.torch_logits(type(model), path, ids))
 
 

@@ -36,7 +36,7 @@ def moe_checkpoint(request, tmp_path_factory):
 
 
 def test_moe_logits_equal_transformers_at_the_float32_floor(moe_checkpoint):
-    """Within 10x transformers' own float32 distance from its float64 logits (tests/float64.py); Tunix 0.1.7's
+    """Within 10x transformers' own float32 distance from its float64 logits (tests/helpers/float64.py); Tunix 0.1.7's
     own routing, on the same weights, is not (checked on one variant: the miniatures can tell them apart)."""
     model, path = moe_checkpoint
     ids = tiny.token_ids(model.config.vocab_size)

@@ -59,7 +59,7 @@ def test_batches_have_one_shape_and_hold_every_target(layout):
 
 
 # The 31B layout; E2B's and E4B's (per-layer inputs, KV-shared layers) train through `gemport sft` against the same
-# TRL runs in tests/test_gemma4_e2e.py.
+# TRL runs in tests/run/test_gemma4_e2e.py.
 def test_packed_run_matches_trl(hf_checkpoint, tmp_path):
     """TRL SFTTrainer + PEFT (assistant-only loss, BFD packing, padding-free) and the port from one SFTConfig."""
     _, base = hf_checkpoint("gemma4_mesh")

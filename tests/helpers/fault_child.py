@@ -1,5 +1,5 @@
 """Writes a Tunix PeftTrainer checkpoint root with Tunix's own CheckpointManager (LoRA params and AdamW state),
-through gemport's wrapper of it; run as a script, it can fill the disk at one step (tests/test_run_faults.py).
+through gemport's wrapper of it; run as a script, it can fill the disk at one step (tests/run/test_faults.py).
 
     python fault_child.py ROOT SAVED FAIL_AT KEEP
 """

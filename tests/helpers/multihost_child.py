@@ -1,4 +1,4 @@
-"""One process of a training run for tests/test_multihost.py, alone (8 devices) or under jax.distributed (4 each).
+"""One process of a training run for tests/run/test_multihost.py, alone (8 devices) or under jax.distributed (4 each).
 
     python multihost_child.py PORT PROCESS_ID NUM_PROCESSES OUT JOB [JOB ...]      JOB = LOOP:PATH:NAME[:TERM_AFTER]
 

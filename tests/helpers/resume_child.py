@@ -1,4 +1,4 @@
-"""A training process for tests/test_resume.py: run, optionally SIGKILL itself, restart from the last checkpoint.
+"""A training process for tests/run/test_resume.py: run, optionally SIGKILL itself, restart from the last checkpoint.
 
     python resume_child.py HF_DIR JOB [JOB ...]      JOB = LOOP:DIR[:KILL_AFTER]
 

@@ -1,5 +1,5 @@
-"""``gemport sft`` in a process that signals itself, for tests/test_sft_cli.py and tests/multihost_child.py
-(``gemport dpo`` for tests/test_dpo_run.py, when its arguments begin with ``dpo``).
+"""``gemport sft`` in a process that signals itself, for tests/cli/test_sft_cli.py and tests/helpers/multihost_child.py
+(``gemport dpo`` for tests/run/test_dpo_run.py, when its arguments begin with ``dpo``).
 
     python sft_child.py SIGNAL:AFTER [gemport sft arguments]        SIGNAL = kill | term
     python sft_child.py SIGNAL:AFTER dpo [gemport dpo arguments]

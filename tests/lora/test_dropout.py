@@ -5,7 +5,7 @@ Bernoulli keep mask per element, kept values scaled by 1 / (1 - p)) in train mod
 Masks are random, so the comparison is in distribution: the masks gemport draws are recorded and checked
 against that rule (rate, scaling, one independent mask per projection, fused kv included), and the expected
 LoRA gradient over many masks is PEFT's within a bound stated in the test. Exact equality at p = 0 is
-tests/test_lora_peft_training.py's; exact resume at p > 0 is tests/test_resume.py's.
+tests/lora/test_peft_training.py's; exact resume at p > 0 is tests/run/test_resume.py's.
 """
 
 import dataclasses
@@ -124,7 +124,7 @@ def test_expected_gradient_equals_peft(hf_checkpoint, tmp_path):
     sample means of u differ by a zero-mean amount whose variance is var_jax / N + var_peft / N (independent
     draws); by the central limit theorem z = (mean_jax - mean_peft) / sqrt(var_jax / N + var_peft / N) is
     standard normal, and |z| > 5.5 has probability 3.8e-8: over the 72 factors, a false failure below 3e-6.
-    float32 rounding (1e-6 relative, tests/test_lora_peft_training.py) is far below the standard error.
+    float32 rounding (1e-6 relative, tests/lora/test_peft_training.py) is far below the standard error.
     The bound has power: the same statistic on the JAX samples scaled by (1 - p), to first order what a
     missing 1 / (1 - p) would give, fails it (|z| about 15). p = 0.3 rather than 0.05 makes dropout's share
     of the gradient large enough for that check with few samples; the rule does not depend on p

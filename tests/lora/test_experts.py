@@ -3,7 +3,7 @@ import, fresh adapters and refusals, against the real PEFT.
 
 The MoE miniature with PEFT LoRA on both stacked expert parameters (``experts.gate_up_proj`` [E, 2I, D],
 ``experts.down_proj`` [E, D, I]), the router's ``proj.weight`` [E, D] and o_proj, every lora_B random.
-Gradients and AdamW steps against PEFT are the ``gemma4_moe`` case of tests/test_lora_peft_training.py, which
+Gradients and AdamW steps against PEFT are the ``gemma4_moe`` case of tests/lora/test_peft_training.py, which
 targets the experts and the router too.
 """
 

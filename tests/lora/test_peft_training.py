@@ -71,7 +71,7 @@ def peft_factors(model):
 
 
 def float64_peft_grads(case, tokens, attention):
-    """PEFT's gradients in float64 with no float32 step (see tests/float64.py), on the case's adapter."""
+    """PEFT's gradients in float64 with no float32 step (see tests/helpers/float64.py), on the case's adapter."""
     model, path = case[:2]
     mode = float64.TorchFloat64()
     with mode:

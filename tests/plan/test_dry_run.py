@@ -1,7 +1,7 @@
 """``gemport sft --config sft.yaml --dry-run --tpu v5p-8``: a recipe checked whole before renting.
 
 The run is built from ``config.json`` alone (no weights, no tokenizer: rows of ``max_length`` stand for the data),
-its train step (the one ``SFTRun.train()`` runs, ``tests/test_one_step.py``) compiled for the slice's chips with
+its train step (the one ``SFTRun.train()`` runs, ``tests/plan/test_one_step.py``) compiled for the slice's chips with
 libtpu on this host, and what a chip holds is reported against its HBM; nothing is written.
 """
 
@@ -57,7 +57,7 @@ def test_tpu_is_for_a_dry_run(tmp_path, hf_checkpoint):
 
 
 def test_a_dpo_recipe_compiles_for_the_slice(dpo_workdir, tmp_path, monkeypatch):
-    """``gemport dpo --dry-run --tpu v5p-8``: the DPO step (``tests/test_one_step.py``) for the first step's pairs,
+    """``gemport dpo --dry-run --tpu v5p-8``: the DPO step (``tests/plan/test_one_step.py``) for the first step's pairs,
     [chosen; rejected] rows of the longest pair, compiled by libtpu; nothing written."""
     from dpo_command import write_recipe
 

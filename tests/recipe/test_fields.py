@@ -134,7 +134,7 @@ def check_lora_target_modules(tmp_path):
     assert lora().targets == ("q_proj",) and set(lora(lora_target_modules=["v_proj", "k_proj"]).targets) == \
         {"v_proj", "k_proj"}
     # Unset: PEFT's default for the base's model_type, which trains (k_proj a zero slot of the fused kv_einsum;
-    # the run: test_sft_fields; equal to PEFT: test_lora_peft_training's +qv cases).
+    # the run: test_sft_fields; equal to PEFT: lora/test_peft_training's +qv cases).
     from gemport.lora import LoraLayout
     from gemport.specs import GemmaSpec
     from gemport.run.sft import with_peft_targets
@@ -149,7 +149,7 @@ def check_lora_target_modules(tmp_path):
 
 
 def check_lora_target_parameters(tmp_path):
-    # PEFT's LoRA on the MoE experts (equal to PEFT: test_lora_peft_training's gemma4_moe case), which PEFT
+    # PEFT's LoRA on the MoE experts (equal to PEFT: lora/test_peft_training's gemma4_moe case), which PEFT
     # refuses with dropout: TRL's default lora_dropout 0.05 is refused with it.
     experts = ["experts.gate_up_proj", "experts.down_proj"]
     assert lora(lora_dropout=0.0).parameters == ()

@@ -75,7 +75,7 @@ def test_dtype_of_the_yaml_is_the_base_dtype(run):
 def test_unset_target_modules_are_peft_defaults_for_the_architecture(work, tmp_path):
     """PEFT adapts q_proj and v_proj of a Gemma 4 (a regex over the language model); the run built from a recipe
     without lora_target_modules adapts the same modules with PEFT's trainable count, k_proj being a zero slot of
-    Tunix's fused kv_einsum (trained equal to PEFT: tests/test_lora_peft_training.py, the ``+qv`` cases)."""
+    Tunix's fused kv_einsum (trained equal to PEFT: tests/lora/test_peft_training.py, the ``+qv`` cases)."""
     import peft
     import transformers
 

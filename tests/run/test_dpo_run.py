@@ -5,7 +5,7 @@ TRL's documentation (use_peft, lora_r, the rest at TRL's defaults: lora_dropout 
 what TRL leaves: trainer_state.json with DPO's metrics, the adapter, merged/. From a PEFT adapter
 (``--init-adapter``, TRL given a PeftModel: a frozen copy of it is the reference) the run is SIGKILLed after step 2,
 resumed, and its every logged step and final adapter equal TRL's own training, within 10x the distance of TRL in
-float32 from TRL in float64 (``test_dpo.tolerance``).
+float32 from TRL in float64 (``dpo_tolerance.tolerance``, tests/helpers/).
 """
 
 import json

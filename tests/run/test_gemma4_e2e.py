@@ -2,7 +2,7 @@
 and what it writes (the PEFT adapter in output_dir, `--merge`'s merged/) reads back in PEFT and transformers.
 
 The miniatures carry what sets these sizes apart: per-layer inputs, KV-shared trailing layers, and (E2B)
-double-wide MLPs in the shared layers. vLLM serving of both miniatures' exports is in tests/test_vllm.py
+double-wide MLPs in the shared layers. vLLM serving of both miniatures' exports is in tests/check/test_vllm.py
 (``gemma4_e2b_vllm`` and ``gemma4_e4b``, the configs here, exported by the functions `gemport sft` calls).
 """
 
@@ -29,7 +29,8 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"]
 
 
 def peft_logits(base, adapter, ids, dtype=torch.float32):
-    """Logits [B, T, V] of PEFT's model of ``adapter`` on ``base`` (float64: no float32 step, tests/float64.py)."""
+    """Logits [B, T, V] of PEFT's model of ``adapter`` on ``base`` (float64: no float32 step,
+    tests/helpers/float64.py)."""
     def run():
         model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=dtype, attn_implementation="eager")
         with torch.no_grad():

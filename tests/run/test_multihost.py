@@ -177,7 +177,7 @@ SFT = dict(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0,
 
 
 def shallow(name, directory, **fields):
-    """tests/tiny.py's config ``name`` with 2 layers (``fields`` on top), random, saved to ``directory``.
+    """tests/helpers/tiny.py's config ``name`` with 2 layers (``fields`` on top), random, saved to ``directory``.
 
     What these runs assert (the processes train as one, a rerun continues exactly, the exports agree) holds at
     any depth; each of the runs' 7 processes traces and compiles its steps (and Qwix's first call), which cost

@@ -1,7 +1,7 @@
 """A training run SIGKILLed between checkpoints and restarted continues exactly as if never interrupted.
 
 Both loops: Tunix's PeftTrainer driven by gemport (HFPeftTrainer) and the user's own nnx loop with
-step.train_step and Tunix's CheckpointManager. tests/resume_child.py trains a tiny Gemma 3 with LoRA for 5
+step.train_step and Tunix's CheckpointManager. tests/helpers/resume_child.py trains a tiny Gemma 3 with LoRA for 5
 steps of 2 micro-batches, checkpointing asynchronously, and kills itself with SIGKILL once step 3 is logged. The
 PeftTrainer loop checkpoints every step: each step donates the model and optimizer while the previous step's save
 is being written, and Tunix logs a step after the next one has trained, so it dies with checkpoint 3 on disk and

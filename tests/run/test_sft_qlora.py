@@ -1,11 +1,11 @@
 """`gemport sft` on a QLoRA recipe: the 4-bit base the recipe's bitsandbytes fields ask for, trained as gemport's
-Python QLoRA path trains it (tests/test_qlora.py proves that path against TRL + bitsandbytes + PEFT).
+Python QLoRA path trains it (tests/lora/test_qlora.py proves that path against TRL + bitsandbytes + PEFT).
 
 The recipe YAML sets ``load_in_4bit``, ``bnb_4bit_quant_type: nf4``, ``use_bnb_nested_quant`` and ``dtype``.
 ``SFTRun.create`` on that YAML (what `gemport sft` runs, on one device here) loads a base equal to
 ``load_qlora_model``'s with double quantization, bitwise (and not the one without), and trains it with
 HFPeftTrainer; ``step.train_step`` trains a copy of its step-0 model on the recipe's batches. Per-step loss and
-grad_norm agree to float32 reordering, as tests/test_peft_trainer.py bounds HFPeftTrainer against train_step.
+grad_norm agree to float32 reordering, as tests/run/test_peft_trainer.py bounds HFPeftTrainer against train_step.
 """
 
 import jax

@@ -1,7 +1,7 @@
 """`report_to` as HF's Trainer reads it, W&B (offline), TensorBoard and trackio (local store) read back after
 `gemport sft`, and the pictures: `gemport sft --plot`'s loss curves, `gemport parity`'s report.
 
-One `gemport sft` run of the tiny Gemma 4 of tests/test_sft_cli.py (4 steps, an eval every 2) reports to W&B in
+One `gemport sft` run of the tiny Gemma 4 of tests/cli/test_sft_cli.py (4 steps, an eval every 2) reports to W&B in
 offline mode, to TensorBoard and to trackio's local store (when installed), with `run_name`: each tracker's
 local files then hold HF's metric names with exactly the values of trainer_state.json, and the run config HF
 uploads.

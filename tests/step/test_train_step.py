@@ -70,7 +70,7 @@ class RecordingTrainer(SFTTrainer):
 
 
 def hf_run(base, tokens, loss_mask, out, attention="eager", float64=False, **overrides):
-    """TRL + PEFT on the recipe; ``float64``: the eager run without float32 steps (tests/float64.py) from that
+    """TRL + PEFT on the recipe; ``float64``: the eager run without float32 steps (tests/helpers/float64.py) from that
     run's step-0 adapter, the trajectory float32 runs approximate."""
     if not float64:
         return _hf_run(base, tokens, loss_mask, out, attention, float64, **overrides)
