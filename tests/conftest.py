@@ -1,5 +1,6 @@
 """Test setup: JAX sees 8 simulated CPU devices, so meshes can be built as on a TPU slice."""
 
+import json
 import os
 import platform
 
@@ -35,7 +36,7 @@ def hf_checkpoint(tmp_path_factory):
     """Factory ``(config name, kind) -> (torch model, saved directory)``, each built and saved once per session.
 
     ``kind`` is ``"causal"`` (``Gemma*ForCausalLM``) or ``"conditional"`` (``Gemma*ForConditionalGeneration``
-    with a tiny vision tower). Config names are those of ``tests/tiny.py``.
+    with a tiny vision tower). Config names are those of ``tests/helpers/tiny.py``.
     """
     from tiny import causal_lm, conditional_generation
 
@@ -55,7 +56,7 @@ def hf_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def real_checkpoint(tmp_path_factory):
     """Factory ``(config name, dtype="float32") -> (torch model, saved directory)``: a tiny model of
-    ``tests/tiny.py`` with a real checkpoint's magnitudes (``tiny.real_magnitudes``: logits of order 100, norm
+    ``tests/helpers/tiny.py`` with a real checkpoint's magnitudes (``tiny.real_magnitudes``: logits of order 100, norm
     gains to tens, large-norm embedding rows), saved in ``dtype`` (``"bfloat16"`` as Gemma checkpoints ship);
     each built once per session."""
     import torch
@@ -71,5 +72,90 @@ def real_checkpoint(tmp_path_factory):
             model.save_pretrained(path)
             cache[name, dtype] = (model, path)
         return cache[name, dtype]
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def sft_workdir(hf_checkpoint, tmp_path_factory):
+    """A tiny Gemma 4 with its tokenizer, a data folder with train/test splits, and a step-0 PEFT adapter: what
+    `gemport sft` trains in tests/cli/test_sft_cli.py (``sft_command.write_recipe`` writes its recipe)."""
+    import peft
+    import torch
+    import transformers
+    from chats import chats, tokenizer
+    from lora_targets import TARGETS
+
+    _, base = hf_checkpoint("gemma4_mesh")
+    root = tmp_path_factory.mktemp("sft")
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager")
+    tokenizer().save_pretrained(root / "base")
+    model.save_pretrained(root / "base")
+    (root / "data").mkdir()
+    (root / "data" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chats(16)))
+    (root / "data" / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chats(5, seed=1)))
+    torch.manual_seed(0)
+    start = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
+    with torch.no_grad():  # an adapter as if trained on GPUs: B away from PEFT's zero init
+        for name, p in start.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    start.save_pretrained(root / "adapter0")
+    return root
+
+
+@pytest.fixture(scope="module")
+def dpo_workdir(hf_checkpoint, tmp_path_factory):
+    """A tiny Gemma 3 with its tokenizer, a data folder of three preference records (train.jsonl) and three
+    held-out ones (test.jsonl), and a PEFT adapter: what `gemport dpo` trains in tests/run/test_dpo_run.py
+    (``dpo_command.write_recipe`` writes its recipe)."""
+    import peft
+    import torch
+    import transformers
+    from lora_targets import TARGETS
+    from preference_records import RECORDS
+    from tiny_tokenizers import GEMMA3_CONTROL, bpe_tokenizer
+    from trl.chat_template_utils import gemma3_chat_template
+
+    _, base = hf_checkpoint("gemma3_vllm")
+    root = tmp_path_factory.mktemp("dpo")
+    tokenizer = bpe_tokenizer(GEMMA3_CONTROL)
+    tokenizer.chat_template = gemma3_chat_template
+    tokenizer.eos_token = "<end_of_turn>"
+    tokenizer.save_pretrained(root / "base")
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager")
+    model.save_pretrained(root / "base")
+    (root / "data").mkdir()
+    (root / "data" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS["conversational"][:3]))
+    held_out = [RECORDS["conversational"][i] for i in (3, 0, 1)]
+    (root / "data" / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in held_out))
+    torch.manual_seed(0)
+    start = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0))
+    with torch.no_grad():  # an adapter as if trained by SFT: B away from PEFT's zero init
+        for name, p in start.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    start.save_pretrained(root / "adapter0")
+    return root
+
+
+@pytest.fixture(scope="module")
+def qlora_base(tmp_path_factory):
+    """Factory name -> saved float32 HF checkpoint directory of a ``qlora_configs.QLORA_CONFIGS`` model."""
+    import transformers as tf
+    from qlora_configs import QLORA_CONFIGS
+    from tiny import randomize
+
+    cache = {}
+
+    def make(name):
+        if name not in cache:
+            cfg = QLORA_CONFIGS[name]
+            cfg._attn_implementation = "eager"
+            cls = tf.Gemma4ForCausalLM if name == "gemma4" else tf.Gemma3ForCausalLM
+            path = tmp_path_factory.mktemp(f"qlora-{name}")
+            randomize(cls(cfg)).save_pretrained(path)
+            cache[name] = path
+        return cache[name]
 
     return make

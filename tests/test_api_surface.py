@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import gemport
+from repo_paths import ROOT
 
 TOP_LEVEL = [
     "BatchError", "CheckpointError", "CheckpointWarning", "CorruptFileError", "DefaultsWarning", "EngineError", "GemmaSpec", "GemportError", "HFPeftTrainer", "LoraError", "LoraLayout",
@@ -109,7 +110,7 @@ def test_subpackage_namespace_is_pinned(module):
 
 def _api_table_rows(heading):
     """The rows of the first table under ``heading`` in docs/api.md, as lists of cells."""
-    text = (Path(__file__).parents[1] / "docs" / "api.md").read_text().split(f"\n{heading}\n", 1)[1]
+    text = (ROOT / "docs" / "api.md").read_text().split(f"\n{heading}\n", 1)[1]
     lines = [line for line in text.split("\n\n## ")[0].splitlines() if line.startswith("| ")]
     return [[cell.strip() for cell in line.strip("|").split(" | ")] for line in lines[1:]]
 

@@ -7,7 +7,7 @@ import doctest
 import importlib
 
 import pytest
-from test_masks_tokenizers import GEMMA4_CONTROL, char_tokenizer
+from tiny_tokenizers import GEMMA4_CONTROL, char_tokenizer
 
 from gemport.data.training_template import gemma4_training_template
 

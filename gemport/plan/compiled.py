@@ -5,7 +5,7 @@ There is one train step: ``HFPeftTrainer.jitted_train_step()``, the function ``S
 ``nnx.jit`` of the trainer's step: one micro-batch's ``hf_loss`` and LoRA gradients, the recipe's optimizer with
 its accumulation (``optax.MultiSteps``), clipping and schedule, the model and optimizer state donated). ``lower_step`` lowers
 it for a micro-batch's shapes on a mesh, the model and optimizer state as shapes and shardings only, so a model of
-any size is measured without materialising it; ``tests/test_one_step.py`` holds the lowering to the program
+any size is measured without materialising it; ``tests/plan/test_one_step.py`` holds the lowering to the program
 ``train()`` compiles. On CPU, set ``CPU_MEMORY_SCHEDULER`` in ``XLA_FLAGS`` before JAX starts; XLA:CPU computes
 bfloat16 in float32, so its figure for a bf16 model includes float32 copies of weights a TPU would not make.
 """

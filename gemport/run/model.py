@@ -3,7 +3,7 @@ shapes only (``nnx.eval_shape``: nothing allocated, no weight read) or with rand
 
 ``SFTRun.create(..., abstract=True)`` and ``gemport.plan`` build it so: the same graph as the loaded model
 (``checkpoint.load_model`` + ``lora.apply_lora`` + ``step.remat.set_remat``), so a step compiled on it is the step
-the run compiles (``tests/test_one_step.py``).
+the run compiles (``tests/plan/test_one_step.py``).
 """
 
 from __future__ import annotations

@@ -310,7 +310,7 @@ class HFPeftTrainer(upstream.peft_trainer_class()):
         """The train step ``train()`` runs: ``nnx.jit`` of ``create_train_step_fn`` with the model and the optimizer
         donated, ``step(model, optimizer, inputs) -> (loss, aux, grad_norm)``, with ``inputs`` a micro-batch of
         ``micro_batches`` without ``ACCUMULATION``. Its ``.lower(...)`` on abstract arguments is what
-        ``gemport.plan`` compiles; ``tests/test_one_step.py`` holds it to the program ``train()`` lowers.
+        ``gemport.plan`` compiles; ``tests/plan/test_one_step.py`` holds it to the program ``train()`` lowers.
 
         ``nnx.jit`` returns the model's whole state, the frozen base included; Tunix donates only the optimizer,
         so every step would write the base into new buffers, a second copy of it at the step's peak. Donated,

@@ -1,0 +1,77 @@
+"""``gemport sft --config sft.yaml --dry-run --tpu v5p-8``: a recipe checked whole before renting.
+
+The run is built from ``config.json`` alone (no weights, no tokenizer: rows of ``max_length`` stand for the data),
+its train step (the one ``SFTRun.train()`` runs, ``tests/plan/test_one_step.py``) compiled for the slice's chips with
+libtpu on this host, and what a chip holds is reported against its HBM; nothing is written.
+"""
+
+import dataclasses
+import shutil
+
+import yaml
+
+from gemport import plan as plan_package
+from gemport_cli import gemport, one_line_error
+
+
+def _recipe(tmp_path, base, **fields):
+    only = tmp_path / "config-only"
+    only.mkdir(exist_ok=True)
+    shutil.copy(base / "config.json", only / "config.json")
+    path = tmp_path / "sft.yaml"
+    path.write_text(yaml.safe_dump({
+        "model_name_or_path": str(only), "use_peft": True, "lora_r": 4, "lora_alpha": 8,
+        "lora_target_modules": ["q_proj", "k_proj", "v_proj", "down_proj"], "max_length": 128,
+        "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "output_dir": str(tmp_path / "out"),
+        **fields}))
+    return path
+
+
+def test_the_recipe_compiles_for_the_slice_from_config_json_alone(hf_checkpoint, tmp_path, monkeypatch):
+    _, base = hf_checkpoint("gemma4_dense")
+    reports = []
+    real = plan_package.dry_run
+    monkeypatch.setattr(plan_package, "dry_run", lambda run, **kw: reports.append(real(run, **kw)) or reports[-1])
+    result = gemport("sft", "--config", _recipe(tmp_path, base), "--dry-run", "--tpu", "v5p-8")
+    (report,) = reports
+    assert report.platform == "tpu" and report.remat == "decoder"  # TRL's default gradient_checkpointing
+    assert (report.rows, report.seq_len) == (4, 128) and report.mesh == {"fsdp": 4, "tp": 1}
+    assert 0 < report.argument_bytes < report.peak_bytes and report.fits and report.flops_per_token > 0
+    out = result.stdout
+    assert "of 95.00 GiB HBM: fits" in out and "GFLOPs per token" in out and "libtpu" in out, out
+    assert not (tmp_path / "out").exists()  # nothing written
+    # Past a chip's HBM the report says what to change, and the command exits 1.
+    tight = dataclasses.replace(report, hbm_bytes=report.peak_bytes - 1, remat="none", rows=8,
+                                batch_size=8)
+    assert tight.fits is False
+    for change in ("gradient_checkpointing: true", "per_device_train_batch_size 8", "--tpu a larger slice",
+                   "max_length"):
+        assert change in tight.advice(), tight.advice()
+
+
+def test_tpu_is_for_a_dry_run(tmp_path, hf_checkpoint):
+    _, base = hf_checkpoint("gemma4_dense")
+    for command in ("sft", "dpo"):
+        one_line_error(gemport(command, "--config", _recipe(tmp_path, base), "--tpu", "v5p-8", ok=False),
+                       "--tpu v5p-8", "--dry-run")
+
+
+def test_a_dpo_recipe_compiles_for_the_slice(dpo_workdir, tmp_path, monkeypatch):
+    """``gemport dpo --dry-run --tpu v5p-8``: the DPO step (``tests/plan/test_one_step.py``) for the first step's pairs,
+    [chosen; rejected] rows of the longest pair, compiled by libtpu; nothing written."""
+    from dpo_command import write_recipe
+
+    reports = []
+    real = plan_package.dry_run
+    monkeypatch.setattr(plan_package, "dry_run", lambda run, **kw: reports.append(real(run, **kw)) or reports[-1])
+    out = tmp_path / "out"
+    config = write_recipe(tmp_path / "dpo.yaml", dpo_workdir, output_dir=str(out), use_peft=True, lora_r=4,
+                          lora_alpha=8, per_device_train_batch_size=2)
+    result = gemport("dpo", "--config", config, "--dry-run", "--tpu", "v5p-8")
+    (report,) = reports
+    assert report.platform == "tpu" and report.remat == "decoder" and report.rows == 4  # 2 pairs, 2 rows each
+    assert 0 < report.argument_bytes < report.peak_bytes and report.fits and report.flops_per_token > 0
+    assert "of 95.00 GiB HBM: fits" in result.stdout and "3 preference pairs" in result.stdout, result.stdout
+    tight = dataclasses.replace(report, hbm_bytes=report.peak_bytes - 1)
+    assert "per_device_train_batch_size 2;" in tight.advice(), tight.advice()  # the recipe's pairs, not its rows
+    assert not out.exists()
