@@ -19,7 +19,6 @@ Each then gets every ``log_history`` entry as HF's ``on_log`` does: ``rewrite_lo
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import importlib.util
 import json
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from gemport.errors import MissingDependencyError, RecipeError
+from gemport.recipe import defaults
 
 MODULES = {"tensorboard": "tensorboardX", "wandb": "wandb", "trackio": "trackio"}
 """The trackers gemport reports to, in the order HF lists installed ones for ``"all"``, with the module each
