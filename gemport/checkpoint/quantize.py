@@ -12,24 +12,31 @@ computes. See `gemport.lora.QLoraSpec` for the config side and double quantizati
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import jax
 import ml_dtypes
 import numpy as np
+import qwix
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
-import qwix
 from tqdm.auto import tqdm
 
-from gemport.specs import names
+from gemport._src import upstream
+from gemport._src.params import abstract_model, path_str
 from gemport.checkpoint.hf_dir import HFCheckpoint, resolve_spec
 from gemport.checkpoint.load import _place, _sharding, matched_entries
 from gemport.checkpoint.safetensors import DTYPES
 from gemport.errors import LoraError, MissingDependencyError
-from gemport.lora.qlora import NESTED_BLOCK_SIZE, QLoraSpec, is_quantized, scale_spec, tile_shape
-from gemport._src import upstream
-from gemport._src.params import abstract_model, path_str
-from gemport.specs import GemmaSpec
+from gemport.lora.qlora import (
+    NESTED_BLOCK_SIZE,
+    QLoraSpec,
+    is_quantized,
+    scale_spec,
+    tile_shape,
+)
+from gemport.specs import GemmaSpec, names
+
 
 def nf4_values() -> np.ndarray:
     """The 16 NF4 values, from Qwix (the same float32 values as bitsandbytes' ``get_4bit_type("nf4")``)."""
@@ -51,20 +58,30 @@ def nf4(weight: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
     return codes.reshape(np.shape(weight)), absmax
 
 
-def nested_absmax(absmax: np.ndarray) -> np.ndarray:
-    """The absmax after bitsandbytes' double quantization: 8-bit blocks of 256 around the mean, dequantized.
+def require_double_quant() -> tuple[Any, Any]:
+    """bitsandbytes' ``functional`` module and torch, which ``nested_absmax`` reproduces double quantization with.
 
-    Uses bitsandbytes itself (``quantize_blockwise`` / ``dequantize_blockwise``) on the absmax vector, which
-    is 1/64 of the weight; needs the ``qlora`` extra.
+    Raises:
+      MissingDependencyError: either is missing; names the ``qlora`` extra.
     """
     try:
-        import bitsandbytes.functional as bnb_f
+        import bitsandbytes.functional as bnb_f  # the qlora extra, with torch: optional
         import torch
     except ImportError:
         raise MissingDependencyError(
             "double quantization (bnb_4bit_use_double_quant) reproduces bitsandbytes' 8-bit absmax with "
             "bitsandbytes itself: pip install 'gemport[qlora]'"
         ) from None
+    return bnb_f, torch
+
+
+def nested_absmax(absmax: np.ndarray) -> np.ndarray:
+    """The absmax after bitsandbytes' double quantization: 8-bit blocks of 256 around the mean, dequantized.
+
+    Uses bitsandbytes itself (``quantize_blockwise`` / ``dequantize_blockwise``) on the absmax vector, which
+    is 1/64 of the weight; needs the ``qlora`` extra (``require_double_quant``).
+    """
+    bnb_f, torch = require_double_quant()
     scales = torch.from_numpy(np.ascontiguousarray(absmax, np.float32))
     offset = scales.mean()
     quantized, state = bnb_f.quantize_blockwise(scales - offset, blocksize=NESTED_BLOCK_SIZE)

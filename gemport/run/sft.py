@@ -40,7 +40,7 @@ from tunix.sft.peft_trainer import TrainingConfig
 from gemport._src.extras import require
 from gemport._src.params import flat_params
 from gemport.checkpoint import export_merged, export_peft, import_peft, load_lora, load_model
-from gemport.checkpoint.quantize import load_qlora_model
+from gemport.checkpoint.quantize import load_qlora_model, require_double_quant
 from gemport.data.batching import pad, stack
 from gemport.data.chat_template import check_records, with_chat_template
 from gemport.data.distributed import batch_sharding, process_rows
@@ -299,11 +299,14 @@ class SFTRun:
     @classmethod
     def check(cls, recipe: RunRecipe, *, eval_dataset: Any, abstract: bool, **kind: Any) -> None:
         """The ``check`` stage, before anything long runs: the strategies gemport reproduces, an eval dataset
-        where the recipe evaluates (an abstract run is compiled, never evaluated) and its trackers installed."""
+        where the recipe evaluates (an abstract run is compiled, never evaluated), its trackers installed, and
+        bitsandbytes where the 4-bit base's double quantization needs it."""
         check_strategies(recipe.args)
         if not abstract:
             check_eval_split(recipe.fields.eval_strategy, eval_dataset)
         trackers.names(recipe.fields.report_to)
+        if recipe.qlora is not None and recipe.qlora.double_quant and not abstract:
+            require_double_quant()
 
     @classmethod
     def start(cls, recipe: RunRecipe, given: LoraSpec | LoraParams) -> LoraSpec | LoraParams:
