@@ -145,8 +145,13 @@ def step_trainer(model: nnx.Module, args: Mapping[str, Any] | None = None, *, lo
     from gemport.run.trainer import HFPeftTrainer
     from gemport.run.sft import sft_fields, training_config
 
+    from gemport.recipe import RunFields
+    from gemport.step.precision import matmul_precision
+
     args = sft_fields(dict(args or {}))
-    return HFPeftTrainer(model, hf_optimizer(args, num_training_steps=1).tx, training_config(args, 1), loss_fn=loss_fn)
+    fields = RunFields.from_config(args)
+    return HFPeftTrainer(model, hf_optimizer(args, num_training_steps=1).tx, training_config(fields, 1), loss_fn=loss_fn,
+                         precision=matmul_precision(fields.bf16, fields.tf32))
 
 
 def compiled_peak(spec: GemmaSpec, lora_spec: LoraSpec, fsdp: int, tp: int, *, batch: int, seq_len: int,

@@ -171,11 +171,12 @@ class DataFields(Fields):
 @dataclasses.dataclass(frozen=True)
 class RunFields(Fields):
     """What ``gemport.run.SFTRun`` (and ``gemport.run.DPORun``) reads beyond its pipeline's and its
-    optimizer's: the template, evaluation, checkpoints, the dtype and the trackers."""
+    optimizer's: the template, evaluation, checkpoints, the dtype and products' precision, and the trackers."""
 
     output_dir: str | None
     seed: int
     bf16: bool | None
+    tf32: bool | None
     gradient_accumulation_steps: int
     per_device_train_batch_size: int
     per_device_eval_batch_size: int
@@ -252,8 +253,8 @@ SFT = (
     # optimizer and schedule (gemport.optim.hf_optimizer)
     "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "lr_scheduler_type",
     "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio", "optim", "average_tokens_across_devices",
-    # run: evaluation, logging, checkpoints, outputs (gemport.run.sft, gemport.run.outputs)
-    "output_dir", "bf16", "eval_strategy", "eval_steps", "per_device_eval_batch_size", "eval_on_start",
+    # run: precision, evaluation, logging, checkpoints, outputs (gemport.run.sft, gemport.run.outputs)
+    "output_dir", "bf16", "tf32", "eval_strategy", "eval_steps", "per_device_eval_batch_size", "eval_on_start",
     "logging_strategy", "logging_steps", "logging_first_step", "logging_dir", "report_to", "run_name", "project",
     "save_strategy", "save_steps", "save_total_limit", "resume_from_checkpoint", "disable_tqdm",
     # memory (gemport.data.sft.remat_of: decoder remat, set on the model by gemport.run.sft)
@@ -298,7 +299,6 @@ MAPPED = {
     "torch_compile": "XLA compiles the train step",
     "torch_compile_backend": "XLA compiles the train step",
     "torch_compile_mode": "XLA compiles the train step",
-    "tf32": "float32 matmuls run at XLA's default precision",
     "use_cpu": "the run uses the JAX devices present (a TPU slice, or CPU)",
     "use_liger_kernel": "Tunix's loss and kernels are used; no Liger kernels",
     "liger_kernel_config": "see use_liger_kernel",

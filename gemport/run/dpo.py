@@ -266,7 +266,8 @@ class DPORun(SFTRun):
         ``reference``; as ``SFTRun.make_trainer`` otherwise (resumes from the latest checkpoint in its root)."""
         with self._trainer_placement():
             return DPOPeftTrainer(self.model, self.optimizer.tx, self.training_config, lora_spec=self.lora_spec,
-                                  seed=self.fields.seed, loss=self.loss, reference=self.reference, **kwargs)
+                                  seed=self.fields.seed, precision=self.precision, loss=self.loss,
+                                  reference=self.reference, **kwargs)
 
 
 __all__ = ["DPORun", "dpo_fields", "eval_preference_batches", "preference_batches", "preference_micro_batches"]

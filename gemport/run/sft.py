@@ -66,6 +66,7 @@ from gemport.run.preemption import Preemption
 from gemport.run.record import check_resume, recipe_record
 from gemport.run.trainer import HFPeftTrainer, micro_batches
 from gemport.specs import GemmaSpec
+from gemport.step.precision import Precision, matmul_precision
 from gemport.step.remat import set_remat
 
 CHECKPOINTS = "checkpoints"
@@ -388,6 +389,13 @@ class SFTRun:
         return self.model.lora_spec
 
     @property
+    def precision(self) -> Precision:
+        """The precision of the step's products the recipe describes (``step.precision.matmul_precision``:
+        float32 products for a float32 recipe, ``"high"`` with ``tf32``, one bfloat16 pass for a bfloat16
+        recipe)."""
+        return matmul_precision(self.fields.bf16, self.fields.tf32)
+
+    @property
     def max_steps(self) -> int:
         """Optimizer steps of the run (HF's ``max_steps``, or its epochs over the data)."""
         return len(self.train_batches)
@@ -412,7 +420,7 @@ class SFTRun:
         LoRA dropout draws from the recipe's ``seed``. ``kwargs`` go to the trainer (``metrics_logger``, ...)."""
         with self._trainer_placement():
             return HFPeftTrainer(self.model, self.optimizer.tx, self.training_config, lora_spec=self.lora_spec,
-                                 seed=self.fields.seed, **kwargs)
+                                 seed=self.fields.seed, precision=self.precision, **kwargs)
 
     def _trainer_placement(self):
         # An abstract run's trainer starts its optimizer state off the mesh, whose devices may be compile-only (a

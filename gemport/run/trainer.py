@@ -41,6 +41,7 @@ from gemport.step.attention import check_segments
 from gemport.data.distributed import global_batch
 from gemport.run.preemption import Preemption
 from gemport.step.hf import LossFn, per_target, segment_loss
+from gemport.step.precision import Precision, with_precision
 from gemport.data.batching import BATCH_FIELDS
 
 grain = require("grain", "gemport.run.trainer")
@@ -254,6 +255,9 @@ class HFPeftTrainer(upstream.peft_trainer_class()):
       loss_fn: ``hf_loss``'s: ``step.segment_loss`` (segment attention and chunked cross-entropy, the default),
         or ``step.tunix_loss``, Tunix's own attention and logits, which refuses packed rows to a model built
         with ``use_flash_attention``.
+      precision: the precision of the step's products (``step.precision.matmul_precision`` of the recipe:
+        ``"highest"`` for a float32 recipe, ``"default"`` for a bfloat16 one); the train and eval steps are
+        traced under it (``step.precision.with_precision``).
       seed: the LoRA dropout stream's (HF's ``seed``). With ``model.lora_spec.dropout`` above 0 the ``i``-th
         micro-batch trained (counted by ``optimizer.step``, which checkpoints carry) runs under
         ``lora.lora_dropout(model, lora.dropout_key(seed, i))``: a resume draws the masks an uninterrupted run
@@ -267,7 +271,7 @@ class HFPeftTrainer(upstream.peft_trainer_class()):
     def __init__(self, model: nnx.Module, optimizer: optax.GradientTransformation,
                  training_config: peft_trainer.TrainingConfig, *, lora_spec: LoraSpec | None = None,
                  preemption: Preemption | None = None, loss_fn: LossFn = segment_loss, seed: int = 0,
-                 **kwargs: Any) -> None:
+                 precision: Precision = "default", **kwargs: Any) -> None:
         if training_config.checkpoint_root_directory is not None:  # Tunix resumes from the newest step dir
             resume_step(training_config.checkpoint_root_directory)
         super().__init__(model, optimizer, training_config, **kwargs)
@@ -275,6 +279,7 @@ class HFPeftTrainer(upstream.peft_trainer_class()):
             self.checkpoint_manager = _Checkpoints(self.checkpoint_manager, training_config.checkpoint_root_directory)
         self._preemption = preemption
         self._seed = seed
+        self.precision = precision
         accumulation = training_config.get_with_default("gradient_accumulation_steps", 1)
         per_target(loss_fn)  # refuses a loss without per-target scopes before anything is traced
         self.step_loss = loss_fn
@@ -304,7 +309,11 @@ class HFPeftTrainer(upstream.peft_trainer_class()):
             optimizer.update(model, grads)
             return loss, aux, grad_norm
 
-        return train_step
+        return with_precision(train_step, self.precision)
+
+    def create_eval_step_fn(self) -> Callable[..., Any]:
+        """PeftTrainer's eval step, traced at the trainer's ``precision``."""
+        return with_precision(super().create_eval_step_fn(), self.precision)
 
     def jitted_train_step(self) -> Any:
         """The train step ``train()`` runs: ``nnx.jit`` of ``create_train_step_fn`` with the model and the optimizer

@@ -1,0 +1,54 @@
+"""The precision of a step's matrix products, as the recipe says.
+
+A float32 recipe (``bf16: false``) describes float32 products. On a TPU, JAX's default precision multiplies float32
+operands in one bfloat16 pass (about three decimal digits), so it would train another run than the recipe's;
+``"highest"`` multiplies them in float32 (the TPU's six-pass bfloat16 arithmetic; CPUs and GPUs without TF32 do
+so at every precision). HF's ``tf32: true`` asks for TF32 products on a GPU: ``"high"`` (three bfloat16 passes on a
+TPU, about as precise). A bfloat16 recipe multiplies bfloat16 operands, which one pass holds exactly, and takes its
+float32 LoRA factors in bfloat16 as torch's autocast does: ``"default"``.
+
+``matmul_precision`` is the one reading of the recipe; ``with_precision`` traces a function under it, so every
+product of the step, and its transpose in the backward pass, carries it (``run.trainer.HFPeftTrainer`` traces its
+train and eval steps so).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax
+
+Precision = Literal["default", "high", "highest"]
+"""``jax.default_matmul_precision``'s names for one, three or six bfloat16 passes on a TPU."""
+
+
+def matmul_precision(bf16: bool | None, tf32: bool | None) -> Precision:
+    """The precision of a recipe's products: ``"default"`` for a bfloat16 recipe (``bf16``), else ``"high"`` with
+    ``tf32`` and ``"highest"`` (float32 products) without it.
+
+    Example:
+      >>> matmul_precision(bf16=False, tf32=None), matmul_precision(False, True), matmul_precision(True, None)
+      ('highest', 'high', 'default')
+    """
+    if bf16:
+        return "default"
+    return "high" if tf32 else "highest"
+
+
+def with_precision(fn: Callable[..., Any], precision: Precision) -> Callable[..., Any]:
+    """``fn`` traced under ``jax.default_matmul_precision(precision)``: each product it makes (and, being recorded
+    with it, each product its derivative makes) at that precision. ``"default"`` returns ``fn`` itself."""
+    if precision == "default":
+        return fn
+
+    @functools.wraps(fn)
+    def precise(*args: Any, **kwargs: Any) -> Any:
+        with jax.default_matmul_precision(precision):
+            return fn(*args, **kwargs)
+
+    return precise
+
+
+__all__ = ["Precision", "matmul_precision", "with_precision"]
