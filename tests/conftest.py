@@ -1,10 +1,17 @@
-"""Test setup: JAX sees 8 simulated CPU devices, so meshes can be built as on a TPU slice."""
+"""Test setup: JAX sees 8 simulated CPU devices, so meshes can be built as on a TPU slice.
+
+The TPU tier (tests marked ``tpu``: the chip against the CPU, tests/*/test_on_chip.py) runs on a TPU host with
+``GEMPORT_TPU=1``: JAX then sees the chip beside the CPU, and only that tier runs (the rest of the suite is the
+CPU's); elsewhere, as in CI, the tier is skipped and its recorded figures are checked (tests/test_on_chip_record.py).
+"""
 
 import json
 import os
 import platform
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+ON_CHIP = os.environ.get("GEMPORT_TPU") == "1"
+if not ON_CHIP:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # float32 results depend on how a reduction is split over threads and vectorised, so what the machine would pick
 # is pinned here, before torch and jax load: one thread for torch (OpenMP, MKL) and for XLA's Eigen matmuls, and
 # AVX2 code paths for torch's kernels, oneDNN, MKL and XLA's codegen (AVX-512 kernels, chosen where the CPU has
@@ -29,6 +36,18 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "tpu: the TPU tier: runs on a TPU host with GEMPORT_TPU=1, and only there")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if ON_CHIP and "tpu" not in item.keywords:
+            item.add_marker(pytest.mark.skip(reason="GEMPORT_TPU=1 runs the TPU tier only"))
+        elif not ON_CHIP and "tpu" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason="the TPU tier: GEMPORT_TPU=1 on a TPU host"))
 
 
 @pytest.fixture(scope="session")
