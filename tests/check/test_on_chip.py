@@ -1,0 +1,107 @@
+"""The port on the chip against its peers on the host's CPU (the TPU tier, ``GEMPORT_TPU=1``, with TRL and PEFT
+installed: ``tools/tpu/prepare.sh --peers``).
+
+On a miniature of Gemma 4 31B (head widths 128/256, so splash attention runs as at full size):
+- ``gemport parity`` (``check.parity.trajectory``): TRL + PEFT on the CPU against the port on the chip, a doc-style
+  recipe in float32 and in bfloat16, each judged against the floor measured in that run; a port whose learning
+  rate is changed fails;
+- the step ``SFTRun`` trains, on the chip and on the CPU, from the same adapter on the same batches: every step's
+  loss and grad_norm within ``on_chip.MULTIPLE`` x the same floors;
+- ``gemport verify`` (``check.verify.compare_logits``): the base's logits on the chip against transformers'.
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+from chats import chats, tokenizer
+from on_chip import MULTIPLE, chip, cpu, judged, record
+
+from gemport.check.parity import miniature, trajectory
+from gemport.check.verify import compare_logits
+from gemport.checkpoint import load_model
+from gemport.mesh import make_mesh
+from gemport.run import SFTRun
+from gemport.specs import GemmaSpec
+
+pytestmark = pytest.mark.tpu
+
+LORA = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                      "down_proj"]}
+RECIPE = dict(assistant_only_loss=True, packing=True, max_length=256, per_device_train_batch_size=2,
+              gradient_accumulation_steps=2, max_steps=4, learning_rate=2e-3, lr_scheduler_type="cosine",
+              warmup_steps=1, weight_decay=0.01, max_grad_norm=1.0, seed=42, logging_steps=1, save_strategy="no")
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    config = GemmaSpec.preset("gemma4-31b").to_hf_config()
+    return miniature(config, tmp_path_factory.mktemp("chip") / "base", num_layers=6, hidden_size=256, head_dim=128,
+                     sliding_window=128, vocab_size=len(tokenizer()))
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def parity(request, base):
+    dtype = request.param
+    recipe = {**RECIPE, "bf16": dtype == "bfloat16"}
+    with jax.default_device(chip()):
+        report = trajectory(base, chats(24), sft_config=recipe, lora_config=LORA, tokenizer=tokenizer(), dtype=dtype,
+                            progress=False)
+    return dtype, recipe, report
+
+
+def worst_multiple(report):
+    return max(max(abs(r.loss_port - r.loss_gpu) / abs(r.loss_gpu) / r.loss_floor,
+                   abs(r.grad_norm_port - r.grad_norm_gpu) / abs(r.grad_norm_gpu) / r.grad_norm_floor)
+               for r in report.rows)
+
+
+def test_parity_holds_with_the_port_on_the_chip(parity):
+    dtype, _, report = parity
+    print(report.table())
+    record("parity", f"doc recipe {dtype}", worst_multiple(report), 1.0, MULTIPLE, floor_name=report.floor_name,
+           dtype=dtype, adapter=max(report.adapters.values()), adapter_floor=report.adapter_floor)
+    assert report.ok, report.first_disagreement()
+
+
+def test_a_port_with_another_learning_rate_fails_on_the_chip(base):
+    recipe = {**RECIPE, "bf16": False}
+    with jax.default_device(chip()):
+        report = trajectory(base, chats(24), sft_config=recipe, lora_config=LORA, tokenizer=tokenizer(),
+                            port_sft_config={**recipe, "learning_rate": 1.2 * RECIPE["learning_rate"]}, steps=2,
+                            progress=False)
+    record("parity", "learning rate x1.2 fails", worst_multiple(report), 1.0, MULTIPLE, expect="fail",
+           found=report.first_disagreement(), ok=not report.ok)
+    assert not report.ok
+
+
+def test_the_trained_step_on_the_chip_follows_the_cpus(parity, base, tmp_path):
+    """SFTRun's step (HFPeftTrainer) from one adapter on the same batches, on the chip and on the CPU; each step's
+    loss and grad_norm within MULTIPLE x the floor parity measured for that step (TRL float64 vs float32 for the
+    float32 recipe, TRL float32 vs bfloat16 for the bfloat16 one)."""
+    dtype, recipe, report = parity
+    logs = {}
+    for name, device in (("chip", chip()), ("cpu", cpu())):
+        mesh = make_mesh(GemmaSpec.from_hf(base), fsdp=1, tp=1, devices=[device])
+        run = SFTRun.create({**recipe, "output_dir": str(tmp_path / name)}, base, chats(24), lora=LORA,
+                            tokenizer=tokenizer(), mesh=mesh, dtype=jnp.bfloat16 if recipe["bf16"] else jnp.float32,
+                            progress=False)
+        run.train()
+        state = json.loads((tmp_path / name / "trainer_state.json").read_text())
+        logs[name] = [(e["loss"], e["grad_norm"]) for e in state["log_history"] if "loss" in e and "grad_norm" in e]
+    assert len(logs["chip"]) == len(logs["cpu"]) == len(report.rows)
+    for step, (a, b, row) in enumerate(zip(logs["chip"], logs["cpu"], report.rows)):
+        for i, (quantity, floor) in enumerate((("loss", row.loss_floor), ("grad_norm", row.grad_norm_floor))):
+            judged("trained_step", f"{dtype} step {step} {quantity}", abs(a[i] - b[i]) / abs(b[i]), floor, 0.0,
+                   dtype=dtype, step=step, quantity=quantity)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_verify_on_the_chip(base, dtype):
+    with jax.default_device(chip()):
+        model = load_model(base, param_dtype=dtype)
+        report = compare_logits(base, model, dtype=dtype, seq_len=64)
+    print(report)
+    judged("verify", f"base logits {dtype}", report.max_abs_diff, report.floor, 0.0, floor_name=report.floor_name,
+           dtype=dtype, max_abs_logit=report.max_abs_logit)
