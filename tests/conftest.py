@@ -1,6 +1,7 @@
 """Test setup: JAX sees 8 simulated CPU devices, so meshes can be built as on a TPU slice.
 
-The TPU tier (tests marked ``tpu``: the chip against the CPU, tests/*/test_on_chip.py) runs on a TPU host with
+The TPU tier (tests marked ``tpu``: the chip against the CPU, tests/step/test_step_on_chip.py and
+tests/check/test_peers_on_chip.py) runs on a TPU host with
 ``GEMPORT_TPU=1``: JAX then sees the chip beside the CPU, and only that tier runs (the rest of the suite is the
 CPU's); elsewhere, as in CI, the tier is skipped and its recorded figures are checked (tests/test_on_chip_record.py).
 """

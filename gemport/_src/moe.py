@@ -21,15 +21,17 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from flax import nnx
+
 from gemport._src import upstream
+from gemport.errors import LoraError
 from gemport._src.upstream import TUNIX_VERSION  # the version this was written against, checked there at import
 
 
 @functools.cache
 def _classes():
-    from flax import nnx
-    from tunix.models.gemma4 import model as g4
-    from tunix.models.gemma4 import moe
+    from tunix.models.gemma4 import model as g4  # Tunix, an extra, on first use
+    from tunix.models.gemma4 import moe  # Tunix, an extra, on first use
 
     class ResidualAndNorm(g4.RMSNorm):
         """``moe_pre_ffw_norm`` returning ``(x, norm(x))``: the MoE block routes from ``x`` [B, T, D] and
@@ -116,7 +118,6 @@ def attach_expert_lora(module, weight: str, a, b, scale: float) -> None:
     Raises:
       LoraError: ``module`` is not a MoE block routed by gemport (Tunix's own routing has no LoRA hook).
     """
-    from gemport.errors import LoraError
 
     if type(module) is not _classes()[_tunix_moe()]:
         raise LoraError(f"LoRA on the MoE experts needs the MoE block gemport routes (gemport._src.moe.model_class, "
@@ -127,7 +128,7 @@ def attach_expert_lora(module, weight: str, a, b, scale: float) -> None:
 
 
 def _tunix_moe():
-    from tunix.models.gemma4 import moe
+    from tunix.models.gemma4 import moe  # Tunix, an extra, on first use
 
     return moe.MoERagged
 
@@ -137,7 +138,6 @@ def hf_routed(model):
 
     Layers without experts, and layers already routed so, are left alone.
     """
-    from flax import nnx
 
     replace = _classes()
     for _, layer in nnx.iter_modules(model):
@@ -152,7 +152,7 @@ def hf_routed(model):
 def model_class():
     """Tunix's ``Gemma4`` whose MoE layers are built routed as transformers routes them (see `hf_routed`)."""
     _classes()
-    from tunix.models.gemma4 import model as g4
+    from tunix.models.gemma4 import model as g4  # Tunix, an extra, on first use
 
     class Gemma4(g4.Gemma4):
         __doc__ = g4.Gemma4.__doc__

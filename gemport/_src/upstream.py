@@ -17,6 +17,9 @@ import importlib.metadata
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from flax import nnx
+
+from gemport._src.extras import require
 from gemport.errors import MissingDependencyError
 
 TUNIX_VERSION = "0.1.7"
@@ -46,9 +49,9 @@ _check("google-tunix", TUNIX_VERSION, "tunix")
 # Qwix ---------------------------------------------------------------------------------------------------------
 
 def _qwix():
-    from qwix._src.core import numerics, qarray
-    from qwix._src.providers import lora, ptq
-    from qwix._src.utils import flax_util
+    from qwix._src.core import numerics, qarray  # Qwix's privates: checked against its version first
+    from qwix._src.providers import lora, ptq  # Qwix's privates: checked against its version first
+    from qwix._src.utils import flax_util  # Qwix's privates: checked against its version first
 
     return lora, ptq, flax_util, qarray, numerics
 
@@ -111,7 +114,7 @@ def ptq_einsum(provider, einsum_str, *operands, **kwargs):
 def lora_provider_class():
     """``qwix.LoraProvider`` whose rule lookup goes through a public ``rule_for(rule)``, so a subclass can change
     the rule a call runs under (Qwix 0.1's ``_get_current_rule_and_op_id``), and ``current_rule(op_name)``."""
-    import qwix
+    import qwix  # after the version check above
 
     class LoraProvider(qwix.LoraProvider):
         def rule_for(self, rule):
@@ -141,7 +144,6 @@ def peft_trainer_class():
     donates the optimizer only), ``evaluate()`` (an evaluation of the eval dataset ``train()`` was given, now, as
     Tunix runs one every ``eval_every_n_steps``).
     """
-    from gemport._src.extras import require
 
     peft_trainer = require("tunix.sft.peft_trainer", "gemport.run.trainer")
 
@@ -162,14 +164,12 @@ def peft_trainer_class():
             pass
 
         def jitted_train_step(self):
-            from flax import nnx
 
             return nnx.jit(self.create_train_step_fn(), donate_argnames=("optimizer",))
 
         def jit_train_and_eval_step(self, skip_jit: bool = False, cache_nnx_graph: bool = False):
             # Tunix builds its train step inline; the one train() runs is jitted_train_step(), bound to the
             # trainer's model and optimizer as Tunix binds its own.
-            from flax import nnx
 
             fresh = self._jitted_train_step_fn is None
             train_step, eval_step = super().jit_train_and_eval_step(skip_jit, cache_nnx_graph)
@@ -227,7 +227,7 @@ def expert_dispatch(x, choices, weights):
     """Tunix's ``MoERagged`` dispatch: the tokens of ``x`` [B, T, D] sorted by their expert ``choices`` int32
     [B, T, k] (routing ``weights`` [B, T, E]). Returns (tokens per expert [E], sorted tokens [B*T*k, D], the
     reverse permutation, the combination weights [B, T, k]) as ``expert_collect`` takes them."""
-    from tunix.models.gemma4 import moe
+    from tunix.models.gemma4 import moe  # Tunix, an extra, on first use
 
     return moe._expert_dispatch(x, choices, weights)
 
@@ -235,7 +235,7 @@ def expert_dispatch(x, choices, weights):
 def expert_collect(out, *, xs_reverse_argsort, xs_combine_weights):
     """Tunix's ``MoERagged`` collection: the experts' outputs ``out`` [B*T*k, D], in ``expert_dispatch``'s order,
     back to [B, T, k, D]."""
-    from tunix.models.gemma4 import moe
+    from tunix.models.gemma4 import moe  # Tunix, an extra, on first use
 
     return moe._expert_collect(out, xs_reverse_argsort=xs_reverse_argsort, xs_combine_weights=xs_combine_weights)
 
@@ -249,8 +249,8 @@ def tunix_shard_on(mesh):
     if mesh.devices.flat[0].platform == jax.devices()[0].platform:
         yield
         return
-    from tunix.models.gemma4 import model as gemma4
-    from tunix.utils import sharding_utils
+    from tunix.models.gemma4 import model as gemma4  # Tunix, an extra, on first use
+    from tunix.utils import sharding_utils  # Tunix, an extra, on first use
 
     def shard(x, spec, eager=False):
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))

@@ -14,6 +14,9 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
+import jax
+import orbax.checkpoint as ocp
+
 from gemport.checkpoint.orbax import save_orbax, stored_tree
 from gemport.checkpoint.output import atomic_dir, check_output
 from gemport.errors import CheckpointError, CorruptFileError, LoraError
@@ -47,9 +50,6 @@ def params_dir(path: str | os.PathLike, *, step: int | None = None) -> Path:
 
 def _read_orbax(path: str | os.PathLike, *, step: int | None = None) -> dict[str, np.ndarray]:
     """The LoRA params of a PeftTrainer Orbax checkpoint, as host numpy arrays (no model or mesh needed)."""
-    import jax
-    import orbax.checkpoint as ocp
-
     directory = params_dir(path, step=step).resolve()
     checkpointer = ocp.PyTreeCheckpointer()
     tree = stored_tree(checkpointer, directory)
@@ -73,8 +73,6 @@ def save_lora_spec(root: str | os.PathLike, lora_spec: LoraSpec) -> Path:
     Under ``jax.distributed`` only process 0 writes, as Orbax writes a checkpoint's metadata; every process
     gets the path.
     """
-    import jax
-
     root = Path(root)
     path = root / LORA_SPEC_FILE
     if jax.process_index() != 0:

@@ -16,6 +16,11 @@ import os
 import warnings
 from pathlib import Path
 
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
 from gemport.errors import CheckpointWarning
 
 ITEMS = ("model_params", "optimizer_state")
@@ -24,7 +29,6 @@ ITEMS = ("model_params", "optimizer_state")
 METADATA = "_CHECKPOINT_METADATA"
 DAMAGED = "damaged-"
 """The prefix a damaged step directory is renamed with (``<root>/damaged-<step>``)."""
-
 
 def steps(root: str | os.PathLike) -> list[int]:
     """The steps of the checkpoint root ``root`` (its directories named by a step), ascending."""
@@ -38,10 +42,6 @@ def damage(step_dir: str | os.PathLike) -> str | None:
     Reads the checkpoint's metadata and every array of its items into host memory (a LoRA run's
     checkpoint holds the LoRA factors and their optimizer state: small beside the model).
     """
-    import jax
-    import numpy as np
-    import orbax.checkpoint as ocp
-
     step_dir = Path(step_dir)
     try:
         metadata = json.loads((step_dir / METADATA).read_text())
@@ -74,9 +74,6 @@ def resume_step(root: str | os.PathLike) -> int | None:
     ``jax.distributed``; every process verifies) with a ``CheckpointWarning`` naming it and why, so that Tunix's
     ``CheckpointManager`` resumes from the step returned and later saves take the damaged steps' place.
     """
-    import jax
-    from jax.experimental import multihost_utils
-
     root = Path(root)
     found, skipped = None, []
     for step in reversed(steps(root)):

@@ -8,6 +8,8 @@ import jax
 import numpy as np
 from flax import nnx
 
+import orbax.checkpoint as ocp
+
 from gemport._src.params import abstract_model, path_str
 from gemport._src.partition import named_sharding
 from gemport.checkpoint.output import atomic_dir, check_output
@@ -49,8 +51,6 @@ def save_orbax(state_or_model, out_dir: str | Path) -> Path:
       True
       >>> tmp.cleanup()
     """
-    import orbax.checkpoint as ocp
-
     state = nnx.state(state_or_model, nnx.Param) if isinstance(state_or_model, nnx.Module) else state_or_model
     out = check_output(out_dir)
     with atomic_dir(out) as tmp:
@@ -96,8 +96,6 @@ def load_orbax(path: str | Path, *, spec: GemmaSpec, mesh=None, param_dtype=None
     Returns:
       An ``nnx.State`` of ``nnx.Param``, as from ``gemport.checkpoint.load_hf``.
     """
-    import orbax.checkpoint as ocp
-
     path = Path(path).resolve()
     with ocp.StandardCheckpointer() as checkpointer:
         stored = stored_tree(checkpointer, path)

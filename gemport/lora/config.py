@@ -251,7 +251,7 @@ class LoraParams(NamedTuple):
 
     def flat(self) -> dict[str, Any]:
         """The factors as ``{dotted path: numpy array}``, e.g. for ``np.savez`` or a comparison."""
-        from gemport._src.params import flat_params
+        from gemport._src.params import flat_params  # cycle: _src.params builds models from specs
 
         return {k: np.asarray(v) for k, v in flat_params(self.params).items()}
 
@@ -338,7 +338,7 @@ def peft_default_targets(model_type: str) -> tuple[str, ...]:
     (``re.fullmatch`` on module names) against the language model's projections. Raises ``LoraError`` naming
     ``lora_target_modules`` where PEFT has no default, or its regex also reaches modules gemport does not port.
     """
-    from gemport._src.extras import require
+    from gemport._src.extras import require  # PEFT, an extra, on first use
 
     mapping = require("peft.utils.constants", "lora_target_modules' PEFT default")
     default = mapping.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model_type)

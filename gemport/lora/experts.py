@@ -32,12 +32,15 @@ import dataclasses
 import math
 
 import einops
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from gemport.specs import names
 from gemport._src.partition import Spec
 from gemport._src.pattern import Pattern, words
-from gemport.lora.config import EXPERT_PARAMETERS, LoraSpec
+from gemport.lora.config import EXPERT_PARAMETERS, FACTOR_DTYPE, LoraSpec
 from gemport.lora.layout import factor_axes, factor_specs
 from gemport.specs import GemmaSpec
 
@@ -183,13 +186,8 @@ def attach(model, layout, *, seed: int = 0) -> None:
       layout: its `gemport.lora.LoraLayout`.
       seed: the factors' seed; each adapter draws from it folded with its index.
     """
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from gemport._src.moe import attach_expert_lora
-    from gemport.lora.config import FACTOR_DTYPE
-    from gemport.lora.qwix import lora_a_init, lora_b_init
+    from gemport._src.moe import attach_expert_lora  # Tunix, an extra
+    from gemport.lora.qwix import lora_a_init, lora_b_init  # cycle: lora.qwix lays adapters out with this module
 
     for index, adapter in enumerate(layout.experts):
         module = model

@@ -18,6 +18,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from gemport.errors import RecipeError
 from gemport.recipe.fields import (COMMANDS, DPO, DPO_MAPPED, MAPPED, MODEL, QLORA, REFUSED_WHEN_SET, SCRIPT,
                                    STRATEGIES, TRL_LORA, USED, _resolved, defaults)
@@ -56,14 +58,14 @@ class Recipe:
         """The ``gemport.lora.QLoraSpec`` of the recipe's 4-bit base (``load_in_4bit`` with ``bnb_4bit_quant_type``,
         ``use_bnb_nested_quant`` and ``dtype`` as the compute dtype, as TRL passes them to bitsandbytes), or None.
         Raises ``LoraError`` naming a field gemport cannot reproduce (``bnb_4bit_quant_type: fp4``...)."""
-        from gemport.lora import QLoraSpec
+        from gemport.lora import QLoraSpec  # JAX on first use: reading a recipe loads none
 
         return QLoraSpec.from_config({k: v for k, v in self.model.items() if k in (*QLORA, "dtype")})
 
     def dtype(self):
         """The base weights' dtype: ModelConfig's ``dtype`` when set (not ``"auto"``), else bfloat16 with ``bf16``
         (TRL's default), else float32."""
-        import jax.numpy as jnp
+        import jax.numpy as jnp  # JAX on first use: reading a recipe loads none
 
         name = self.model.get("dtype")
         if name not in (None, "auto"):
@@ -77,7 +79,6 @@ class Recipe:
 def parse_overrides(argv: Sequence[str]) -> dict[str, Any]:
     """``--key value`` / ``--key=value`` / ``--flag`` (True) / ``--key v1 v2`` (a list), values read as YAML
     (``1e-4`` as a number too), as ``trl sft`` takes them after ``--config``."""
-    import yaml
 
     def value(text: str) -> Any:
         parsed = yaml.safe_load(text)
@@ -117,7 +118,6 @@ def read(config: str | os.PathLike | Mapping[str, Any] | None, overrides: Mappin
     a field that is no field of ScriptArguments, ModelConfig or SFTConfig, or one gemport does not reproduce
     set to a value other than TRL's default, with the reason.
     """
-    import yaml
 
     source = None
     fields: dict[str, Any] = {}

@@ -140,14 +140,14 @@ class GemmaSpec:
         model types and for features Tunix cannot reproduce (attention bias, bidirectional attention,
         attention softcaps, unsupported RoPE scaling, untied embeddings).
         """
-        from gemport.specs.hf import spec_from_hf
+        from gemport.specs.hf import spec_from_hf  # cycle: specs.hf builds GemmaSpecs
 
         return spec_from_hf(config)
 
     @classmethod
     def preset(cls, name: str) -> GemmaSpec:
         """The spec of a published size: one of ``GemmaSpec.presets()``."""
-        from gemport.specs.presets import PRESETS
+        from gemport.specs.presets import PRESETS  # cycle: the presets are GemmaSpecs
 
         try:
             return PRESETS[name]
@@ -157,7 +157,7 @@ class GemmaSpec:
     @staticmethod
     def presets() -> tuple[str, ...]:
         """Names accepted by ``GemmaSpec.preset``."""
-        from gemport.specs.presets import PRESETS
+        from gemport.specs.presets import PRESETS  # cycle: the presets are GemmaSpecs
 
         return tuple(sorted(PRESETS))
 
@@ -171,24 +171,24 @@ class GemmaSpec:
           compute_dtype: compute dtype (Gemma 4 only; Gemma 3 computes in ``param_dtype``).
           sharding: a Tunix ``ShardingConfig``; default is Tunix's default (axes ``fsdp`` and ``tp``).
         """
-        from gemport.specs.tunix import tunix_config
+        from gemport.specs.tunix import tunix_config  # cycle, and JAX on first use
 
         return tunix_config(self, param_dtype=param_dtype, compute_dtype=compute_dtype, sharding=sharding)
 
     def tunix_model_class(self):
         """The Tunix model class: ``Gemma3`` or ``Gemma4``; with experts, a ``Gemma4`` whose MoE layers route
         tokens as transformers does (``gemport._src.moe``; Tunix 0.1.7's own routing differs)."""
-        from gemport._src.extras import require
+        from gemport._src.extras import require  # cheap: `import gemport.specs` loads no JAX
 
         module = require(f"tunix.models.{self.family}.model", "building a Tunix model")
         if self.num_experts:
-            from gemport._src.moe import model_class
+            from gemport._src.moe import model_class  # Tunix, an extra
 
             return model_class()
         return module.Gemma3 if self.family == "gemma3" else module.Gemma4
 
     def to_hf_config(self) -> dict[str, Any]:
         """A ``config.json`` dict for ``Gemma3ForCausalLM`` / ``Gemma4ForCausalLM`` with this architecture."""
-        from gemport.specs.hf import hf_config
+        from gemport.specs.hf import hf_config  # cycle: specs.hf builds GemmaSpecs
 
         return hf_config(self)

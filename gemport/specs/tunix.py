@@ -10,7 +10,7 @@ from gemport.specs.spec import GLOBAL, SLIDING, GemmaSpec
 
 def tunix_config(spec: GemmaSpec, *, param_dtype=None, compute_dtype=None, sharding=None):
     """See ``GemmaSpec.to_tunix``."""
-    import jax.numpy as jnp
+    import jax.numpy as jnp  # JAX on first use: `import gemport.specs` stays cheap
 
     param_dtype = jnp.float32 if param_dtype is None else param_dtype
     if spec.family == "gemma3":

@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 import yaml
 
+from gemport.recipe import RunFields
+from gemport.step.precision import matmul_precision
 from gemport.errors import GemportError, LoraError, MaskError, OptimizerConfigError, RecipeError
 from gemport.lora import LoraSpec
 from gemport.optim.hf import hf_optimizer
@@ -450,6 +452,16 @@ def check_gradient_checkpointing_kwargs(tmp_path):
     assert from_sft_config(sft(gradient_checkpointing_kwargs={"use_reentrant": False}), TOK).remat == "decoder"
     refused(RecipeError, "gradient_checkpointing_kwargs", lambda: from_sft_config(
         sft(gradient_checkpointing_kwargs={"preserve_rng_state": False}), TOK))
+
+
+def check_tf32(tmp_path):
+    """A float32 recipe's products: float32 ("highest"), or TF32's faster ones with tf32 (the trainer traces its
+    step under it: tests/step/test_precision.py)."""
+    def precision(**fields):
+        f = RunFields.from_config(sft(bf16=False, **fields))
+        return matmul_precision(f.bf16, f.tf32)
+
+    assert precision() == "highest" and precision(tf32=True) == "high"
 
 
 BEHAVIOUR = {name[len("check_"):]: fn for name, fn in globals().items() if name.startswith("check_")}

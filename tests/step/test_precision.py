@@ -1,6 +1,6 @@
 """Products at the precision the recipe says: what ``step.precision`` sets, read from the program the run trains.
 
-On CPU every float32 product is exact whatever the setting (the chip's effect is in tests/step/test_on_chip.py);
+On CPU every float32 product is exact whatever the setting (the chip's effect is in tests/check/test_peers_on_chip.py);
 here the lowered train step of ``HFPeftTrainer`` carries the recipe's precision on every ``dot_general``: float32
 recipes ``HIGHEST``, ``tf32: true`` ``HIGH``, bfloat16 recipes ``DEFAULT``.
 """
