@@ -64,12 +64,6 @@ def lora_b_init(key, shape, dtype=jnp.float32):
     return jnp.zeros(shape, jnp.promote_types(dtype, FACTOR_DTYPE))
 
 
-def _base_dtype(lhs, rhs):
-    """The dtype the frozen projection computes in, which its output keeps with the float32 adapter's delta
-    added (PEFT casts the sum back); None for a 4-bit weight, whose factors already have its scales' dtype."""
-    return None if upstream.is_with_aux(rhs) else jnp.result_type(lhs, rhs)
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Rule(qwix.LoraRule):
     """A Qwix LoRA rule; with ``stack`` set, the matched einsum's weight axis ``stack`` gets separate factors.
@@ -113,24 +107,22 @@ class Provider(upstream.lora_provider_class()):
 
     def einsum(self, einsum_str, *operands, **kwargs):
         rule = self.current_rule("einsum")
-        if not (isinstance(rule, Rule) and rule.stack is not None):
-            out, dtype = super().einsum(einsum_str, *operands, **kwargs), _base_dtype(*operands)
-            return out if dtype is None or not isinstance(rule, Rule) else out.astype(dtype)
+        if not isinstance(rule, Rule):
+            return super().einsum(einsum_str, *operands, **kwargs)
         result = upstream.ptq_einsum(self, einsum_str, *operands, **kwargs)
         lhs, rhs = operands
         name = upstream.find_weight(rhs)
         if name is None:
             return result
         if "..." in einsum_str:
-            raise LoraError(f"{einsum_str!r}: separate LoRA factors need an einsum without ellipsis")
+            raise LoraError(f"{einsum_str!r}: LoRA factors need an einsum without ellipsis")
         equation = Equation.parse(einsum_str)
         (x_axes, w_axes), out_axes = equation.inputs, equation.output
-        s = w_axes[rule.stack]
+        s = None if rule.stack is None else w_axes[rule.stack]
         r = min(set(string.ascii_letters) - equation.letters)
         a_axes, b_axes = ("".join(axes) for axes in factor_axes(w_axes, x_axes, stack=s, rank=r))
         sizes = dict(zip(w_axes, rhs.shape), **{r: rule.rank})
         transpose = {r: None} | {c: i for i, c in enumerate(w_axes)}
-        stack = sizes[s]
         lora_a, lora_b = upstream.lora_params(
             name,
             f"{x_axes},{a_axes},{b_axes}->{out_axes}",
@@ -141,15 +133,22 @@ class Provider(upstream.lora_provider_class()):
             b_sharding_transpose=tuple(transpose[c] for c in b_axes),
         )
         if rule.dropout > 0:
-            # PEFT drops out each projection's input independently: one mask per slice of the stack.
-            lhs = nnx.Dropout(rule.dropout, deterministic=False)(
-                jnp.broadcast_to(lhs, (stack, *lhs.shape)), rngs=upstream.make_rng("dropout")
-            )
-            x_axes = s + x_axes
-        delta = jnp.einsum(f"{x_axes},{a_axes},{b_axes}->{out_axes}", lhs, lora_a, lora_b, **kwargs)
-        scales = jnp.asarray(rule.scales, delta.dtype).reshape(
-            tuple(stack if c == s else 1 for c in out_axes)
-        )
+            dropout = nnx.Dropout(rule.dropout, deterministic=False)
+            if s is None:
+                lhs = dropout(lhs, rngs=upstream.make_rng("dropout"))
+            else:  # PEFT drops out each projection's input independently: one mask per slice of the stack.
+                lhs = dropout(jnp.broadcast_to(lhs, (sizes[s], *lhs.shape)), rngs=upstream.make_rng("dropout"))
+                x_axes = s + x_axes
+        # The branch computes in its input's dtype, as torch's autocast runs PEFT's lora_A and lora_B on a bfloat16
+        # base: float32 factors are cast for the products (their gradients are float32 again).
+        compute = jnp.result_type(lhs)
+        delta = jnp.einsum(f"{x_axes},{a_axes},{b_axes}->{out_axes}", lhs, lora_a.astype(compute),
+                           lora_b.astype(compute), **kwargs)
+        if s is None:
+            scales = jnp.asarray(rule.alpha / rule.rank, delta.dtype)
+        else:
+            scales = jnp.asarray(rule.scales, delta.dtype).reshape(
+                tuple(sizes[s] if c == s else 1 for c in out_axes))
         out = result + delta * scales
         return out if upstream.is_with_aux(rhs) else out.astype(result.dtype)
 

@@ -10,7 +10,7 @@ root=$(git rev-parse --show-toplevel)
 cd "$root"
 grep -qx '/.whl-tpu/' .git/info/exclude 2>/dev/null || echo '/.whl-tpu/' >> .git/info/exclude
 rm -rf .whl-tpu && mkdir -p .whl-tpu
-names=(google-tunix qwix google-metrax grain clu perfetto array-record portpicker simplejson tensorboardx humanize
+names=(google-tunix qwix google-metrax grain clu perfetto array-record portpicker simplejson uvloop tensorboardx humanize
        wadler-lindig jaxtyping treescope)
 [ "${1:-}" = "--peers" ] && names+=(trl peft accelerate) && touch .whl-tpu/peers
 pin() { grep -i "^$1==" constraints.txt | head -1 || true; }
