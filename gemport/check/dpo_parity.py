@@ -20,8 +20,9 @@ from typing import Any, NamedTuple
 
 from gemport.step.dpo import METRICS
 from gemport.errors import GemportError, LoraError, MaskError, RecipeError, TemplateMismatchError
-from gemport.check.parity import (FLOOR_MULTIPLE, GPU_OVERRIDES, LEAST_FLOOR, StepRow, Tolerances, Trajectory,
-                            adapter_distances, step_floors, without_dropout)
+from gemport.check.adapters import adapter_distances
+from gemport.check.parity import GPU_OVERRIDES, without_dropout
+from gemport.check.verdict import FLOOR_MULTIPLE, LEAST_FLOOR, StepRow, Tolerances, Trajectory, step_floors
 
 FLOORS = Tolerances(loss=None, grad_norm=None)
 """DPO parity's default: loss and grad_norm (and every DPO metric) held to ``FLOOR_MULTIPLE`` x their step's floor."""

@@ -14,10 +14,11 @@ import json
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import NamedTuple
 
-import numpy as np
-
+from gemport.check.adapters import adapter_distances, distances, gpu_deltas, port_deltas
+# With FLOOR_MULTIPLE and LEAST_ADAPTER_TOLERANCE, which callers of the SFT comparison read here.
+from gemport.check.verdict import (FLOOR_MULTIPLE, LEAST_ADAPTER_TOLERANCE, LEAST_FLOOR, StepRow,  # noqa: F401
+                                   Tolerances, Trajectory, step_floors)
 from gemport.errors import GemportError, LoraError, RecipeError, SpecError
 from gemport.recipe import TRL_LORA, read
 
@@ -28,209 +29,9 @@ CPU, float32, a log line per step, nothing written, no evaluation (the training 
 ``eval_strategy: steps`` would make TRL ask for an eval split)."""
 
 
-FLOOR_MULTIPLE = 10
-"""How far beyond the floors measured in the run (``StepRow.loss_floor``, ``StepRow.grad_norm_floor``,
-``Trajectory.adapter_floor``) the port may land: each floor is one draw of the noise between two correct runs
-of the recipe, the port's distance another."""
-
-LEAST_FLOOR = float(np.finfo(np.float32).eps)
-"""The least relative floor: one float32 unit of the quantity. Two runs can log the same loss to the bit (a step
-whose sums round alike), and a floor of 0 would call any port wrong; a float32 value is only known to a unit."""
-
-LEAST_ADAPTER_TOLERANCE = 5e-4
-"""The least default adapter bound: the fixed one held before the floor was measured. It was kept because on a
-Gemma 3 1B miniature, padded, the pairs ended 1.1e-5 apart while the port ended 3.0e-4 from the GPU recipe; the
-cause was the port's Adam bias corrections (optax's in float32, ~1e-5 off; ``gemport.optim.adam``), and with
-them as torch computes them the port ends 2.6e-5 away, within the float64 floor (4.5e-5)."""
-
 FLOOR_PADDING = 8
 """Padding columns added to every row of the port's second run, which measures the floor."""
 
-
-@dataclasses.dataclass(frozen=True)
-class Tolerances:
-    """Fixed relative tolerances, each chosen instead of the floor measured in the run: loss, grad_norm and
-    learning rate per step; each module's final s*B@A (max-abs difference over the GPU delta's max-abs).
-
-    loss, grad_norm: None (the default) for ``FLOOR_MULTIPLE`` times the step's floor (``StepRow.loss_floor``,
-    ``StepRow.grad_norm_floor``: how far the GPU recipe's run logged them from its own run in float64, or in
-    bfloat16 from its float32 run; ``trajectory``), or a fixed bound (``gemport parity --rtol``). The floors are
-    measured and printed either way unless every bound is fixed.
-    learning_rate: the schedule is arithmetic on both sides (HF's in float64, the port's in float32): a few
-    float32 units.
-    adapter: None (the default) for ``FLOOR_MULTIPLE`` times the floor ``trajectory`` measures in the run
-    (``Trajectory.adapter_floor``), at least ``LEAST_ADAPTER_TOLERANCE``. Adam maps an element whose gradient is
-    near its epsilon (1e-8) almost linearly to its update, so float32 noise of 1e-9 on such a gradient moves
-    that element by a tenth of the learning rate: how far two correct float32 runs end apart depends on the
-    recipe and the data, and no fixed bound holds for all.
-    """
-
-    loss: float | None = None
-    grad_norm: float | None = None
-    learning_rate: float = 1e-6
-    adapter: float | None = None
-
-
-class StepRow(NamedTuple):
-    """One step on both sides: HF's logged learning rate, loss and grad_norm, and the port's; and the step's
-    relative floors (None when not measured): how far the GPU recipe's own second run (``trajectory``) logged
-    its loss and grad_norm from the first, at least ``LEAST_FLOOR``."""
-
-    step: int
-    learning_rate_gpu: float
-    learning_rate_port: float
-    loss_gpu: float
-    loss_port: float
-    grad_norm_gpu: float
-    grad_norm_port: float
-    loss_floor: float | None = None
-    grad_norm_floor: float | None = None
-
-
-def _relative(a, b):
-    return abs(a - b) / max(abs(a), 1e-12) if a != b else 0.0
-
-
-def step_floors(logs, again, names, absolute=()):
-    """Per step, {name: floor}: the largest distance so far between two correct runs' logged values of ``name``
-    (``logs``, ``again``: their log entries, step by step), relative and at least ``LEAST_FLOOR``; absolute
-    for the names in ``absolute`` (a share, such as DPO's ``rewards/accuracies``, whose runs may agree exactly).
-    The largest so far: two runs that happen to land close at one step say nothing of the next."""
-    out, worst = [], {}
-    for log, other in zip(logs, again):
-        for k in names:
-            a, b = float(log[k]), float(other[k])
-            distance = abs(a - b) if k in absolute else max(_relative(a, b), LEAST_FLOOR)
-            worst[k] = max(worst.get(k, distance), distance)
-        out.append(dict(worst))
-    return out
-
-
-@dataclasses.dataclass(frozen=True)
-class Trajectory:
-    """The compared steps, each HF module's final adapter difference, and the tolerances; ``ok`` and
-    ``first_disagreement`` judge them (steps first, then the final adapters).
-
-    floor_name: what the run's floors compare, e.g. ``"TRL float64 vs float32"``.
-    adapter_floor: the largest final s*B@A difference (same measure as ``adapters``) within the pairs of
-    correct runs ``trajectory`` trains (the GPU recipe's two runs; in float32 also the port with and without
-    ``FLOOR_PADDING`` more padding columns); at least float32's epsilon. ``adapter_tolerance`` is
-    ``FLOOR_MULTIPLE`` times it, and at least ``LEAST_ADAPTER_TOLERANCE``, unless ``tolerances.adapter`` fixes
-    one.
-    """
-
-    rows: tuple
-    tolerances: Tolerances
-    adapters: Mapping = dataclasses.field(default_factory=dict)
-    adapter_floor: float | None = None
-    floor_name: str | None = None
-
-    @property
-    def adapter_tolerance(self):
-        """The bound on each module's final s*B@A difference: ``tolerances.adapter``, or ``FLOOR_MULTIPLE`` x
-        ``adapter_floor`` and at least ``LEAST_ADAPTER_TOLERANCE``."""
-        if self.tolerances.adapter is not None:
-            return self.tolerances.adapter
-        if self.adapter_floor is None:
-            raise GemportError("Trajectory: no adapter tolerance: set Tolerances(adapter=) or measure adapter_floor")
-        return max(LEAST_ADAPTER_TOLERANCE, FLOOR_MULTIPLE * self.adapter_floor)
-
-    def bound(self, row, name):
-        """The relative bound on ``name`` (``"learning_rate"``, ``"loss"``, ``"grad_norm"``) at ``row``: the
-        fixed tolerance if one is set, else ``FLOOR_MULTIPLE`` x the step's floor."""
-        fixed = getattr(self.tolerances, name)
-        if fixed is not None:
-            return fixed
-        floor = getattr(row, f"{name}_floor")
-        if floor is None:
-            raise GemportError(f"Trajectory: no {name} tolerance: set Tolerances({name}=) or measure the step floors")
-        return FLOOR_MULTIPLE * floor
-
-    def multiples(self, name):
-        """Per step, the port's relative distance on ``name`` (``"loss"``, ``"grad_norm"``) in units of the
-        step's floor (None where no floor was measured)."""
-        return [None if getattr(r, f"{name}_floor") is None
-                else _relative(getattr(r, f"{name}_gpu"), getattr(r, f"{name}_port")) / getattr(r, f"{name}_floor")
-                for r in self.rows]
-
-    def disagreements(self):
-        """Every (step, quantity, gpu, port, relative difference, bound) beyond its bound, in step order."""
-        found = []
-        for row in self.rows:
-            for name in ("learning_rate", "loss", "grad_norm"):
-                gpu, port = getattr(row, f"{name}_gpu"), getattr(row, f"{name}_port")
-                rel, bound = _relative(gpu, port), self.bound(row, name)
-                if not rel <= bound:
-                    found.append((row.step, name, gpu, port, rel, bound))
-        for module, rel in self.adapters.items():
-            if not rel <= self.adapter_tolerance:
-                found.append(("final", f"adapter {module} s*B@A", None, None, rel, self.adapter_tolerance))
-        return found
-
-    @property
-    def ok(self):
-        return not self.disagreements()
-
-    def first_disagreement(self):
-        """A sentence naming the first step and quantity that disagree, or None."""
-        found = self.disagreements()
-        if not found:
-            return None
-        step, name, gpu, port, rel, bound = found[0]
-        if step == "final":
-            return f"after the last step: {name} differs by {rel:.2e} (relative) > {bound:.2g}"
-        row = next(r for r in self.rows if r.step == step)
-        floor = getattr(row, f"{name}_floor", None)
-        by = (f" = {rel / floor:.3g} x the floor {floor:.2g}" if floor is not None and getattr(self.tolerances, name)
-              is None else "")
-        return (f"step {step}: {name} {port:.6g} (port) vs {gpu:.6g} (GPU recipe), relative {rel:.2e}{by} > "
-                f"{bound:.2g}")
-
-    def table(self):
-        """The per-step table: learning rate, loss and grad_norm on both sides, relative differences and their
-        multiples of the step's floor; the final adapters; the verdict."""
-        floors = all(r.loss_floor is not None for r in self.rows)
-        lines = [f"{'step':>4} {'lr':>10} {'loss GPU':>11} {'loss port':>11} {'rel':>8} "
-                 f"{'grad_norm GPU':>13} {'grad_norm port':>14} {'rel':>8}"
-                 + (f" {'loss/floor':>10} {'gn/floor':>8}" if floors else "")]
-        for r, lm, gm in zip(self.rows, self.multiples("loss"), self.multiples("grad_norm")):
-            lines.append(f"{r.step:>4} {r.learning_rate_gpu:>10.3e} {r.loss_gpu:>11.6f} {r.loss_port:>11.6f} "
-                         f"{_relative(r.loss_gpu, r.loss_port):>8.1e} {r.grad_norm_gpu:>13.6f} "
-                         f"{r.grad_norm_port:>14.6f} {_relative(r.grad_norm_gpu, r.grad_norm_port):>8.1e}"
-                         + (f" {lm:>10.2f} {gm:>8.2f}" if floors else ""))
-        if self.adapters:
-            worst = max(self.adapters, key=self.adapters.get)
-            floor = "" if self.adapter_floor is None else (
-                f" = {self.adapters[worst] / self.adapter_floor:.3g} x the floor {self.adapter_floor:.1e}")
-            lines.append(f"final adapters: {len(self.adapters)} modules, largest s*B@A difference "
-                         f"{self.adapters[worst]:.1e} ({worst}){floor}")
-        if self.floor_name:
-            lines.append(f"floor: {self.floor_name}, per step (at least {LEAST_FLOOR:.2g}, one float32 unit)")
-        verdict = self.first_disagreement()
-        lines.append("agree within " + ", ".join(self._bounds()) if verdict is None else f"DISAGREE at {verdict}")
-        return "\n".join(lines)
-
-    def _bounds(self):
-        """What the verdict held each quantity to, as words."""
-        out = []
-        for name in ("loss", "grad_norm"):
-            fixed = getattr(self.tolerances, name)
-            if fixed is not None:
-                out.append(f"{name} {fixed:.2g}")
-            elif self.rows:
-                worst = max(self.multiples(name))
-                out.append(f"{name} {FLOOR_MULTIPLE:g} x the floor (at most {worst:.3g} x)")
-        out.append(f"learning_rate {self.tolerances.learning_rate:.2g}")
-        if self.adapters:
-            if self.tolerances.adapter is not None or self.adapter_floor is None:
-                out.append(f"adapter {self.adapter_tolerance:.2g}")
-            else:
-                out.append(f"adapter {FLOOR_MULTIPLE:g} x the floor, at least {LEAST_ADAPTER_TOLERANCE:.2g} "
-                           f"(at most {max(self.adapters.values()) / self.adapter_floor:.3g} x)")
-        return out
-
-    def __str__(self):
-        return self.table()
 
 
 def read_recipe(path):
@@ -541,8 +342,8 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
             return port, metrics
 
         port, metrics = port_run(0, "port")
-        gpu, trained = _gpu_deltas(model), _port_deltas(port, spec, lora_spec)
-        adapters = _distances(trained, gpu)
+        gpu, trained = gpu_deltas(model), port_deltas(port, spec, lora_spec)
+        adapters = distances(trained, gpu)
         floors, floor, floor_name = [(None, None)] * len(logs), None, None
         if None in (tolerances.loss, tolerances.grad_norm, tolerances.adapter) and logs:
             # The recipe trained again from the same adapter on the same batches, computing the same loss and
@@ -571,12 +372,12 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
                     again, again_logs = gpu_run("eager", dataclasses.replace(gpu_config, gradient_checkpointing=False),
                                                 torch.float64, experts_implementation="eager")
             floors = [(f["loss"], f["grad_norm"]) for f in step_floors(logs, again_logs, ("loss", "grad_norm"))]
-            pairs = [_distances(_gpu_deltas(again), gpu)]
+            pairs = [distances(gpu_deltas(again), gpu)]
             if not bf16 and tolerances.adapter is None:
                 # And the port with FLOOR_PADDING more padding columns (no target, seen by no real token; every
                 # contraction over tokens changes length).
                 padded = port_run(FLOOR_PADDING, "port, padded")[0]
-                pairs.append(_distances(_port_deltas(padded, spec, lora_spec), gpu, trained))
+                pairs.append(distances(port_deltas(padded, spec, lora_spec), gpu, trained))
             floor = max(*(d for pair in pairs for d in pair.values()), LEAST_FLOOR)
         rows = [StepRow(s.step, float(log["learning_rate"]), float(hf.schedule(s.step)), float(log["loss"]),
                         float(m.loss), float(log["grad_norm"]), float(m.grad_norm), *f)
@@ -585,62 +386,6 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
         raise GemportError("trajectory: the GPU recipe logged no step; is the data empty?")
     return Trajectory(tuple(rows), tolerances, adapters, floor, floor_name)
 
-
-def adapter_distances(trained, peft_model, spec=None, lora_spec=None):
-    """{module: how far ``trained``'s final s*B@A ends from ``peft_model``'s}: max-abs difference over the PEFT
-    delta's max-abs, per module (``Trajectory.adapters``). trained: a PEFT model, or the port's Tunix model with
-    LoRA, laid out as PEFT's by ``spec`` (``GemmaSpec``) and ``lora_spec``."""
-    got = _gpu_deltas(trained) if spec is None else _port_deltas(trained, spec, lora_spec)
-    return _distances(got, _gpu_deltas(peft_model))
-
-
-def _gpu_deltas(peft_model):
-    """{HF module: s*B@A} of a PEFT model, float64."""
-    from peft.tuners.lora import LoraLayer, ParamWrapper
-
-    params = {k: v.detach().double().numpy() for k, v in peft_model.named_parameters() if "lora_" in k}
-    scales = {k: v.scaling["default"] for k, v in peft_model.named_modules() if isinstance(v, LoraLayer)}
-    out = {}
-    for key, a in params.items():
-        if key.endswith(".lora_A.default.weight"):
-            name = key[: -len(".lora_A.default.weight")]
-            out[name] = params[name + ".lora_B.default.weight"] @ a * scales[name]
-    for name, module in peft_model.named_modules():
-        if isinstance(module, ParamWrapper):  # target_parameters: one delta per expert, [E, out, in]
-            out[name] = module.get_delta_weight("default").detach().double().numpy()
-    return out
-
-
-def _port_deltas(port, spec, lora_spec):
-    """{HF module: s*B@A} of the port's LoRA factors, in PEFT's layout, float64."""
-    import numpy as np
-    from flax import nnx
-
-    from gemport.lora import LoraLayout
-    from gemport._src.params import flat_params
-
-    params = {k: np.asarray(v, np.float64) for k, v in flat_params(port, nnx.LoRAParam).items()}
-    out = {}
-    layout = LoraLayout(spec, lora_spec)
-    for adapter, a, b in layout.match(params, source="port"):
-        for module, (A, B), scale in zip(adapter.hf_modules, adapter.to_peft(a, b), adapter.peft_scales):
-            out[module] = B @ A * scale
-    for adapter, a, b in layout.match_experts(params):
-        out[adapter.peft_key(lora_spec.parameters)] = adapter.delta(a, b).astype(np.float64)
-    return out
-
-
-def _distances(got, gpu, want=None):
-    """{module: max |got - want| / max |gpu|} over ``got``'s modules (``want``: ``gpu`` unless given, keyed as
-    ``got``); ``gpu`` is keyed by PEFT's module names, which end with the port's."""
-    import numpy as np
-
-    out = {}
-    for module, delta in got.items():
-        (key,) = [k for k in gpu if k == module or k.endswith(f".{module}")]
-        reference = gpu[key] if want is None else want[module]
-        out[module] = float(np.abs(delta - reference).max() / max(np.abs(gpu[key]).max(), 1e-30))
-    return out
 
 
 __all__ = [
