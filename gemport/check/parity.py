@@ -8,30 +8,38 @@ with other roundings). Both sides run in float32 on CPU, where a disagreement is
 computed, not in precision; or, asked, in the recipe's bfloat16.
 """
 
-import copy
 import dataclasses
-import json
-import tempfile
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
-from gemport.check.adapters import adapter_distances, distances, gpu_deltas, port_deltas
-# With FLOOR_MULTIPLE and LEAST_ADAPTER_TOLERANCE, which callers of the SFT comparison read here.
+import jax
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from gemport._src.jsonfile import read_json
+from gemport.check.adapters import adapter_distances, port_deltas
+from gemport.check.frame import (GPU_OVERRIDES, PortRun, Quantities, Setup, compare, dropout_note, peft_config,
+                                 without_dropout)
+# With FLOOR_MULTIPLE, LEAST_ADAPTER_TOLERANCE and LEAST_FLOOR, which callers of the SFT comparison read here.
 from gemport.check.verdict import (FLOOR_MULTIPLE, LEAST_ADAPTER_TOLERANCE, LEAST_FLOOR, StepRow,  # noqa: F401
                                    Tolerances, Trajectory, step_floors)
-from gemport.errors import GemportError, LoraError, RecipeError, SpecError
+from gemport.checkpoint import import_peft, load_model
+from gemport.checkpoint.output import atomic_dir
+from gemport.checkpoint.quantize import load_qlora_model
+from gemport.data import from_sft_config
+from gemport.data.training_template import gemma4_training_template
+from gemport.errors import LoraError, RecipeError, SpecError
+from gemport.lora import LoraParams, LoraSpec, apply_lora
+from gemport.optim import HFOptimizer, hf_optimizer
 from gemport.recipe import TRL_LORA, read
-
-GPU_OVERRIDES = dict(logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False, fp16=False,
-                     dataloader_num_workers=0, push_to_hub=False, eval_strategy="no")
-"""What a comparison (SFT's and ``check.dpo_parity``'s) fixes on the GPU side whatever the recipe says: one process on
-CPU, float32, a log line per step, nothing written, no evaluation (the training steps are compared; a recipe's
-``eval_strategy: steps`` would make TRL ask for an eval split)."""
-
+from gemport.specs import GemmaSpec
+from gemport.step import segment_loss, train_step
 
 FLOOR_PADDING = 8
 """Padding columns added to every row of the port's second run, which measures the floor."""
-
 
 
 def read_recipe(path):
@@ -55,30 +63,9 @@ def read_recipe(path):
     return {name: recipe.sft[name] for name in recipe.given}, recipe.lora()
 
 
-def without_dropout(lora_config):
-    """(the ``peft.LoraConfig`` of ``lora_config`` with ``lora_dropout=0``, the dropout it had).
-
-    ``trajectory`` compares step by step, which random masks would defeat: torch and JAX draw different ones.
-    A recipe with dropout p is compared at p = 0, the rest unchanged, and says so; gemport's dropout at p
-    (PEFT's rule: rate p on each adapted projection's LoRA input, kept values scaled by 1 / (1 - p), training
-    only) is matched to PEFT in distribution by gemport's tests (mask rate and scaling, expected gradient).
-    """
-    given = _lora_config(lora_config, dropout=True)
-    config = copy.copy(given)
-    config.lora_dropout = 0.0
-    return config, given.lora_dropout
-
-
-def dropout_note(p: float) -> str:
-    """The line ``gemport parity`` prints for a recipe with LoRA dropout ``p`` > 0, compared at 0."""
-    return (f"lora_dropout={p}: compared with lora_dropout=0 on both sides, the rest of the recipe unchanged "
-            f"(dropout masks are random, and torch and JAX draw different ones). At lora_dropout={p} gemport drops "
-            "out as PEFT does (rate p on each adapted projection's LoRA input, kept values scaled by 1/(1-p), in "
-            "training only), tested against PEFT in distribution by gemport's tests, not by this run")
-
 
 def _sft_config(config, overrides):
-    from trl import SFTConfig
+    from trl import SFTConfig  # optional: the trl extra
 
     if isinstance(config, (str, Path)):
         config = read_recipe(config)[0]
@@ -86,22 +73,6 @@ def _sft_config(config, overrides):
         return SFTConfig(**{**config, **overrides})
     return dataclasses.replace(config, **overrides)
 
-
-def _lora_config(config, dropout=False):
-    import peft
-
-    if isinstance(config, (str, Path)):
-        path = Path(config)
-        config = json.loads((path / "adapter_config.json" if path.is_dir() else path).read_text())
-    if isinstance(config, Mapping):
-        names = {f.name for f in dataclasses.fields(peft.LoraConfig)}
-        config = peft.LoraConfig(**{k: v for k, v in config.items() if k in names and k != "peft_type"})
-    if config.lora_dropout and not dropout:
-        raise RecipeError(
-            f"LoraConfig.lora_dropout={config.lora_dropout}: dropout draws random masks that differ between "
-            "torch and JAX; compare with lora_dropout=0 (the rest of the recipe unchanged: without_dropout)"
-        )
-    return config
 
 
 def miniature(config, out_dir, *, num_layers=6, hidden_size=64, head_dim=16, sliding_window=64, vocab_size=None,
@@ -117,12 +88,8 @@ def miniature(config, out_dir, *, num_layers=6, hidden_size=64, head_dim=16, sli
     real tokenizer fits (the embedding is then vocab x hidden floats). Float32 weights from
     ``torch.manual_seed(seed)``; written atomically. Returns ``out_dir`` as a Path.
     """
-    import torch
-    import transformers
-
-    from gemport.checkpoint.output import atomic_dir
-    from gemport._src.jsonfile import read_json
-    from gemport.specs import GemmaSpec
+    import torch  # optional: the hf extra
+    import transformers  # optional: the hf extra
 
     if not isinstance(config, Mapping):
         config = read_json(config, "config.json", SpecError, "an HF checkpoint directory or its config.json")
@@ -171,6 +138,98 @@ def miniature(config, out_dir, *, num_layers=6, hidden_size=64, head_dim=16, sli
     with atomic_dir(Path(out_dir)) as tmp:
         model.save_pretrained(tmp)
     return Path(out_dir)
+
+
+@dataclasses.dataclass(frozen=True)
+class _SFTSides:
+    """SFT's sides over ``frame.compare``: TRL's ``SFTTrainer`` on a ``PeftModel`` of the step-0 adapter, and the
+    port's ``step.train_step`` on Tunix with ``data.from_sft_config`` batches and ``optim.hf_optimizer``.
+
+    config: the GPU side's SFTConfig. start: the step-0 adapter as the port reads it (``import_peft``). base: the
+    port's base model. optimizer: the port's. step: its ``train_step``. batches: every optimizer step's
+    ``(OptimizerStep, batch)``.
+    """
+
+    setup: Setup
+    config: Any
+    start: LoraParams
+    spec: GemmaSpec
+    base: nnx.Module
+    optimizer: HFOptimizer
+    step: Callable
+    batches: list
+    progress: bool
+    quantities: Quantities = Quantities()
+
+    @classmethod
+    def prepare(cls, setup: Setup, *, sft_config, lora_config, chat_format, port_sft_config, progress,
+                loss_fn) -> "_SFTSides":
+        """Check everything the port needs of the model, LoRA config, optimizer, tokenizer, template and data,
+        write the step-0 adapter and load the port's base (``trajectory``'s arguments)."""
+        from trl.chat_template_utils import has_generation_markers  # optional: the trl extra
+
+        lora = peft_config(lora_config)
+        overrides = dict(setup.overrides, output_dir=str(setup.work / "trl"))
+        config = _sft_config(sft_config, overrides)
+        port_config = config if port_sft_config is None else _sft_config(port_sft_config, overrides)
+        if config.max_steps is None or config.max_steps <= 0:
+            raise RecipeError("trajectory: set max_steps in the SFTConfig or pass steps=")
+        template = getattr(setup.tokenizer, "chat_template", None) or ""
+        if config.assistant_only_loss and "<|turn>" in template and not has_generation_markers(template):
+            setup.tokenizer.chat_template = gemma4_training_template()
+        spec = GemmaSpec.from_hf(setup.base_dir)
+        LoraSpec.from_peft(lora)
+        optimizer = hf_optimizer(port_config, num_training_steps=port_config.max_steps)
+        pipeline = from_sft_config(port_config, setup.tokenizer, chat_format=chat_format)
+        examples, _ = pipeline.examples(setup.records, setup.tokenizer, progress=False)
+        batches = list(pipeline.batches(examples))
+        setup.write_start(lora, config.seed)
+        base = (load_model(setup.base_dir, spec=spec, param_dtype=setup.dtype) if setup.qlora is None
+                else load_qlora_model(setup.base_dir, setup.qlora, spec=spec))
+        return cls(setup, config, import_peft(setup.start, base_dir=setup.base_dir), spec, base, optimizer,
+                   train_step(wrt=nnx.LoRAParam, loss_fn=loss_fn or segment_loss), batches, progress)
+
+    def gpu_run(self, run):
+        import peft  # optional: the hf extra
+        from trl import SFTTrainer  # optional: the trl extra
+
+        model = self.setup.base(run)
+        if self.setup.qlora is not None:
+            model = peft.prepare_model_for_kbit_training(model, self.config.gradient_checkpointing)
+        model = peft.PeftModel.from_pretrained(model, self.setup.start, is_trainable=True)
+        # TRL 1.x casts a quantized model's adapters to bfloat16; Qwix trains them in float32 (the dtype of the
+        # 4-bit base's scales), as PEFT creates them: compare the float32 recipe (docs/qlora.md).
+        adapters = ({n: p.data for n, p in model.named_parameters() if p.requires_grad}
+                    if self.setup.qlora is not None else {})
+        trainer = SFTTrainer(model=model, args=run.args(self.config), train_dataset=self.setup.dataset(),
+                             processing_class=self.setup.tokenizer)
+        for name, p in model.named_parameters():
+            if name in adapters:
+                p.data = adapters[name]
+        trainer.train()
+        return model, trainer.state.log_history
+
+    def port_run(self):
+        return self._port(0, "port")
+
+    def port_again(self):
+        """The port with ``FLOOR_PADDING`` more padding columns (no target, seen by no real token; every
+        contraction over tokens changes length)."""
+        return self._port(FLOOR_PADDING, "port, padded")
+
+    def _port(self, pad, desc):
+        port = apply_lora(self.base, self.spec, self.start, qlora=self.setup.qlora)
+        optimizer = nnx.Optimizer(port, self.optimizer.tx, wrt=nnx.LoRAParam)
+        logs = []
+        for s, batch in tqdm(self.batches, desc=desc, disable=not self.progress):
+            m = jax.device_get(self.step(port, optimizer, {k: np.pad(v, ((0, 0), (0, 0), (0, pad)))
+                                                            for k, v in batch.items()}))
+            logs.append({"step": s.step, "learning_rate": float(self.optimizer.schedule(s.step)),
+                         "loss": float(m.loss), "grad_norm": float(m.grad_norm)})
+        return PortRun(port_deltas(port, self.spec, self.start.lora_spec), logs)
+
+    def trajectory(self, measured, tolerances):
+        return Trajectory(measured.rows, tolerances, measured.adapters, measured.adapter_floor, measured.floor_name)
 
 
 def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer=None, chat_format=None,
@@ -235,157 +294,12 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
     Raises:
       RecipeError: a ``dtype`` other than float32 or bfloat16, or no ``max_steps`` and no ``steps``.
       LoraError: a QLoRA recipe compared in bfloat16.
-      GemportError: the GPU recipe logged no step (empty data).
+      GemportError: the GPU recipe logged no step (empty data), or the two sides different steps.
     """
-    import jax
-    import numpy as np
-    import peft
-    import torch
-    import transformers
-    from flax import nnx
-    from tqdm.auto import tqdm
-    from trl import SFTTrainer
-    from trl.chat_template_utils import has_generation_markers
-
-    from gemport.data import from_sft_config
-
-    from gemport.step import segment_loss, train_step
-    from gemport._src.torch_float64 import TorchFloat64
-    from gemport.checkpoint import import_peft, load_model
-    from gemport.checkpoint.quantize import load_qlora_model
-    from gemport.lora import LoraSpec, apply_lora
-    from gemport.data import formats
-    from gemport.data.training_template import gemma4_training_template
-    from gemport.optim import hf_optimizer
-    from gemport.specs import GemmaSpec
-
-    if dtype not in ("float32", "bfloat16"):
-        raise RecipeError(f"trajectory: dtype {dtype!r}; compare in float32 or bfloat16")
-    bf16 = dtype == "bfloat16"
-    if bf16 and qlora is not None:
-        raise LoraError("trajectory: a QLoRA recipe is compared in float32 (its compute dtype is overridden)")
-    records = list(formats.read(data)) if isinstance(data, (str, Path)) else list(data)
-    lora = _lora_config(lora_config)
-    with tempfile.TemporaryDirectory(prefix="gemport-parity-") as work:
-        work = Path(work)
-        overrides = dict(GPU_OVERRIDES, output_dir=str(work / "trl"))
-        if steps is not None:
-            overrides["max_steps"] = steps
-        gpu_config = _sft_config(sft_config, overrides)
-        port_config = gpu_config if port_sft_config is None else _sft_config(port_sft_config, overrides)
-        float32_config = gpu_config
-        if bf16:  # torch's CPU autocast, as accelerate sets it up for bf16 on a CPU
-            gpu_config = dataclasses.replace(gpu_config, bf16=True)
-        if gpu_config.max_steps is None or gpu_config.max_steps <= 0:
-            raise RecipeError("trajectory: set max_steps in the SFTConfig or pass steps=")
-        tokenizer = tokenizer or transformers.AutoTokenizer.from_pretrained(base_dir)
-        template = getattr(tokenizer, "chat_template", None) or ""
-        if gpu_config.assistant_only_loss and "<|turn>" in template and not has_generation_markers(template):
-            tokenizer.chat_template = gemma4_training_template()
-        # Everything the port needs of the model, LoRA config, optimizer, tokenizer, template and data is checked
-        # before either side trains.
-        spec = GemmaSpec.from_hf(base_dir)
-        LoraSpec.from_peft(lora)
-        hf = hf_optimizer(port_config, num_training_steps=port_config.max_steps)
-        pipeline = from_sft_config(port_config, tokenizer, chat_format=chat_format)
-        examples, _ = pipeline.examples(records, tokenizer, progress=False)
-
-        if qlora is not None:
-            qlora = dataclasses.replace(qlora, compute_dtype="float32")
-        quantization = transformers.BitsAndBytesConfig(**qlora.to_bnb()) if qlora is not None else None
-        import datasets
-
-        def gpu_run(attention, config, dtype=None, **load):
-            # A fresh TrainingArguments sets accelerate's process-wide state up again, mixed precision included:
-            # one set up for a run in the other dtype refuses to change.
-            config = dataclasses.replace(config)
-            first = not (work / "adapter0").exists()
-            if first:
-                torch.manual_seed(gpu_config.seed)
-            dtype = dtype or (torch.bfloat16 if config.bf16 else torch.float32)
-            model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype,
-                                                                      attn_implementation=attention,
-                                                                      quantization_config=quantization, **load)
-            if qlora is not None:
-                model = peft.prepare_model_for_kbit_training(model, gpu_config.gradient_checkpointing)
-            if first:
-                model = peft.get_peft_model(model, lora)
-                model.save_pretrained(work / "adapter0")
-            else:
-                model = peft.PeftModel.from_pretrained(model, work / "adapter0", is_trainable=True)
-            # TRL 1.x casts a quantized model's adapters to bfloat16; Qwix trains them in float32 (the dtype of the
-            # 4-bit base's scales), as PEFT creates them: compare the float32 recipe (docs/qlora.md).
-            adapters = {n: p.data for n, p in model.named_parameters() if p.requires_grad} if qlora is not None else {}
-            trainer = SFTTrainer(model=model, args=config, train_dataset=datasets.Dataset.from_list(records),
-                                 processing_class=tokenizer)
-            for name, p in model.named_parameters():
-                if name in adapters:
-                    p.data = adapters[name]
-            trainer.train()
-            return model, [e for e in trainer.state.log_history if "loss" in e and "grad_norm" in e]
-
-        model, logs = gpu_run("eager", gpu_config)
-
-        start = import_peft(work / "adapter0", base_dir=base_dir)
-        lora_spec = start.lora_spec
-        base = (load_model(base_dir, spec=spec, param_dtype=dtype) if qlora is None
-                else load_qlora_model(base_dir, qlora, spec=spec))
-        step = train_step(wrt=nnx.LoRAParam, loss_fn=loss_fn or segment_loss)
-        batches = [batch for batch, _ in zip(pipeline.batches(examples), logs)]
-
-        def port_run(pad, desc):
-            port = apply_lora(base, spec, start, qlora=qlora)
-            optimizer = nnx.Optimizer(port, hf.tx, wrt=nnx.LoRAParam)
-            metrics = [jax.device_get(step(port, optimizer, {k: np.pad(v, ((0, 0), (0, 0), (0, pad)))
-                                                             for k, v in batch.items()}))
-                       for _, batch in tqdm(batches, desc=desc, disable=not progress)]
-            return port, metrics
-
-        port, metrics = port_run(0, "port")
-        gpu, trained = gpu_deltas(model), port_deltas(port, spec, lora_spec)
-        adapters = distances(trained, gpu)
-        floors, floor, floor_name = [(None, None)] * len(logs), None, None
-        if None in (tolerances.loss, tolerances.grad_norm, tolerances.adapter) and logs:
-            # The recipe trained again from the same adapter on the same batches, computing the same loss and
-            # gradient without the dtype's rounding: the bfloat16 recipe in float32, the float32 one in float64.
-            # How far the first run lands from it is the whole of its rounding error (attention, norms with large
-            # gains, the loss over large logits, Adam's amplification of it), one draw of what the port's own
-            # float32 arithmetic adds. Eager vs sdpa attention in float32 (the floor before) differ only in
-            # attention's roundings, a part of that error counted twice: no wider than it save for the factor
-            # of about 1.4 of two independent errors, which FLOOR_MULTIPLE covers, so a max with it would cost a
-            # run and move no verdict.
-            if bf16:
-                floor_name = "TRL float32 vs bfloat16 (autocast)"
-                again, again_logs = gpu_run("eager", float32_config)
-            elif qlora is not None:
-                # bitsandbytes quantizes 16- and 32-bit floats only: no float64 run of a 4-bit base. Its floor is
-                # the narrower eager vs sdpa (attention's float32 rounding); pass fixed loss and grad_norm bounds
-                # where that is too narrow.
-                floor_name = "TRL eager vs sdpa attention, float32"
-                again, again_logs = gpu_run("sdpa", gpu_config)
-            else:
-                floor_name = "TRL float64 vs float32"
-                # Nothing left in float32 (transformers' norms, RoPE, softmax and loss ask for it by name). The
-                # recomputed forward of gradient checkpointing would run outside the mode (autograd's thread),
-                # and recomputes the same values: it is off. Experts: torch's grouped matmul has no float64 kernel.
-                with TorchFloat64():
-                    again, again_logs = gpu_run("eager", dataclasses.replace(gpu_config, gradient_checkpointing=False),
-                                                torch.float64, experts_implementation="eager")
-            floors = [(f["loss"], f["grad_norm"]) for f in step_floors(logs, again_logs, ("loss", "grad_norm"))]
-            pairs = [distances(gpu_deltas(again), gpu)]
-            if not bf16 and tolerances.adapter is None:
-                # And the port with FLOOR_PADDING more padding columns (no target, seen by no real token; every
-                # contraction over tokens changes length).
-                padded = port_run(FLOOR_PADDING, "port, padded")[0]
-                pairs.append(distances(port_deltas(padded, spec, lora_spec), gpu, trained))
-            floor = max(*(d for pair in pairs for d in pair.values()), LEAST_FLOOR)
-        rows = [StepRow(s.step, float(log["learning_rate"]), float(hf.schedule(s.step)), float(log["loss"]),
-                        float(m.loss), float(log["grad_norm"]), float(m.grad_norm), *f)
-                for (s, _), log, m, f in zip(batches, logs, metrics, floors)]
-    if not rows:
-        raise GemportError("trajectory: the GPU recipe logged no step; is the data empty?")
-    return Trajectory(tuple(rows), tolerances, adapters, floor, floor_name)
-
+    return compare(base_dir, data, functools.partial(
+        _SFTSides.prepare, sft_config=sft_config, lora_config=lora_config, chat_format=chat_format,
+        port_sft_config=port_sft_config, progress=progress, loss_fn=loss_fn),
+        who="trajectory", tokenizer=tokenizer, steps=steps, dtype=dtype, qlora=qlora, tolerances=tolerances)
 
 
 __all__ = [

@@ -36,11 +36,11 @@ class Tolerances:
 
     loss, grad_norm: None (the default) for ``FLOOR_MULTIPLE`` times the step's floor (``StepRow.loss_floor``,
     ``StepRow.grad_norm_floor``: how far the GPU recipe's run logged them from its own run again, computing the
-    same thing with other roundings: ``parity.trajectory``), or a fixed bound (``gemport parity --rtol``). The
-    floors are measured and printed either way unless every bound is fixed.
+    same thing with other roundings: ``frame.Floor``), or a fixed bound (``gemport parity --rtol``). The floors are
+    measured and printed either way unless every bound is fixed.
     learning_rate: the schedule is arithmetic on both sides (HF's in float64, the port's in float32): a few
     float32 units.
-    adapter: None (the default) for ``FLOOR_MULTIPLE`` times the floor ``parity.trajectory`` measures in the run
+    adapter: None (the default) for ``FLOOR_MULTIPLE`` times the floor ``frame.compare`` measures in the run
     (``Trajectory.adapter_floor``), at least ``LEAST_ADAPTER_TOLERANCE``. Adam maps an element whose gradient is
     near its epsilon (1e-8) almost linearly to its update, so float32 noise of 1e-9 on such a gradient moves
     that element by a tenth of the learning rate: how far two correct float32 runs end apart depends on the
@@ -55,7 +55,7 @@ class Tolerances:
 
 class StepRow(NamedTuple):
     """One step on both sides: HF's logged learning rate, loss and grad_norm, and the port's; and the step's
-    relative floors (None when not measured): how far the GPU recipe's own second run (``parity.trajectory``)
+    relative floors (None when not measured): how far the GPU recipe's own second run (``frame.Floor``)
     logged its loss and grad_norm from the first, at least ``LEAST_FLOOR``."""
 
     step: int
@@ -96,7 +96,7 @@ class Trajectory:
 
     floor_name: what the run's floors compare, e.g. ``"TRL float64 vs float32"``.
     adapter_floor: the largest final s*B@A difference (same measure as ``adapters``) within the pairs of
-    correct runs ``parity.trajectory`` trains (the GPU recipe's two runs; for SFT in float32 also the port with and
+    correct runs ``frame.compare`` trains (the GPU recipe's two runs; for SFT in float32 also the port with and
     without ``parity.FLOOR_PADDING`` more padding columns); at least float32's epsilon. ``adapter_tolerance`` is
     ``FLOOR_MULTIPLE`` times it, and at least ``LEAST_ADAPTER_TOLERANCE``, unless ``tolerances.adapter`` fixes
     one.
