@@ -41,8 +41,8 @@ def add_parser(sub) -> None:
                         "printed as N x its floor either way")
     c.add_argument("--adapter-rtol", type=float,
                    help="a fixed relative tolerance on each module's final s*B@A (default: 10 x the floor measured "
-                        "by the GPU recipe's second run and, in float32, the port's again with more padding; at "
-                        "least 5e-4)")
+                        "by the GPU recipe's second run and, for SFT in float32, the port's again with more "
+                        "padding; at least 5e-4)")
     c.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="float32 (default): both sides in float32, a disagreement is in what is computed; bfloat16: "
                         "the recipe as bf16 trains it (TRL under torch's CPU bfloat16 autocast on a bfloat16 base, "
