@@ -128,8 +128,7 @@ FLOAT64 = Floor("TRL float64 vs float32", GpuRun("eager", "float64"))
 """A float32 recipe's floor: the recipe trained again from the same adapter on the same batches in float64. How
 far the float32 run lands from it is the whole of its rounding error (attention, norms with large gains, the loss
 over large logits, Adam's amplification of it), one draw of what the port's own float32 arithmetic adds. Eager vs
-sdpa attention in float32 differ only in attention's roundings, a part of that error: at a first step, about one
-float32 unit, narrower than what a correct port lands."""
+sdpa attention in float32 differ only in attention's roundings, a part of that error."""
 
 BFLOAT16 = Floor("TRL float32 vs bfloat16 (autocast)", GpuRun("eager", "float32"))
 """A bfloat16 comparison's floor: the recipe trained again in float32, without the dtype's rounding, which the
