@@ -4,30 +4,48 @@
 recipe's ``peft_config``, on torch's CPU) and as ``gemport dpo`` trains it (``run.DPORun``: ``DPOPeftTrainer``,
 its ``trainer_state.json``), from the same step-0 adapter on the same pairs in the same order, both in float32,
 and compares every step's learning rate, loss, grad_norm and TRL's DPO metrics (``step.METRICS``), and the final
-adapters, each against a floor measured in the same run with ``gemport.check.parity``'s machinery: the GPU recipe
-trained again with sdpa attention instead of eager (``parity.step_floors``, ``parity.FLOOR_MULTIPLE``).
+adapters, each against a floor measured in the same run by ``check.frame``, as SFT's comparison
+(``check.parity``) measures it: the GPU recipe trained again in float64 (``frame.FLOAT64``), whose distance from
+the float32 run is all of float32's rounding.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import jax
+import jax.numpy as jnp
+
+from gemport.check.adapters import port_deltas
+from gemport.check.frame import PortRun, Quantities, Setup, compare, logged_steps, without_dropout
+from gemport.check.verdict import FLOOR_MULTIPLE, Tolerances, Trajectory
+from gemport.data.template import chat_format as template_format
+from gemport.data.template import check_template
+from gemport.errors import GemportError, MaskError, RecipeError, TemplateMismatchError
+from gemport.lora import LoraSpec
+from gemport.mesh import make_mesh
+from gemport.run.dpo import DPORun, dpo_fields
+from gemport.run.outputs import TRAINER_STATE
+from gemport.specs import GemmaSpec
 from gemport.step.dpo import METRICS
-from gemport.errors import GemportError, LoraError, MaskError, RecipeError, TemplateMismatchError
-from gemport.check.parity import (FLOOR_MULTIPLE, GPU_OVERRIDES, LEAST_FLOOR, StepRow, Tolerances, Trajectory,
-                            adapter_distances, step_floors, without_dropout)
 
 FLOORS = Tolerances(loss=None, grad_norm=None)
 """DPO parity's default: loss and grad_norm (and every DPO metric) held to ``FLOOR_MULTIPLE`` x their step's floor."""
 
 ACCURACIES = "rewards/accuracies"
 """Judged by absolute difference: a share of pairs, equal on both sides unless TRL's own two runs differ."""
+
+QUANTITIES = Quantities(("loss", "grad_norm", *METRICS), absolute=(ACCURACIES,), kinds=tuple(
+    tuple(n for n in METRICS if n.startswith(kind) and n != ACCURACIES) for kind in ("rewards/", "logps/")))
+"""What DPO's comparison judges each step, and each DPO metric's floor the largest of its kind at its step
+(``rewards/*`` but accuracies, ``logps/*``): the chosen and rejected rows go through the same computation and round
+alike, and one of them landing near the exact value by chance (its roundings cancelling) does not set the bound."""
 
 
 class MetricRow(NamedTuple):
@@ -117,16 +135,6 @@ class DPOTrajectory(Trajectory):
         return out
 
 
-def _by_kind(floors: dict[str, float | None]) -> dict[str, float | None]:
-    # Each rewards/* (but accuracies) and logps/* floor raised to the largest of its kind at the step.
-    out = dict(floors)
-    for kind in ("rewards/", "logps/"):
-        names = [n for n in METRICS if n.startswith(kind) and n != ACCURACIES and out.get(n) is not None]
-        for n in names:
-            out[n] = max(out[m] for m in names)
-    return out
-
-
 def conversations(record: Mapping[str, Any]) -> list:
     """The two conversations of a conversational preference record, as ``data.template.check_template`` reads
     them: prompt + chosen, prompt + rejected (chosen and rejected alone when the prompt is implicit), with the
@@ -137,6 +145,97 @@ def conversations(record: Mapping[str, Any]) -> list:
     extra = {k: record[k] for k in ("tools", "chat_template_kwargs") if k in record}
     return [{"messages": list(record.get("prompt") or []) + list(record[side]), **extra}
             for side in ("chosen", "rejected")]
+
+
+
+@dataclasses.dataclass(frozen=True)
+class _DPOSides:
+    """DPO's sides over ``frame.compare``: TRL's ``DPOTrainer`` given the base and the recipe's ``peft_config``
+    (the reference: the adapter disabled), its adapter set to the step-0 one; and ``run.DPORun`` from that adapter
+    with the base as reference, on one device.
+
+    config: the GPU side's DPOConfig. lora: the recipe's ``peft.LoraConfig``. factors: the step-0 adapter's, by
+    PEFT parameter name. port: the port's run, built (everything it needs checked) and not yet trained.
+    """
+
+    setup: Setup
+    config: Any
+    lora: Any
+    factors: dict
+    spec: GemmaSpec
+    port: DPORun
+    quantities: Quantities = QUANTITIES
+
+    @classmethod
+    def prepare(cls, setup: Setup, *, data, dpo_config, lora_config, port_dpo_config, chat_format,
+                progress) -> _DPOSides:
+        """Check the recipe (TRL's own reading too), the LoRA config, the template against the conversations and
+        everything ``DPORun.create`` checks (fields, loss, optimizer, data, ids), write the step-0 adapter and
+        build the port (``trajectory``'s arguments)."""
+        from trl import DPOConfig  # optional: the trl extra
+
+        lora, dropout = without_dropout(lora_config)
+        gpu_args = {**dpo_fields(dpo_config), **setup.overrides, "output_dir": str(setup.work / "trl")}
+        port_args = {**dpo_fields(port_dpo_config if port_dpo_config is not None else dpo_config), **setup.overrides,
+                     "output_dir": str(setup.work / "port"), "disable_tqdm": not progress}
+        if not gpu_args["max_steps"] or gpu_args["max_steps"] <= 0:
+            raise RecipeError("dpo parity: set max_steps in the recipe or pass steps=")
+        if dropout and not gpu_args["disable_dropout"]:
+            raise RecipeError(f"LoraConfig.lora_dropout={dropout} with disable_dropout=False: dropout draws random "
+                              "masks that differ between torch and JAX; compare with lora_dropout=0 "
+                              "(parity.without_dropout)")
+        config = DPOConfig(**{k: v for k, v in gpu_args.items() if k in {f.name for f in dataclasses.fields(
+            DPOConfig) if f.init}})
+        spec = GemmaSpec.from_hf(setup.base_dir)
+        LoraSpec.from_peft(lora)
+        if not setup.records:
+            raise MaskError(f"{data if isinstance(data, (str, Path)) else 'data'}: no preference record")
+        for i, record in enumerate(setup.records):
+            if conversations(record):
+                chat_format = chat_format or template_format(setup.tokenizer)
+                try:
+                    check_template(setup.tokenizer, chat_format, conversations(record), on_mismatch="raise")
+                except TemplateMismatchError as e:
+                    raise TemplateMismatchError(f"records[{i}]: {e} (conversation 0 is prompt + chosen, 1 prompt + "
+                                                "rejected)") from None
+        factors = setup.write_start(lora, config.seed)
+        mesh = make_mesh(spec, fsdp=1, tp=1, devices=jax.devices()[:1])  # one device, as on a GPU
+        port = DPORun.create(port_args, setup.base_dir, setup.records, init_adapter=setup.start, reference="base",
+                             mesh=mesh, dtype=jnp.bfloat16 if setup.dtype == "bfloat16" else jnp.float32,
+                             qlora=setup.qlora, tokenizer=setup.tokenizer, chat_format=chat_format,
+                             progress=progress)
+        return cls(setup, config, lora, factors, spec, port)
+
+    def gpu_run(self, run):
+        import torch  # optional: the hf extra
+        from trl import DPOTrainer  # optional: the trl extra
+
+        torch.manual_seed(self.config.seed)
+        trainer = DPOTrainer(model=self.setup.base(run), args=run.args(self.config),
+                             train_dataset=self.setup.dataset(), processing_class=self.setup.tokenizer,
+                             peft_config=copy.deepcopy(self.lora))
+        for name, p in trainer.model.named_parameters():  # the step-0 adapter, as the port starts from it
+            if "lora_" in name:
+                # Assigned in the run's factor dtype: TRL casts a quantized model's adapters to bfloat16, and the
+                # port's (as PEFT creates them) are float32.
+                p.data = self.factors[name].to(getattr(torch, run.factor_dtype), copy=True)
+        trainer.train()
+        return trainer.model, trainer.state.log_history
+
+    def port_run(self):
+        self.port.train()
+        state = json.loads((self.setup.work / "port" / TRAINER_STATE).read_text())
+        logs = [dict(e, step=s.step) for s, e in zip(self.port.plan, logged_steps(state["log_history"]))]
+        return PortRun(port_deltas(self.port.model, self.spec, self.port.lora_spec), logs)
+
+    def port_again(self):
+        return None
+
+    def trajectory(self, measured, tolerances):
+        metrics = tuple(MetricRow(p["step"], k, float(g[k]), float(p[k]), f.get(k))
+                        for g, p, f in zip(measured.gpu_logs, measured.port_logs, measured.floors) for k in METRICS)
+        return DPOTrajectory(measured.rows, tolerances, measured.adapters, measured.adapter_floor,
+                             measured.floor_name, metrics=metrics)
 
 
 def trajectory(base_dir, data, *, dpo_config, lora_config, steps=None, tokenizer=None, chat_format=None,
@@ -160,141 +259,35 @@ def trajectory(base_dir, data, *, dpo_config, lora_config, steps=None, tokenizer
         (``BitsAndBytesConfig(**qlora.to_bnb())``), the port through ``load_qlora_model`` (``DPORun(qlora=)``),
         both computing in float32 as the rest of the comparison does, each reference being its 4-bit base with
         LoRA off. TRL's cast of a quantized model's adapters to bfloat16 is undone on the GPU side: the port
-        trains float32 factors, as PEFT creates them (docs/qlora.md).
+        trains float32 factors, as PEFT creates them (docs/qlora.md). bitsandbytes has no float64: the floor is
+        then TRL with sdpa attention instead of eager, attention's float32 rounding only (``frame.ATTENTION``).
     dtype: ``"float32"`` (the default: a disagreement is in what is computed) or ``"bfloat16"``, the recipe as
         ``bf16: true`` trains it: TRL on a bfloat16 base under torch's CPU bfloat16 autocast (PEFT's adapters
         float32), the port on a bfloat16 base with float32 factors, as ``gemport dpo`` trains it; the floor is
-        then TRL's own float32 run against its bfloat16 one (``gemport.check.parity.trajectory``'s bfloat16 floor).
+        then TRL's own float32 run against its bfloat16 one (``frame.BFLOAT16``, as SFT's).
 
-    The step-0 adapter is PEFT's initialisation of ``lora_config`` under ``torch.manual_seed(seed)``. The GPU side
-    is TRL's ``DPOTrainer`` given the base and the recipe's ``peft_config`` (the reference: the adapter disabled),
-    its adapter set to the step-0 one; the port is ``run.DPORun`` from that adapter with the base as reference,
-    trained by ``DPORun.train`` (``DPOPeftTrainer``) on one device, its values read from the
-    ``trainer_state.json`` it writes, as ``gemport dpo`` does. Everything the port needs (recipe fields, loss,
-    optimizer, LoRA config, tokenizer and template, data, token ids) is checked, and the port's model loaded,
-    before either side trains. Unless the tolerances fix all, the GPU side trains again with sdpa attention
-    instead of eager: each step's loss, grad_norm and DPO metrics are held to ``FLOOR_MULTIPLE`` times how far
-    that run logged them from the first (``parity.step_floors``), the final adapters to ``FLOOR_MULTIPLE`` times
-    how far the two end apart, and at least ``parity.LEAST_ADAPTER_TOLERANCE``.
-
-    A DPO metric's floor is the largest of its kind at its step (``rewards/*`` but accuracies, ``logps/*``): the
-    chosen and rejected rows go through the same computation and round alike, and one of them landing near the
-    exact value by chance (its roundings cancelling) does not set the bound.
+    The step-0 adapter is PEFT's initialisation of ``lora_config`` under ``torch.manual_seed(seed)`` on the base as
+    TRL's first run loads it. The GPU side is TRL's ``DPOTrainer`` given the base and the recipe's ``peft_config``
+    (the reference: the adapter disabled), its adapter set to the step-0 one; the port is ``run.DPORun`` from that
+    adapter with the base as reference, trained by ``DPORun.train`` (``DPOPeftTrainer``) on one device, its values
+    read from the ``trainer_state.json`` it writes, as ``gemport dpo`` does. Everything the port needs (recipe
+    fields, loss, optimizer, LoRA config, tokenizer and template, data, token ids) is checked, and the port's model
+    loaded, before either side trains. Unless the tolerances fix all, TRL trains again from the same adapter on the
+    same pairs in float64 (``frame.FLOAT64``: every float32 step transformers asks for by name widened too, without
+    gradient checkpointing), so that its distance from the float32 run is all of float32's rounding: each step's
+    loss, grad_norm and DPO metrics are held to ``FLOOR_MULTIPLE`` times how far the float32 run logged them from
+    it (``parity.step_floors``), the final adapters to ``FLOOR_MULTIPLE`` times how far the two end apart, and at
+    least ``parity.LEAST_ADAPTER_TOLERANCE``. A DPO metric's floor is the largest of its kind at its step
+    (``QUANTITIES``).
 
     Raises RecipeError (recipe fields, no steps, a dtype other than float32 or bfloat16), LoraError (also a QLoRA
     recipe in bfloat16), MaskError / TemplateMismatchError (data, template), OptimizerConfigError, before either
     side trains.
     """
-    import datasets
-    import jax
-    import jax.numpy as jnp
-    import peft
-    import torch
-    import transformers
-    from trl import DPOConfig, DPOTrainer
-
-    from gemport.run.dpo import DPORun, dpo_fields
-    from gemport.lora import LoraSpec
-    from gemport.data import formats
-    from gemport.data.template import chat_format as template_format
-    from gemport.data.template import check_template
-    from gemport.mesh import make_mesh
-    from gemport.specs import GemmaSpec
-
-    if dtype not in ("float32", "bfloat16"):
-        raise RecipeError(f"dpo parity: dtype {dtype!r}; compare in float32 or bfloat16")
-    bf16 = dtype == "bfloat16"
-    if bf16 and qlora is not None:
-        raise LoraError("dpo parity: a QLoRA recipe is compared in float32 (its compute dtype is overridden)")
-    records = list(formats.read(data)) if isinstance(data, (str, Path)) else list(data)
-    lora, dropout = without_dropout(lora_config)
-    with tempfile.TemporaryDirectory(prefix="gemport-dpo-parity-") as work:
-        work = Path(work)
-        overrides = dict(GPU_OVERRIDES, **({} if steps is None else {"max_steps": steps}))
-        gpu_args = {**dpo_fields(dpo_config), **overrides, "output_dir": str(work / "trl")}
-        port_args = {**dpo_fields(port_dpo_config if port_dpo_config is not None else dpo_config), **overrides,
-                     "output_dir": str(work / "port"), "disable_tqdm": not progress}
-        if not gpu_args["max_steps"] or gpu_args["max_steps"] <= 0:
-            raise RecipeError("dpo parity: set max_steps in the recipe or pass steps=")
-        if dropout and not gpu_args["disable_dropout"]:
-            raise RecipeError(f"LoraConfig.lora_dropout={dropout} with disable_dropout=False: dropout draws random "
-                              "masks that differ between torch and JAX; compare with lora_dropout=0 "
-                              "(parity.without_dropout)")
-        # Checked before either side trains: TRL's own reading of the recipe, the port's LoRA config, the template
-        # against the conversations, then everything DPORun.create checks (fields, loss, optimizer, data, ids).
-        gpu_config = DPOConfig(**{k: v for k, v in gpu_args.items() if k in {f.name for f in dataclasses.fields(
-            DPOConfig) if f.init}})
-        spec = GemmaSpec.from_hf(base_dir)
-        LoraSpec.from_peft(lora)
-        tokenizer = tokenizer or transformers.AutoTokenizer.from_pretrained(base_dir)
-        if not records:
-            raise MaskError(f"{data if isinstance(data, (str, Path)) else 'data'}: no preference record")
-        for i, record in enumerate(records):
-            if conversations(record):
-                chat_format = chat_format or template_format(tokenizer)
-                try:
-                    check_template(tokenizer, chat_format, conversations(record), on_mismatch="raise")
-                except TemplateMismatchError as e:
-                    raise TemplateMismatchError(f"records[{i}]: {e} (conversation 0 is prompt + chosen, 1 prompt + "
-                                                "rejected)") from None
-
-        if qlora is not None:
-            qlora = dataclasses.replace(qlora, compute_dtype="float32")
-        quantization = transformers.BitsAndBytesConfig(**qlora.to_bnb()) if qlora is not None else None
-
-        def base_model(attention, dtype=torch.float32):
-            return transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype,
-                                                                     attn_implementation=attention,
-                                                                     quantization_config=quantization)
-
-        torch.manual_seed(gpu_args["seed"])
-        start = peft.get_peft_model(base_model("eager"), copy.deepcopy(lora))
-        start.save_pretrained(work / "adapter0")
-        factors = {n: p.detach().clone() for n, p in start.named_parameters() if "lora_" in n}
-        del start
-        mesh = make_mesh(spec, fsdp=1, tp=1, devices=jax.devices()[:1])  # one device, as on a GPU
-        port = DPORun.create(port_args, base_dir, records, init_adapter=work / "adapter0", reference="base",
-                             mesh=mesh, dtype=jnp.bfloat16 if bf16 else jnp.float32, qlora=qlora,
-                             tokenizer=tokenizer, chat_format=chat_format, progress=progress)
-
-        def gpu_run(attention, bf16=False):
-            # A fresh DPOConfig sets accelerate's process-wide state up again, its mixed precision included.
-            torch.manual_seed(gpu_args["seed"])
-            trainer = DPOTrainer(model=base_model(attention, torch.bfloat16 if bf16 else torch.float32),
-                                 args=dataclasses.replace(gpu_config, bf16=bf16),
-                                 train_dataset=datasets.Dataset.from_list(records), processing_class=tokenizer,
-                                 peft_config=copy.deepcopy(lora))
-            for name, p in trainer.model.named_parameters():  # the step-0 adapter, as the port starts from it
-                if "lora_" in name:
-                    # Assigned, not copied: TRL casts a quantized model's adapters to bfloat16, and the port's
-                    # (as PEFT creates them) are float32.
-                    p.data = factors[name].clone()
-            trainer.train()
-            return trainer.model, [e for e in trainer.state.log_history if "loss" in e and "grad_norm" in e]
-
-        model, logs = gpu_run("eager", bf16)
-        port.train()
-        state = json.loads((work / "port" / "trainer_state.json").read_text())
-        port_logs = [e for e in state["log_history"] if "loss" in e and "grad_norm" in e]
-        if len(port_logs) != len(logs) or not logs:
-            raise GemportError(f"dpo parity: TRL logged {len(logs)} steps, the port {len(port_logs)}")
-        adapters = adapter_distances(port.model, model, spec, port.lora_spec)
-        names = ("loss", "grad_norm", *METRICS)
-        floors, floor, floor_name = [dict.fromkeys(names)] * len(logs), None, None
-        if None in (tolerances.loss, tolerances.grad_norm, tolerances.adapter):
-            # bfloat16: the recipe trained again in float32, without the dtype's rounding, which the port and TRL
-            # each add at different points; float32: another correct attention kernel.
-            floor_name = "TRL float32 vs bfloat16 (autocast)" if bf16 else "TRL eager vs sdpa attention, float32"
-            again, again_logs = gpu_run("eager") if bf16 else gpu_run("sdpa")
-            floors = [_by_kind(f) for f in step_floors(logs, again_logs, names, absolute=(ACCURACIES,))]
-            floor = max(*adapter_distances(again, model).values(), LEAST_FLOOR)
-    steps_of = [s.step for s in port.plan]
-    rows = tuple(StepRow(s, float(g["learning_rate"]), float(p["learning_rate"]), float(g["loss"]), float(p["loss"]),
-                         float(g["grad_norm"]), float(p["grad_norm"]), f["loss"], f["grad_norm"])
-                 for s, g, p, f in zip(steps_of, logs, port_logs, floors))
-    metrics = tuple(MetricRow(s, k, float(g[k]), float(p[k]), f[k])
-                    for s, g, p, f in zip(steps_of, logs, port_logs, floors) for k in METRICS)
-    return DPOTrajectory(rows, tolerances, adapters, floor, floor_name, metrics=metrics)
+    return compare(base_dir, data, functools.partial(
+        _DPOSides.prepare, data=data, dpo_config=dpo_config, lora_config=lora_config, port_dpo_config=port_dpo_config,
+        chat_format=chat_format, progress=progress),
+        who="dpo parity", tokenizer=tokenizer, steps=steps, dtype=dtype, qlora=qlora, tolerances=tolerances)
 
 
 __all__ = ["ACCURACIES", "DPOTrajectory", "FLOORS", "MetricRow", "conversations", "trajectory"]

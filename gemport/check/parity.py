@@ -8,229 +8,38 @@ with other roundings). Both sides run in float32 on CPU, where a disagreement is
 computed, not in precision; or, asked, in the recipe's bfloat16.
 """
 
-import copy
 import dataclasses
-import json
-import tempfile
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any
 
+import jax
 import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
 
-from gemport.errors import GemportError, LoraError, RecipeError, SpecError
+from gemport._src.jsonfile import read_json
+from gemport.check.adapters import adapter_distances, port_deltas
+from gemport.check.frame import (GPU_OVERRIDES, PortRun, Quantities, Setup, compare, dropout_note, peft_config,
+                                 without_dropout)
+# With FLOOR_MULTIPLE, LEAST_ADAPTER_TOLERANCE and LEAST_FLOOR, which callers of the SFT comparison read here.
+from gemport.check.verdict import (FLOOR_MULTIPLE, LEAST_ADAPTER_TOLERANCE, LEAST_FLOOR, StepRow,  # noqa: F401
+                                   Tolerances, Trajectory, step_floors)
+from gemport.checkpoint import import_peft, load_model
+from gemport.checkpoint.output import atomic_dir
+from gemport.checkpoint.quantize import load_qlora_model
+from gemport.data import from_sft_config
+from gemport.data.training_template import gemma4_training_template
+from gemport.errors import LoraError, RecipeError, SpecError
+from gemport.lora import LoraParams, LoraSpec, apply_lora
+from gemport.optim import HFOptimizer, hf_optimizer
 from gemport.recipe import TRL_LORA, read
-
-GPU_OVERRIDES = dict(logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False, fp16=False,
-                     dataloader_num_workers=0, push_to_hub=False, eval_strategy="no")
-"""What a comparison (SFT's and ``check.dpo_parity``'s) fixes on the GPU side whatever the recipe says: one process on
-CPU, float32, a log line per step, nothing written, no evaluation (the training steps are compared; a recipe's
-``eval_strategy: steps`` would make TRL ask for an eval split)."""
-
-
-FLOOR_MULTIPLE = 10
-"""How far beyond the floors measured in the run (``StepRow.loss_floor``, ``StepRow.grad_norm_floor``,
-``Trajectory.adapter_floor``) the port may land: each floor is one draw of the noise between two correct runs
-of the recipe, the port's distance another."""
-
-LEAST_FLOOR = float(np.finfo(np.float32).eps)
-"""The least relative floor: one float32 unit of the quantity. Two runs can log the same loss to the bit (a step
-whose sums round alike), and a floor of 0 would call any port wrong; a float32 value is only known to a unit."""
-
-LEAST_ADAPTER_TOLERANCE = 5e-4
-"""The least default adapter bound: the fixed one held before the floor was measured. It was kept because on a
-Gemma 3 1B miniature, padded, the pairs ended 1.1e-5 apart while the port ended 3.0e-4 from the GPU recipe; the
-cause was the port's Adam bias corrections (optax's in float32, ~1e-5 off; ``gemport.optim.adam``), and with
-them as torch computes them the port ends 2.6e-5 away, within the float64 floor (4.5e-5)."""
+from gemport.specs import GemmaSpec
+from gemport.step import segment_loss, train_step
 
 FLOOR_PADDING = 8
 """Padding columns added to every row of the port's second run, which measures the floor."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Tolerances:
-    """Fixed relative tolerances, each chosen instead of the floor measured in the run: loss, grad_norm and
-    learning rate per step; each module's final s*B@A (max-abs difference over the GPU delta's max-abs).
-
-    loss, grad_norm: None (the default) for ``FLOOR_MULTIPLE`` times the step's floor (``StepRow.loss_floor``,
-    ``StepRow.grad_norm_floor``: how far the GPU recipe's run logged them from its own run in float64, or in
-    bfloat16 from its float32 run; ``trajectory``), or a fixed bound (``gemport parity --rtol``). The floors are
-    measured and printed either way unless every bound is fixed.
-    learning_rate: the schedule is arithmetic on both sides (HF's in float64, the port's in float32): a few
-    float32 units.
-    adapter: None (the default) for ``FLOOR_MULTIPLE`` times the floor ``trajectory`` measures in the run
-    (``Trajectory.adapter_floor``), at least ``LEAST_ADAPTER_TOLERANCE``. Adam maps an element whose gradient is
-    near its epsilon (1e-8) almost linearly to its update, so float32 noise of 1e-9 on such a gradient moves
-    that element by a tenth of the learning rate: how far two correct float32 runs end apart depends on the
-    recipe and the data, and no fixed bound holds for all.
-    """
-
-    loss: float | None = None
-    grad_norm: float | None = None
-    learning_rate: float = 1e-6
-    adapter: float | None = None
-
-
-class StepRow(NamedTuple):
-    """One step on both sides: HF's logged learning rate, loss and grad_norm, and the port's; and the step's
-    relative floors (None when not measured): how far the GPU recipe's own second run (``trajectory``) logged
-    its loss and grad_norm from the first, at least ``LEAST_FLOOR``."""
-
-    step: int
-    learning_rate_gpu: float
-    learning_rate_port: float
-    loss_gpu: float
-    loss_port: float
-    grad_norm_gpu: float
-    grad_norm_port: float
-    loss_floor: float | None = None
-    grad_norm_floor: float | None = None
-
-
-def _relative(a, b):
-    return abs(a - b) / max(abs(a), 1e-12) if a != b else 0.0
-
-
-def step_floors(logs, again, names, absolute=()):
-    """Per step, {name: floor}: the largest distance so far between two correct runs' logged values of ``name``
-    (``logs``, ``again``: their log entries, step by step), relative and at least ``LEAST_FLOOR``; absolute
-    for the names in ``absolute`` (a share, such as DPO's ``rewards/accuracies``, whose runs may agree exactly).
-    The largest so far: two runs that happen to land close at one step say nothing of the next."""
-    out, worst = [], {}
-    for log, other in zip(logs, again):
-        for k in names:
-            a, b = float(log[k]), float(other[k])
-            distance = abs(a - b) if k in absolute else max(_relative(a, b), LEAST_FLOOR)
-            worst[k] = max(worst.get(k, distance), distance)
-        out.append(dict(worst))
-    return out
-
-
-@dataclasses.dataclass(frozen=True)
-class Trajectory:
-    """The compared steps, each HF module's final adapter difference, and the tolerances; ``ok`` and
-    ``first_disagreement`` judge them (steps first, then the final adapters).
-
-    floor_name: what the run's floors compare, e.g. ``"TRL float64 vs float32"``.
-    adapter_floor: the largest final s*B@A difference (same measure as ``adapters``) within the pairs of
-    correct runs ``trajectory`` trains (the GPU recipe's two runs; in float32 also the port with and without
-    ``FLOOR_PADDING`` more padding columns); at least float32's epsilon. ``adapter_tolerance`` is
-    ``FLOOR_MULTIPLE`` times it, and at least ``LEAST_ADAPTER_TOLERANCE``, unless ``tolerances.adapter`` fixes
-    one.
-    """
-
-    rows: tuple
-    tolerances: Tolerances
-    adapters: Mapping = dataclasses.field(default_factory=dict)
-    adapter_floor: float | None = None
-    floor_name: str | None = None
-
-    @property
-    def adapter_tolerance(self):
-        """The bound on each module's final s*B@A difference: ``tolerances.adapter``, or ``FLOOR_MULTIPLE`` x
-        ``adapter_floor`` and at least ``LEAST_ADAPTER_TOLERANCE``."""
-        if self.tolerances.adapter is not None:
-            return self.tolerances.adapter
-        if self.adapter_floor is None:
-            raise GemportError("Trajectory: no adapter tolerance: set Tolerances(adapter=) or measure adapter_floor")
-        return max(LEAST_ADAPTER_TOLERANCE, FLOOR_MULTIPLE * self.adapter_floor)
-
-    def bound(self, row, name):
-        """The relative bound on ``name`` (``"learning_rate"``, ``"loss"``, ``"grad_norm"``) at ``row``: the
-        fixed tolerance if one is set, else ``FLOOR_MULTIPLE`` x the step's floor."""
-        fixed = getattr(self.tolerances, name)
-        if fixed is not None:
-            return fixed
-        floor = getattr(row, f"{name}_floor")
-        if floor is None:
-            raise GemportError(f"Trajectory: no {name} tolerance: set Tolerances({name}=) or measure the step floors")
-        return FLOOR_MULTIPLE * floor
-
-    def multiples(self, name):
-        """Per step, the port's relative distance on ``name`` (``"loss"``, ``"grad_norm"``) in units of the
-        step's floor (None where no floor was measured)."""
-        return [None if getattr(r, f"{name}_floor") is None
-                else _relative(getattr(r, f"{name}_gpu"), getattr(r, f"{name}_port")) / getattr(r, f"{name}_floor")
-                for r in self.rows]
-
-    def disagreements(self):
-        """Every (step, quantity, gpu, port, relative difference, bound) beyond its bound, in step order."""
-        found = []
-        for row in self.rows:
-            for name in ("learning_rate", "loss", "grad_norm"):
-                gpu, port = getattr(row, f"{name}_gpu"), getattr(row, f"{name}_port")
-                rel, bound = _relative(gpu, port), self.bound(row, name)
-                if not rel <= bound:
-                    found.append((row.step, name, gpu, port, rel, bound))
-        for module, rel in self.adapters.items():
-            if not rel <= self.adapter_tolerance:
-                found.append(("final", f"adapter {module} s*B@A", None, None, rel, self.adapter_tolerance))
-        return found
-
-    @property
-    def ok(self):
-        return not self.disagreements()
-
-    def first_disagreement(self):
-        """A sentence naming the first step and quantity that disagree, or None."""
-        found = self.disagreements()
-        if not found:
-            return None
-        step, name, gpu, port, rel, bound = found[0]
-        if step == "final":
-            return f"after the last step: {name} differs by {rel:.2e} (relative) > {bound:.2g}"
-        row = next(r for r in self.rows if r.step == step)
-        floor = getattr(row, f"{name}_floor", None)
-        by = (f" = {rel / floor:.3g} x the floor {floor:.2g}" if floor is not None and getattr(self.tolerances, name)
-              is None else "")
-        return (f"step {step}: {name} {port:.6g} (port) vs {gpu:.6g} (GPU recipe), relative {rel:.2e}{by} > "
-                f"{bound:.2g}")
-
-    def table(self):
-        """The per-step table: learning rate, loss and grad_norm on both sides, relative differences and their
-        multiples of the step's floor; the final adapters; the verdict."""
-        floors = all(r.loss_floor is not None for r in self.rows)
-        lines = [f"{'step':>4} {'lr':>10} {'loss GPU':>11} {'loss port':>11} {'rel':>8} "
-                 f"{'grad_norm GPU':>13} {'grad_norm port':>14} {'rel':>8}"
-                 + (f" {'loss/floor':>10} {'gn/floor':>8}" if floors else "")]
-        for r, lm, gm in zip(self.rows, self.multiples("loss"), self.multiples("grad_norm")):
-            lines.append(f"{r.step:>4} {r.learning_rate_gpu:>10.3e} {r.loss_gpu:>11.6f} {r.loss_port:>11.6f} "
-                         f"{_relative(r.loss_gpu, r.loss_port):>8.1e} {r.grad_norm_gpu:>13.6f} "
-                         f"{r.grad_norm_port:>14.6f} {_relative(r.grad_norm_gpu, r.grad_norm_port):>8.1e}"
-                         + (f" {lm:>10.2f} {gm:>8.2f}" if floors else ""))
-        if self.adapters:
-            worst = max(self.adapters, key=self.adapters.get)
-            floor = "" if self.adapter_floor is None else (
-                f" = {self.adapters[worst] / self.adapter_floor:.3g} x the floor {self.adapter_floor:.1e}")
-            lines.append(f"final adapters: {len(self.adapters)} modules, largest s*B@A difference "
-                         f"{self.adapters[worst]:.1e} ({worst}){floor}")
-        if self.floor_name:
-            lines.append(f"floor: {self.floor_name}, per step (at least {LEAST_FLOOR:.2g}, one float32 unit)")
-        verdict = self.first_disagreement()
-        lines.append("agree within " + ", ".join(self._bounds()) if verdict is None else f"DISAGREE at {verdict}")
-        return "\n".join(lines)
-
-    def _bounds(self):
-        """What the verdict held each quantity to, as words."""
-        out = []
-        for name in ("loss", "grad_norm"):
-            fixed = getattr(self.tolerances, name)
-            if fixed is not None:
-                out.append(f"{name} {fixed:.2g}")
-            elif self.rows:
-                worst = max(self.multiples(name))
-                out.append(f"{name} {FLOOR_MULTIPLE:g} x the floor (at most {worst:.3g} x)")
-        out.append(f"learning_rate {self.tolerances.learning_rate:.2g}")
-        if self.adapters:
-            if self.tolerances.adapter is not None or self.adapter_floor is None:
-                out.append(f"adapter {self.adapter_tolerance:.2g}")
-            else:
-                out.append(f"adapter {FLOOR_MULTIPLE:g} x the floor, at least {LEAST_ADAPTER_TOLERANCE:.2g} "
-                           f"(at most {max(self.adapters.values()) / self.adapter_floor:.3g} x)")
-        return out
-
-    def __str__(self):
-        return self.table()
 
 
 def read_recipe(path):
@@ -254,30 +63,9 @@ def read_recipe(path):
     return {name: recipe.sft[name] for name in recipe.given}, recipe.lora()
 
 
-def without_dropout(lora_config):
-    """(the ``peft.LoraConfig`` of ``lora_config`` with ``lora_dropout=0``, the dropout it had).
-
-    ``trajectory`` compares step by step, which random masks would defeat: torch and JAX draw different ones.
-    A recipe with dropout p is compared at p = 0, the rest unchanged, and says so; gemport's dropout at p
-    (PEFT's rule: rate p on each adapted projection's LoRA input, kept values scaled by 1 / (1 - p), training
-    only) is matched to PEFT in distribution by gemport's tests (mask rate and scaling, expected gradient).
-    """
-    given = _lora_config(lora_config, dropout=True)
-    config = copy.copy(given)
-    config.lora_dropout = 0.0
-    return config, given.lora_dropout
-
-
-def dropout_note(p: float) -> str:
-    """The line ``gemport parity`` prints for a recipe with LoRA dropout ``p`` > 0, compared at 0."""
-    return (f"lora_dropout={p}: compared with lora_dropout=0 on both sides, the rest of the recipe unchanged "
-            f"(dropout masks are random, and torch and JAX draw different ones). At lora_dropout={p} gemport drops "
-            "out as PEFT does (rate p on each adapted projection's LoRA input, kept values scaled by 1/(1-p), in "
-            "training only), tested against PEFT in distribution by gemport's tests, not by this run")
-
 
 def _sft_config(config, overrides):
-    from trl import SFTConfig
+    from trl import SFTConfig  # optional: the trl extra
 
     if isinstance(config, (str, Path)):
         config = read_recipe(config)[0]
@@ -285,22 +73,6 @@ def _sft_config(config, overrides):
         return SFTConfig(**{**config, **overrides})
     return dataclasses.replace(config, **overrides)
 
-
-def _lora_config(config, dropout=False):
-    import peft
-
-    if isinstance(config, (str, Path)):
-        path = Path(config)
-        config = json.loads((path / "adapter_config.json" if path.is_dir() else path).read_text())
-    if isinstance(config, Mapping):
-        names = {f.name for f in dataclasses.fields(peft.LoraConfig)}
-        config = peft.LoraConfig(**{k: v for k, v in config.items() if k in names and k != "peft_type"})
-    if config.lora_dropout and not dropout:
-        raise RecipeError(
-            f"LoraConfig.lora_dropout={config.lora_dropout}: dropout draws random masks that differ between "
-            "torch and JAX; compare with lora_dropout=0 (the rest of the recipe unchanged: without_dropout)"
-        )
-    return config
 
 
 def miniature(config, out_dir, *, num_layers=6, hidden_size=64, head_dim=16, sliding_window=64, vocab_size=None,
@@ -316,12 +88,8 @@ def miniature(config, out_dir, *, num_layers=6, hidden_size=64, head_dim=16, sli
     real tokenizer fits (the embedding is then vocab x hidden floats). Float32 weights from
     ``torch.manual_seed(seed)``; written atomically. Returns ``out_dir`` as a Path.
     """
-    import torch
-    import transformers
-
-    from gemport.checkpoint.output import atomic_dir
-    from gemport._src.jsonfile import read_json
-    from gemport.specs import GemmaSpec
+    import torch  # optional: the hf extra
+    import transformers  # optional: the hf extra
 
     if not isinstance(config, Mapping):
         config = read_json(config, "config.json", SpecError, "an HF checkpoint directory or its config.json")
@@ -370,6 +138,98 @@ def miniature(config, out_dir, *, num_layers=6, hidden_size=64, head_dim=16, sli
     with atomic_dir(Path(out_dir)) as tmp:
         model.save_pretrained(tmp)
     return Path(out_dir)
+
+
+@dataclasses.dataclass(frozen=True)
+class _SFTSides:
+    """SFT's sides over ``frame.compare``: TRL's ``SFTTrainer`` on a ``PeftModel`` of the step-0 adapter, and the
+    port's ``step.train_step`` on Tunix with ``data.from_sft_config`` batches and ``optim.hf_optimizer``.
+
+    config: the GPU side's SFTConfig. start: the step-0 adapter as the port reads it (``import_peft``). base: the
+    port's base model. optimizer: the port's. step: its ``train_step``. batches: every optimizer step's
+    ``(OptimizerStep, batch)``.
+    """
+
+    setup: Setup
+    config: Any
+    start: LoraParams
+    spec: GemmaSpec
+    base: nnx.Module
+    optimizer: HFOptimizer
+    step: Callable
+    batches: list
+    progress: bool
+    quantities: Quantities = Quantities()
+
+    @classmethod
+    def prepare(cls, setup: Setup, *, sft_config, lora_config, chat_format, port_sft_config, progress,
+                loss_fn) -> "_SFTSides":
+        """Check everything the port needs of the model, LoRA config, optimizer, tokenizer, template and data,
+        write the step-0 adapter and load the port's base (``trajectory``'s arguments)."""
+        from trl.chat_template_utils import has_generation_markers  # optional: the trl extra
+
+        lora = peft_config(lora_config)
+        overrides = dict(setup.overrides, output_dir=str(setup.work / "trl"))
+        config = _sft_config(sft_config, overrides)
+        port_config = config if port_sft_config is None else _sft_config(port_sft_config, overrides)
+        if config.max_steps is None or config.max_steps <= 0:
+            raise RecipeError("trajectory: set max_steps in the SFTConfig or pass steps=")
+        template = getattr(setup.tokenizer, "chat_template", None) or ""
+        if config.assistant_only_loss and "<|turn>" in template and not has_generation_markers(template):
+            setup.tokenizer.chat_template = gemma4_training_template()
+        spec = GemmaSpec.from_hf(setup.base_dir)
+        LoraSpec.from_peft(lora)
+        optimizer = hf_optimizer(port_config, num_training_steps=port_config.max_steps)
+        pipeline = from_sft_config(port_config, setup.tokenizer, chat_format=chat_format)
+        examples, _ = pipeline.examples(setup.records, setup.tokenizer, progress=False)
+        batches = list(pipeline.batches(examples))
+        setup.write_start(lora, config.seed)
+        base = (load_model(setup.base_dir, spec=spec, param_dtype=setup.dtype) if setup.qlora is None
+                else load_qlora_model(setup.base_dir, setup.qlora, spec=spec))
+        return cls(setup, config, import_peft(setup.start, base_dir=setup.base_dir), spec, base, optimizer,
+                   train_step(wrt=nnx.LoRAParam, loss_fn=loss_fn or segment_loss), batches, progress)
+
+    def gpu_run(self, run):
+        import peft  # optional: the hf extra
+        from trl import SFTTrainer  # optional: the trl extra
+
+        model = self.setup.base(run)
+        if self.setup.qlora is not None:
+            model = peft.prepare_model_for_kbit_training(model, self.config.gradient_checkpointing)
+        model = peft.PeftModel.from_pretrained(model, self.setup.start, is_trainable=True)
+        # TRL 1.x casts a quantized model's adapters to bfloat16; Qwix trains them in float32 (the dtype of the
+        # 4-bit base's scales), as PEFT creates them: compare the float32 recipe (docs/qlora.md).
+        adapters = ({n: p.data for n, p in model.named_parameters() if p.requires_grad}
+                    if self.setup.qlora is not None else {})
+        trainer = SFTTrainer(model=model, args=run.args(self.config), train_dataset=self.setup.dataset(),
+                             processing_class=self.setup.tokenizer)
+        for name, p in model.named_parameters():
+            if name in adapters:
+                p.data = adapters[name]
+        trainer.train()
+        return model, trainer.state.log_history
+
+    def port_run(self):
+        return self._port(0, "port")
+
+    def port_again(self):
+        """The port with ``FLOOR_PADDING`` more padding columns (no target, seen by no real token; every
+        contraction over tokens changes length)."""
+        return self._port(FLOOR_PADDING, "port, padded")
+
+    def _port(self, pad, desc):
+        port = apply_lora(self.base, self.spec, self.start, qlora=self.setup.qlora)
+        optimizer = nnx.Optimizer(port, self.optimizer.tx, wrt=nnx.LoRAParam)
+        logs = []
+        for s, batch in tqdm(self.batches, desc=desc, disable=not self.progress):
+            m = jax.device_get(self.step(port, optimizer, {k: np.pad(v, ((0, 0), (0, 0), (0, pad)))
+                                                            for k, v in batch.items()}))
+            logs.append({"step": s.step, "learning_rate": float(self.optimizer.schedule(s.step)),
+                         "loss": float(m.loss), "grad_norm": float(m.grad_norm)})
+        return PortRun(port_deltas(port, self.spec, self.start.lora_spec), logs)
+
+    def trajectory(self, measured, tolerances):
+        return Trajectory(measured.rows, tolerances, measured.adapters, measured.adapter_floor, measured.floor_name)
 
 
 def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer=None, chat_format=None,
@@ -434,213 +294,12 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
     Raises:
       RecipeError: a ``dtype`` other than float32 or bfloat16, or no ``max_steps`` and no ``steps``.
       LoraError: a QLoRA recipe compared in bfloat16.
-      GemportError: the GPU recipe logged no step (empty data).
+      GemportError: the GPU recipe logged no step (empty data), or the two sides different steps.
     """
-    import jax
-    import numpy as np
-    import peft
-    import torch
-    import transformers
-    from flax import nnx
-    from tqdm.auto import tqdm
-    from trl import SFTTrainer
-    from trl.chat_template_utils import has_generation_markers
-
-    from gemport.data import from_sft_config
-
-    from gemport.step import segment_loss, train_step
-    from gemport._src.torch_float64 import TorchFloat64
-    from gemport.checkpoint import import_peft, load_model
-    from gemport.checkpoint.quantize import load_qlora_model
-    from gemport.lora import LoraSpec, apply_lora
-    from gemport.data import formats
-    from gemport.data.training_template import gemma4_training_template
-    from gemport.optim import hf_optimizer
-    from gemport.specs import GemmaSpec
-
-    if dtype not in ("float32", "bfloat16"):
-        raise RecipeError(f"trajectory: dtype {dtype!r}; compare in float32 or bfloat16")
-    bf16 = dtype == "bfloat16"
-    if bf16 and qlora is not None:
-        raise LoraError("trajectory: a QLoRA recipe is compared in float32 (its compute dtype is overridden)")
-    records = list(formats.read(data)) if isinstance(data, (str, Path)) else list(data)
-    lora = _lora_config(lora_config)
-    with tempfile.TemporaryDirectory(prefix="gemport-parity-") as work:
-        work = Path(work)
-        overrides = dict(GPU_OVERRIDES, output_dir=str(work / "trl"))
-        if steps is not None:
-            overrides["max_steps"] = steps
-        gpu_config = _sft_config(sft_config, overrides)
-        port_config = gpu_config if port_sft_config is None else _sft_config(port_sft_config, overrides)
-        float32_config = gpu_config
-        if bf16:  # torch's CPU autocast, as accelerate sets it up for bf16 on a CPU
-            gpu_config = dataclasses.replace(gpu_config, bf16=True)
-        if gpu_config.max_steps is None or gpu_config.max_steps <= 0:
-            raise RecipeError("trajectory: set max_steps in the SFTConfig or pass steps=")
-        tokenizer = tokenizer or transformers.AutoTokenizer.from_pretrained(base_dir)
-        template = getattr(tokenizer, "chat_template", None) or ""
-        if gpu_config.assistant_only_loss and "<|turn>" in template and not has_generation_markers(template):
-            tokenizer.chat_template = gemma4_training_template()
-        # Everything the port needs of the model, LoRA config, optimizer, tokenizer, template and data is checked
-        # before either side trains.
-        spec = GemmaSpec.from_hf(base_dir)
-        LoraSpec.from_peft(lora)
-        hf = hf_optimizer(port_config, num_training_steps=port_config.max_steps)
-        pipeline = from_sft_config(port_config, tokenizer, chat_format=chat_format)
-        examples, _ = pipeline.examples(records, tokenizer, progress=False)
-
-        if qlora is not None:
-            qlora = dataclasses.replace(qlora, compute_dtype="float32")
-        quantization = transformers.BitsAndBytesConfig(**qlora.to_bnb()) if qlora is not None else None
-        import datasets
-
-        def gpu_run(attention, config, dtype=None, **load):
-            # A fresh TrainingArguments sets accelerate's process-wide state up again, mixed precision included:
-            # one set up for a run in the other dtype refuses to change.
-            config = dataclasses.replace(config)
-            first = not (work / "adapter0").exists()
-            if first:
-                torch.manual_seed(gpu_config.seed)
-            dtype = dtype or (torch.bfloat16 if config.bf16 else torch.float32)
-            model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype,
-                                                                      attn_implementation=attention,
-                                                                      quantization_config=quantization, **load)
-            if qlora is not None:
-                model = peft.prepare_model_for_kbit_training(model, gpu_config.gradient_checkpointing)
-            if first:
-                model = peft.get_peft_model(model, lora)
-                model.save_pretrained(work / "adapter0")
-            else:
-                model = peft.PeftModel.from_pretrained(model, work / "adapter0", is_trainable=True)
-            # TRL 1.x casts a quantized model's adapters to bfloat16; Qwix trains them in float32 (the dtype of the
-            # 4-bit base's scales), as PEFT creates them: compare the float32 recipe (docs/qlora.md).
-            adapters = {n: p.data for n, p in model.named_parameters() if p.requires_grad} if qlora is not None else {}
-            trainer = SFTTrainer(model=model, args=config, train_dataset=datasets.Dataset.from_list(records),
-                                 processing_class=tokenizer)
-            for name, p in model.named_parameters():
-                if name in adapters:
-                    p.data = adapters[name]
-            trainer.train()
-            return model, [e for e in trainer.state.log_history if "loss" in e and "grad_norm" in e]
-
-        model, logs = gpu_run("eager", gpu_config)
-
-        start = import_peft(work / "adapter0", base_dir=base_dir)
-        lora_spec = start.lora_spec
-        base = (load_model(base_dir, spec=spec, param_dtype=dtype) if qlora is None
-                else load_qlora_model(base_dir, qlora, spec=spec))
-        step = train_step(wrt=nnx.LoRAParam, loss_fn=loss_fn or segment_loss)
-        batches = [batch for batch, _ in zip(pipeline.batches(examples), logs)]
-
-        def port_run(pad, desc):
-            port = apply_lora(base, spec, start, qlora=qlora)
-            optimizer = nnx.Optimizer(port, hf.tx, wrt=nnx.LoRAParam)
-            metrics = [jax.device_get(step(port, optimizer, {k: np.pad(v, ((0, 0), (0, 0), (0, pad)))
-                                                             for k, v in batch.items()}))
-                       for _, batch in tqdm(batches, desc=desc, disable=not progress)]
-            return port, metrics
-
-        port, metrics = port_run(0, "port")
-        gpu, trained = _gpu_deltas(model), _port_deltas(port, spec, lora_spec)
-        adapters = _distances(trained, gpu)
-        floors, floor, floor_name = [(None, None)] * len(logs), None, None
-        if None in (tolerances.loss, tolerances.grad_norm, tolerances.adapter) and logs:
-            # The recipe trained again from the same adapter on the same batches, computing the same loss and
-            # gradient without the dtype's rounding: the bfloat16 recipe in float32, the float32 one in float64.
-            # How far the first run lands from it is the whole of its rounding error (attention, norms with large
-            # gains, the loss over large logits, Adam's amplification of it), one draw of what the port's own
-            # float32 arithmetic adds. Eager vs sdpa attention in float32 (the floor before) differ only in
-            # attention's roundings, a part of that error counted twice: no wider than it save for the factor
-            # of about 1.4 of two independent errors, which FLOOR_MULTIPLE covers, so a max with it would cost a
-            # run and move no verdict.
-            if bf16:
-                floor_name = "TRL float32 vs bfloat16 (autocast)"
-                again, again_logs = gpu_run("eager", float32_config)
-            elif qlora is not None:
-                # bitsandbytes quantizes 16- and 32-bit floats only: no float64 run of a 4-bit base. Its floor is
-                # the narrower eager vs sdpa (attention's float32 rounding); pass fixed loss and grad_norm bounds
-                # where that is too narrow.
-                floor_name = "TRL eager vs sdpa attention, float32"
-                again, again_logs = gpu_run("sdpa", gpu_config)
-            else:
-                floor_name = "TRL float64 vs float32"
-                # Nothing left in float32 (transformers' norms, RoPE, softmax and loss ask for it by name). The
-                # recomputed forward of gradient checkpointing would run outside the mode (autograd's thread),
-                # and recomputes the same values: it is off. Experts: torch's grouped matmul has no float64 kernel.
-                with TorchFloat64():
-                    again, again_logs = gpu_run("eager", dataclasses.replace(gpu_config, gradient_checkpointing=False),
-                                                torch.float64, experts_implementation="eager")
-            floors = [(f["loss"], f["grad_norm"]) for f in step_floors(logs, again_logs, ("loss", "grad_norm"))]
-            pairs = [_distances(_gpu_deltas(again), gpu)]
-            if not bf16 and tolerances.adapter is None:
-                # And the port with FLOOR_PADDING more padding columns (no target, seen by no real token; every
-                # contraction over tokens changes length).
-                padded = port_run(FLOOR_PADDING, "port, padded")[0]
-                pairs.append(_distances(_port_deltas(padded, spec, lora_spec), gpu, trained))
-            floor = max(*(d for pair in pairs for d in pair.values()), LEAST_FLOOR)
-        rows = [StepRow(s.step, float(log["learning_rate"]), float(hf.schedule(s.step)), float(log["loss"]),
-                        float(m.loss), float(log["grad_norm"]), float(m.grad_norm), *f)
-                for (s, _), log, m, f in zip(batches, logs, metrics, floors)]
-    if not rows:
-        raise GemportError("trajectory: the GPU recipe logged no step; is the data empty?")
-    return Trajectory(tuple(rows), tolerances, adapters, floor, floor_name)
-
-
-def adapter_distances(trained, peft_model, spec=None, lora_spec=None):
-    """{module: how far ``trained``'s final s*B@A ends from ``peft_model``'s}: max-abs difference over the PEFT
-    delta's max-abs, per module (``Trajectory.adapters``). trained: a PEFT model, or the port's Tunix model with
-    LoRA, laid out as PEFT's by ``spec`` (``GemmaSpec``) and ``lora_spec``."""
-    got = _gpu_deltas(trained) if spec is None else _port_deltas(trained, spec, lora_spec)
-    return _distances(got, _gpu_deltas(peft_model))
-
-
-def _gpu_deltas(peft_model):
-    """{HF module: s*B@A} of a PEFT model, float64."""
-    from peft.tuners.lora import LoraLayer, ParamWrapper
-
-    params = {k: v.detach().double().numpy() for k, v in peft_model.named_parameters() if "lora_" in k}
-    scales = {k: v.scaling["default"] for k, v in peft_model.named_modules() if isinstance(v, LoraLayer)}
-    out = {}
-    for key, a in params.items():
-        if key.endswith(".lora_A.default.weight"):
-            name = key[: -len(".lora_A.default.weight")]
-            out[name] = params[name + ".lora_B.default.weight"] @ a * scales[name]
-    for name, module in peft_model.named_modules():
-        if isinstance(module, ParamWrapper):  # target_parameters: one delta per expert, [E, out, in]
-            out[name] = module.get_delta_weight("default").detach().double().numpy()
-    return out
-
-
-def _port_deltas(port, spec, lora_spec):
-    """{HF module: s*B@A} of the port's LoRA factors, in PEFT's layout, float64."""
-    import numpy as np
-    from flax import nnx
-
-    from gemport.lora import LoraLayout
-    from gemport._src.params import flat_params
-
-    params = {k: np.asarray(v, np.float64) for k, v in flat_params(port, nnx.LoRAParam).items()}
-    out = {}
-    layout = LoraLayout(spec, lora_spec)
-    for adapter, a, b in layout.match(params, source="port"):
-        for module, (A, B), scale in zip(adapter.hf_modules, adapter.to_peft(a, b), adapter.peft_scales):
-            out[module] = B @ A * scale
-    for adapter, a, b in layout.match_experts(params):
-        out[adapter.peft_key(lora_spec.parameters)] = adapter.delta(a, b).astype(np.float64)
-    return out
-
-
-def _distances(got, gpu, want=None):
-    """{module: max |got - want| / max |gpu|} over ``got``'s modules (``want``: ``gpu`` unless given, keyed as
-    ``got``); ``gpu`` is keyed by PEFT's module names, which end with the port's."""
-    import numpy as np
-
-    out = {}
-    for module, delta in got.items():
-        (key,) = [k for k in gpu if k == module or k.endswith(f".{module}")]
-        reference = gpu[key] if want is None else want[module]
-        out[module] = float(np.abs(delta - reference).max() / max(np.abs(gpu[key]).max(), 1e-30))
-    return out
+    return compare(base_dir, data, functools.partial(
+        _SFTSides.prepare, sft_config=sft_config, lora_config=lora_config, chat_format=chat_format,
+        port_sft_config=port_sft_config, progress=progress, loss_fn=loss_fn),
+        who="trajectory", tokenizer=tokenizer, steps=steps, dtype=dtype, qlora=qlora, tolerances=tolerances)
 
 
 __all__ = [

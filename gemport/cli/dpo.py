@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
-from gemport.cli.sft import check_resume_point, compile_for_dry_run, report_dry_run, write_adapter
+from gemport import recipe as trl_recipe
+from gemport.cli.training import check_resume_point, compile_for_dry_run, report_dry_run, write_adapter
 from gemport.errors import MeshError, RecipeError
 
 DESCRIPTION = """\
@@ -66,14 +66,16 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    """``gemport dpo``: train the recipe, writing what TRL leaves in its output_dir (with ``--dry-run``, compile its
+    step and say whether it fits). Exit status 0; 143 when preempted (SIGTERM); 1 from a dry run that does not fit."""
     if args.tpu and not args.dry_run:
         raise MeshError(f"--tpu {args.tpu} compiles for a slice this host is not: give it with --dry-run")
     if args.dry_run:
         compile_for_dry_run(args)
+    # Lazy: these load JAX (after --dry-run's environment), and --help stays cheap.
     from gemport.checkpoint.output import check_outside
-    from gemport.run.dpo import DPORun
-    from gemport import recipe as trl_recipe
     from gemport.data.splits import load_splits
+    from gemport.run.dpo import DPORun
     from gemport.run.lock import claim_output
     from gemport.run.outputs import TRAINER_STATE
     from gemport.run.preemption import Preempted
@@ -137,10 +139,11 @@ def run(args) -> int:
 
 def _dry_run(args, recipe, lora, qlora) -> int:
     """Compile the run's DPO step (``gemport.plan.dry_run`` of an abstract ``DPORun``) and say whether it fits."""
-    from gemport.run.dpo import DPORun
-    from gemport.mesh import make_mesh, slice_devices
-    from gemport.specs import GemmaSpec
+    # Lazy: these load JAX, and --help stays cheap.
     from gemport.data.splits import load_splits
+    from gemport.mesh import make_mesh, slice_devices
+    from gemport.run.dpo import DPORun
+    from gemport.specs import GemmaSpec
 
     config, script, base = recipe.sft, recipe.script, recipe.model["model_name_or_path"]
     data, _ = load_splits(script["dataset_name"], script.get("dataset_config"),
@@ -153,50 +156,4 @@ def _dry_run(args, recipe, lora, qlora) -> int:
                    lambda line: print(line, flush=True))
 
 
-def parity_comparison(args):
-    """``gemport parity BASE DATA --config dpo.yaml --trainer dpo``'s comparison, its recipe read and checked
-    before anything trains: ``(base, tokenizer) -> DPOTrajectory``, TRL's DPOTrainer + PEFT against ``gemport
-    dpo``'s step (``gemport.check.dpo_parity.trajectory``), judged per step against the floors measured in the run."""
-    from gemport.check.dpo_parity import FLOORS, trajectory
-    from gemport.check.parity import Tolerances, dropout_note, without_dropout
-    from gemport import recipe as trl_recipe
-
-    # Checked before anything loads: what this comparison does not run.
-    if args.loss != "segment":
-        raise RecipeError(f"--loss {args.loss}: gemport dpo trains with the segment step only (segment attention, "
-                          "chunked log-probabilities); drop --loss")
-    recipe = trl_recipe.read(args.config, command="dpo")
-    config = recipe.sft
-    for note in recipe.notes:
-        print(f"  {note}")
-    lora = args.lora_config or recipe.lora()
-    if not lora:
-        raise RecipeError(f"{args.config}: use_peft is not set; set use_peft with lora_r and lora_target_modules, "
-                          "or pass --lora-config adapter_config.json")
-    if config["disable_dropout"]:  # TRL's default: every dropout module's p set to 0, LoRA's included
-        dropout = without_dropout(lora)[1]
-        if dropout:
-            print(f"lora_dropout={dropout}: TRL's disable_dropout (default true) trains without it, and so does "
-                  "gemport dpo: compared as both train, without dropout")
-    else:
-        lora, dropout = without_dropout(lora)
-        if dropout:
-            print(dropout_note(dropout))
-    port = None
-    if args.port_config:
-        port_recipe = trl_recipe.read(args.port_config, command="dpo")
-        if port_recipe.lora() not in (None, recipe.lora()):
-            raise RecipeError(f"{args.port_config}: its lora_* fields differ from {args.config}'s; both sides start "
-                              "from one adapter, the recipe's: give the port's DPOConfig fields only")
-        port = port_recipe.sft
-    if config["bf16"] and args.dtype == "float32":
-        print(f"{args.config} trains in bfloat16 (bf16, TRL's default): compared in float32, where a disagreement is "
-              "in what is computed; --dtype bfloat16 compares it in bfloat16, against the bfloat16 floor")
-    tolerances = FLOORS if args.rtol is None else Tolerances(loss=args.rtol, grad_norm=args.rtol)
-    tolerances = dataclasses.replace(tolerances, adapter=args.adapter_rtol)
-    return lambda base, tokenizer: trajectory(base, args.data, dpo_config=config, lora_config=lora,
-                                              steps=args.steps, tokenizer=tokenizer, port_dpo_config=port,
-                                              tolerances=tolerances, qlora=recipe.qlora(), dtype=args.dtype)
-
-
-__all__ = ["DESCRIPTION", "add_parser", "parity_comparison", "run"]
+__all__ = ["DESCRIPTION", "add_parser", "run"]

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 from pathlib import Path
 
+from gemport import recipe as trl_recipe
 from gemport._src.extras import require
-from gemport.errors import CheckpointError, MeshError, RecipeError
+from gemport.cli.training import check_resume_point, compile_for_dry_run, report_dry_run, write_adapter
+from gemport.errors import MeshError, RecipeError
 
 DESCRIPTION = """\
 Run a `trl sft --config sft.yaml` recipe on the JAX devices present (a TPU slice; CPU for a miniature):
@@ -97,46 +98,23 @@ def _initialize(args) -> None:
     wanted = (args.distributed or args.coordinator_address or args.num_processes is not None
               or args.process_id is not None or os.environ.get("JAX_COORDINATOR_ADDRESS"))
     if wanted:
-        import jax
+        import jax  # lazy: --help stays cheap
 
         jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
 
 
-def check_resume_point(value, root: Path) -> None:
-    """Check ``resume_from_checkpoint`` against the checkpoints Tunix resumes from (the latest in ``root``)."""
-    if value in (None, False, "", "false", "False"):
-        return
-    steps = sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) if root.is_dir() else []
-    if not steps:
-        raise CheckpointError(f"resume_from_checkpoint={value!r}: no checkpoint in {root}")
-    if value is True or str(value).lower() == "true":
-        return
-    wanted = Path(value).resolve()
-    if wanted not in (root.resolve(), (root / str(steps[-1])).resolve()):
-        raise CheckpointError(f"resume_from_checkpoint={value!r}: gemport resumes from the latest checkpoint of "
-                              f"output_dir ({root / str(steps[-1])}); pass that, or true")
-
-
-def put_atomically(build, target: Path) -> None:
-    """Write with ``build(tmp)`` beside ``target``, then move it into place (replacing an older one)."""
-    tmp = target.with_name(f".{target.name}.{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    build(tmp)
-    if target.is_dir():
-        shutil.rmtree(target)
-    os.replace(tmp, target)
-
-
 def run(args) -> int:
+    """``gemport sft``: train the recipe, writing what TRL leaves in its output_dir (with ``--dry-run``, compile its
+    step and say whether it fits). Exit status 0; 143 when preempted (SIGTERM); 1 from a dry run that does not fit."""
     if args.tpu and not args.dry_run:
         raise MeshError(f"--tpu {args.tpu} compiles for a slice this host is not: give it with --dry-run")
     if args.dry_run:
         compile_for_dry_run(args)
     _initialize(args)
+    # Lazy: these load JAX (after --dry-run's environment and jax.distributed), and --help stays cheap.
     import jax
 
     from gemport.checkpoint.output import check_outside
-    from gemport import recipe as trl_recipe
     from gemport.data.splits import load_splits
     from gemport.run.lock import claim_output
     from gemport.run.outputs import TRAINER_STATE
@@ -212,49 +190,19 @@ def run(args) -> int:
         return 0
     write_adapter(trained, output_dir, sft_run.base_dir, base, merge=args.merge, say=say)
     if args.plot:
-        from gemport.check.plots import loss_curves
+        from gemport.check.plots import loss_curves  # lazy: JAX; --help stays cheap
 
         say(f"wrote {loss_curves(output_dir / TRAINER_STATE, output_dir / 'loss.png')}")
     return 0
 
 
-def write_adapter(trained, output_dir: Path, base_dir: Path, base: str, *, merge: bool, say=print) -> None:
-    """Write a trained run's PEFT adapter into ``output_dir`` (and ``merged/`` with ``merge``), each atomically:
-    ``trained`` is the run's ``lora_params()``, ``base`` the recipe's ``model_name_or_path`` the adapter names."""
-    from gemport.checkpoint import export_merged, export_peft
-    from gemport.checkpoint.peft_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-
-    staged = output_dir / ".adapter"
-    put_atomically(lambda tmp: export_peft(trained, tmp, base_dir=base_dir, base_model_name_or_path=str(base)),
-                   staged)
-    for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):  # the config last: a killed move leaves no new config on old weights
-        os.replace(staged / name, output_dir / name)
-    shutil.rmtree(staged)
-    say(f"wrote {output_dir / ADAPTER_CONFIG}, {output_dir / ADAPTER_WEIGHTS}")
-    if merge:
-        put_atomically(lambda tmp: export_merged(trained, tmp, base_dir=base_dir), output_dir / "merged")
-        say(f"wrote {output_dir / 'merged'}")
-
-
-def compile_for_dry_run(args) -> None:
-    """Set the environment of a ``--dry-run [--tpu SLICE]`` compile (``sft`` and ``dpo``), before JAX starts."""
-    # A compile for a TPU slice runs on this host's CPU (and must not take a TPU a run may hold); XLA:CPU orders a
-    # program for memory, as accelerators do, only with this flag.
-    from gemport.plan.compiled import CPU_MEMORY_SCHEDULER
-
-    if args.tpu and "JAX_PLATFORMS" not in os.environ:
-        os.environ["JAX_PLATFORMS"] = "cpu"
-    flags = os.environ.get("XLA_FLAGS", "")
-    if not args.tpu and CPU_MEMORY_SCHEDULER not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {CPU_MEMORY_SCHEDULER}".strip()
-
-
 def _dry_run(args, recipe, lora, say) -> int:
     """Compile the run's train step (``gemport.plan.dry_run`` of an abstract ``SFTRun``) and say whether it fits."""
-    from gemport.mesh import make_mesh, slice_devices
-    from gemport.specs import GemmaSpec
+    # Lazy: these load JAX, and --help stays cheap.
     from gemport.data.splits import load_splits
+    from gemport.mesh import make_mesh, slice_devices
     from gemport.run.sft import SFTRun
+    from gemport.specs import GemmaSpec
 
     sft, script = recipe.sft, recipe.script
     base = recipe.model["model_name_or_path"]
@@ -269,18 +217,6 @@ def _dry_run(args, recipe, lora, say) -> int:
                             abstract=True)
     return report_dry_run(sft_run, args.tpu,
                           "the first step of the data" if data is not None else "rows of max_length", say)
-
-
-def report_dry_run(run, tpu: str | None, rows: str, say) -> int:
-    """``gemport.plan.dry_run`` of ``run`` (an abstract ``SFTRun`` or ``DPORun``) said; 1 when it does not fit."""
-    from gemport.mesh import TpuSlice
-    from gemport.plan import HBM, dry_run
-
-    say(f"dry run on {f'TPU {tpu}' if tpu else 'this host'}: {rows}, compiling the train step (nothing is trained "
-        "or written)")
-    report = dry_run(run, hbm_bytes=HBM[TpuSlice.parse(tpu).generation] if tpu else None)
-    say(str(report))
-    return 1 if report.fits is False else 0
 
 
 __all__ = ["DESCRIPTION", "add_parser", "run"]

@@ -19,7 +19,7 @@ from flax import nnx
 from safetensors.numpy import load_file
 from peft_training import EXPERTS, peft_model
 
-from gemport.check.parity import _distances, _gpu_deltas, _port_deltas
+from gemport.check import adapters
 from gemport.checkpoint import export_merged, export_peft, import_peft, load_model
 from gemport.errors import LoraError
 from gemport.lora import PROJECTIONS, LoraLayout, LoraParams, LoraSpec, experts
@@ -58,7 +58,7 @@ def test_exports_and_import_are_peft_exact(case, tmp_path):
     flat, flat2 = LoraParams(state, lora_spec).flat(), again.flat()
     assert flat.keys() == flat2.keys() and all(np.array_equal(flat[k], flat2[k]) for k in flat)
     # gemport parity's adapter distances (each expert's delta, as PEFT's get_delta_weight), on the same adapter.
-    distances = _distances(_port_deltas(state, spec, lora_spec), _gpu_deltas(model))
+    distances = adapters.distances(adapters.port_deltas(state, spec, lora_spec), adapters.gpu_deltas(model))
     assert len(distances) == 4 * spec.num_layers and max(distances.values()) < 1e-6, distances
     ids = tiny.token_ids(spec.vocab)
     base = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")

@@ -73,7 +73,7 @@ def test_a_recipe_sft_refuses_parity_refuses_with_the_same_error(case, tmp_path,
 # Dicts outside gemport/recipe/ keyed by recipe field names whose values equal those fields' defaults, that are no
 # defaults table: each entry names the file and the field names, and says what the dict is.
 NOT_DEFAULTS = {
-    ("check/parity.py", frozenset({"report_to", "bf16", "fp16", "dataloader_num_workers", "push_to_hub", "eval_strategy"})):
+    ("check/frame.py", frozenset({"report_to", "bf16", "fp16", "dataloader_num_workers", "push_to_hub", "eval_strategy"})):
         "GPU_OVERRIDES: what parity fixes on TRL's side whatever the recipe says",
     ("lora/config.py", frozenset({"use_dora"})): "LoraSpec.to_peft: the adapter_config.json gemport writes",
 }

@@ -226,7 +226,7 @@ PARITY = dict(use_peft=True, lora_r=4, lora_alpha=8, lora_target_modules="all-li
 def test_gemport_parity_takes_a_dpo_recipe(dpo_workdir, tmp_path, monkeypatch):
     """`gemport parity --trainer dpo`: TRL's DPOTrainer + PEFT and gemport dpo's step from the same adapter agree at
     every step on loss, grad_norm and TRL's DPO metrics, and on the final adapter, each within 10x its floor
-    measured in the run (TRL eager vs sdpa); parity.json holds the metrics with their bounds."""
+    measured in the run (TRL float64 vs float32); parity.json holds the metrics with their bounds."""
     monkeypatch.chdir(tmp_path)
     config = write_recipe(tmp_path / "dpo.yaml", dpo_workdir, **PARITY)
     done = gemport("parity", dpo_workdir / "base", dpo_workdir / "data" / "train.jsonl", "--config", config,
@@ -239,7 +239,7 @@ def test_gemport_parity_takes_a_dpo_recipe(dpo_workdir, tmp_path, monkeypatch):
     assert "DPO metrics 10 x the floor" in lines[-1] and "rewards/accuracies equal" in lines[-1]
     report = json.loads((tmp_path / "gemport-parity" / "parity.json").read_text())
     assert report["ok"] and [r["step"] for r in report["steps"]] == [0, 1, 2]
-    assert report["floor_name"] == "TRL eager vs sdpa attention, float32"
+    assert report["floor_name"] == "TRL float64 vs float32"
     assert {m["name"] for m in report["metrics"]} == set(METRICS[3:]) and len(report["metrics"]) == 3 * 6
     assert all(m["bound"] == pytest.approx(10 * m["floor"]) for m in report["metrics"]
                if m["name"] != "rewards/accuracies")
