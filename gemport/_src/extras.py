@@ -20,16 +20,15 @@ _INSTALL = {
 }
 
 
-def require(module: str, purpose: str) -> ModuleType:
+def require(module: str, purpose: str, *, extra: str | None = None) -> ModuleType:
     """``importlib.import_module(module)``, or `MissingDependencyError` saying that ``purpose`` needs it and how
-    to install it."""
+    to install it: ``pip install 'gemport[extra]'`` when ``extra`` names the feature's extra, else the module's."""
     try:
         return importlib.import_module(module)
     except ImportError as e:
         top = module.split(".")[0]
-        raise MissingDependencyError(
-            f"{purpose} needs {top}, which is not installed ({e}); {_INSTALL.get(top, f'pip install {top}')}"
-        ) from None
+        how = f"pip install 'gemport[{extra}]'" if extra else _INSTALL.get(top, f"pip install {top}")
+        raise MissingDependencyError(f"{purpose} needs {top}, which is not installed ({e}); {how}") from None
 
 
 __all__ = [

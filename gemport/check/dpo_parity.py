@@ -21,9 +21,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
 from gemport.check.adapters import port_deltas
-from gemport.check.frame import PortRun, Quantities, Setup, compare, logged_steps, without_dropout
+from gemport.check.frame import FLOOR_PADDING, PortRun, Quantities, Setup, compare, logged_steps, without_dropout
 from gemport.check.verdict import FLOOR_MULTIPLE, Tolerances, Trajectory
 from gemport.data.template import chat_format as template_format
 from gemport.data.template import check_template
@@ -42,10 +44,13 @@ ACCURACIES = "rewards/accuracies"
 """Judged by absolute difference: a share of pairs, equal on both sides unless TRL's own two runs differ."""
 
 QUANTITIES = Quantities(("loss", "grad_norm", *METRICS), absolute=(ACCURACIES,), kinds=tuple(
-    tuple(n for n in METRICS if n.startswith(kind) and n != ACCURACIES) for kind in ("rewards/", "logps/")))
+    tuple(n for n in METRICS if n.startswith(kind) and n != ACCURACIES) for kind in ("rewards/", "logps/")),
+    sums=tuple(n for n in METRICS if n.startswith("logps/")))
 """What DPO's comparison judges each step, and each DPO metric's floor the largest of its kind at its step
 (``rewards/*`` but accuracies, ``logps/*``): the chosen and rejected rows go through the same computation and round
-alike, and one of them landing near the exact value by chance (its roundings cancelling) does not set the bound."""
+alike, and one of them landing near the exact value by chance (its roundings cancelling) does not set the bound.
+The log-probabilities are sums over the completions' tokens; the loss is a function of their differences, whose
+rounding the measured floors carry."""
 
 
 class MetricRow(NamedTuple):
@@ -155,7 +160,8 @@ class _DPOSides:
     with the base as reference, on one device.
 
     config: the GPU side's DPOConfig. lora: the recipe's ``peft.LoraConfig``. factors: the step-0 adapter's, by
-    PEFT parameter name. port: the port's run, built (everything it needs checked) and not yet trained.
+    PEFT parameter name. port: the port's run, built (everything it needs checked) and not yet trained. again: how
+    to build it once more (``port_again``), as ``port`` was but for its fields' changes.
     """
 
     setup: Setup
@@ -164,6 +170,7 @@ class _DPOSides:
     factors: dict
     spec: GemmaSpec
     port: DPORun
+    again: Any
     quantities: Quantities = QUANTITIES
 
     @classmethod
@@ -200,11 +207,14 @@ class _DPOSides:
                                                 "rejected)") from None
         factors = setup.write_start(lora, config.seed)
         mesh = make_mesh(spec, fsdp=1, tp=1, devices=jax.devices()[:1])  # one device, as on a GPU
-        port = DPORun.create(port_args, setup.base_dir, setup.records, init_adapter=setup.start, reference="base",
-                             mesh=mesh, dtype=jnp.bfloat16 if setup.dtype == "bfloat16" else jnp.float32,
-                             qlora=setup.qlora, tokenizer=setup.tokenizer, chat_format=chat_format,
-                             progress=progress)
-        return cls(setup, config, lora, factors, spec, port)
+        def port(**changes):
+            return DPORun.create({**port_args, **changes}, setup.base_dir, setup.records, init_adapter=setup.start,
+                                 reference="base", mesh=mesh,
+                                 dtype=jnp.bfloat16 if setup.dtype == "bfloat16" else jnp.float32,
+                                 qlora=setup.qlora, tokenizer=setup.tokenizer, chat_format=chat_format,
+                                 progress=progress)
+
+        return cls(setup, config, lora, factors, spec, port(), port)
 
     def gpu_run(self, run):
         import torch  # optional: the hf extra
@@ -222,14 +232,26 @@ class _DPOSides:
         trainer.train()
         return trainer.model, trainer.state.log_history
 
+    def sizes(self):
+        tokens = max(int(np.size(batch["tokens"])) for batch in self.port.train_batches)
+        lora = nnx.state(self.port.model, nnx.LoRAParam)
+        return tokens, sum(int(np.size(v)) for v in jax.tree.leaves(lora))
+
     def port_run(self):
-        self.port.train()
-        state = json.loads((self.setup.work / "port" / TRAINER_STATE).read_text())
-        logs = [dict(e, step=s.step) for s, e in zip(self.port.plan, logged_steps(state["log_history"]))]
-        return PortRun(port_deltas(self.port.model, self.spec, self.port.lora_spec), logs)
+        return self._trained(self.port)
 
     def port_again(self):
-        return None
+        """The port with ``FLOOR_PADDING`` more padding columns per row (``pad_to_multiple_of`` past its width: no
+        target, seen by no real token; every contraction over tokens changes length)."""
+        width = self.port.train_batches[0]["tokens"].shape[-1]
+        return self._trained(self.again(pad_to_multiple_of=width + FLOOR_PADDING,
+                                        output_dir=str(self.setup.work / "port-again")))
+
+    def _trained(self, port):
+        port.train()
+        state = json.loads((Path(port.fields.output_dir) / TRAINER_STATE).read_text())
+        logs = [dict(e, step=s.step) for s, e in zip(port.plan, logged_steps(state["log_history"]))]
+        return PortRun(port_deltas(port.model, self.spec, port.lora_spec), logs)
 
     def trajectory(self, measured, tolerances):
         metrics = tuple(MetricRow(p["step"], k, float(g[k]), float(p[k]), f.get(k))

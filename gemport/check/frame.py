@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
 from gemport.check.adapters import distances, gpu_deltas
-from gemport.check.verdict import LEAST_FLOOR, StepRow, Tolerances, Trajectory, step_floors
+from gemport.check.verdict import LEAST_FLOOR, StepRow, Tolerances, Trajectory, step_floors, summed
 from gemport.data import formats
 from gemport.errors import GemportError, LoraError, RecipeError
 from gemport.lora import QLoraSpec
@@ -156,6 +156,11 @@ def floor_for(dtype: str, qlora: QLoraSpec | None, who: str) -> Floor:
     return FLOAT64 if qlora is None else ATTENTION
 
 
+FLOOR_PADDING = 8
+"""Padding columns added to every row of the port's second run (``Sides.port_again``), for the adapter floor: no
+value changes in exact arithmetic, every contraction over tokens changes length."""
+
+
 class Quantities(NamedTuple):
     """What a comparison takes from each step's log line besides the learning rate, and how their floors are
     measured.
@@ -164,16 +169,26 @@ class Quantities(NamedTuple):
     absolute: those judged by absolute difference (a share, such as DPO's ``rewards/accuracies``).
     kinds: groups whose floors are each the largest of the group at its step (rows that go through the same
     computation round alike, and one of them landing near the exact value by chance must not set the bound).
+    sums: those that are sums over the step's tokens of terms of one sign (a loss, a log-probability): their
+    floors are at least ``verdict.summed`` of the step's tokens; ``grad_norm`` (the square root of a sum over
+    the trainable parameters) at least half of ``summed`` of the parameters.
     """
 
     names: tuple[str, ...] = ("loss", "grad_norm")
     absolute: tuple[str, ...] = ()
     kinds: tuple[tuple[str, ...], ...] = ()
+    sums: tuple[str, ...] = ("loss",)
 
-    def floors(self, logs, again):
-        """Per step, {name: floor} of ``logs`` against ``again`` (``step_floors``), raised to the largest of
-        each kind."""
-        out = step_floors(logs, again, self.names, self.absolute)
+    def floors(self, logs, again, *, tokens: int, parameters: int):
+        """Per step, {name: floor} of ``logs`` against ``again`` (``step_floors``), at least the rounding the
+        arithmetic gives a sum over ``tokens`` (the most a step holds) or, for ``grad_norm``, over ``parameters``
+        (the trainable ones), and raised to the largest of each kind.
+
+        The measured distance is one draw of float32's rounding, which can land under a unit at a step where
+        another correct order of the same sums lands several away (a first step's grad_norm); the arithmetic's
+        bound does not depend on either run, so a port that computes something else is not hidden by it."""
+        least = {"grad_norm": summed(parameters) / 2, **dict.fromkeys(self.sums, summed(tokens))}
+        out = step_floors(logs, again, self.names, self.absolute, least)
         for floors in out:
             for kind in self.kinds:
                 floors.update(dict.fromkeys(kind, max(floors[name] for name in kind)))
@@ -270,6 +285,10 @@ class Sides(Protocol):
     def port_run(self) -> PortRun:
         """Train the port from the step-0 adapter."""
 
+    def sizes(self) -> tuple[int, int]:
+        """(tokens, parameters): the most tokens a step of the port holds, and its trainable parameters: what the
+        compared sums run over (``Quantities.floors``)."""
+
     def port_again(self) -> PortRun | None:
         """The port trained again another correct way, for the adapter floor in float32, or None."""
 
@@ -329,7 +348,8 @@ def compare(base_dir, data, prepare: Callable[[Setup], Sides], *, who: str, toke
         floors, adapter_floor, floor_name = [{}] * len(logs), None, None
         if None in (tolerances.loss, tolerances.grad_norm, tolerances.adapter):
             again, again_logs = _train(sides, floor.run)
-            floors = sides.quantities.floors(logs, again_logs)
+            tokens, parameters = sides.sizes()
+            floors = sides.quantities.floors(logs, again_logs, tokens=tokens, parameters=parameters)
             pairs = [distances(gpu_deltas(again), gpu)]
             other = sides.port_again() if dtype == "float32" and tolerances.adapter is None else None
             if other is not None:
@@ -343,6 +363,6 @@ def compare(base_dir, data, prepare: Callable[[Setup], Sides], *, who: str, toke
     return sides.trajectory(Measured(rows, adapters, adapter_floor, floor_name, logs, port.logs, floors), tolerances)
 
 
-__all__ = ["ATTENTION", "BFLOAT16", "FLOAT64", "GPU_OVERRIDES", "Floor", "GpuRun", "Measured", "PortRun",
+__all__ = ["ATTENTION", "BFLOAT16", "FLOAT64", "FLOOR_PADDING", "GPU_OVERRIDES", "Floor", "GpuRun", "Measured", "PortRun",
            "Quantities", "Setup", "Sides", "compare", "dropout_note", "floor_for", "logged_steps", "peft_config",
            "without_dropout"]

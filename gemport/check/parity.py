@@ -21,8 +21,8 @@ from tqdm.auto import tqdm
 
 from gemport._src.jsonfile import read_json
 from gemport.check.adapters import adapter_distances, port_deltas
-from gemport.check.frame import (GPU_OVERRIDES, PortRun, Quantities, Setup, compare, dropout_note, peft_config,
-                                 without_dropout)
+from gemport.check.frame import (FLOOR_PADDING, GPU_OVERRIDES, PortRun, Quantities, Setup, compare, dropout_note,
+                                 peft_config, without_dropout)
 # With FLOOR_MULTIPLE, LEAST_ADAPTER_TOLERANCE and LEAST_FLOOR, which callers of the SFT comparison read here.
 from gemport.check.verdict import (FLOOR_MULTIPLE, LEAST_ADAPTER_TOLERANCE, LEAST_FLOOR, StepRow,  # noqa: F401
                                    Tolerances, Trajectory, step_floors)
@@ -37,9 +37,7 @@ from gemport.optim import HFOptimizer, hf_optimizer
 from gemport.recipe import TRL_LORA, read
 from gemport.specs import GemmaSpec
 from gemport.step import segment_loss, train_step
-
-FLOOR_PADDING = 8
-"""Padding columns added to every row of the port's second run, which measures the floor."""
+from gemport.step.precision import matmul_precision, with_precision
 
 
 def read_recipe(path):
@@ -186,8 +184,11 @@ class _SFTSides:
         setup.write_start(lora, config.seed)
         base = (load_model(setup.base_dir, spec=spec, param_dtype=setup.dtype) if setup.qlora is None
                 else load_qlora_model(setup.base_dir, setup.qlora, spec=spec))
-        return cls(setup, config, import_peft(setup.start, base_dir=setup.base_dir), spec, base, optimizer,
-                   train_step(wrt=nnx.LoRAParam, loss_fn=loss_fn or segment_loss), batches, progress)
+        # The port's products at the recipe's precision (float32's on a TPU too), as SFTRun's trainer takes them.
+        precision = matmul_precision(setup.dtype == "bfloat16", port_config.tf32)
+        step = train_step(wrt=nnx.LoRAParam, loss_fn=with_precision(loss_fn or segment_loss, precision))
+        return cls(setup, config, import_peft(setup.start, base_dir=setup.base_dir), spec, base, optimizer, step,
+                   batches, progress)
 
     def gpu_run(self, run):
         import peft  # optional: the hf extra
@@ -208,6 +209,10 @@ class _SFTSides:
                 p.data = adapters[name]
         trainer.train()
         return model, trainer.state.log_history
+
+    def sizes(self):
+        tokens = max(int(np.size(batch["tokens"])) for _, batch in self.batches)
+        return tokens, sum(int(np.size(v)) for v in jax.tree.leaves(self.start.params))
 
     def port_run(self):
         return self._port(0, "port")

@@ -6,6 +6,7 @@ module's final s*B@A difference with the adapter floor; ``Tolerances`` fixes a b
 """
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -74,16 +75,26 @@ def relative(a, b):
     return abs(a - b) / max(abs(a), 1e-12) if a != b else 0.0
 
 
-def step_floors(logs, again, names, absolute=()):
+def summed(terms: int) -> float:
+    """The relative float32 rounding of a sum of ``terms`` numbers of one sign, from the arithmetic: pairwise
+    summation (XLA's and torch's reductions) rounds it by at most ``ceil(log2(terms))`` units, and two correct
+    runs that sum in another order land up to that far apart with no error of either. At least one unit
+    (``LEAST_FLOOR``)."""
+    return max(1, math.ceil(math.log2(max(terms, 1)))) * LEAST_FLOOR
+
+
+def step_floors(logs, again, names, absolute=(), least=None):
     """Per step, {name: floor}: the largest distance so far between two correct runs' logged values of ``name``
-    (``logs``, ``again``: their log entries, step by step), relative and at least ``LEAST_FLOOR``; absolute
-    for the names in ``absolute`` (a share, such as DPO's ``rewards/accuracies``, whose runs may agree exactly).
-    The largest so far: two runs that happen to land close at one step say nothing of the next."""
+    (``logs``, ``again``: their log entries, step by step), relative and at least ``least[name]`` (default
+    ``LEAST_FLOOR``); absolute for the names in ``absolute`` (a share, such as DPO's ``rewards/accuracies``,
+    whose runs may agree exactly). The largest so far: two runs that happen to land close at one step say
+    nothing of the next."""
+    least = least or {}
     out, worst = [], {}
     for log, other in zip(logs, again):
         for k in names:
             a, b = float(log[k]), float(other[k])
-            distance = abs(a - b) if k in absolute else max(relative(a, b), LEAST_FLOOR)
+            distance = abs(a - b) if k in absolute else max(relative(a, b), least.get(k, LEAST_FLOOR))
             worst[k] = max(worst.get(k, distance), distance)
         out.append(dict(worst))
     return out

@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 
 from gemport import recipe as trl_recipe
+from gemport._src.extras import require
 from gemport.errors import RecipeError
 
 
@@ -65,6 +66,8 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     """``gemport parity``: the trainer's comparison (checked whole first), on the base or its miniature;
     parity.json and parity.png in ``--out``, the table printed. Exit status 1 on a disagreement."""
+    for peer in ("torch", "transformers", "peft", "trl", "datasets"):  # the GPU side, checked before anything else
+        require(peer, "gemport parity's GPU side (TRL + PEFT on torch)", extra="parity")
     # Lazy: these load JAX, and --help stays cheap.
     from gemport.check.parity import miniature
     from gemport.check.plots import write_parity

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from gemport._src.extras import require
 from gemport.cli.common import Default, add_lora_source, given, lora_spec_of, spec_of
 from gemport.errors import CheckpointError
 
@@ -50,6 +51,8 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     """``gemport verify``: print the report(s); exit status 1 when they disagree."""
+    for peer in ("torch", "transformers"):  # transformers' logits, the reference, checked before anything loads
+        require(peer, "gemport verify's reference (transformers on torch)", extra="hf")
     # Lazy: these load JAX, and --help stays cheap.
     from gemport.check.verify import compare_logits
     from gemport.checkpoint import load_lora, load_model

@@ -37,6 +37,12 @@ def matmul_precision(bf16: bool | None, tf32: bool | None) -> Precision:
     return "high" if tf32 else "highest"
 
 
+def describe(precision: Precision) -> str:
+    """What the commands print of a step's products, e.g. ``"float32 products (precision highest)"``."""
+    what = {"highest": "float32", "high": "TF32-like (three bfloat16 passes on a TPU)", "default": "bfloat16"}
+    return f"{what[precision]} products (precision {precision})"
+
+
 def with_precision(fn: Callable[..., Any], precision: Precision) -> Callable[..., Any]:
     """``fn`` traced under ``jax.default_matmul_precision(precision)``: each product it makes (and, being recorded
     with it, each product its derivative makes) at that precision. ``"default"`` returns ``fn`` itself."""
@@ -51,4 +57,4 @@ def with_precision(fn: Callable[..., Any], precision: Precision) -> Callable[...
     return precise
 
 
-__all__ = ["Precision", "matmul_precision", "with_precision"]
+__all__ = ["Precision", "describe", "matmul_precision", "with_precision"]
