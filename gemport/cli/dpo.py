@@ -81,7 +81,7 @@ def run(args) -> int:
     from gemport.run.preemption import Preempted
     from gemport.run.sft import CHECKPOINTS
     from gemport.run.trackers import names
-    from gemport.step import precision
+    from gemport.step.precision import describe
 
     recipe = trl_recipe.read(args.config, trl_recipe.parse_overrides(args.extra), command="dpo")
     config, model, script = recipe.sft, recipe.model, recipe.script
@@ -123,7 +123,7 @@ def run(args) -> int:
           f"loss {'+'.join(loss.loss_types)} beta={loss.beta}; reference: "
           f"{'the starting adapter' if dpo_run.reference is not None else 'the base, LoRA off'}; mesh "
           f"{dict(dpo_run.mesh.shape)}; LoRA r={spec.rank} alpha={spec.alpha} on {', '.join(spec.targets)}; "
-          f"{precision.describe(dpo_run.precision)}" + (f"; {qlora}" if qlora else ""),
+          f"{describe(dpo_run.precision)}" + (f"; {qlora}" if qlora else ""),
           flush=True)
     try:
         trainer = dpo_run.train()  # with HFOutputs in output_dir

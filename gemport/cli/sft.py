@@ -121,7 +121,7 @@ def run(args) -> int:
     from gemport.run.preemption import Preempted
     from gemport.run.sft import CHECKPOINTS, SFTRun
     from gemport.run.trackers import names
-    from gemport.step import precision
+    from gemport.step.precision import describe
 
     primary = jax.process_index() == 0
 
@@ -172,7 +172,7 @@ def run(args) -> int:
     say(f"data: {len(sft_run.examples)} of {total} examples kept ({report}); {sft_run.max_steps} optimizer steps "
         f"of {sft['gradient_accumulation_steps']} x {sft['per_device_train_batch_size']} "
         f"({sft_run.pipeline.layout}); mesh {dict(sft_run.mesh.shape)}; LoRA r={lora_spec.rank} "
-        f"alpha={lora_spec.alpha} on {', '.join(lora_spec.targets)}; {precision.describe(sft_run.precision)}"
+        f"alpha={lora_spec.alpha} on {', '.join(lora_spec.targets)}; {describe(sft_run.precision)}"
         + (f"; {qlora}" if qlora else "")
         + (f"; {jax.process_count()} processes" if jax.process_count() > 1 else ""))
     if dropped or report.trimmed:

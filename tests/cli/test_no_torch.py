@@ -46,18 +46,18 @@ def child(miniature, dpo_workdir, tmp_path_factory):
     work = tmp_path_factory.mktemp("no-torch-run")
     out, dpo_out = work / "sft", work / "dpo"
     sft = ["sft", "--config", str(RECIPE), "--model_name_or_path", str(miniature), "--dtype", "float32",
-           "--max_steps", "2", "--save_steps", "2", "--dataset_name", str(DATA)]
+           "--max_steps", "2", "--save_steps", "2", "--logging_steps", "1", "--dataset_name", str(DATA)]
     plan = {
         "commands": [
             [*sft, "--output_dir", str(out), "--merge"],
             [*sft, "--output_dir", str(work / "dry"), "--dry-run"],
             ["plan", "gemma4-31b", "--tpu", "v5p-8", "--lora-rank", "16", "--batch", "8", "--seq-len", "2048"],
             ["dpo", "--config", str(write_dpo_recipe(work / "dpo.yaml", dpo_workdir, max_steps=2, bf16=False,
-                                                     use_peft=True, lora_r=4, lora_alpha=8,
+                                                     logging_steps=1, use_peft=True, lora_r=4, lora_alpha=8,
                                                      lora_target_modules=["q_proj", "v_proj"])),
              "--output_dir", str(dpo_out)],
             ["convert", str(miniature), str(work / "orbax")],
-            ["export", str(out / "checkpoints"), str(work / "exported"), "--base", str(miniature)],
+            ["export", str(miniature), str(out / "checkpoints"), str(work / "exported")],
             ["parity", str(miniature), str(DATA), "--config", str(RECIPE), "--steps", "1"],
             ["verify", str(out / "merged"), "--base", str(miniature)],
         ],
