@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 LATEST ?= .venv-latest
 LATEST_STAMP := $(LATEST)/.installed
 
-.PHONY: demo test test-latest bench docs clean vllm
+.PHONY: demo test test-latest bench docs clean vllm test-tpu bench-tpu
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -55,6 +55,17 @@ test-latest: $(LATEST_STAMP)
 	$(LATEST)/bin/python -m pip list --format=freeze | grep -iE '^(transformers|peft|trl|safetensors|tokenizers|huggingface.hub|jax|flax|google.tunix)=='
 	$(LATEST)/bin/python -m pytest -q $(PYTEST_WORKERS)
 	$(LATEST)/bin/mkdocs build --strict --quiet --site-dir build/site-latest
+
+# On a TPU host (gemport[tpu] installed, or `source .whl-tpu/setup.sh` on the lent TPU machine): the TPU tier (the
+# chip against the CPU and the peers, tests marked tpu), its figures recorded anew in TPU_RECORD, and the chip's
+# benchmark appended to bench/tpu.jsonl (docs/benchmarks.md). Not run by CI, which has no TPU.
+TPU_PY ?= python3
+TPU_RECORD ?= tests/files/on_chip.jsonl
+TPU_TESTS ?= tests/step/test_step_on_chip.py tests/check/test_peers_on_chip.py
+
+test-tpu:
+	rm -f $(TPU_RECORD)
+	GEMPORT_TPU=1 GEMPORT_TPU_RECORD=$(TPU_RECORD) $(TPU_PY) -m pytest -q -p no:cacheprovider -m tpu $(TPU_TESTS)
 
 bench: $(STAMP)
 	for b in bench/bench_*.py; do $(PY) $$b || exit 1; done

@@ -105,6 +105,33 @@ def lora_params(name: str, einsum: str, **kwargs):
     return _qwix()[0]._get_or_create_lora_params(name=name, **kwargs)
 
 
+def lora_dot_general_params(name: str, rhs, dimension_numbers, rule):
+    """Qwix's ``(lora_a, lora_b)`` params of the current module's weight ``name`` as its LoRA ``dot_general`` makes
+    them (``_create_lora_layer_shapes``, ``_get_or_create_lora_params``), and the shapes ``lora_delta`` takes:
+    ``(lora_a, lora_b, (contract_shape, batch_shape, remain_shape))``."""
+    lora = _qwix()[0]
+    (_, rhs_ca), (_, rhs_ba) = dimension_numbers
+    rhs_ra = tuple(i for i in range(rhs.ndim) if i not in rhs_ca and i not in rhs_ba)
+    shapes = tuple(tuple(rhs.shape[i] for i in axes) for axes in (rhs_ca, rhs_ba, rhs_ra))
+    a_shape, a_transpose, b_shape, b_transpose = lora._create_lora_layer_shapes(rhs_ca, rhs_ba, rhs_ra, *shapes,
+                                                                               rule.rank)
+    lora_a, lora_b = lora._get_or_create_lora_params(name=name, rule=rule, a_shape=a_shape, b_shape=b_shape,
+                                                     a_sharding_transpose=a_transpose,
+                                                     b_sharding_transpose=b_transpose)
+    return lora_a, lora_b, shapes
+
+
+def lora_delta(lhs, lora_a, lora_b, dimension_numbers, shapes, rank, precision=None):
+    """Qwix's LoRA delta of a ``dot_general`` (``_compute_lora_delta``), unscaled."""
+    (lhs_ca, _), (lhs_ba, _) = dimension_numbers
+    return _qwix()[0]._compute_lora_delta(lhs, lora_a, lora_b, lhs_ca, lhs_ba, *shapes, rank, precision=precision)
+
+
+def ptq_dot_general(provider, lhs, rhs, *args, **kwargs):
+    """Qwix's PTQ dot_general (the frozen, possibly 4-bit, projection) without the LoRA delta."""
+    return _qwix()[1].PtqProvider.dot_general(provider, lhs, rhs, *args, **kwargs)
+
+
 def ptq_einsum(provider, einsum_str, *operands, **kwargs):
     """Qwix's PTQ einsum (the frozen, possibly 4-bit, projection) without the LoRA delta."""
     return _qwix()[1].PtqProvider.einsum(provider, einsum_str, *operands, **kwargs)

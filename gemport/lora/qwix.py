@@ -105,6 +105,25 @@ class Provider(upstream.lora_provider_class()):
     def get_intercept_map(self):
         return super().get_intercept_map() | {"jax.numpy.astype": self.astype}
 
+    def dot_general(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
+        # Gemma 3's MLP projections (nnx.Linear): Qwix's LoRA, its branch computed as `einsum`'s.
+        rule = self.current_rule("dot_general")
+        if not isinstance(rule, Rule):
+            return super().dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, **kwargs)
+        result = upstream.ptq_dot_general(self, lhs, rhs, dimension_numbers, precision, preferred_element_type,
+                                          **kwargs)
+        name = upstream.find_weight(rhs)
+        if name is None:
+            return result
+        lora_a, lora_b, shapes = upstream.lora_dot_general_params(name, rhs, dimension_numbers, rule)
+        if rule.dropout > 0:
+            lhs = nnx.Dropout(rule.dropout, deterministic=False)(lhs, rngs=upstream.make_rng("dropout"))
+        compute = jnp.result_type(lhs)
+        delta = upstream.lora_delta(lhs, lora_a.astype(compute), lora_b.astype(compute), dimension_numbers, shapes,
+                                    rule.rank, precision=precision)
+        out = result + delta * jnp.asarray(rule.alpha / rule.rank, delta.dtype)
+        return out if upstream.is_with_aux(rhs) else out.astype(result.dtype)
+
     def einsum(self, einsum_str, *operands, **kwargs):
         rule = self.current_rule("einsum")
         if not isinstance(rule, Rule):
@@ -140,7 +159,8 @@ class Provider(upstream.lora_provider_class()):
                 lhs = dropout(jnp.broadcast_to(lhs, (sizes[s], *lhs.shape)), rngs=upstream.make_rng("dropout"))
                 x_axes = s + x_axes
         # The branch computes in its input's dtype, as torch's autocast runs PEFT's lora_A and lora_B on a bfloat16
-        # base: float32 factors are cast for the products (their gradients are float32 again).
+        # base: float32 factors are cast for the products (their gradients are float32 again). So does
+        # `dot_general`'s.
         compute = jnp.result_type(lhs)
         delta = jnp.einsum(f"{x_axes},{a_axes},{b_axes}->{out_axes}", lhs, lora_a.astype(compute),
                            lora_b.astype(compute), **kwargs)

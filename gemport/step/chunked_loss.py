@@ -1,12 +1,14 @@
 """Cross-entropy from a Tunix Gemma's final hidden states and its tied embedding, a block of logits at a time.
 
-Tunix's model returns float32 logits [B, T, V] (4 GiB per 4096-token row at Gemma's 262144-token vocabulary,
-and as much again for their gradient). Here the logits of ``CHUNK`` tokens against ``VOCAB_SLICE`` embedding
-rows at a time are computed from the hidden states (Tunix's ``embedder.decode`` on those rows, then Gemma 4's
-final softcap) and folded into each token's log-sum-exp (an online softmax, as flash attention takes it); the
-backward pass (`jax.custom_vjp`) recomputes each block from the saved log-sum-exp. Memory holds one block of
+Tunix's model returns float32 logits [B, T, V] (4 GiB per 4096-token row at Gemma's 262144-token vocabulary, and as
+much again for their gradient). Here the logits of ``CHUNK`` tokens against ``VOCAB_SLICE`` embedding rows at a time
+are computed from the hidden states (Tunix's ``embedder.decode`` on those rows, then Gemma 4's final softcap) and
+folded into each token's log-sum-exp (an online softmax, as flash attention takes it). Memory holds one block of
 logits, never a chunk's or the row's, and no float32 copy of the whole embedding: a compiler that computes a
-bfloat16 dot in float32 (XLA:CPU) converts one slice of rows at a time, not 262144 x D (``slice_rows``).
+bfloat16 dot in float32 (XLA:CPU) converts one slice of rows at a time, not 262144 x D (``slice_rows``). The
+gradient in the hidden states is folded into the forward pass beside the log-sum-exp (a second product per slice,
+the softmax-weighted embedding rows), so the loss makes two passes of products over the vocabulary, not three; the
+embedding's own gradient, needed only when it is trained, recomputes the logits in the backward pass.
 
 The slices interleave (slice b holds tokens b, b + s, b + 2s, ...), so on a mesh whose tp axis splits the
 vocabulary each device reads its own rows of every slice, without communication.
@@ -77,7 +79,8 @@ def slice_rows(w: jax.Array, slices: int, b: jax.Array, *, bits: bool | None = N
 
     bits: slice a bfloat16 ``w`` as its 16-bit pattern (default: when the trace compiles for CPU,
     ``gemport.mesh.tpu.platform``). XLA:CPU moves no bfloat16 data as such: it would convert the whole
-    embedding to float32 to slice it (5 GiB at Gemma's vocabulary), where the bit pattern costs one 16-bit copy. Accelerators slice bfloat16 in place. Both give the same rows.
+    embedding to float32 to slice it (5 GiB at Gemma's vocabulary), where the bit pattern costs one 16-bit copy.
+    Accelerators slice bfloat16 in place. Both give the same rows.
     """
     if bits is None:
         bits = platform() == "cpu"
@@ -92,29 +95,51 @@ def _split_targets(t_c, slices):
     return t_c // slices, t_c % slices
 
 
-def _forward(h, targets, state, graphdef, softcap, slices):
+def _forward(h, targets, state, graphdef, softcap, slices, direction=False):
+    # Per chunk: each token's nll and log-sum-exp, folded over the vocabulary slices with an online softmax; with
+    # ``direction``, also the gradient of its nll in its hidden state [.., D], folded alike (``_nll_fwd``).
     f32 = jnp.float32
+    w = nnx.merge(graphdef, state).input_embedding.get_value()
 
     def chunk(_, xs):
         h_c, t_c = xs
         row, which = _split_targets(t_c, slices)
 
         def one(carry, b):
-            m, l, picked = carry
-            z = _slice_logits(graphdef, state, softcap, slices, h_c, b)[3]
+            m, l, picked, acc = carry
+            raw, w_b, tanh, z = _slice_logits(graphdef, state, softcap, slices, h_c, b)
             m_new = jnp.maximum(m, z.max(-1))
-            l = l * jnp.exp(m - m_new) + jnp.exp(z - m_new[..., None]).sum(-1)
+            rescale = jnp.exp(m - m_new)
+            e = jnp.exp(z - m_new[..., None])
+            l = l * rescale + e.sum(-1)
             picked = picked + jnp.where(which == b, jnp.take_along_axis(z, row[..., None], -1)[..., 0], 0.0)
-            return (m_new, l, picked), None
+            if direction:
+                # sum over the tokens v other than the target of exp(z_v - m) dz_v/draw_v W_v, one product per slice
+                # as decode's (float32 accumulation); the target's term is added exactly below.
+                weights = e if tanh is None else e * (1 - tanh * tanh)
+                weights = jnp.where((which[..., None] == b) & (row[..., None] == jnp.arange(z.shape[-1])), 0.0,
+                                    weights)
+                acc = rescale[..., None] * acc + jnp.dot(weights.astype(raw.dtype), w_b.astype(raw.dtype),
+                                                         preferred_element_type=f32)
+            return (m_new, l, picked, acc), None
 
         c = h_c.shape[:-1]
-        init = (jnp.full(c, -jnp.inf, f32), jnp.zeros(c, f32), jnp.zeros(c, f32))
-        (m, l, picked), _ = jax.lax.scan(one, init, jnp.arange(slices))
+        acc = jnp.zeros((*c, h_c.shape[-1]) if direction else (), f32)
+        init = (jnp.full(c, -jnp.inf, f32), jnp.zeros(c, f32), jnp.zeros(c, f32), acc)
+        (m, l, picked, acc), _ = jax.lax.scan(one, init, jnp.arange(slices))
         lse = m + jnp.log(l)
-        return None, (lse - picked, lse)
+        if not direction:
+            return None, (lse - picked, lse, acc)
+        # d nll / d h = sum_v p_v dz_v/dh - dz_t/dh, p_v = exp(z_v - lse), dz_v/dh = (1 - tanh_v^2) W_v: the other
+        # tokens' sum, and the target's (p_t - 1) dz_t/dh in float32 (near p_t = 1 it is a small difference, which
+        # a bfloat16 weight p_t would round away).
+        target = jnp.take(w, t_c, axis=0).astype(f32)
+        if softcap is not None:
+            target = (1 - jnp.square(picked / softcap))[..., None] * target
+        return None, (lse - picked, lse, acc / l[..., None] + (jnp.exp(picked - lse) - 1)[..., None] * target)
 
-    _, (nll, lse) = jax.lax.scan(chunk, None, (h, targets))
-    return nll, lse
+    _, (nll, lse, grad) = jax.lax.scan(chunk, None, (h, targets))
+    return nll, lse, grad
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
@@ -123,39 +148,39 @@ def _nll(h, targets, state, graphdef, softcap, slices):
 
 
 def _nll_fwd(h, targets, state, graphdef, softcap, slices):
-    nll, lse = _forward(h, targets, state, graphdef, softcap, slices)
-    return nll, (h, targets, state, lse)
+    # The hidden states' gradient is folded into the forward pass (a second product per slice), so the backward
+    # pass needs no second pass over the vocabulary's logits for it: two products a slice in all, not three.
+    nll, lse, grad = _forward(h, targets, state, graphdef, softcap, slices, direction=True)
+    return nll, (h, targets, state, lse, grad)
 
 
 def _nll_bwd(graphdef, softcap, slices, residuals, g):
-    h, targets, state, lse = residuals
+    h, targets, state, lse, grad = residuals
     f32 = jnp.float32
     w = nnx.merge(graphdef, state).input_embedding.get_value()
     rows = w.shape[0] // slices
+    dh = (g[..., None] * grad).astype(h.dtype)
 
     def chunk(dw, xs):
         h_c, t_c, lse_c, g_c = xs
         row, which = _split_targets(t_c, slices)
 
-        def one(carry, b):
-            dh, dw = carry
+        def one(dw, b):
             raw, w_b, tanh, z = _slice_logits(graphdef, state, softcap, slices, h_c, b)
             target = (which[..., None] == b) & (row[..., None] == jnp.arange(rows))
             dz = g_c[..., None] * (jnp.exp(z - lse_c[..., None]) - target)
             if tanh is not None:
                 dz = dz * (1 - tanh * tanh)
-            # The cotangent of decode's output in its dtype, contracted with float32 accumulation over all
-            # slices: the one dot over the whole vocabulary that the full-logits gradient is.
             d = dz.astype(raw.dtype)
-            dh = dh + jnp.dot(d, w_b.astype(raw.dtype), preferred_element_type=f32)
-            dw = dw.at[:, b].add(jnp.einsum("bcv,bcd->vd", d, h_c.astype(raw.dtype), preferred_element_type=f32))
-            return (dh, dw), None
+            dw_b = jnp.einsum("bcv,bcd->vd", d, h_c.astype(raw.dtype), preferred_element_type=f32)
+            return dw.at[:, b].add(dw_b), None
 
-        (dh, dw), _ = jax.lax.scan(one, (jnp.zeros(h_c.shape, f32), dw), jnp.arange(slices))
-        return dw, dh.astype(h_c.dtype)
+        dw, _ = jax.lax.scan(one, dw, jnp.arange(slices))
+        return dw, None
 
-    # The embedding's gradient is only built when it is trained: under LoRA nothing reads it and XLA drops it.
-    dw, dh = jax.lax.scan(chunk, jnp.zeros((rows, slices, w.shape[-1]), f32), (h, targets, lse, g))
+    # The embedding's gradient (its logits recomputed) only where it is trained: under LoRA nothing reads it and
+    # XLA drops this pass.
+    dw, _ = jax.lax.scan(chunk, jnp.zeros((rows, slices, w.shape[-1]), f32), (h, targets, lse, g))
     d_state = jax.tree.map(jnp.zeros_like, state)
     d_state["input_embedding"] = d_state["input_embedding"].replace(dw.reshape(w.shape).astype(w.dtype))
     return dh, None, d_state
@@ -171,8 +196,8 @@ def target_nll(model: nnx.Module, hidden: jax.Array, tokens: jax.Array, *, chunk
 
     model: the Tunix Gemma whose ``embedder`` (and final logit softcap, if its config has one) turn hidden
     states into logits; hidden: [B, T, D] (``hidden_states``); tokens: int [B, T]. Position t predicts token
-    t + 1, as ``step.cross_entropy``. Returns float32 [B, T - 1]: the value of ``step.cross_entropy``' per-target loss on
-    Tunix's logits, with float32 log-softmax. Differentiable in ``hidden`` and the embedding (whose gradient
+    t + 1, as ``step.cross_entropy``. Returns float32 [B, T - 1]: the value of ``step.cross_entropy``' per-target
+    loss on Tunix's logits, with float32 log-softmax. Differentiable in ``hidden`` and the embedding (whose gradient
     is built only when it is trained).
     """
     b, t, d = hidden.shape
