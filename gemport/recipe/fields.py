@@ -169,6 +169,7 @@ class DataFields(Fields):
     gradient_accumulation_steps: int
     gradient_checkpointing: bool
     gradient_checkpointing_kwargs: dict[str, Any] | None
+    dataset_num_proc: int | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,7 +249,7 @@ SFT = (
     # data (gemport.data.from_sft_config)
     "assistant_only_loss", "completion_only_loss", "max_length", "truncation_mode", "packing", "packing_strategy",
     "padding_free", "pad_to_multiple_of", "dataset_text_field", "eos_token", "pad_token", "loss_type",
-    "shuffle_dataset", "chat_template_path",
+    "shuffle_dataset", "chat_template_path", "dataset_num_proc",
     # sample order and steps (gemport.data.optimizer_steps)
     "per_device_train_batch_size", "gradient_accumulation_steps", "seed", "data_seed", "train_sampling_strategy",
     "max_steps", "num_train_epochs", "dataloader_drop_last",
@@ -279,6 +280,7 @@ DPO = (
 evaluation, logging, checkpoints, remat)."""
 
 DPO_MAPPED = {
+    "dataset_num_proc": "the preference pairs are tokenized in this process (nothing is packed)",
     "padding_free": "TRL 1.16 turns padding_free off itself (it falls back to padded rows); so does gemport",
     "pad_token": "padding is outside every row's attention and loss; its id changes nothing",
     "precompute_ref_batch_size": "acts only with precompute_ref_log_probs, which is left at False",
@@ -309,7 +311,6 @@ MAPPED = {
     "dataloader_pin_memory": "JAX transfers the batches; there is no pinned memory",
     "dataloader_persistent_workers": "see dataloader_num_workers",
     "dataloader_prefetch_factor": "see dataloader_num_workers",
-    "dataset_num_proc": "the masks pipeline tokenizes in this process, vectorised",
     "remove_unused_columns": "only the fields of TRL's dataset formats are read",
     "ddp_backend": "one JAX program over the mesh; no DDP",
     "ddp_timeout": "one JAX program over the mesh; no DDP",
