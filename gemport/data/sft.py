@@ -2,20 +2,22 @@
 
 import dataclasses
 import math
+import os
 import typing
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from gemport.errors import RecipeError
-from gemport.data import dataset
+from gemport.data import cache, dataset
 from gemport.data.flat import FlatExamples
 from gemport.data.gemma3 import Gemma3
 from gemport.data.gemma4 import Gemma4
 from gemport.data.order import OptimizerStep, StepPlan
 from gemport.data.packing import Placement, Rows, check_packable, packed_rows, trl_placement
 from gemport.data.policies import MaskPolicy
+from gemport.data.prepared import Prepared
 from gemport.data.steps import Layout, StepBatches
 from gemport.data.tokenize import Example
 from gemport.data.truncation import Truncation, TruncationReport
@@ -66,6 +68,14 @@ class SFTPipeline:
             completion_only_loss=self.completion_only_loss, text_field=self.text_field,
             eos_token=self.eos_token, **kwargs,
         )
+
+    def prepared(self, source: Any, tokenizer: Any, *, root: str | os.PathLike, workers: int | None = None,
+                 template: Mapping[str, Any] | None = None, progress: bool = True) -> Prepared:
+        """The examples of ``source`` (with ``packing``, their packed rows) prepared once into ``root`` and read
+        from there memory-mapped: ``gemport.data.cache.prepared`` with this pipeline (its ``workers``,
+        ``template`` check and ``progress``)."""
+        return cache.prepared(self, source, tokenizer, root=root, workers=workers, template=template,
+                              progress=progress)
 
     def placement(self, examples: FlatExamples) -> Placement:
         """TRL's packed rows of ``examples`` (``layout="pack"``): ``packing.trl_placement`` at ``max_length``, in
