@@ -3,8 +3,8 @@
 A preparation (``gemport.data.prepared``) is keyed by everything that changes the examples: the data (a file's
 content, a ``datasets.Dataset``'s fingerprint, a list's records), the tokenizer (its whole ``tokenizer.json``, its
 special tokens and chat template), how records render and fit (``SFTPipeline``'s chat format, mask policy,
-truncation, text field and EOS), the packing (``max_length`` and ``dataset_num_proc`` with ``packing``), gemport's
-version and the folder ``FORMAT``. It lives in ``<root>/<key>/``; a rerun with the same key reads it memory-mapped
+truncation, text field and EOS), the packing (``max_length`` and ``dataset_num_proc`` with ``packing``) and the
+preparation's ``FORMAT``. It lives in ``<root>/<key>/``; a rerun with the same key reads it memory-mapped
 and tokenizes nothing.
 
 A data file is named by its content (sha256), read once: ``<root>/stamps/`` remembers the content hash of a path at
@@ -97,10 +97,8 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 
 def about(pipeline: SFTPipeline, source: Any, tokenizer: Any, stamps: Path) -> dict[str, Any]:
     """Everything that changes the prepared examples of ``source``, as JSON (the key is its hash)."""
-    from gemport import __version__
-
     packing = [pipeline.max_length, pipeline.num_proc] if pipeline.layout == "pack" else None
-    return {"format": FORMAT, "gemport": __version__, "data": data_fingerprint(source, stamps),
+    return {"format": FORMAT, "data": data_fingerprint(source, stamps),
             "tokenizer": tokenizer_fingerprint(tokenizer),
             "render": [repr(pipeline.chat_format), repr(pipeline.policy), repr(pipeline.truncation),
                        pipeline.completion_only_loss, pipeline.text_field, _eos(pipeline, tokenizer)],

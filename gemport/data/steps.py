@@ -8,7 +8,7 @@ targets, its tokens) comes from per-row counts, without building it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal, overload
 
 import numpy as np
@@ -17,7 +17,7 @@ from gemport.errors import RecipeError
 from gemport.data.batching import BATCH_FIELDS, pad, padding_free
 from gemport.data.flat import FlatExamples
 from gemport.data.order import OptimizerStep
-from gemport.data.packing import Placement, Rows, packed_rows
+from gemport.data.packing import Labelled, Placement, Rows, packed_rows
 
 Layout = Literal["pack", "pad", "padding_free"]
 """A batch layout: best-fit-decreasing packed rows, one example per padded row, one padding-free row."""
@@ -37,6 +37,37 @@ def widen(row: Rows, width: int, pad_id: int) -> dict[str, np.ndarray]:
         out[k] = np.full((1, width), pad_id if k == "tokens" else 0, v.dtype)
         out[k][:, : v.shape[1]] = v
     return out
+
+
+def lay_out(layout: Layout, examples: Sequence[Labelled], width: int, pad_id: int) -> Rows:
+    """One micro-batch of ``examples`` without packing: one a row padded with ``pad_id`` (``"pad"``), or all in
+    one padding-free row (``"padding_free"``, ``widen``ed), each row [width]."""
+    if layout == "pad":
+        return pad(examples, width, pad_id=pad_id)
+    return widen(padding_free(examples, pad_id=pad_id), width, pad_id)
+
+
+def micro_batch(rows: int, width: int, laid: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``BATCH_FIELDS`` [rows, width]: the rows ``laid`` out first, the rest empty (``empty_rows``)."""
+    out = empty_rows(rows, width)
+    for k in BATCH_FIELDS:
+        out[k][: len(laid[k])] = laid[k]
+    return out
+
+
+class PerStep(Sequence[int]):
+    """A value per step, computed when read: ``values[s]`` is ``value(s)`` for s in ``range(steps)``."""
+
+    def __init__(self, steps: int, value: Callable[[int], int]) -> None:
+        self.steps, self.value = steps, value
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __getitem__(self, s):
+        if isinstance(s, slice):
+            return [self.value(i) for i in range(*s.indices(self.steps))]
+        return self.value(range(self.steps)[s])
 
 
 class StepBatches(Sequence[dict[str, np.ndarray]]):
@@ -116,20 +147,14 @@ class StepBatches(Sequence[dict[str, np.ndarray]]):
         micro-batch (or a step's missing micro-batch) lacks are empty (token 0, no target), as ``stack`` fills
         them."""
         step = self.step(s)
-        out = empty_rows(self.rows, self.width)
         if a >= len(step.micro_batches) or not len(step.micro_batches[a]):
-            return out
+            return empty_rows(self.rows, self.width)
         units = step.micro_batches[a]
         if self.layout == "pack":
-            rows = packed_rows(self.examples, self.placement, units, self.width)
-        elif self.layout == "pad":
-            rows = pad([self.examples[int(i)] for i in units], self.width, pad_id=self.pad_id)
+            laid = packed_rows(self.examples, self.placement, units, self.width)
         else:
-            rows = widen(padding_free([self.examples[int(i)] for i in units], pad_id=self.pad_id), self.width,
-                         self.pad_id)
-        for k in BATCH_FIELDS:
-            out[k][: len(rows[k])] = rows[k]
-        return out
+            laid = lay_out(self.layout, [self.examples[int(i)] for i in units], self.width, self.pad_id)
+        return micro_batch(self.rows, self.width, laid)
 
     def targets(self, s: int) -> int:
         """Step s's targets over every process's rows (HF's ``num_items_in_batch``): each row's targets after its
@@ -141,4 +166,4 @@ class StepBatches(Sequence[dict[str, np.ndarray]]):
         return int(sum(self.unit_tokens[m].sum() for m in self.plan[s].micro_batches))
 
 
-__all__ = ["Layout", "StepBatches", "empty_rows", "widen"]
+__all__ = ["Layout", "PerStep", "StepBatches", "empty_rows", "lay_out", "micro_batch", "widen"]
