@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Self
 
 from gemport.errors import MissingDependencyError
 
-SCRIPT = ("dataset_name", "dataset_config", "dataset_train_split", "dataset_test_split")
+SCRIPT = ("dataset_name", "dataset_config", "dataset_train_split", "dataset_test_split", "dataset_streaming")
 """ScriptArguments fields gemport uses (``gemport.data.splits.load_splits``)."""
 
 QLORA = ("load_in_4bit", "bnb_4bit_quant_type", "use_bnb_nested_quant")
@@ -338,7 +338,6 @@ STRATEGIES = {"eval_strategy": ("no", "steps"), "save_strategy": ("no", "steps")
 
 REFUSED_WHEN_SET = {
     "push_to_hub": "gemport has no network access to the Hub here; upload output_dir yourself",
-    "dataset_streaming": "gemport lays out every step's batch ahead (HF's order needs the dataset's length)",
     "load_in_8bit": "8-bit bases are not ported (Qwix QLoRA here is NF4); train on the bfloat16 base",
     "fp16": "TPUs compute in bfloat16, not float16: set bf16 instead",
 }

@@ -24,6 +24,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import os
@@ -46,14 +47,17 @@ from gemport._src.params import flat_params
 from gemport.checkpoint import export_merged, export_peft, import_peft, load_lora, load_model
 from gemport.checkpoint.quantize import load_qlora_model
 from gemport.data.batching import pad, stack
-from gemport.data.chat_template import with_chat_template
+from gemport.data.chat_template import check_records, with_chat_template
 from gemport.data.distributed import batch_sharding, process_rows
 from gemport.data.gemma3 import Gemma3
 from gemport.data.gemma4 import Gemma4
 from gemport.data.flat import FlatExamples
 from gemport.data.order import OptimizerStep, StepPlan
+from gemport.data.formats import read as records
+from gemport.data.packing import TRL_PACKING_BATCH
 from gemport.data.prepared import Prepared
 from gemport.data.steps import StepBatches
+from gemport.data.stream import StreamBatches, StreamPlan, streamed
 from gemport.data.sft import SFTPipeline, from_sft_config, remat_of
 from gemport.data.tokenize import Example
 from gemport.data.truncation import TruncationReport
@@ -197,8 +201,8 @@ class SFTRun:
     pipeline: SFTPipeline | None
     examples: Sequence[Example] | FlatExamples
     report: TruncationReport
-    plan: Sequence[OptimizerStep] | StepPlan
-    train_batches: Sequence[dict[str, np.ndarray]] | StepBatches
+    plan: Sequence[OptimizerStep] | StepPlan | StreamPlan
+    train_batches: Sequence[dict[str, np.ndarray]] | StepBatches | StreamBatches
     eval_examples: list[Example] | None
     eval_batches: list[dict[str, np.ndarray]] | None
     optimizer: HFOptimizer
@@ -351,13 +355,18 @@ class SFTRun:
         if jax.process_count() > 1:  # this process's rows of each batch [A, B, T]
             rows = process_rows(batch_sharding(mesh),
                                 (f.gradient_accumulation_steps, f.per_device_train_batch_size, 1))
+        template = None
+        if f.chat_template_path is not None:  # every record checked through it as it is prepared
+            template = dict(tokenizer=tokenizer, chat_format=pipeline.chat_format, policy=pipeline.policy,
+                            text_field=pipeline.text_field)
         if abstract and train_dataset is None:
             examples, report, plan, steps = [], TruncationReport(), [], [_full_rows(pipeline, f, rows)]
+        elif streamed(train_dataset):
+            if template is not None:  # a stream is checked on the records its first packing batch holds
+                check_records(itertools.islice(records(train_dataset), TRL_PACKING_BATCH), **template)
+            steps = StreamBatches(pipeline, train_dataset, tokenizer, part=rows)
+            examples, report, plan = steps.head, steps.report, steps.plan
         else:
-            template = None
-            if f.chat_template_path is not None:  # every record checked through it as it is prepared
-                template = dict(tokenizer=tokenizer, chat_format=pipeline.chat_format, policy=pipeline.policy,
-                                text_field=pipeline.text_field)
             prepared = _prepared(pipeline, train_dataset, tokenizer, cache_root(f, cache_dir), template, progress)
             examples, report = prepared.examples, prepared.report
             if not len(examples):
@@ -485,7 +494,8 @@ class SFTRun:
                 preemption.close()
         return self.trainer
 
-    def micro_batches(self, steps: Sequence[Mapping[str, np.ndarray]] | StepBatches, *, skip: int = 0) -> Any:
+    def micro_batches(self, steps: Sequence[Mapping[str, np.ndarray]] | StepBatches | StreamBatches, *,
+                      skip: int = 0) -> Any:
         """The trainer's dataset of ``steps`` (``train_batches`` or ``eval_batches``), its first ``skip``
         micro-batches not built: ``run.trainer.micro_batches``."""
         return micro_batches(steps, skip=skip)

@@ -43,6 +43,7 @@ from gemport.run.preemption import Preemption
 from gemport.step.hf import LossFn, per_target, segment_loss
 from gemport.data.batching import BATCH_FIELDS
 from gemport.data.steps import StepBatches
+from gemport.data.stream import StreamBatches
 
 grain = require("grain", "gemport.run.trainer")
 peft_trainer = require("tunix.sft.peft_trainer", "gemport.run.trainer")
@@ -80,7 +81,8 @@ def examples_in(segment_ids: jax.Array) -> jax.Array:
     return jnp.sum(jnp.any(segment_ids > 0, axis=-1)).astype(jnp.float32)
 
 
-def micro_batches(steps: Sequence[Mapping[str, np.ndarray]] | StepBatches, *, skip: int = 0) -> grain.MapDataset:
+def micro_batches(steps: Sequence[Mapping[str, np.ndarray]] | StepBatches | StreamBatches, *,
+                  skip: int = 0) -> grain.MapDataset:
     """A Grain ``MapDataset`` of PeftTrainer's micro-batches from optimizer steps' batches.
 
     Under ``jax.distributed``, give each process the rows it holds (``data.distributed.process_step``),
@@ -90,8 +92,8 @@ def micro_batches(steps: Sequence[Mapping[str, np.ndarray]] | StepBatches, *, sk
     Args:
       steps: the batches of successive optimizer steps, each mapping ``BATCH_FIELDS`` to arrays [A, B, T]
         (``step.stack``, or ``SFTPipeline.batches``' second items), all of one shape; other keys are dropped. A
-        ``data.StepBatches`` is read lazily: each micro-batch is built when the dataset is read (Grain's
-        ``__getitem__``), its step's targets counted over every process's rows without building the step (no
+        ``data.StepBatches`` (or a stream's ``data.StreamBatches``) is read lazily: each micro-batch is built when
+        the dataset is read (Grain's ``__getitem__``), its step's targets counted over every process's rows (no
         collective); a list is read once (its targets summed over processes: one collective, here).
       skip: the first ``skip`` elements are empty dicts, not built: those a resumed ``PeftTrainer`` passes over
         (it iterates past the micro-batches its checkpoint consumed, ``train_steps * A``, without using them).
@@ -120,7 +122,7 @@ def micro_batches(steps: Sequence[Mapping[str, np.ndarray]] | StepBatches, *, sk
     """
     if not len(steps):
         raise BatchError("micro_batches: no optimizer step")
-    if isinstance(steps, StepBatches):
+    if isinstance(steps, (StepBatches, StreamBatches)):
         (accumulation, rows, _), micro, targets = steps.shape, steps.micro, steps.targets
     else:
         (accumulation, rows, _), micro, targets = _laid_out(steps)
