@@ -19,7 +19,7 @@ from trl import SFTConfig, SFTTrainer
 
 from gemport.data import from_sft_config
 from gemport.data import cache, workers
-from gemport.data.prepared import MANIFEST, load
+from gemport.data.prepared import MANIFEST, Column, load
 from gemport.errors import MaskError
 from test_train_sft import chats, tokenizer
 
@@ -73,7 +73,7 @@ def test_a_second_run_reads_the_cache_and_tokenizes_nothing(tmp_path, monkeypatc
     data.write_text("".join(json.dumps(r) + "\n" for r in chats(50)))
     pipeline = from_sft_config(CONFIG, tokenizer())
     first = pipeline.prepared(data, tokenizer(), root=tmp_path / "cache", progress=False)
-    assert isinstance(first.examples.tokens, np.memmap) and (first.path / MANIFEST).is_file()
+    assert isinstance(first.examples.tokens, Column) and (first.path / MANIFEST).is_file()
 
     def never(*args, **kwargs):
         raise AssertionError("prepared again")

@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import socket
 from collections.abc import Mapping
 from pathlib import Path
@@ -32,7 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
+from gemport.checkpoint.output import atomic_dir
 from gemport.data import formats
+from gemport.errors import CheckpointError
 from gemport.data.dataset import Options, check_source
 from gemport.data.prepared import FORMAT, Prepared, Writer, complete, load
 from gemport.data.workers import Job, prepared_parts
@@ -151,45 +152,19 @@ def _prepare(pipeline, source, tokenizer, path, facts, *, workers, check, templa
     options = Options(pipeline.chat_format, policy=pipeline.policy, completion_only_loss=pipeline.completion_only_loss,
                       text_field=pipeline.text_field, eos_token=_eos(pipeline, tokenizer))
     check_source(formats.located(source), tokenizer, options, check=check)
-    _clear_stale(path)
-    tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
-        writer = Writer(tmp)
-        job = Job(source, tokenizer, pipeline.truncation, options, dict(template) if template else None)
-        total = len(source) if hasattr(source, "__len__") and not isinstance(source, (str, os.PathLike)) else None
-        with tqdm(total=total, desc="prepare data", unit="record", disable=not progress) as bar:
-            for done in prepared_parts(job, workers=workers):
-                writer.append(done.tokens, done.loss_mask, done.lengths, done.targets, done.report)
-                bar.update(done.records)
-        writer.finish(pipeline.placement if pipeline.layout == "pack" else lambda examples: None, dict(facts))
-        try:
-            os.rename(tmp, path)
-        except OSError:
-            if not complete(path):  # not another run's complete preparation of the same key
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _clear_stale(path: Path) -> None:
-    # Temporary folders of this key that a killed process of this host left behind (on shared storage another
-    # host's may still be writing: only this host's, of processes that are gone, are removed).
-    host = socket.gethostname()
-    for tmp in path.parent.glob(f".{path.name}.{host}.*.tmp") if path.parent.is_dir() else ():
-        pid = tmp.name.removesuffix(".tmp").rsplit(".", 1)[-1]
-        if pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        with atomic_dir(path) as tmp:  # renamed into place once the manifest is written; removed on any failure
+            writer = Writer(tmp)
+            job = Job(source, tokenizer, pipeline.truncation, options, dict(template) if template else None)
+            total = len(source) if hasattr(source, "__len__") and not isinstance(source, (str, os.PathLike)) else None
+            with tqdm(total=total, desc="prepare data", unit="record", disable=not progress) as bar:
+                for done in prepared_parts(job, workers=workers):
+                    writer.append(done.tokens, done.loss_mask, done.lengths, done.targets, done.report)
+                    bar.update(done.records)
+            writer.finish(pipeline.placement if pipeline.layout == "pack" else lambda examples: None, dict(facts))
+    except CheckpointError:
+        if not complete(path):  # not another run's complete preparation of the same key, renamed first
+            raise
 
 
 __all__ = ["STAMPS", "about", "data_fingerprint", "file_digest", "key_of", "prepared", "tokenizer_fingerprint"]

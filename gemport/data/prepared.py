@@ -4,8 +4,8 @@ The folder holds every kept example's tokens (int32 [N]) and target flags (bool 
 example starts (int64 [n + 1]) and its targets (int32 [n]), with ``packing`` TRL's packed rows (``order`` int64
 [n], ``row_offsets`` int64 [rows + 1]: ``packing.Placement``), and ``manifest.json``: the counts, the truncation
 report, the examples' digest and token id range, and what they were prepared from. ``Writer`` appends examples as
-they are prepared and writes the manifest last; ``load`` maps the arrays (``np.load(mmap_mode="r")``), so a run
-holds only the pages its batches read.
+they are prepared and writes the manifest last; ``load`` opens the tokens and flags as ``Column``s, read by range as
+batches ask for them, and holds one number per example (offsets, targets, packed order) in memory.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 import struct
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,8 @@ class Prepared:
     """Prepared examples, read from their folder.
 
     Attributes:
-      examples: the kept examples (``FlatExamples``, memory-mapped), in the data's order.
+      examples: the kept examples (``FlatExamples`` whose tokens and flags are ``Column``s on disk), in the data's
+        order.
       placement: TRL's packed rows of them (``packing``), else None.
       report: what truncation at ``max_length`` cut or dropped (``TruncationReport``).
       path: the folder.
@@ -51,6 +53,45 @@ class Prepared:
     report: TruncationReport
     path: Path
     manifest: dict[str, Any]
+
+
+class Column:
+    """A flat ``.npy`` array on disk whose ranges are read when indexed (``os.pread``): a batch reads its
+    examples' bytes into fresh arrays, and nothing stays mapped into the process, so a run that reads every example
+    once an epoch does not grow by the cache's size (a memory map's pages count in the reader's RSS once touched).
+
+    ``column[i]`` and ``column[a:b]`` (step 1) read those elements; any other index, and ``np.asarray(column)``,
+    read the whole array memory-mapped (for the rare pass over everything: naming a bad token id).
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        with open(path, "rb") as f:
+            header = (np.lib.format.read_array_header_1_0 if np.lib.format.read_magic(f) == (1, 0)
+                      else np.lib.format.read_array_header_2_0)
+            shape, _, dtype = header(f)
+            self.start = f.tell()
+        self.shape, self.dtype = shape, dtype
+        self.fd = os.open(path, os.O_RDONLY)
+        weakref.finalize(self, os.close, self.fd)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, key):
+        if isinstance(key, slice) and key.step in (None, 1):
+            start, stop, _ = key.indices(len(self))
+            count = max(stop - start, 0)
+            data = os.pread(self.fd, count * self.dtype.itemsize, self.start + start * self.dtype.itemsize)
+            return np.frombuffer(data, self.dtype, count)
+        if isinstance(key, (int, np.integer)):
+            i = range(len(self))[key]
+            return self[i:i + 1][0]
+        return np.asarray(self)[key]
+
+    def __array__(self, dtype=None, copy=None):
+        whole = np.load(self.path, mmap_mode="r")
+        return whole if dtype is None else whole.astype(dtype)
 
 
 class _Column:
@@ -82,12 +123,11 @@ class Writer:
     and the manifest.
 
     Args:
-      path: the folder (created; it must not exist).
+      path: the folder (empty).
     """
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        path.mkdir(parents=True)
         self.tokens = _Column(path / "tokens.npy", np.int32)
         self.loss_mask = _Column(path / "loss_mask.npy", bool)
         self.lengths: list[np.ndarray] = []
@@ -139,12 +179,11 @@ class Writer:
 
 
 def _examples(path: Path, manifest: dict[str, Any]) -> FlatExamples:
-    def array(name):
-        return np.load(path / f"{name}.npy", mmap_mode="r")
-
+    # Tokens and flags read by range when a batch asks (Column); one number per example held in memory.
     id_range = manifest["id_range"]
-    return FlatExamples(array("tokens"), array("loss_mask"), array("offsets"), array("targets"),
-                        digest=manifest["digest"], id_range=tuple(id_range) if id_range is not None else None)
+    return FlatExamples(Column(path / "tokens.npy"), Column(path / "loss_mask.npy"), np.load(path / "offsets.npy"),
+                        np.load(path / "targets.npy"), digest=manifest["digest"],
+                        id_range=tuple(id_range) if id_range is not None else None)
 
 
 def complete(path: Path) -> bool:
@@ -156,7 +195,7 @@ def complete(path: Path) -> bool:
 
 
 def load(path: str | os.PathLike) -> Prepared:
-    """The prepared examples of folder ``path``, memory-mapped.
+    """The prepared examples of folder ``path``: tokens and flags read from disk as batches ask (``Column``).
 
     Raises:
       MaskError: the folder is not a complete preparation (no manifest: interrupted, or of another ``FORMAT``).
@@ -168,10 +207,9 @@ def load(path: str | os.PathLike) -> Prepared:
     manifest = json.loads((path / MANIFEST).read_text())
     placement = None
     if manifest["rows"] is not None:
-        placement = Placement(np.load(path / "order.npy", mmap_mode="r"),
-                              np.load(path / "row_offsets.npy", mmap_mode="r"))
+        placement = Placement(np.load(path / "order.npy"), np.load(path / "row_offsets.npy"))
     return Prepared(_examples(path, manifest), placement, TruncationReport.from_json(manifest["report"]), path,
                     manifest)
 
 
-__all__ = ["FORMAT", "MANIFEST", "Prepared", "Writer", "complete", "load"]
+__all__ = ["Column", "FORMAT", "MANIFEST", "Prepared", "Writer", "complete", "load"]
