@@ -33,6 +33,7 @@ FORMAT = 1
 folders are prepared again rather than read."""
 
 _HEADER = 128  # bytes of an .npy header written before the array's length is known, rewritten at the end
+_BLOCK = 1 << 24  # elements a Column gathers scattered indices from at a time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +61,9 @@ class Column:
     examples' bytes into fresh arrays, and nothing stays mapped into the process, so a run that reads every example
     once an epoch does not grow by the cache's size (a memory map's pages count in the reader's RSS once touched).
 
-    ``column[i]`` and ``column[a:b]`` (step 1) read those elements; any other index, and ``np.asarray(column)``,
-    read the whole array memory-mapped (for the rare pass over everything: naming a bad token id).
+    ``column[i]`` and ``column[a:b]`` (step 1) read those elements; ``column[indices]`` (ints) reads the file in
+    order, ``_BLOCK`` elements at a time; any other index, and ``np.asarray(column)``, map the whole array (for the
+    rare pass over everything: naming a bad token id).
     """
 
     def __init__(self, path: Path) -> None:
@@ -87,7 +89,21 @@ class Column:
         if isinstance(key, (int, np.integer)):
             i = range(len(self))[key]
             return self[i:i + 1][0]
-        return np.asarray(self)[key]
+        keys = np.asarray(key)
+        if keys.dtype.kind not in "iu":
+            return np.asarray(self)[key]
+        # Gathered from the file read in order, a block at a time: scattered indices touch every page once,
+        # and none stays in this process.
+        keys = np.where(keys < 0, keys + len(self), keys).ravel()
+        out = np.empty(len(keys), self.dtype)
+        order = np.argsort(keys, kind="stable")
+        wanted = keys[order]
+        bounds = np.searchsorted(wanted, np.arange(0, len(self) + _BLOCK, _BLOCK))
+        for block, (a, b) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist())):
+            if a < b:
+                start = block * _BLOCK
+                out[order[a:b]] = self[start:start + _BLOCK][wanted[a:b] - start]
+        return out.reshape(np.shape(key))
 
     def __array__(self, dtype=None, copy=None):
         whole = np.load(self.path, mmap_mode="r")

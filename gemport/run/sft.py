@@ -226,7 +226,8 @@ class SFTRun:
 
         The model's remat is ``gradient_checkpointing``'s (``data.sft.remat_of``). ``chat_template_path`` (a
         .jinja file or a tokenizer folder) sets the template, as TRL does, and every training conversation is
-        checked to render and mask alike through it (``data.chat_template``). The data is tokenized and its
+        checked to render and mask alike through it as the data is prepared (``data.chat_template``). The data is
+        prepared once (``cache_dir``; a ``data.Stream`` or ``IterableDataset`` is read as TRL reads a stream) and its
         token ids checked against the vocabulary before the model loads.
 
         Args:
@@ -265,7 +266,8 @@ class SFTRun:
           kind: what a kind of run takes beside (``DPORun``: ``reference``), passed to its stages.
 
         Returns:
-          The `SFTRun`, its model loaded (or built abstract) on the mesh with LoRA, its batches laid out and its
+          The `SFTRun`, its model loaded (or built abstract) on the mesh with LoRA, its data prepared (or read from
+          the cache; a stream read as the steps come), its steps' batches built as they are read, and its
           optimizer and ``training_config`` built; ``trainer`` is None until ``train()``.
 
         Raises:
