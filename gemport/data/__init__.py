@@ -8,7 +8,7 @@ TRL ``SFTConfig`` onto these pieces (``SFTPipeline``); ``optimizer_steps`` gives
 HF's sample order (torch's seeded ``RandomSampler``, reproduced without torch). DPO's preference pairs:
 ``preferences`` and ``collate``. Grain integration is in ``gemport.data.grain``. At scale: ``SFTPipeline.prepared``
 writes the examples (and TRL's packed rows, ``trl_placement``: 1000 examples at a time) once, on every core, into a
-cache read back memory-mapped (``FlatExamples``, ``gemport.data.cache``); ``SFTPipeline.steps`` is the sequence of
+cache read back by range (``FlatExamples``, ``gemport.data.cache``); ``SFTPipeline.steps`` is the sequence of
 every step's batch built when read (``StepBatches`` over a ``StepPlan``); a dataset without a length (a
 ``Stream``, an ``IterableDataset``) is read as TRL reads a stream (``StreamBatches``). Options are ``Literal`` types:
 ``Train``, ``Overflow``, ``Thinking``, ``Revision``, a truncation's ``Decision``, ``Layout``, ``SamplingStrategy``.

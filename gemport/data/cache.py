@@ -4,7 +4,7 @@ A preparation (``gemport.data.prepared``) is keyed by everything that changes th
 content, a ``datasets.Dataset``'s fingerprint, a list's records), the tokenizer (its whole ``tokenizer.json``, its
 special tokens and chat template), how records render and fit (``SFTPipeline``'s chat format, mask policy,
 truncation, text field and EOS), the packing (``max_length`` and ``dataset_num_proc`` with ``packing``) and the
-preparation's ``FORMAT``. It lives in ``<root>/<key>/``; a rerun with the same key reads it memory-mapped
+preparation's ``FORMAT``. It lives in ``<root>/<key>/``; a rerun with the same key reads it from disk as batches ask
 and tokenizes nothing.
 
 A data file is named by its content (sha256), read once: ``<root>/stamps/`` remembers the content hash of a path at
@@ -129,7 +129,7 @@ def prepared(pipeline: SFTPipeline, source: Any, tokenizer: Any, *, root: str | 
       progress: a progress bar while preparing.
 
     Returns:
-      The ``Prepared`` examples (memory-mapped), their packed rows and truncation report.
+      The ``Prepared`` examples (read from disk as batches ask), their packed rows and truncation report.
 
     Raises:
       MaskError, RecipeError: a record the pipeline cannot render, a template it does not follow, an example

@@ -1,8 +1,8 @@
 """Examples one after another in flat arrays: what the prepared-data cache memory-maps and batches are built from.
 
 A million conversations as a Python list of ``Example``s cost gigabytes and seconds to build; as three flat arrays
-(every token, every target flag, where each example starts) they are a few numpy views, and read from
-``np.load(mmap_mode="r")`` they cost nothing until a batch reads its rows.
+(every token, every target flag, where each example starts) they are a few numpy views, and on disk
+(``prepared.Column``) they cost nothing until a batch reads its rows.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Prepared examples on disk: a folder of flat ``.npy`` arrays and a manifest, read memory-mapped.
+"""Prepared examples on disk: a folder of flat ``.npy`` arrays and a manifest, read back by range.
 
 The folder holds every kept example's tokens (int32 [N]) and target flags (bool [N]) end to end, where each
 example starts (int64 [n + 1]) and its targets (int32 [n]), with ``packing`` TRL's packed rows (``order`` int64

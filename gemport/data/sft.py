@@ -72,7 +72,7 @@ class SFTPipeline:
     def prepared(self, source: Any, tokenizer: Any, *, root: str | os.PathLike, workers: int | None = None,
                  template: Mapping[str, Any] | None = None, progress: bool = True) -> Prepared:
         """The examples of ``source`` (with ``packing``, their packed rows) prepared once into ``root`` and read
-        from there memory-mapped: ``gemport.data.cache.prepared`` with this pipeline (its ``workers``,
+        from there as batches ask: ``gemport.data.cache.prepared`` with this pipeline (its ``workers``,
         ``template`` check and ``progress``)."""
         return cache.prepared(self, source, tokenizer, root=root, workers=workers, template=template,
                               progress=progress)

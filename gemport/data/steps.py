@@ -1,4 +1,4 @@
-"""Each optimizer step's batch, built when it is read, from examples in flat arrays (in memory or memory-mapped).
+"""Each optimizer step's batch, built when it is read, from examples in flat arrays (in memory or on disk).
 
 A run of a million conversations has tens of thousands of steps; laid out ahead they would be the dataset again,
 several times over. ``StepBatches`` is the sequence of them that holds none: ``batches[s]`` (or one micro-batch,
@@ -74,7 +74,7 @@ class StepBatches(Sequence[dict[str, np.ndarray]]):
     """The batch of every optimizer step of ``plan``, mapping ``BATCH_FIELDS`` to [A, B, T], built when read.
 
     Args:
-      examples: the examples the plan's units index (``FlatExamples``: in memory, or memory-mapped from the
+      examples: the examples the plan's units index (``FlatExamples``: in memory, or read from the
         prepared-data cache).
       plan: each step's ``OptimizerStep`` (``order.StepPlan``, or a list): the units of each micro-batch, the
         whole batch's (every process's).

@@ -175,7 +175,7 @@ class SFTRun:
         ``abstract`` run.
       tokenizer: the HF tokenizer the data was tokenized with (None for an abstract run without one).
       pipeline: the `SFTPipeline` of the recipe (``from_sft_config``).
-      examples: the tokenized training examples, memory-mapped from the prepared-data cache (``data.FlatExamples``:
+      examples: the tokenized training examples, read from the prepared-data cache (``data.FlatExamples``:
         each a ``Stored`` of tokens int32 [n] and loss_mask bool [n]).
       report: what truncation at ``max_length`` cut or dropped (``TruncationReport``).
       plan: the ``OptimizerStep`` of every step (``data.StepPlan``, each built when read): the rows (``units``)
@@ -336,7 +336,7 @@ class SFTRun:
              abstract: bool) -> dict[str, Any]:
         """The ``data`` stage: the tokenizer, the recipe's pipeline (``from_sft_config``), the training examples
         prepared once into ``cache_root`` (tokenized, masked, packed on every core; under ``jax.distributed`` by
-        process 0) and read memory-mapped, each optimizer step's batch in HF's order built when read (this
+        process 0) and read from disk as batches ask, each optimizer step's batch in HF's order built when read (this
         process's rows of it under ``jax.distributed``), and the eval batches, as the run's attributes; every
         token id checked against the vocabulary (before the model loads)."""
         f = recipe.fields
