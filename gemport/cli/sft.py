@@ -161,7 +161,7 @@ def run(args) -> int:
     train_data, test_data = load_splits(
         script["dataset_name"], script.get("dataset_config"),
         train_split=script.get("dataset_train_split", "train"), test_split=script.get("dataset_test_split", "test"),
-        with_test=sft["eval_strategy"] != "no")
+        with_test=sft["eval_strategy"] != "no", streaming=bool(script.get("dataset_streaming")))
     sft_run = SFTRun.create(sft, base, train_data, lora=lora, eval_dataset=test_data, init_adapter=args.init_adapter,
                             fsdp=args.fsdp, tp=args.tp, dtype=recipe.dtype(), qlora=qlora,
                             progress=not sft["disable_tqdm"])
@@ -169,7 +169,9 @@ def run(args) -> int:
     dropped = report.dropped_too_long + report.dropped_no_target
     total = dropped + len(sft_run.examples)
     lora_spec = sft_run.lora_spec
-    say(f"data: {len(sft_run.examples)} of {total} examples kept ({report}); {sft_run.max_steps} optimizer steps "
+    kept = f"{len(sft_run.examples)} of {total} examples kept" + (
+        " in the stream's first packing batch" if sft_run.plan.num_samples is None else "")
+    say(f"data: {kept} ({report}); {sft_run.max_steps} optimizer steps "
         f"of {sft['gradient_accumulation_steps']} x {sft['per_device_train_batch_size']} "
         f"({sft_run.pipeline.layout}); mesh {dict(sft_run.mesh.shape)}; LoRA r={lora_spec.rank} "
         f"alpha={lora_spec.alpha} on {', '.join(lora_spec.targets)}; {describe(sft_run.precision)}"

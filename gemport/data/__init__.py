@@ -6,20 +6,27 @@ teaching the wrong thing (``Truncation``, ``truncate``), pack best fit decreasin
 packing (``pad``, ``padding_free``) into ``Rows``, lay micro-batches out as a step's batch (``stack``), and feed Tunix (``tunix_inputs``). ``from_sft_config`` maps a
 TRL ``SFTConfig`` onto these pieces (``SFTPipeline``); ``optimizer_steps`` gives each optimizer step's rows in
 HF's sample order (torch's seeded ``RandomSampler``, reproduced without torch). DPO's preference pairs:
-``preferences`` and ``collate``. Grain integration is in ``gemport.data.grain``. Options are ``Literal`` types:
+``preferences`` and ``collate``. Grain integration is in ``gemport.data.grain``. At scale: ``SFTPipeline.prepared``
+writes the examples (and TRL's packed rows, ``trl_placement``: 1000 examples at a time) once, on every core, into a
+cache read back by range (``FlatExamples``, ``gemport.data.cache``); ``SFTPipeline.steps`` is the sequence of
+every step's batch built when read (``StepBatches`` over a ``StepPlan``); a dataset without a length (a
+``Stream``, an ``IterableDataset``) is read as TRL reads a stream (``StreamBatches``). Options are ``Literal`` types:
 ``Train``, ``Overflow``, ``Thinking``, ``Revision``, a truncation's ``Decision``, ``Layout``, ``SamplingStrategy``.
 """
 
 from gemport.data.batching import BATCH_FIELDS, pad, padding_free, stack
+from gemport.data.flat import FlatExamples
 from gemport.data.gemma3 import Gemma3
 from gemport.data.gemma4 import Gemma4, Revision, Thinking
-from gemport.data.order import optimizer_steps, OptimizerStep, randperm, sample_order, SamplingStrategy
-from gemport.data.packing import attention_mask, Labelled, pack, Rows, tunix_inputs
+from gemport.data.order import optimizer_steps, OptimizerStep, randperm, sample_order, SamplingStrategy, StepPlan
+from gemport.data.packing import attention_mask, Labelled, pack, Placement, Rows, trl_placement, tunix_inputs
 from gemport.data.pipeline import build, prepare
 from gemport.data.policies import MaskPolicy, Train
 from gemport.data.pairs import collate, Preference, preferences, split_prompt
 from gemport.data.render import Part, PARTS, Role, ROLES, Segment
 from gemport.data.sft import from_sft_config, Layout, LAYOUTS, SFTPipeline
+from gemport.data.steps import StepBatches
+from gemport.data.stream import Stream, StreamBatches
 from gemport.data.tokenize import check_tokenizer, encode, Example, token_offsets
 from gemport.data.truncation import Decision, Fitted, Overflow, truncate, Truncation, TruncationReport
 
@@ -28,6 +35,7 @@ __all__ = [
     "Decision",
     "Example",
     "Fitted",
+    "FlatExamples",
     "Gemma3",
     "Gemma4",
     "LAYOUTS",
@@ -38,6 +46,7 @@ __all__ = [
     "Overflow",
     "PARTS",
     "Part",
+    "Placement",
     "Preference",
     "ROLES",
     "Revision",
@@ -46,6 +55,10 @@ __all__ = [
     "SFTPipeline",
     "SamplingStrategy",
     "Segment",
+    "StepBatches",
+    "StepPlan",
+    "Stream",
+    "StreamBatches",
     "Thinking",
     "Train",
     "Truncation",
@@ -67,6 +80,7 @@ __all__ = [
     "split_prompt",
     "stack",
     "token_offsets",
+    "trl_placement",
     "truncate",
     "tunix_inputs",
 ]

@@ -65,14 +65,15 @@ def with_chat_template(tokenizer: Any, path: str | os.PathLike, vocab_rows: int)
 
 
 def check_records(records: Iterable[Any], tokenizer: Any, chat_format: Any, *, policy: Any = None,
-                  text_field: str = "text") -> int:
+                  text_field: str = "text", first_index: int = 0) -> int:
     """Refuse a custom chat template that gemport's ``chat_format`` does not follow on ``records``.
 
     Every conversational record (a ``messages`` list, or conversational prompt/completion) is rendered by
     ``tokenizer.chat_template`` and by ``chat_format``: the texts must be equal (for prompt/completion records
     the prompt with its generation prompt too, where TRL's completion mask starts), and with ``policy`` (TRL's
     ``assistant_only_loss``) the characters it trains must be the template's ``{% generation %}`` spans. Returns
-    the number of records checked. Raises ``RecipeError`` naming ``chat_template_path`` and the record.
+    the number of records checked. Raises ``RecipeError`` naming ``chat_template_path`` and the record (by its
+    index in the dataset: ``records`` begin at ``first_index``).
     """
     from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -84,7 +85,7 @@ def check_records(records: Iterable[Any], tokenizer: Any, chat_format: Any, *, p
         raise RecipeError(f"{_FIELD}: the template has no {{% generation %}} markers, which TRL's "
                           "assistant_only_loss needs (TRL raises); add them around the assistant's trained text")
     checked = 0
-    for index, record in enumerate(records):
+    for index, record in enumerate(records, first_index):
         if not isinstance(record, Mapping) or not formats.conversational(record, formats.detect(record, text_field)):
             continue
         messages, tools = formats.conversation(record)

@@ -13,11 +13,12 @@ formats get the tokenizer's EOS appended and its own special tokens, as TRL toke
 """
 
 import dataclasses
+import itertools
 import json
 import os
 import typing
 from collections.abc import Hashable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from gemport.errors import MaskError
 from gemport._src.extras import require
@@ -66,6 +67,100 @@ def located(source: Any, batch_size: int = 1024) -> Iterator[tuple[str, Any]]:
         # A Grain data source (RandomAccessDataSource) is read by index.
         for i in range(len(source)):
             yield f"record {i}", source[i]
+
+
+class Lines(NamedTuple):
+    """Consecutive records of a .jsonl file as the raw lines read here, parsed where they are read (``read``).
+
+    first: the dataset index of the first; lines: (where, line) pairs, ``where`` as ``located`` names them."""
+
+    first: int
+    lines: tuple[tuple[str, bytes], ...]
+
+    @property
+    def count(self) -> int:
+        """The records of this part."""
+        return len(self.lines)
+
+    def read(self, source: Any) -> Iterator[tuple[str, Any]]:
+        """``located``'s (where, record) pairs of these lines."""
+        for where, line in self.lines:
+            yield where, _json(line, where)
+
+
+class Records(NamedTuple):
+    """Consecutive records read here (a .json or .parquet file, an iterable): first, the dataset index of the
+    first; records, ``located``'s (where, record) pairs."""
+
+    first: int
+    records: tuple[tuple[str, Any], ...]
+
+    @property
+    def count(self) -> int:
+        """The records of this part."""
+        return len(self.records)
+
+    def read(self, source: Any) -> Iterator[tuple[str, Any]]:
+        """``located``'s (where, record) pairs of these records."""
+        return iter(self.records)
+
+
+class Span(NamedTuple):
+    """Records ``first`` to ``first + count`` of a source that can be indexed (a list, a ``datasets.Dataset``, a
+    Grain source), read from it where the part is read (a forked process holds the same source)."""
+
+    first: int
+    count: int
+
+    def read(self, source: Any) -> Iterator[tuple[str, Any]]:
+        """``located``'s (where, record) pairs of these records of ``source``."""
+        stop = self.first + self.count
+        if hasattr(source, "column_names"):  # a datasets.Dataset: one slice of columns, far faster than rows
+            columns = source[self.first:stop]
+            rows = (dict(zip(columns, values)) for values in zip(*columns.values()))
+        else:
+            rows = (source[i] for i in range(self.first, stop))
+        for i, record in enumerate(rows, self.first):
+            yield f"record {i}", record
+
+
+Part = Lines | Records | Span
+"""Consecutive records of a source, to be read in another process (``part.read(source)``): ``parts`` cuts them."""
+
+
+def parts(source: Any, size: int) -> Iterator[Part]:
+    """The records of ``source`` (as ``read`` takes it) as consecutive ``Part``s of up to ``size`` records, lazily.
+
+    A .jsonl file's lines are read here and parsed where each part is read; a source that can be indexed (a list, a
+    ``datasets.Dataset``, a Grain source) is cut into ``Span``s read from it there; anything else is read here.
+    """
+    if isinstance(source, (str, os.PathLike)) and os.path.splitext(os.fspath(source))[1].lower() in (".jsonl",
+                                                                                                     ".ndjson"):
+        path = os.fspath(source)
+        first, batch = 0, []
+        with open(path, "rb") as f:
+            for line_number, line in enumerate(f, 1):
+                if line.strip():
+                    batch.append((f"{path}:{line_number}", line))
+                    if len(batch) == size:
+                        yield Lines(first, tuple(batch))
+                        first, batch = first + size, []
+        if batch:
+            yield Lines(first, tuple(batch))
+    elif _indexable(source):
+        for first in range(0, len(source), size):
+            yield Span(first, min(size, len(source) - first))
+    else:
+        records = located(source)
+        first = 0
+        while batch := tuple(itertools.islice(records, size)):
+            yield Records(first, batch)
+            first += len(batch)
+
+
+def _indexable(source: Any) -> bool:
+    return (hasattr(source, "__len__") and hasattr(source, "__getitem__")
+            and not isinstance(source, (str, bytes, os.PathLike, Mapping)))
 
 
 def _read_file(path, batch_size):

@@ -8,8 +8,9 @@ an MT19937 seeded with ``seed mod 2**32``; numpy's legacy MT19937 seeding is the
 order is reproduced here without torch.
 """
 
-from collections.abc import Iterator
-from typing import Any, Literal, NamedTuple
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal, NamedTuple, overload
 
 import numpy as np
 
@@ -63,21 +64,108 @@ def micro_batches_per_epoch(num_samples: int, batch_size: int, drop_last: bool) 
     return num_samples // batch_size if drop_last else -(-num_samples // batch_size)
 
 
-def optimizer_steps(training_args_or_dict: Any, num_samples: int) -> Iterator[OptimizerStep]:
-    """Every optimizer step of HF's Trainer on a map-style dataset of ``num_samples`` rows, in order.
+class StepPlan(Sequence[OptimizerStep]):
+    """Every optimizer step of HF's Trainer on a map-style dataset of ``num_samples`` rows, in order, each built
+    when read: ``plan[s]`` is step s's ``OptimizerStep``.
 
     Reads ``per_device_train_batch_size``, ``gradient_accumulation_steps``, ``seed``, ``data_seed``,
     ``train_sampling_strategy``, ``max_steps``, ``num_train_epochs`` and ``dataloader_drop_last``
     (``gemport.recipe.OrderFields``) from a ``TrainingArguments`` / ``SFTConfig`` or a dict (absent keys take the
-    installed ``TrainingArguments``' defaults), on one process. Each epoch's order is ``sample_order``, cut into micro-batches of the batch size (the
-    last one shorter unless ``dataloader_drop_last``); each optimizer step takes
-    ``gradient_accumulation_steps`` consecutive micro-batches, the last step of an epoch the remainder.
-    Training stops after ``max_steps`` steps if it is positive, else after
-    ``ceil(num_train_epochs * steps_per_epoch)``. Yields ``OptimizerStep``s.
+    installed ``TrainingArguments``' defaults), on one process. Each epoch's order is ``sample_order``, cut into
+    micro-batches of the batch size (the last one shorter unless ``dataloader_drop_last``); each optimizer step
+    takes ``gradient_accumulation_steps`` consecutive micro-batches, the last step of an epoch the remainder.
+    Training stops after ``max_steps`` steps if it is positive, else after ``ceil(num_train_epochs *
+    steps_per_epoch)``.
+
+    Only the orders of the two epochs read last are kept (int64 [num_samples] each), so a plan of any length holds
+    no more; an epoch's order is drawn again when it is read after those (torch's ``randperm``, about a second a
+    million rows).
 
     Args:
       training_args_or_dict: ``TrainingArguments`` / ``SFTConfig``, or a dict of their fields.
       num_samples: the rows of the dataset (examples, or packed rows).
+
+    Raises:
+      RecipeError: a batch size or accumulation that is not a positive int, no row, or no whole batch under
+        ``dataloader_drop_last``.
+    """
+
+    def __init__(self, training_args_or_dict: Any, num_samples: int) -> None:
+        f = OrderFields.from_config(training_args_or_dict)
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
+            if not (isinstance(getattr(f, name), int) and getattr(f, name) >= 1):
+                raise RecipeError(f"{name} must be a positive int, got {getattr(f, name)!r}")
+        if num_samples < 1:
+            raise RecipeError(f"optimizer_steps: the dataset has {num_samples} rows")
+        self.num_samples = num_samples
+        self.batch_size, self.accumulation = f.per_device_train_batch_size, f.gradient_accumulation_steps
+        self.micro_per_epoch = micro_batches_per_epoch(num_samples, self.batch_size, f.dataloader_drop_last)
+        if self.micro_per_epoch == 0:
+            raise RecipeError(f"dataloader_drop_last with {num_samples} rows < per_device_train_batch_size "
+                              f"{self.batch_size}: no batch")
+        self.steps_per_epoch = max(-(-self.micro_per_epoch // self.accumulation), 1)
+        max_steps = f.max_steps
+        if not max_steps or max_steps <= 0:
+            max_steps = int(np.ceil(f.num_train_epochs * self.steps_per_epoch))
+        self.max_steps = max_steps
+        self.seed = f.seed if f.data_seed is None else f.data_seed
+        self.strategy = f.train_sampling_strategy
+        self._orders: dict[int, np.ndarray] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return self.max_steps
+
+    @overload
+    def __getitem__(self, s: int) -> OptimizerStep: ...
+
+    @overload
+    def __getitem__(self, s: slice) -> list[OptimizerStep]: ...
+
+    def __getitem__(self, s):
+        if isinstance(s, slice):
+            return [self[i] for i in range(*s.indices(len(self)))]
+        s = range(len(self))[s]  # negative indices, and an IndexError past the end
+        epoch, first = divmod(s, self.steps_per_epoch)
+        order = self.order(epoch)
+        micro = range(first * self.accumulation, min((first + 1) * self.accumulation, self.micro_per_epoch))
+        return OptimizerStep(s, epoch, tuple(order[m * self.batch_size:(m + 1) * self.batch_size] for m in micro))
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The sample order of ``epoch`` (``sample_order``), int64 [num_samples]."""
+        with self._lock:
+            if epoch not in self._orders:
+                if len(self._orders) == 2:  # the older of the two kept goes
+                    del self._orders[next(iter(self._orders))]
+                self._orders[epoch] = sample_order(self.num_samples, seed=self.seed, epoch=epoch,
+                                                   strategy=self.strategy)
+            return self._orders[epoch]
+
+    def largest(self, values: np.ndarray) -> int:
+        """The largest sum of ``values`` (one per row, int [num_samples]) over the rows of one micro-batch of the
+        plan: each epoch's order drawn once, its micro-batches summed together."""
+        values = np.asarray(values, np.int64)
+        best = 0
+        for epoch in range(-(-len(self) // self.steps_per_epoch)):
+            steps = min(len(self) - epoch * self.steps_per_epoch, self.steps_per_epoch)
+            micro = min(steps * self.accumulation, self.micro_per_epoch)
+            order = self.order(epoch)[:min(micro * self.batch_size, self.num_samples)]
+            sums = np.add.reduceat(values[order], np.arange(0, len(order), self.batch_size))
+            best = max(best, int(sums.max()))
+        return best
+
+    def epochs(self) -> np.ndarray:
+        """Each step's epoch as HF counts it, float64 [len(self)]: micro-batches done over an epoch's micro-batches
+        (computed from the geometry: no order is drawn)."""
+        s = np.arange(len(self))
+        epoch, first = np.divmod(s, self.steps_per_epoch)
+        done = np.minimum((first + 1) * self.accumulation, self.micro_per_epoch)
+        return epoch + done / self.micro_per_epoch
+
+
+def optimizer_steps(training_args_or_dict: Any, num_samples: int) -> Iterator[OptimizerStep]:
+    """Every optimizer step of HF's Trainer on a map-style dataset of ``num_samples`` rows, in order: the steps of
+    ``StepPlan`` (its arguments, fields and errors), one at a time.
 
     Returns:
       An iterator of ``OptimizerStep(step, epoch, micro_batches)``, each micro-batch int64 [<= batch size].
@@ -89,31 +177,4 @@ def optimizer_steps(training_args_or_dict: Any, num_samples: int) -> Iterator[Op
       >>> [(s.step, [m.tolist() for m in s.micro_batches]) for s in optimizer_steps(recipe, num_samples=6)]
       [(0, [[0, 3], [2, 4]]), (1, [[1, 5]])]
     """
-    f = OrderFields.from_config(training_args_or_dict)
-    batch_size, accumulation = f.per_device_train_batch_size, f.gradient_accumulation_steps
-    for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
-        if not (isinstance(getattr(f, name), int) and getattr(f, name) >= 1):
-            raise RecipeError(f"{name} must be a positive int, got {getattr(f, name)!r}")
-    if num_samples < 1:
-        raise RecipeError(f"optimizer_steps: the dataset has {num_samples} rows")
-    micro_per_epoch = micro_batches_per_epoch(num_samples, batch_size, f.dataloader_drop_last)
-    if micro_per_epoch == 0:
-        raise RecipeError(
-            f"dataloader_drop_last with {num_samples} rows < per_device_train_batch_size {batch_size}: no batch"
-        )
-    steps_per_epoch = max(-(-micro_per_epoch // accumulation), 1)
-    max_steps = f.max_steps
-    if not max_steps or max_steps <= 0:
-        max_steps = int(np.ceil(f.num_train_epochs * steps_per_epoch))
-    seed = f.seed if f.data_seed is None else f.data_seed
-    step = 0
-    epoch = 0
-    while step < max_steps:
-        order = sample_order(num_samples, seed=seed, epoch=epoch, strategy=f.train_sampling_strategy)
-        micro = [order[i * batch_size:(i + 1) * batch_size] for i in range(micro_per_epoch)]
-        for start in range(0, micro_per_epoch, accumulation):
-            if step == max_steps:
-                return
-            yield OptimizerStep(step, epoch, tuple(micro[start:start + accumulation]))
-            step += 1
-        epoch += 1
+    return iter(StepPlan(training_args_or_dict, num_samples))

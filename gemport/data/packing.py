@@ -7,7 +7,7 @@ Rows follow Grain's packing conventions: ``segment_ids`` are 1-based per example
 import bisect
 import collections
 from collections.abc import Sequence
-from typing import TypedDict
+from typing import NamedTuple, TypedDict
 
 import jax
 import jax.numpy as jnp
@@ -53,46 +53,134 @@ def labelled(examples: Sequence[Labelled], where: str) -> tuple[list[np.ndarray]
     return tokens, loss_mask, lengths
 
 
+class Placement(NamedTuple):
+    """Where packing puts each example: row r holds examples ``order[row_offsets[r]:row_offsets[r + 1]]``, in that
+    order from its first token.
+
+    order: int64 [n], every example index once, row by row; row_offsets: int64 [rows + 1], from 0 to n.
+    """
+
+    order: np.ndarray
+    row_offsets: np.ndarray
+
+    @property
+    def rows(self) -> int:
+        """The number of packed rows."""
+        return len(self.row_offsets) - 1
+
+
+TRL_PACKING_BATCH = 1000
+"""Examples per call of TRL's ``_pack_bfd``: ``pack_dataset`` packs through ``datasets``' ``map(batched=True)``,
+whose default ``batch_size`` is 1000 (``Dataset.map`` and ``IterableDataset.map`` alike)."""
+
+
+def best_fit(lengths: np.ndarray, seq_len: int) -> Placement:
+    """Best fit decreasing of examples of ``lengths`` (int [n], each 1..seq_len) into rows of ``seq_len``: longest
+    first (ties in input order), each into the open row it fills most tightly (the oldest such row), as TRL's
+    ``_pack_bfd``; returns the ``Placement``."""
+    row, offset, rows = _best_fit_decreasing(np.asarray(lengths, np.int64), seq_len)
+    order = np.lexsort((offset, row))
+    return Placement(order, np.concatenate([[0], np.cumsum(np.bincount(row, minlength=rows))]).astype(np.int64))
+
+
+def trl_placement(lengths: np.ndarray, seq_len: int, *, num_proc: int | None = None,
+                  batch: int = TRL_PACKING_BATCH) -> Placement:
+    """The ``Placement`` of TRL's ``pack_dataset(..., "bfd")`` over examples of ``lengths`` (int [n]).
+
+    TRL packs in ``datasets.map`` batches: ``batch`` consecutive examples at a time (``best_fit`` of each), within
+    each of the ``num_proc`` contiguous shards ``datasets`` cuts the dataset into for ``SFTConfig.dataset_num_proc``
+    (``Dataset.shard(contiguous=True)``: the first ``n % num_proc`` shards one example longer); the rows of each
+    batch follow those of the one before. Packing the whole dataset at once (``best_fit``) gives other rows as soon
+    as it holds more than ``batch`` examples.
+
+    Args:
+      lengths: each example's tokens, int [n].
+      seq_len: the rows' length (``max_length``).
+      num_proc: ``dataset_num_proc`` (None: one shard; ``datasets`` caps it at n).
+      batch: examples per packing call (``datasets``' default batch size).
+
+    Returns:
+      The ``Placement`` of every example, rows in TRL's order.
+    """
+    lengths = np.asarray(lengths, np.int64)
+    n = len(lengths)
+    shards = max(1, min(num_proc or 1, n))
+    size, longer = divmod(n, shards)
+    orders, counts, start = [], [], 0
+    for shard in range(shards):
+        stop = start + size + (shard < longer)
+        for first in range(start, stop, batch):
+            part = best_fit(lengths[first:min(first + batch, stop)], seq_len)
+            orders.append(part.order + first)
+            counts.append(np.diff(part.row_offsets))
+        start = stop
+    counts = np.concatenate(counts) if counts else np.zeros(0, np.int64)
+    return Placement(np.concatenate(orders) if orders else np.zeros(0, np.int64),
+                     np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
+
+
+def packed_rows(examples: Sequence[Labelled], placement: Placement, rows: Sequence[int] | np.ndarray,
+                seq_len: int) -> Rows:
+    """``Rows`` [len(rows), seq_len] of the placement's rows ``rows`` (int indices), each its examples one after
+    another from its first token, then padding (token 0, never trained); ``segment_ids`` count the row's examples
+    from 1, ``positions`` restart at 0 for each.
+
+    examples: every example ``placement`` places (``Example``s, or (tokens, loss_mask) pairs).
+    """
+    rows = np.asarray(rows, np.int64)
+    starts, stops = placement.row_offsets[rows], placement.row_offsets[rows + 1]
+    per_row = stops - starts
+    placed = np.concatenate([placement.order[a:b] for a, b in zip(starts.tolist(), stops.tolist())]) \
+        if len(rows) else np.zeros(0, np.int64)
+    picked = [examples[int(i)] for i in placed]
+    lengths = np.fromiter((len(e[0]) for e in picked), np.int64, len(picked))
+    row = np.repeat(np.arange(len(rows)), per_row)
+    offset = np.cumsum(lengths) - lengths
+    offset -= np.repeat(offset[np.cumsum(per_row) - per_row], per_row) if len(picked) else 0
+    column = np.arange(seq_len, dtype=np.int32)
+    padding = column >= np.bincount(row, weights=lengths, minlength=len(rows))[:, None]
+    shape = (len(rows), seq_len)
+    out = Rows(tokens=np.zeros(shape, np.int32), loss_mask=np.zeros(shape, bool),
+               segment_ids=np.zeros(shape, np.int32), positions=np.zeros(shape, np.int32))
+    out["tokens"][~padding] = _concatenate([e[0] for e in picked], np.int32)
+    out["loss_mask"][~padding] = _concatenate([e[1] for e in picked], bool)
+    out["positions"][~padding] = _concatenate([column[:n] for n in lengths.tolist()], np.int32)
+    # Segment ids count the example starts met so far in the row.
+    starts_here = np.zeros(shape, np.int32)
+    starts_here[row, offset] = 1
+    out["segment_ids"] = np.cumsum(starts_here, axis=1, dtype=np.int32)
+    out["segment_ids"][padding] = 0
+    return out
+
+
+def check_packable(lengths: np.ndarray, first_trained: np.ndarray, seq_len: int, where: str) -> None:
+    """MaskError naming the first example packing cannot take: lengths int [n] not 1..seq_len (truncate first), or
+    first_trained bool [n] set (trained on its first token, which, packed, would be predicted from the example
+    before it)."""
+    bad = np.flatnonzero((lengths < 1) | (lengths > seq_len))
+    if bad.size:
+        i = int(bad[0])
+        raise MaskError(f"{where}: examples[{i}] has {lengths[i]} tokens; need 1..{seq_len} (truncate first)")
+    trained = np.flatnonzero(first_trained)
+    if trained.size:
+        raise MaskError(f"{where}: examples[{int(trained[0])}]: loss_mask[0] is True; the first token of an "
+                        "example has nothing before it to be predicted from")
+
+
 def pack(examples: Sequence[Labelled], seq_len: int) -> Rows:
     """Packs examples into rows of ``seq_len`` tokens, best fit decreasing.
 
     examples: ``Example``s or (tokens int [n_i], loss_mask bool [n_i]) pairs, with every
     1 <= n_i <= seq_len (truncate first) and ``loss_mask[0]`` False, so the first token of a segment
     is never a target predicted from the previous one. Examples are placed longest first (ties in
-    input order), each into the open row it fills most tightly (the oldest such row): the rows of
-    TRL's ``packing_strategy="bfd"``, in the same order. Returns ``Rows`` [rows, seq_len]; padding is
-    token 0, never trained.
+    input order), each into the open row it fills most tightly (the oldest such row): the rows of one call of
+    TRL's ``packing_strategy="bfd"`` packer, in the same order (TRL packs 1000 examples at a time:
+    ``trl_placement``). Returns ``Rows`` [rows, seq_len]; padding is token 0, never trained.
     """
     tokens, loss_mask, lengths = labelled(examples, "pack")
-    bad = np.flatnonzero((lengths < 1) | (lengths > seq_len))
-    if bad.size:
-        i = int(bad[0])
-        raise MaskError(f"pack: examples[{i}] has {lengths[i]} tokens; need 1..{seq_len} (truncate first)")
-    row, offset, rows = _best_fit_decreasing(lengths, seq_len)
-    # Laid out row by row, the packed tokens are the examples concatenated in (row, offset) order.
-    placed = np.lexsort((offset, row))
-    placed_lengths = lengths[placed]
-    starts = np.cumsum(placed_lengths) - placed_lengths
-    flat_mask = _concatenate([loss_mask[i] for i in placed], bool)
-    first_trained = np.flatnonzero(flat_mask[starts])
-    if first_trained.size:
-        raise MaskError(
-            f"pack: examples[{int(placed[first_trained[0]])}]: loss_mask[0] is True; the first token of an "
-            "example has nothing before it to be predicted from"
-        )
-    column = np.arange(seq_len, dtype=np.int32)
-    padding = column >= np.bincount(row, weights=lengths, minlength=rows)[:, None]
-    out = Rows(tokens=np.zeros((rows, seq_len), np.int32), loss_mask=np.zeros((rows, seq_len), bool),
-               segment_ids=np.zeros((rows, seq_len), np.int32), positions=np.zeros((rows, seq_len), np.int32))
-    out["tokens"][~padding] = _concatenate([tokens[i] for i in placed], np.int32)
-    out["loss_mask"][~padding] = flat_mask
-    out["positions"][~padding] = _concatenate([column[:n] for n in placed_lengths.tolist()], np.int32)
-    # Segment ids count the example starts met so far in the row.
-    starts_here = np.zeros((rows, seq_len), np.int32)
-    starts_here[row, offset] = 1
-    out["segment_ids"] = np.cumsum(starts_here, axis=1, dtype=np.int32)
-    out["segment_ids"][padding] = 0
-    return out
+    check_packable(lengths, np.array([bool(m[0]) if len(m) else False for m in loss_mask], bool), seq_len, "pack")
+    placement = best_fit(lengths, seq_len)
+    return packed_rows(list(zip(tokens, loss_mask)), placement, np.arange(placement.rows), seq_len)
 
 
 def _concatenate(arrays: list[np.ndarray], dtype: type) -> np.ndarray:

@@ -2,28 +2,27 @@
 
 import dataclasses
 import math
+import os
 import typing
-from collections.abc import Iterator, Sequence
-from typing import Any, Literal
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from gemport.errors import RecipeError
-from gemport.data import dataset
-from gemport.data.batching import pad, padding_free
+from gemport.data import cache, dataset
+from gemport.data.flat import FlatExamples
 from gemport.data.gemma3 import Gemma3
 from gemport.data.gemma4 import Gemma4
-from gemport.data.packing import Rows, pack
+from gemport.data.order import OptimizerStep, StepPlan
+from gemport.data.packing import Placement, Rows, check_packable, packed_rows, trl_placement
 from gemport.data.policies import MaskPolicy
+from gemport.data.prepared import Prepared
+from gemport.data.steps import Layout, StepBatches
 from gemport.data.tokenize import Example
 from gemport.data.truncation import Truncation, TruncationReport
 from gemport.recipe import DataFields
-from gemport.data.distributed import process_step
-from gemport.data.order import OptimizerStep, optimizer_steps
-from gemport.data.batching import stack
 
-Layout = Literal["pack", "pad", "padding_free"]
-"""A batch layout: best-fit-decreasing packed rows, one example per padded row, one padding-free row."""
 LAYOUTS: tuple[Layout, ...] = typing.get_args(Layout)
 """Every ``Layout``."""
 
@@ -37,7 +36,8 @@ class SFTPipeline:
     ``assistant_only_loss``, else None (every token trained, as TRL does); truncation: ``Truncation``
     at ``max_length``; completion_only_loss, text_field, eos_token: ``gemport.data.formats.render``'s arguments;
     layout: one of ``LAYOUTS``; max_length, pad_to_multiple_of, pad_id: the row geometry;
-    config: the ``SFTConfig`` (or dict) the sample order and batch sizes are read from;
+    config: the ``SFTConfig`` (or dict) the sample order and batch sizes are read from; num_proc:
+    ``dataset_num_proc``, the shards TRL packs each of (``packing.trl_placement``);
     remat: Tunix's ``remat_config`` for ``gradient_checkpointing`` (``remat_of``: ``"decoder"``, every decoder
     layer recomputed in the backward pass, as HF's checkpointing of each layer; ``"none"``), which ``SFTRun``
     sets on its model (``step.remat.set_remat``).
@@ -55,6 +55,7 @@ class SFTPipeline:
     pad_id: int
     config: Any
     remat: str = "none"
+    num_proc: int | None = None
 
     def examples(self, source: Any, tokenizer: Any, **kwargs: Any) -> tuple[list[Example], TruncationReport]:
         """``gemport.data.dataset.examples`` of ``source`` with this pipeline's arguments: (examples, report).
@@ -68,73 +69,69 @@ class SFTPipeline:
             eos_token=self.eos_token, **kwargs,
         )
 
-    def units(self, examples: Sequence[Example]) -> Rows | Sequence[Example]:
-        """What HF's sampler orders: ``pack``'s ``Rows`` for ``layout="pack"``, else the examples."""
-        return pack(examples, self.max_length) if self.layout == "pack" else examples
+    def prepared(self, source: Any, tokenizer: Any, *, root: str | os.PathLike, workers: int | None = None,
+                 template: Mapping[str, Any] | None = None, progress: bool = True) -> Prepared:
+        """The examples of ``source`` (with ``packing``, their packed rows) prepared once into ``root`` and read
+        from there as batches ask: ``gemport.data.cache.prepared`` with this pipeline (its ``workers``,
+        ``template`` check and ``progress``)."""
+        return cache.prepared(self, source, tokenizer, root=root, workers=workers, template=template,
+                              progress=progress)
 
-    def batches(self, examples: Sequence[Example], *,
-                rows: slice | None = None) -> Iterator[tuple[OptimizerStep, dict[str, np.ndarray]]]:
-        """Yields ``(OptimizerStep, batch)`` for every optimizer step of HF's Trainer on ``examples``.
+    def placement(self, examples: FlatExamples) -> Placement:
+        """TRL's packed rows of ``examples`` (``layout="pack"``): ``packing.trl_placement`` at ``max_length``, in
+        ``dataset_num_proc`` shards. Raises MaskError for an example packing cannot take."""
+        lengths = examples.lengths
+        first_trained = np.zeros(len(lengths), bool)
+        first_trained[lengths > 0] = examples.loss_mask[examples.offsets[:-1][lengths > 0]]
+        check_packable(lengths, first_trained, self.max_length, "pack")
+        return trl_placement(lengths, self.max_length, num_proc=self.num_proc)
 
-        Units (``units``) are visited in HF's order (``optimizer_steps`` of ``config``); each
-        micro-batch is laid out per ``layout`` and the step's batch is ``stack``ed to
-        [gradient_accumulation_steps, rows, T], ready for ``train_step``. T is fixed for the whole run,
-        so the step compiles once: ``max_length`` (packed), the longest example (padded) or the longest
-        micro-batch (padding-free), rounded up to ``pad_to_multiple_of``.
+    def units(self, examples: Sequence[Example] | FlatExamples) -> Rows | Sequence[Example]:
+        """What HF's sampler orders: for ``layout="pack"`` TRL's packed ``Rows`` [rows, max_length]
+        (``placement``), else the examples."""
+        if self.layout != "pack":
+            return examples
+        flat = examples if isinstance(examples, FlatExamples) else FlatExamples.of(examples)
+        placement = self.placement(flat)
+        return packed_rows(flat, placement, np.arange(placement.rows), self.max_length)
 
-        rows: only these rows of every batch (``data.distributed.process_rows``), laid out by this
-        process under ``jax.distributed``: batches [A, rows.stop - rows.start, T] (``global_batch`` joins
-        them), the ``OptimizerStep``s cut to them (``process_step``). T still depends on every example's
-        length (and packing on all of them), so ``examples`` is the whole dataset. Not for
-        ``padding_free``, whose batch is one row.
+    def steps(self, examples: FlatExamples, *, placement: Placement | None = None,
+              rows: slice | None = None) -> StepBatches:
+        """Every optimizer step of HF's Trainer on ``examples``, each batch built when read: a ``StepBatches``
+        over the units (``placement``'s rows for ``layout="pack"``, computed unless given; else the examples)
+        in HF's order (``order.StepPlan`` of ``config``).
+
+        Each micro-batch is laid out per ``layout`` and the step's batch is [gradient_accumulation_steps, rows, T].
+        T is fixed for the whole run, so the step compiles once: ``max_length`` (packed), the longest example
+        (padded) or the longest micro-batch (padding-free), rounded up to ``pad_to_multiple_of``.
+
+        rows: only these rows of every batch (``data.distributed.process_rows``), laid out by this process under
+        ``jax.distributed`` (``StepBatches``' ``part``). T still depends on every example's length (and packing
+        on all of them), so ``examples`` is the whole dataset. Not for ``padding_free``, whose batch is one row.
         """
-        packed = self.units(examples) if self.layout == "pack" else None
-        plan = list(optimizer_steps(self.config, len(packed["tokens"]) if packed is not None else len(examples)))
+        if self.layout == "pack" and placement is None:
+            placement = self.placement(examples)
+        units = placement.rows if self.layout == "pack" else len(examples)
+        plan = StepPlan(self.config, units)
         f = DataFields.from_config(self.config)
-        accumulation, batch_size = f.gradient_accumulation_steps, f.per_device_train_batch_size
         multiple = self.pad_to_multiple_of or 1
-        lengths = np.array([len(e.tokens) for e in examples])
-        count = 1 if self.layout == "padding_free" else batch_size
         if self.layout == "pack":
             width = self.max_length
         elif self.layout == "pad":
-            width = math.ceil(lengths.max() / multiple) * multiple
+            width = math.ceil(int(examples.lengths.max()) / multiple) * multiple
         else:
-            longest = max(int(lengths[m].sum()) for s in plan for m in s.micro_batches)
-            width = math.ceil(longest / multiple) * multiple
-        if rows is not None:
-            if self.layout == "padding_free":
-                raise RecipeError(
-                    "SFTConfig.padding_free lays each micro-batch out as one row, which cannot be split over "
-                    "processes; use packing or padding under jax.distributed"
-                )
-            plan = [process_step(s, rows) for s in plan]
-            count = len(range(count)[rows])
-        for s in plan:
-            micro = []
-            for indices in s.micro_batches:
-                if not len(indices):  # no row of this short micro-batch is this process's
-                    micro.append({k: np.zeros((0, width), bool if k == "loss_mask" else np.int32)
-                                  for k in Rows.__annotations__})
-                    continue
-                if packed is not None:
-                    micro.append({k: v[indices] for k, v in packed.items()})
-                    continue
-                picked = [examples[i] for i in indices]
-                if self.layout == "pad":
-                    micro.append(pad(picked, width, pad_id=self.pad_id))
-                else:
-                    micro.append(_widen(padding_free(picked, pad_id=self.pad_id), width, self.pad_id))
-            yield s, stack(micro, accumulation=accumulation, rows=count)
+            width = math.ceil(plan.largest(examples.lengths) / multiple) * multiple
+        return StepBatches(examples, plan, layout=self.layout, width=width,
+                           accumulation=f.gradient_accumulation_steps, batch_size=f.per_device_train_batch_size,
+                           pad_id=self.pad_id, placement=placement, part=rows)
 
-
-def _widen(row: Rows, width: int, pad_id: int) -> dict[str, np.ndarray]:
-    # Padding on the right: never a target, segment 0, position 0.
-    out = {}
-    for k, v in row.items():
-        out[k] = np.full((1, width), pad_id if k == "tokens" else 0, v.dtype)
-        out[k][:, : v.shape[1]] = v
-    return out
+    def batches(self, examples: Sequence[Example], *,
+                rows: slice | None = None) -> Iterator[tuple[OptimizerStep, dict[str, np.ndarray]]]:
+        """Yields ``(OptimizerStep, batch)`` for every optimizer step of HF's Trainer on ``examples``: the steps of
+        ``steps`` (its layout, T and ``rows``), each ``OptimizerStep`` cut to ``rows`` (``process_step``)."""
+        steps = self.steps(examples if isinstance(examples, FlatExamples) else FlatExamples.of(examples), rows=rows)
+        for s in range(len(steps)):
+            yield steps.step(s), steps[s]
 
 
 def remat_of(config: Any) -> str:
@@ -260,4 +257,5 @@ def from_sft_config(config: Any, tokenizer: Any, *, chat_format: Gemma3 | Gemma4
         pad_id=pad_id,
         config=config,
         remat=remat_of(config),
+        num_proc=f.dataset_num_proc,
     )

@@ -7,12 +7,14 @@ from pathlib import Path
 from typing import Any
 
 from gemport.errors import MaskError
+from gemport.data.stream import Stream
 
 _FILES = (".jsonl", ".json", ".parquet")
 
 
 def load_splits(dataset_name: str | os.PathLike, dataset_config: str | None = None, *,
-                train_split: str = "train", test_split: str = "test", with_test: bool = False) -> tuple[Any, Any]:
+                train_split: str = "train", test_split: str = "test", with_test: bool = False,
+                streaming: bool = False) -> tuple[Any, Any]:
     """(train, test or None) records of ``dataset_name``, as ``trl sft`` reads ``ScriptArguments``.
 
     dataset_name: a ``.jsonl`` / ``.json`` / ``.parquet`` file (the train split; it has no test split); a folder
@@ -20,7 +22,10 @@ def load_splits(dataset_name: str | os.PathLike, dataset_config: str | None = No
         split); any other folder, or a hub name, through ``datasets.load_dataset(dataset_name, dataset_config)``
         (a folder of ``train.jsonl`` / ``test.jsonl``... files names its splits by file name).
     with_test: also return ``test_split`` (evaluation is on); a missing one is an error naming the splits.
-    Returns what ``data.formats.read`` takes: a path or a ``datasets.Dataset`` per split.
+    streaming: ``dataset_streaming``: the train split read as a stream, as TRL reads it (``data.stream``: a file in
+        a ``Stream``, a hub or folder dataset loaded with ``streaming=True``, a saved one as an iterable dataset).
+    Returns what ``data.formats.read`` takes: a path or a ``datasets.Dataset`` per split (with ``streaming``, the
+    train split a ``Stream`` or an ``IterableDataset``).
     """
     path = Path(dataset_name)
     if path.is_file():
@@ -30,14 +35,14 @@ def load_splits(dataset_name: str | os.PathLike, dataset_config: str | None = No
             raise MaskError(f"{path}: one file is the {train_split!r} split only; evaluation needs a "
                             f"{test_split!r} split (a folder with {train_split}.jsonl and {test_split}.jsonl, or a "
                             "saved DatasetDict), or set eval_strategy: 'no'")
-        return path, None
+        return (Stream(path) if streaming else path), None
     import datasets
 
     if path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file()):
         loaded = datasets.load_from_disk(str(path))
     else:
         try:
-            loaded = datasets.load_dataset(str(dataset_name), dataset_config)
+            loaded = datasets.load_dataset(str(dataset_name), dataset_config, streaming=streaming)
         except ValueError as e:  # datasets: "BuilderConfig 'x' not found. Available: [...]"
             if dataset_config is None or repr(dataset_config) not in str(e):
                 raise
@@ -46,7 +51,7 @@ def load_splits(dataset_name: str | os.PathLike, dataset_config: str | None = No
         except datasets.exceptions.DatasetGenerationError as e:
             _name_bad_record(path)  # datasets says "row 1" of no file: read the folder's files to name the line
             raise MaskError(f"{dataset_name}: datasets could not read it ({e.__cause__ or e}); check its files") from None
-    if isinstance(loaded, datasets.Dataset):
+    if isinstance(loaded, (datasets.Dataset, datasets.IterableDataset)):
         loaded = datasets.DatasetDict({train_split: loaded})
     wanted = [train_split] + ([test_split] if with_test else [])
     for split in wanted:
@@ -54,7 +59,10 @@ def load_splits(dataset_name: str | os.PathLike, dataset_config: str | None = No
             raise MaskError(f"{dataset_name}: no split {split!r} (splits: {sorted(loaded)}); set "
                             f"dataset_{'train' if split == train_split else 'test'}_split"
                             + ("" if split == train_split else ", or eval_strategy: 'no'"))
-    return loaded[train_split], loaded[test_split] if with_test else None
+    train = loaded[train_split]
+    if streaming and isinstance(train, datasets.Dataset):  # saved to disk: streamed from its Arrow files
+        train = train.to_iterable_dataset()
+    return train, loaded[test_split] if with_test else None
 
 
 def _name_bad_record(folder: Path) -> None:

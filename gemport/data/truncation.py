@@ -1,10 +1,12 @@
 """Truncation that never silently teaches the wrong thing, and the report of what it did."""
 
+from __future__ import annotations
+
 import collections
 import dataclasses
 import typing
-from collections.abc import Hashable
-from typing import Literal, NamedTuple
+from collections.abc import Hashable, Mapping
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -73,6 +75,23 @@ class TruncationReport:
         self.targets_lost += targets_lost
         if decision != "kept" and key is not None:
             self.which.setdefault(decision, []).append(key)
+
+    def merge(self, other: TruncationReport) -> None:
+        """Adds ``other``'s decisions, taken for the records after this report's (its ``which`` lists follow)."""
+        self.counts.update(other.counts)
+        self.targets_lost += other.targets_lost
+        for decision, keys in other.which.items():
+            self.which.setdefault(decision, []).extend(keys)
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as JSON-ready ``{"counts", "targets_lost", "which"}`` (``from_json`` reads it back)."""
+        return {"counts": dict(self.counts), "targets_lost": self.targets_lost, "which": self.which}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> TruncationReport:
+        """The report ``to_json`` wrote."""
+        return cls(collections.Counter(data["counts"]), int(data["targets_lost"]),
+                   {k: list(v) for k, v in data["which"].items()})
 
     @property
     def kept(self) -> int:

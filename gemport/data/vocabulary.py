@@ -13,10 +13,11 @@ from typing import Any
 import numpy as np
 
 from gemport.errors import MaskError
+from gemport.data.flat import FlatExamples
 from gemport.data.tokenize import Example
 
 
-def check_token_ids(examples: Sequence[Example], vocab: int, tokenizer: Any, *, pad_id: int | None = None,
+def check_token_ids(examples: Sequence[Example] | FlatExamples, vocab: int, tokenizer: Any, *, pad_id: int | None = None,
                     split: str = "train") -> None:
     """Raise MaskError unless every id of ``examples`` (and ``pad_id``) is a row of a [vocab, D] embedding.
 
@@ -38,14 +39,20 @@ def check_token_ids(examples: Sequence[Example], vocab: int, tokenizer: Any, *, 
         raise MaskError(f"tokenizer: the pad id {pad_id} ({_token(tokenizer, pad_id)!r}) is not below the model's "
                         f"vocab_size {vocab} (the tokenizer has {size} tokens); set pad_token to a token of the "
                         f"model, or {fix}")
-    if not examples:
+    if not len(examples):
         return
-    ids = np.concatenate([np.asarray(e.tokens) for e in examples])
+    if isinstance(examples, FlatExamples):  # prepared: its id range says it all, read only to name the culprit
+        low, high = examples.id_range
+        if 0 <= low and high < vocab:
+            return
+        ids, ends = np.asarray(examples.tokens), examples.offsets[1:]
+    else:
+        ids = np.concatenate([np.asarray(e.tokens) for e in examples])
+        ends = np.cumsum([len(e.tokens) for e in examples])
     bad = (ids < 0) | (ids >= vocab)
     if not bad.any():
         return
     first = int(np.argmax(bad))
-    ends = np.cumsum([len(e.tokens) for e in examples])
     example = int(np.searchsorted(ends, first, side="right"))
     token_id = int(ids[first])
     distinct = np.unique(ids[bad])

@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Self
 
 from gemport.recipe.owners import defaults
 
-SCRIPT = ("dataset_name", "dataset_config", "dataset_train_split", "dataset_test_split")
+SCRIPT = ("dataset_name", "dataset_config", "dataset_train_split", "dataset_test_split", "dataset_streaming")
 """ScriptArguments fields gemport uses (``gemport.data.splits.load_splits``)."""
 
 QLORA = ("load_in_4bit", "bnb_4bit_quant_type", "use_bnb_nested_quant")
@@ -166,6 +166,7 @@ class DataFields(Fields):
     gradient_accumulation_steps: int
     gradient_checkpointing: bool
     gradient_checkpointing_kwargs: dict[str, Any] | None
+    dataset_num_proc: int | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,7 +247,7 @@ SFT = (
     # data (gemport.data.from_sft_config)
     "assistant_only_loss", "completion_only_loss", "max_length", "truncation_mode", "packing", "packing_strategy",
     "padding_free", "pad_to_multiple_of", "dataset_text_field", "eos_token", "pad_token", "loss_type",
-    "shuffle_dataset", "chat_template_path",
+    "shuffle_dataset", "chat_template_path", "dataset_num_proc",
     # sample order and steps (gemport.data.optimizer_steps)
     "per_device_train_batch_size", "gradient_accumulation_steps", "seed", "data_seed", "train_sampling_strategy",
     "max_steps", "num_train_epochs", "dataloader_drop_last",
@@ -277,6 +278,7 @@ DPO = (
 evaluation, logging, checkpoints, remat)."""
 
 DPO_MAPPED = {
+    "dataset_num_proc": "the preference pairs are tokenized in this process (nothing is packed)",
     "padding_free": "TRL 1.16 turns padding_free off itself (it falls back to padded rows); so does gemport",
     "pad_token": "padding is outside every row's attention and loss; its id changes nothing",
     "precompute_ref_batch_size": "acts only with precompute_ref_log_probs, which is left at False",
@@ -306,7 +308,6 @@ MAPPED = {
     "dataloader_pin_memory": "JAX transfers the batches; there is no pinned memory",
     "dataloader_persistent_workers": "see dataloader_num_workers",
     "dataloader_prefetch_factor": "see dataloader_num_workers",
-    "dataset_num_proc": "the masks pipeline tokenizes in this process, vectorised",
     "remove_unused_columns": "only the fields of TRL's dataset formats are read",
     "ddp_backend": "one JAX program over the mesh; no DDP",
     "ddp_timeout": "one JAX program over the mesh; no DDP",
@@ -334,7 +335,6 @@ STRATEGIES = {"eval_strategy": ("no", "steps"), "save_strategy": ("no", "steps")
 
 REFUSED_WHEN_SET = {
     "push_to_hub": "gemport has no network access to the Hub here; upload output_dir yourself",
-    "dataset_streaming": "gemport lays out every step's batch ahead (HF's order needs the dataset's length)",
     "load_in_8bit": "8-bit bases are not ported (Qwix QLoRA here is NF4); train on the bfloat16 base",
     "fp16": "TPUs compute in bfloat16, not float16: set bf16 instead",
 }

@@ -207,9 +207,10 @@ class DPORun(SFTRun):
 
     @classmethod
     def data(cls, recipe: RunRecipe, base_dir: Path, spec: GemmaSpec, mesh, train_dataset: Any, eval_dataset: Any,
-             *, tokenizer: Any, chat_format: Any, progress: bool, abstract: bool) -> dict[str, Any]:
+             *, tokenizer: Any, chat_format: Any, cache_dir: Any, progress: bool, abstract: bool) -> dict[str, Any]:
         """The tokenizer, the preference pairs (``data.preferences``) in HF's sample order as batches
-        [A, 2B, T] and the eval split's, every token id checked against the vocabulary."""
+        [A, 2B, T] and the eval split's, every token id checked against the vocabulary. DPO lays every step's
+        batch out here, in memory (``cache_dir`` is SFT's: pairs are not cached yet)."""
         f = PreferenceFields.from_config(recipe.args)
         tokenizer = tokenizer or load_tokenizer(base_dir)
         pairs = preferences(records(train_dataset), tokenizer, chat_format, max_length=f.max_length,
@@ -257,8 +258,9 @@ class DPORun(SFTRun):
         """The rows HF's sampler orders: the pairs."""
         return len(self.pairs)
 
-    def micro_batches(self, steps):
-        """The trainer's dataset of ``train_batches`` (``preference_micro_batches``)."""
+    def micro_batches(self, steps, *, skip: int = 0):
+        """The trainer's dataset of ``train_batches`` (``preference_micro_batches``; laid out already, so
+        ``skip`` spares nothing)."""
         return preference_micro_batches(steps)
 
     def make_trainer(self, **kwargs: Any):

@@ -29,7 +29,9 @@ from tunix.sft import hooks
 from gemport.errors import RecipeError
 from gemport.recipe import OutputsFields
 from gemport.run import trackers
-from gemport.data.order import micro_batches_per_epoch
+from gemport.data.order import StepPlan, micro_batches_per_epoch
+from gemport.data.steps import PerStep, StepBatches
+from gemport.data.stream import StreamBatches, StreamPlan
 from gemport.run.trainer import EXAMPLE_LOSS, final_evaluation
 
 TRAINER_STATE = "trainer_state.json"
@@ -68,7 +70,7 @@ class HFOutputs(hooks.TrainingHooks):
         self.eval_on_start = bool(f.eval_on_start)
         self.fields = f
         trackers.names(f.report_to)
-        self.epochs, self.tokens = list(epochs), list(tokens)
+        self.epochs, self.tokens = epochs, tokens
         self.learning_rate, self.tracker_config = learning_rate, dict(tracker_config)
         self.command = command
         self.primary = jax.process_index() == 0
@@ -190,16 +192,19 @@ def steps_of(value: float | int, max_steps: int, name: str) -> int:
     return math.ceil(value * max_steps) if value < 1 else int(value)
 
 
-def step_epochs(plan: Sequence[Any], num_units: int, args: Any) -> list[float]:
+def step_epochs(plan: Sequence[Any] | StepPlan | StreamPlan, num_units: int | None, args: Any) -> Sequence[float]:
     """Each optimizer step's epoch as HF counts it: micro-batches done over the micro-batches of a whole epoch.
 
     Args:
-      plan: the run's ``OptimizerStep``s (``data.optimizer_steps``).
+      plan: the run's ``OptimizerStep``s (``data.optimizer_steps``), or its ``data.StepPlan`` (whose epochs come
+        from its geometry, no sample order drawn) or ``data.StreamPlan`` (HF's passes over a stream).
       num_units: the training rows (examples, or packed rows) of one epoch.
       args: the ``SFTConfig`` fields (``per_device_train_batch_size``, ``dataloader_drop_last``).
 
     Returns a float per step.
     """
+    if isinstance(plan, (StepPlan, StreamPlan)):
+        return plan.epochs()
     f = OutputsFields.from_config(args)
     per_epoch = micro_batches_per_epoch(num_units, f.per_device_train_batch_size, f.dataloader_drop_last)
     done: dict[int, int] = {}
@@ -210,9 +215,13 @@ def step_epochs(plan: Sequence[Any], num_units: int, args: Any) -> list[float]:
     return epochs
 
 
-def step_tokens(train_batches: Sequence[Mapping[str, np.ndarray]]) -> list[int]:
+def step_tokens(train_batches: Sequence[Mapping[str, np.ndarray]] | StepBatches | StreamBatches) -> Sequence[int]:
     """Each optimizer step's tokens (``segment_ids`` > 0 of its batch [A, B, T]), summed over the processes of a
-    ``jax.distributed`` run (each holds its own rows of every step: a collective on every process)."""
+    ``jax.distributed`` run: of a ``data.StepBatches`` (or ``StreamBatches``), counted from its examples when read
+    (no batch built, no collective); of a list, each process holding its own rows of every step, a collective on
+    every process."""
+    if isinstance(train_batches, (StepBatches, StreamBatches)):
+        return PerStep(len(train_batches), train_batches.tokens)
     tokens = np.array([int((b["segment_ids"] > 0).sum()) for b in train_batches], np.int64)
     if jax.process_count() > 1:
         tokens = multihost_utils.process_allgather(tokens).sum(axis=0)

@@ -9,7 +9,6 @@ to resume anyway (then the new recipe is recorded).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from gemport.errors import RecipeError
+from gemport.data.flat import FlatExamples, digest
 from gemport.data.tokenize import Example
 
 RECIPE_FILE = "gemport_recipe.json"
@@ -38,15 +38,11 @@ def _plain(value: Any) -> Any:
     return json.loads(json.dumps(value, default=lambda v: getattr(v, "value", str(v))))
 
 
-def data_hash(examples: Sequence[Example]) -> str:
-    """sha256 of the examples' tokens and loss masks, in order: the data as trained (after rendering, masks and
-    truncation), the same on every process."""
-    h = hashlib.sha256()
-    for e in examples:
-        h.update(len(e.tokens).to_bytes(8, "little"))
-        h.update(e.tokens.astype("<i4").tobytes())
-        h.update(e.loss_mask.astype(bool).tobytes())
-    return h.hexdigest()
+def data_hash(examples: Sequence[Example] | FlatExamples) -> str:
+    """sha256 of the examples' tokens and loss masks, in order (``data.flat.digest``): the data as trained (after
+    rendering, masks and truncation), the same on every process; of prepared examples, the digest their
+    preparation recorded (nothing is read)."""
+    return examples.digest if isinstance(examples, FlatExamples) else digest(examples)
 
 
 def recipe_record(args: Mapping[str, Any], *, base_dir: str | os.PathLike, dtype: Any, lora_spec: Any,

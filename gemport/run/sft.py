@@ -19,12 +19,17 @@ from every process, and ``lora_params`` gathers the trained factors for process 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import dataclasses
+import functools
+import itertools
 import json
 import math
 import os
+import shutil
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -44,10 +49,15 @@ from gemport.checkpoint.quantize import load_qlora_model, require_double_quant
 from gemport.data.batching import pad, stack
 from gemport.data.chat_template import check_records, with_chat_template
 from gemport.data.distributed import batch_sharding, process_rows
-from gemport.data.formats import read as records
 from gemport.data.gemma3 import Gemma3
 from gemport.data.gemma4 import Gemma4
-from gemport.data.order import OptimizerStep
+from gemport.data.flat import FlatExamples
+from gemport.data.order import OptimizerStep, StepPlan
+from gemport.data.formats import read as records
+from gemport.data.packing import TRL_PACKING_BATCH
+from gemport.data.prepared import Prepared
+from gemport.data.steps import StepBatches
+from gemport.data.stream import StreamBatches, StreamPlan, streamed
 from gemport.data.sft import SFTPipeline, from_sft_config, remat_of
 from gemport.data.tokenize import Example
 from gemport.data.truncation import TruncationReport
@@ -64,7 +74,7 @@ from gemport.run.model import lora_model
 from gemport.run.outputs import HFOutputs, step_epochs, step_tokens, steps_of
 from gemport.run.preemption import Preemption
 from gemport.run.record import check_resume, recipe_record
-from gemport.run.trainer import HFPeftTrainer, micro_batches
+from gemport.run.trainer import HFPeftTrainer, micro_batches, prefetched
 from gemport.specs import GemmaSpec
 from gemport.step.precision import Precision, matmul_precision
 from gemport.step.remat import set_remat
@@ -166,11 +176,14 @@ class SFTRun:
         ``abstract`` run.
       tokenizer: the HF tokenizer the data was tokenized with (None for an abstract run without one).
       pipeline: the `SFTPipeline` of the recipe (``from_sft_config``).
-      examples: the tokenized training examples (`Example`: tokens int32 [n], loss_mask bool [n], ...).
+      examples: the tokenized training examples, read from the prepared-data cache (``data.FlatExamples``:
+        each a ``Stored`` of tokens int32 [n] and loss_mask bool [n]).
       report: what truncation at ``max_length`` cut or dropped (``TruncationReport``).
-      plan: the ``OptimizerStep`` of every step: the rows (``units``) each micro-batch takes, in HF's order.
+      plan: the ``OptimizerStep`` of every step (``data.StepPlan``, each built when read): the rows (``units``)
+        each micro-batch takes, in HF's order.
       train_batches: one batch per optimizer step, mapping ``BATCH_FIELDS`` to [A, B, T] (A =
-        gradient_accumulation_steps, B = per_device_train_batch_size rows, or 1 padding-free row).
+        gradient_accumulation_steps, B = per_device_train_batch_size rows, or 1 padding-free row): a
+        ``data.StepBatches``, which builds a step's batch from the cache when it is read and holds none.
       eval_examples: the tokenized ``eval_dataset``, or None.
       eval_batches: the eval split as batches [1, per_device_eval_batch_size, T_eval], or None.
       optimizer: HF's optimizer and schedule in Optax (``optim.hf_optimizer``: ``tx``, ``schedule``).
@@ -187,10 +200,10 @@ class SFTRun:
     model: Any
     tokenizer: Any
     pipeline: SFTPipeline | None
-    examples: list[Example]
+    examples: Sequence[Example] | FlatExamples
     report: TruncationReport
-    plan: list[OptimizerStep]
-    train_batches: list[dict[str, np.ndarray]]
+    plan: Sequence[OptimizerStep] | StepPlan | StreamPlan
+    train_batches: Sequence[dict[str, np.ndarray]] | StepBatches | StreamBatches
     eval_examples: list[Example] | None
     eval_batches: list[dict[str, np.ndarray]] | None
     optimizer: HFOptimizer
@@ -205,7 +218,8 @@ class SFTRun:
                eval_dataset: Any = None, init_adapter: str | os.PathLike | None = None, mesh=None,
                fsdp: int | None = None, tp: int | None = None, dtype: Any = None, tokenizer: Any = None,
                chat_format: Any = None, checkpoint_dir: str | os.PathLike | None = None, qlora: Any = None,
-               progress: bool = True, abstract: bool = False, **kind: Any) -> SFTRun:
+               cache_dir: str | os.PathLike | None = None, progress: bool = True, abstract: bool = False,
+               **kind: Any) -> SFTRun:
         """Build the run of ``sft_config`` on ``base_dir`` and ``train_dataset``, stage by stage: ``read`` the
         recipe, ``check`` it, the adapter it starts from (``start``), its ``data``, the model (``run_model``),
         what the kind of run adds (``extras``), the optimizer and Tunix's ``training_config``, and the record a
@@ -213,7 +227,8 @@ class SFTRun:
 
         The model's remat is ``gradient_checkpointing``'s (``data.sft.remat_of``). ``chat_template_path`` (a
         .jinja file or a tokenizer folder) sets the template, as TRL does, and every training conversation is
-        checked to render and mask alike through it (``data.chat_template``). The data is tokenized and its
+        checked to render and mask alike through it as the data is prepared (``data.chat_template``). The data is
+        prepared once (``cache_dir``; a ``data.Stream`` or ``IterableDataset`` is read as TRL reads a stream) and its
         token ids checked against the vocabulary before the model loads.
 
         Args:
@@ -242,14 +257,18 @@ class SFTRun:
           qlora: a ``gemport.lora.QLoraSpec`` (a QLoRA recipe's 4-bit base, ``QLoraSpec.from_config``): the base
             loads through ``checkpoint.quantize.load_qlora_model`` and LoRA trains on it; default unquantized
             (or the YAML's).
-          progress: show progress bars while the data is tokenized.
+          cache_dir: where the training data is prepared once (tokenized, masked, packed: ``gemport.data.cache``)
+            and read from by every later run, resume and process; default ``<output_dir>/gemport-data``, or a
+            temporary folder without ``output_dir``.
+          progress: show progress bars while the data is prepared.
           abstract: build the model from ``config.json`` alone, shapes only (``run.model.lora_model``: no weight
             is read, nothing allocated), for ``gemport.plan.dry_run``; such a run is compiled, never trained.
             ``train_dataset`` may then be None: one step of full ``max_length`` rows stands for the data.
           kind: what a kind of run takes beside (``DPORun``: ``reference``), passed to its stages.
 
         Returns:
-          The `SFTRun`, its model loaded (or built abstract) on the mesh with LoRA, its batches laid out and its
+          The `SFTRun`, its model loaded (or built abstract) on the mesh with LoRA, its data prepared (or read from
+          the cache; a stream read as the steps come), its steps' batches built as they are read, and its
           optimizer and ``training_config`` built; ``trainer`` is None until ``train()``.
 
         Raises:
@@ -265,7 +284,7 @@ class SFTRun:
         start = cls.start(recipe, given)
         mesh = mesh if mesh is not None else make_mesh(spec, fsdp=fsdp, tp=tp)
         data = cls.data(recipe, base_dir, spec, mesh, train_dataset, eval_dataset, tokenizer=tokenizer,
-                        chat_format=chat_format, progress=progress, abstract=abstract)
+                        chat_format=chat_format, cache_dir=cache_dir, progress=progress, abstract=abstract)
         model = run_model(base_dir, spec, start, mesh=mesh, dtype=recipe.dtype, seed=recipe.fields.seed,
                           remat=remat_of(recipe.args), qlora=recipe.qlora, abstract=abstract)
         if checkpoint_dir is None and not abstract:
@@ -317,11 +336,13 @@ class SFTRun:
 
     @classmethod
     def data(cls, recipe: RunRecipe, base_dir: Path, spec: GemmaSpec, mesh, train_dataset: Any, eval_dataset: Any, *,
-             tokenizer: Any, chat_format: Any, progress: bool, abstract: bool) -> dict[str, Any]:
-        """The ``data`` stage: the tokenizer, the recipe's pipeline (``from_sft_config``), the tokenized and
-        masked examples, each optimizer step's batch in HF's order (this process's rows of it under
-        ``jax.distributed``) and the eval batches, as the run's attributes; every token id checked against the
-        vocabulary (before the model loads)."""
+             tokenizer: Any, chat_format: Any, cache_dir: str | os.PathLike | None, progress: bool,
+             abstract: bool) -> dict[str, Any]:
+        """The ``data`` stage: the tokenizer, the recipe's pipeline (``from_sft_config``), the training examples
+        prepared once into ``cache_root`` (tokenized, masked, packed on every core; under ``jax.distributed`` by
+        process 0) and read from disk as batches ask, each optimizer step's batch in HF's order built when read (this
+        process's rows of it under ``jax.distributed``), and the eval batches, as the run's attributes; every
+        token id checked against the vocabulary (before the model loads)."""
         f = recipe.fields
         if tokenizer is None and abstract and train_dataset is None and not (base_dir / "tokenizer_config.json").is_file():
             # Rows of max_length need no text: Gemma's chat format and pad id 0 stand for the tokenizer's.
@@ -336,26 +357,34 @@ class SFTRun:
             if f.chat_template_path is None:
                 raise
             raise RecipeError(f"chat_template_path={str(f.chat_template_path)!r}: {e}") from None
-        if f.chat_template_path is not None and train_dataset is not None:
-            check_records(records(train_dataset), tokenizer, pipeline.chat_format, policy=pipeline.policy,
-                          text_field=pipeline.text_field)
+        rows = None
+        if jax.process_count() > 1:  # this process's rows of each batch [A, B, T]
+            rows = process_rows(batch_sharding(mesh),
+                                (f.gradient_accumulation_steps, f.per_device_train_batch_size, 1))
+        template = None
+        if f.chat_template_path is not None:  # every record checked through it as it is prepared
+            template = dict(tokenizer=tokenizer, chat_format=pipeline.chat_format, policy=pipeline.policy,
+                            text_field=pipeline.text_field)
         if abstract and train_dataset is None:
-            examples, report = [], TruncationReport()
+            examples, report, plan, steps = [], TruncationReport(), [], [_full_rows(pipeline, f, rows)]
+        elif streamed(train_dataset):
+            if template is not None:  # a stream is checked on the records its first packing batch holds
+                check_records(itertools.islice(records(train_dataset), TRL_PACKING_BATCH), **template)
+            steps = StreamBatches(pipeline, train_dataset, tokenizer, part=rows)
+            examples, report, plan = steps.head, steps.report, steps.plan
         else:
-            examples, report = pipeline.examples(train_dataset, tokenizer, progress=progress)
-        if not examples and not abstract:
-            raise RecipeError(f"no training example is left after truncation at max_length "
-                              f"{pipeline.max_length} ({report}); raise max_length")
+            prepared = _prepared(pipeline, train_dataset, tokenizer, cache_root(f, cache_dir), template, progress)
+            examples, report = prepared.examples, prepared.report
+            if not len(examples):
+                raise RecipeError(f"no training example is left after truncation at max_length "
+                                  f"{pipeline.max_length} ({report}); raise max_length")
+            steps = pipeline.steps(examples, placement=prepared.placement, rows=rows)
+            plan = steps.plan
         held_out = None
         if eval_dataset is not None:
             held_out, _ = pipeline.examples(eval_dataset, tokenizer, progress=progress)
         check_token_ids(examples, spec.vocab, tokenizer, pad_id=pipeline.pad_id)
         check_token_ids(held_out or [], spec.vocab, tokenizer, split="eval")
-        rows = None
-        if jax.process_count() > 1:  # this process's rows of each batch [A, B, T]
-            rows = process_rows(batch_sharding(mesh),
-                                (f.gradient_accumulation_steps, f.per_device_train_batch_size, 1))
-        steps = list(pipeline.batches(examples, rows=rows)) if examples else [(None, _full_rows(pipeline, f, rows))]
         evals = None
         if held_out:
             evals = eval_batches(held_out, f.per_device_eval_batch_size, pad_id=pipeline.pad_id,
@@ -364,9 +393,8 @@ class SFTRun:
             if jax.process_count() > 1:  # the eval set is small: laid out whole, each process keeps its rows
                 mine = process_rows(batch_sharding(mesh), evals[0]["tokens"].shape)
                 evals = [{k: v[:, mine] for k, v in b.items()} for b in evals]
-        return dict(tokenizer=tokenizer, pipeline=pipeline, examples=examples, report=report,
-                    plan=[s for s, _ in steps if s is not None], train_batches=[b for _, b in steps],
-                    eval_examples=held_out, eval_batches=evals)
+        return dict(tokenizer=tokenizer, pipeline=pipeline, examples=examples, report=report, plan=plan,
+                    train_batches=steps, eval_examples=held_out, eval_batches=evals)
 
     @classmethod
     def extras(cls, recipe: RunRecipe, given: LoraSpec | LoraParams, model: nnx.Module, **kind: Any) -> dict[str, Any]:
@@ -412,7 +440,7 @@ class SFTRun:
     @property
     def num_units(self) -> int:
         """The rows HF's sampler orders: packed rows (``packing``), else examples."""
-        return len(self.pipeline.units(self.examples)["tokens"]) if self.pipeline.layout == "pack" else len(self.examples)
+        return self.plan.num_samples
 
     def make_trainer(self, **kwargs: Any):
         """An ``HFPeftTrainer`` of the current ``model``, ``optimizer`` and ``training_config`` (on the mesh,
@@ -463,7 +491,11 @@ class SFTRun:
             self.trainer = self.make_trainer(preemption=preemption)
         if hooks is not None:
             self.trainer.with_training_hooks(hooks)
-        train_ds = self.micro_batches(self.train_batches)
+        # Tunix passes over the micro-batches its checkpoint consumed: they are not built. One thread builds the
+        # next step's micro-batches while the device runs this one.
+        accumulation = self.training_config.gradient_accumulation_steps
+        train_ds = prefetched(self.micro_batches(self.train_batches, skip=self.trainer.train_steps * accumulation),
+                              2 * accumulation)
         eval_ds = self.micro_batches(self.eval_batches) if self.eval_batches else None
         try:
             with use_mesh(self.mesh):
@@ -475,10 +507,11 @@ class SFTRun:
                 preemption.close()
         return self.trainer
 
-    def micro_batches(self, steps: Sequence[Mapping[str, np.ndarray]]) -> Any:
-        """The trainer's dataset of ``steps`` (``train_batches`` or ``eval_batches``):
-        ``run.trainer.micro_batches``."""
-        return micro_batches(steps)
+    def micro_batches(self, steps: Sequence[Mapping[str, np.ndarray]] | StepBatches | StreamBatches, *,
+                      skip: int = 0) -> Any:
+        """The trainer's dataset of ``steps`` (``train_batches`` or ``eval_batches``), its first ``skip``
+        micro-batches not built: ``run.trainer.micro_batches``."""
+        return micro_batches(steps, skip=skip)
 
     def lora_params(self) -> LoraParams:
         """The trained factors on the host, with their spec. Under ``jax.distributed`` every process must call
@@ -509,6 +542,40 @@ def checkpoint_root(config: RunFields | Any) -> Path | None:
     ``<output_dir>/checkpoints``, or None without ``output_dir`` or with ``save_strategy="no"``."""
     f = run_fields(config)
     return None if f.output_dir is None or f.save_strategy == "no" else Path(f.output_dir) / CHECKPOINTS
+
+
+DATA_CACHE = "gemport-data"
+"""The prepared-data cache inside ``output_dir`` (``<output_dir>/gemport-data/<key>/``: ``gemport.data.cache``)."""
+
+
+def cache_root(config: RunFields | Any, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where a run keeps its prepared data: ``cache_dir`` when given, else ``<output_dir>/gemport-data``, else (no
+    ``output_dir``) a temporary folder of this process, removed when it exits."""
+    if cache_dir is not None:
+        return Path(cache_dir)
+    f = run_fields(config)
+    if f.output_dir is not None:
+        return Path(f.output_dir) / DATA_CACHE
+    return _scratch()
+
+
+@functools.cache
+def _scratch() -> Path:
+    path = Path(tempfile.mkdtemp(prefix="gemport-data-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+def _prepared(pipeline: SFTPipeline, source: Any, tokenizer: Any, root: Path, template: Mapping[str, Any] | None,
+              progress: bool) -> Prepared:
+    # Under jax.distributed process 0 prepares while the others wait, then every process reads the preparation;
+    # one whose cache is not on storage process 0 shares prepares its own.
+    if jax.process_count() > 1:
+        if jax.process_index() == 0:
+            pipeline.prepared(source, tokenizer, root=root, template=template, progress=progress)
+        multihost_utils.sync_global_devices("gemport: training data prepared")
+    return pipeline.prepared(source, tokenizer, root=root, template=template,
+                             progress=progress and jax.process_index() == 0)
 
 
 def run_model(base_dir: Path, spec: GemmaSpec, start: LoraSpec | LoraParams, *, mesh, dtype: Any, seed: int,

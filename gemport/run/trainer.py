@@ -15,7 +15,7 @@ first reads the newest checkpoint back whole and sets aside any that does not (`
 resumes from the newest intact one.
 """
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import functools
@@ -43,6 +43,8 @@ from gemport.run.preemption import Preemption
 from gemport.step.hf import LossFn, per_target, segment_loss
 from gemport.step.precision import Precision, with_precision
 from gemport.data.batching import BATCH_FIELDS
+from gemport.data.steps import StepBatches
+from gemport.data.stream import StreamBatches
 
 grain = require("grain", "gemport.run.trainer")
 peft_trainer = require("tunix.sft.peft_trainer", "gemport.run.trainer")
@@ -80,17 +82,22 @@ def examples_in(segment_ids: jax.Array) -> jax.Array:
     return jnp.sum(jnp.any(segment_ids > 0, axis=-1)).astype(jnp.float32)
 
 
-def micro_batches(steps: Iterable[Mapping[str, np.ndarray]]) -> grain.MapDataset:
+def micro_batches(steps: Sequence[Mapping[str, np.ndarray]] | StepBatches | StreamBatches, *,
+                  skip: int = 0) -> grain.MapDataset:
     """A Grain ``MapDataset`` of PeftTrainer's micro-batches from optimizer steps' batches.
 
     Under ``jax.distributed``, give each process the rows it holds (``data.distributed.process_step``),
-    every process the same steps: the step's targets are then summed over processes (one collective, here),
-    and PeftTrainer assembles each micro-batch's global [B, T] from the processes' rows.
+    every process the same steps: the step's targets are then summed over processes, and PeftTrainer
+    assembles each micro-batch's global [B, T] from the processes' rows.
 
     Args:
       steps: the batches of successive optimizer steps, each mapping ``BATCH_FIELDS`` to arrays [A, B, T]
-        (``step.stack``, or ``SFTPipeline.batches``' second items), all of one shape; it is read once, and
-        other keys are dropped.
+        (``step.stack``, or ``SFTPipeline.batches``' second items), all of one shape; other keys are dropped. A
+        ``data.StepBatches`` (or a stream's ``data.StreamBatches``) is read lazily: each micro-batch is built when
+        the dataset is read (Grain's ``__getitem__``), its step's targets counted over every process's rows (no
+        collective); a list is read once (its targets summed over processes: one collective, here).
+      skip: the first ``skip`` elements are empty dicts, not built: those a resumed ``PeftTrainer`` passes over
+        (it iterates past the micro-batches its checkpoint consumed, ``train_steps * A``, without using them).
 
     Returns:
       A ``grain.MapDataset`` of ``len(steps) * A`` elements: element ``s * A + a`` is micro-batch ``a`` of step
@@ -114,29 +121,46 @@ def micro_batches(steps: Iterable[Mapping[str, np.ndarray]]) -> grain.MapDataset
       >>> data[0]["num_items_in_batch"], data[0]["gradient_accumulation_steps"]  # the step's A * B * (T - 1) targets
       (array([42, 42, 42], dtype=int32), array([2, 2, 2], dtype=int32))
     """
-    steps = [{k: np.asarray(batch[k]) for k in BATCH_FIELDS} for batch in steps]
-    if not steps:
+    if not len(steps):
         raise BatchError("micro_batches: no optimizer step")
+    if isinstance(steps, (StepBatches, StreamBatches)):
+        (accumulation, rows, _), micro, targets = steps.shape, steps.micro, steps.targets
+    else:
+        (accumulation, rows, _), micro, targets = _laid_out(steps)
+
+    def element(index):
+        if index < skip:
+            return {}
+        s, a = divmod(index, accumulation)
+        out = dict(micro(s, a))
+        out[NUM_ITEMS] = np.full(rows, targets(s), np.int32)
+        out[ACCUMULATION] = np.full(rows, accumulation, np.int32)
+        return out
+
+    return grain.MapDataset.range(len(steps) * accumulation).map(element)
+
+
+def _laid_out(steps):
+    # Batches laid out ahead: their one shape, each micro-batch a view, each step's targets over every process.
+    steps = [{k: np.asarray(batch[k]) for k in BATCH_FIELDS} for batch in steps]
     shapes = {batch["tokens"].shape for batch in steps}
     if len(shapes) != 1 or len(next(iter(shapes))) != 3:
         raise BatchError(
             f"micro_batches: step batches must all be [A, B, T]; got shapes {sorted(shapes)} (step.stack them "
             "with one accumulation and rows)"
         )
-    ((accumulation, rows, _),) = shapes
-    counts = np.array([np.asarray(batch["loss_mask"])[:, :, 1:].sum() for batch in steps], np.int64)
+    counts = np.array([batch["loss_mask"][:, :, 1:].sum() for batch in steps], np.int64)
     if jax.process_count() > 1:
         counts = multihost_utils.process_allgather(counts).sum(axis=0)
     counts = counts.tolist()
+    return next(iter(shapes)), lambda s, a: {k: steps[s][k][a] for k in BATCH_FIELDS}, counts.__getitem__
 
-    def element(index):
-        s, a = divmod(index, accumulation)
-        out = {k: steps[s][k][a] for k in BATCH_FIELDS}
-        out[NUM_ITEMS] = np.full(rows, counts[s], np.int32)
-        out[ACCUMULATION] = np.full(rows, accumulation, np.int32)
-        return out
 
-    return grain.MapDataset.range(len(steps) * accumulation).map(element)
+def prefetched(dataset: grain.MapDataset, elements: int) -> grain.IterDataset:
+    """``dataset`` read in order by one thread ahead of the trainer, holding at most ``elements`` built elements:
+    the next step's micro-batches are built while the device runs this one, and no more are held (Grain's own
+    reading of a ``MapDataset`` keeps 500 ahead on 16 threads)."""
+    return dataset.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=elements))
 
 
 def _scoped(model, tokens, loss_mask, segment_ids, positions, loss_fn):
@@ -415,4 +439,5 @@ __all__ = [
     "final_evaluation",
     "hf_loss",
     "micro_batches",
+    "prefetched",
 ]

@@ -134,7 +134,6 @@ def test_help_speaks_trl():
     ({"fsdp": "full_shard"}, RecipeError, "fsdp='full_shard': gemport sft does not reproduce"),
     ({"learning_rat": 1e-4}, RecipeError, "learning_rat: not a field"),
     ({"fp16": True}, RecipeError, "fp16=True: TPUs compute in bfloat16"),
-    ({"dataset_streaming": True}, RecipeError, "dataset_streaming=True"),
     ({"lora_task_type": "SEQ_CLS"}, RecipeError, "lora_task_type"),
 ])
 def test_fields_gemport_does_not_reproduce_are_refused_by_name(fields, error, words):

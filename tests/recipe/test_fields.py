@@ -102,6 +102,17 @@ def check_dataset_test_split(tmp_path):
     assert len(load_splits(folder, test_split="validation", with_test=True)[1]) == 1
 
 
+def check_dataset_streaming(tmp_path):
+    import datasets
+
+    from gemport.data.stream import Stream, streamed
+
+    load_splits, folder = _dataset_splits(tmp_path)
+    train, _ = load_splits(folder, streaming=True)
+    assert isinstance(train, datasets.IterableDataset) and streamed(train) and not streamed(load_splits(folder)[0])
+    assert load_splits(folder / "test.jsonl", streaming=True)[0] == Stream(folder / "test.jsonl")
+
+
 def check_model_name_or_path(tmp_path):
     one_line_error(gemport("sft", "--config", cli_recipe(tmp_path, lora_target_modules=["q_proj"]), ok=False),
                    str(tmp_path / "base"))
@@ -214,6 +225,15 @@ def check_truncation_mode(tmp_path):
 def check_packing(tmp_path):
     _, batches = steps(packing=True)
     assert batches[0]["tokens"].shape[-1] == 128 and (batches[0]["segment_ids"] > 1).any()
+
+
+def check_dataset_num_proc(tmp_path):
+    # TRL packs each of dataset_num_proc shards on its own: other rows.
+    def rows(**fields):
+        units = from_sft_config(sft(packing=True, **fields), TOK).units(examples(packing=True)[0])
+        return [r[s > 0].tolist() for r, s in zip(units["tokens"], units["segment_ids"])]
+
+    assert rows(dataset_num_proc=3) != rows() == rows(dataset_num_proc=1)
 
 
 def check_packing_strategy(tmp_path):
