@@ -21,7 +21,7 @@ from gemport.data import from_sft_config
 from gemport.data import cache, workers
 from gemport.data.prepared import MANIFEST, Column, load
 from gemport.errors import MaskError
-from test_train_sft import chats, tokenizer
+from chats import chats, tokenizer
 
 CONFIG = dict(assistant_only_loss=True, packing=True, max_length=128, per_device_train_batch_size=2,
               gradient_accumulation_steps=2, max_steps=4, report_to="none", use_cpu=True, bf16=False)

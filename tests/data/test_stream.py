@@ -28,7 +28,7 @@ from gemport.mesh import make_mesh
 from gemport.run.outputs import HFOutputs
 from gemport.run.trainer import micro_batches
 from gemport.specs import GemmaSpec
-from test_train_sft import chats, tokenizer
+from chats import chats, tokenizer
 
 CONFIG = dict(assistant_only_loss=True, max_length=128, per_device_train_batch_size=2, gradient_accumulation_steps=2,
               max_steps=5, learning_rate=5e-3, seed=3, logging_steps=1, report_to="none", save_strategy="no",

@@ -4,11 +4,10 @@ shape checked, the docs' tables compared with them and the docs' claims held to 
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
+from repo_paths import ROOT
 
-ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 import bench_data  # noqa: E402
 
