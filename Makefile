@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 LATEST ?= .venv-latest
 LATEST_STAMP := $(LATEST)/.installed
 
-.PHONY: demo test test-latest bench docs clean vllm test-tpu bench-tpu
+.PHONY: demo test test-latest bench docs clean vllm test-tpu
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -57,8 +57,8 @@ test-latest: $(LATEST_STAMP)
 	$(LATEST)/bin/mkdocs build --strict --quiet --site-dir build/site-latest
 
 # On a TPU host (gemport[tpu] installed, or `source .whl-tpu/setup.sh` on the lent TPU machine): the TPU tier (the
-# chip against the CPU and the peers, tests marked tpu), its figures recorded anew in TPU_RECORD, and the chip's
-# benchmark appended to bench/tpu.jsonl (docs/benchmarks.md). Not run by CI, which has no TPU.
+# chip against the CPU and the peers, tests marked tpu), its figures recorded anew in TPU_RECORD (docs/tpu.md).
+# Not run by CI, which has no TPU; tests/test_on_chip_record.py checks the recorded figures there.
 TPU_PY ?= python3
 TPU_RECORD ?= tests/files/on_chip.jsonl
 TPU_TESTS ?= tests/step/test_step_on_chip.py tests/check/test_peers_on_chip.py

@@ -93,7 +93,7 @@ def test_the_trained_step_on_the_chip_follows_the_cpus(parity, base, tmp_path):
     assert len(logs["chip"]) == len(logs["cpu"]) == len(report.rows)
     for step, (a, b, row) in enumerate(zip(logs["chip"], logs["cpu"], report.rows)):
         for i, (quantity, floor) in enumerate((("loss", row.loss_floor), ("grad_norm", row.grad_norm_floor))):
-            judged("trained_step", f"{dtype} step {step} {quantity}", abs(a[i] - b[i]) / abs(b[i]), floor, 0.0,
+            assert judged("trained_step", f"{dtype} step {step} {quantity}", abs(a[i] - b[i]) / abs(b[i]), floor, 0.0,
                    dtype=dtype, step=step, quantity=quantity)
 
 
@@ -103,5 +103,5 @@ def test_verify_on_the_chip(base, dtype):
         model = load_model(base, param_dtype=dtype)
         report = compare_logits(base, model, dtype=dtype, seq_len=64)
     print(report)
-    judged("verify", f"base logits {dtype}", report.max_abs_diff, report.floor, 0.0, floor_name=report.floor_name,
-           dtype=dtype, max_abs_logit=report.max_abs_logit)
+    assert judged("verify", f"base logits {dtype}", report.max_abs_diff, report.floor, 0.0,
+                  floor_name=report.floor_name, dtype=dtype, max_abs_logit=report.max_abs_logit)

@@ -27,8 +27,9 @@ ATTENTION_LAYERS = {  # heads per row fewer than the models', widths, windows an
 DTYPES = ("bfloat16", "float32")
 """The recipes' dtypes the tier compares in."""
 
-TESTS = ("splash_attention", "chunked_loss", "lora_dropout", "trained_step", "parity", "verify")
-"""What the tier records (``record``'s ``test``), each at least once."""
+TESTS = ("splash_attention", "chunked_loss", "lora_dropout")
+"""What the step tier records (``record``'s ``test``), each at least once; the check tier's (``trained_step``,
+``parity``, ``verify``: tests/check/test_peers_on_chip.py) has not run on a chip yet."""
 
 MULTIPLE = 10.0
 """A comparison passes at up to this many times its floor (the suite's and ``gemport parity``'s multiple)."""
@@ -78,9 +79,11 @@ def record(test: str, case: str, worst: float, floor: float, bound: float, **ext
             f.write(json.dumps(line) + "\n")
 
 
-def judged(test: str, case: str, worst: float, floor: float, least: float, **extra) -> None:
-    """Record ``worst`` against ``MULTIPLE`` x ``floor`` (at least ``least``, the dtype's rounding of the result)
-    and assert it holds."""
+def judged(test: str, case: str, worst: float, floor: float, least: float, **extra) -> bool:
+    """Record ``worst`` against ``MULTIPLE`` x ``floor`` (at least ``least``, the rounding of the result the
+    arithmetic gives) and return whether it holds (a test asserts all of its verdicts, so each is recorded)."""
     bound = MULTIPLE * max(floor, least)
     record(test, case, worst, floor, bound, least=least, **extra)
-    assert worst <= bound, f"{case}: {worst:.3g} > {bound:.3g} ({MULTIPLE:g} x the floor {max(floor, least):.3g})"
+    if worst > bound:
+        print(f"{case}: {worst:.3g} > {bound:.3g} ({MULTIPLE:g} x the floor {max(floor, least):.3g})")
+    return worst <= bound

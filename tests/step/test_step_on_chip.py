@@ -27,7 +27,11 @@ pytestmark = pytest.mark.tpu
 T = 2048
 SEGMENTS = ([700, 900, 300], [1024, 1000])  # two packed rows, each padded at the end (segment 0)
 PRECISION = {"float32": "highest", "bfloat16": "default"}  # as step.precision gives each recipe's
-EPS = {"float32": 2.0**-24, "bfloat16": 2.0**-9}
+EPS = {"float32": 2.0**-24, "bfloat16": 2.0**-8}  # each dtype's unit roundoff
+KERNEL_GRADIENTS = 2.0**-16
+"""What the chip cannot match: splash attention's backward kernels multiply float32 operands at about three
+bfloat16 passes' precision (2^-16) whatever the precision asked, where the forward holds float32's (measured on a
+v5e: dq 4.1e-5 to 5.5e-5 from float64, 31 to 69 x the blockwise path's float32 floor; docs/tpu.md)."""
 
 
 def segment_ids():
@@ -87,10 +91,14 @@ def test_splash_attention_equals_the_blockwise_path_and_the_float64_reference(la
 
     blockwise = run(cpu(), lambda q, k, v, seg, window: segment_attention(q, k, v, seg, window=window))
     splash = run(chip(), attend)
+    verdicts = []
     for name, i in (("out", 0), ("dq", 1), ("dk", 2), ("dv", 3)):
         pick = (lambda x: x[real]) if name in ("out", "dq") else (lambda x: x)
-        judged("splash_attention", f"{layer} {dtype} {name}", relative(pick(splash[i]), pick(want[i])),
-               relative(pick(blockwise[i]), pick(want[i])), EPS[dtype], layer=layer, dtype=dtype, quantity=name)
+        least = KERNEL_GRADIENTS if dtype == "float32" and name != "out" else EPS[dtype]
+        verdicts.append(judged("splash_attention", f"{layer} {dtype} {name}",
+                               relative(pick(splash[i]), pick(want[i])), relative(pick(blockwise[i]), pick(want[i])),
+                               least, layer=layer, dtype=dtype, quantity=name))
+    assert all(verdicts)
 
 
 def test_the_chunked_loss_on_the_chip_equals_the_cpus():
@@ -125,12 +133,16 @@ def test_the_chunked_loss_on_the_chip_equals_the_cpus():
     np.put_along_axis(p, tokens[:, 1:, None], np.take_along_axis(p, tokens[:, 1:, None], -1) - 1, -1)
     want_dh = np.zeros(hidden.shape)
     want_dh[:, :-1] = (p * g[..., None]) @ embedding
-    del p, logits
+    del p
+    # The logits are bfloat16, rounded from products the chip accumulates in another order than the CPU: a logit
+    # may round to its other neighbour, which moves the nll up to twice the logits' unit roundoff.
+    rounding = 2 * EPS["bfloat16"] * float(np.abs(logits).max()) / float(np.abs(want_nll).max())
     (cpu_nll, cpu_dh), (chip_nll, chip_dh) = run(cpu()), run(chip())
-    judged("chunked_loss", "gemma3-1b vocab nll", relative(chip_nll, want_nll), relative(cpu_nll, want_nll),
-           EPS["float32"], quantity="nll")
-    judged("chunked_loss", "gemma3-1b vocab d_hidden", relative(chip_dh, want_dh), relative(cpu_dh, want_dh),
-           EPS["bfloat16"], quantity="d_hidden")
+    assert all([
+        judged("chunked_loss", "gemma3-1b vocab nll", relative(chip_nll, want_nll), relative(cpu_nll, want_nll),
+               rounding, quantity="nll"),
+        judged("chunked_loss", "gemma3-1b vocab d_hidden", relative(chip_dh, want_dh), relative(cpu_dh, want_dh),
+               EPS["bfloat16"], quantity="d_hidden")])
 
 
 def test_lora_dropout_draws_the_same_masks_on_the_chip():
@@ -157,4 +169,4 @@ def test_lora_dropout_draws_the_same_masks_on_the_chip():
         return np.concatenate([np.ravel(x) for x in jax.tree.leaves(jax.device_get(nnx.state(g)))])
 
     floor = relative(grads(chip(), 0.0), grads(cpu(), 0.0))
-    judged("lora_dropout", "masks p=0.5", relative(grads(chip(), 0.5), grads(cpu(), 0.5)), floor, EPS["float32"])
+    assert judged("lora_dropout", "masks p=0.5", relative(grads(chip(), 0.5), grads(cpu(), 0.5)), floor, EPS["float32"])
