@@ -266,45 +266,44 @@ def trajectory(base_dir, data, *, dpo_config, lora_config, steps=None, tokenizer
     """Run a ``trl dpo`` recipe with TRL and with ``gemport dpo``'s step for the same steps from the same step-0
     adapter; a ``DPOTrajectory``.
 
-    base_dir: an HF Gemma checkpoint (or a miniature of it) with its tokenizer, unless ``tokenizer`` is given.
-    data: TRL preference records (prompt/chosen/rejected or chosen/rejected, plain or conversational) or a file
-        of them (``data.formats.read``). dpo_config: ``DPOConfig``, a dict of its fields, or a ``trl dpo
-        --config`` YAML (``run.dpo.dpo_fields``); ``max_steps`` is set to ``steps`` when given; float32 on CPU,
-        one log line per step and no checkpoints are imposed on both sides. lora_config: ``peft.LoraConfig``, a
-        dict, or an ``adapter_config.json`` (or its directory). Its ``lora_dropout`` is turned off by TRL's
-        ``disable_dropout`` (the default), on both sides; with ``disable_dropout: false`` it must be 0
-        (``parity.without_dropout``: torch and JAX draw different masks).
-    port_dpo_config: the port's DPOConfig if it differs (default: the same), e.g. to see a broken port.
-    chat_format: the port's rendering of conversations (default: from the tokenizer's template, which must render
-        the records' conversations as gemport does: ``data.template.check_template``).
-    qlora: a ``gemport.lora.QLoraSpec`` (a QLoRA recipe): the GPU side loads ``base_dir`` through bitsandbytes
-        (``BitsAndBytesConfig(**qlora.to_bnb())``), the port through ``load_qlora_model`` (``DPORun(qlora=)``),
-        both computing in float32 as the rest of the comparison does, each reference being its 4-bit base with
-        LoRA off. TRL's cast of a quantized model's adapters to bfloat16 is undone on the GPU side: the port
-        trains float32 factors, as PEFT creates them (docs/qlora.md). bitsandbytes has no float64: the floor is
-        then TRL with sdpa attention instead of eager, attention's float32 rounding only (``frame.ATTENTION``).
-    dtype: ``"float32"`` (the default: a disagreement is in what is computed) or ``"bfloat16"``, the recipe as
-        ``bf16: true`` trains it: TRL on a bfloat16 base under torch's CPU bfloat16 autocast (PEFT's adapters
-        float32), the port on a bfloat16 base with float32 factors, as ``gemport dpo`` trains it; the floor is
-        then TRL's own float32 run against its bfloat16 one (``frame.BFLOAT16``, as SFT's).
+    The step-0 adapter is PEFT's initialisation of ``lora_config`` under ``torch.manual_seed(seed)``. The GPU side
+    is TRL's ``DPOTrainer`` with the recipe's ``peft_config`` (the reference: the adapter disabled); the port is
+    ``run.DPORun`` from that adapter, trained by ``DPORun.train`` on one device, its values read from the
+    ``trainer_state.json`` it writes. Each step's loss, grad_norm and DPO metrics, and the final adapters, are held
+    to ``FLOOR_MULTIPLE`` times floors measured in the same run (``parity.step_floors``; a metric's floor is the
+    largest of its kind at its step, ``QUANTITIES``); see docs/dpo.md#prove-the-port-gemport-parity-for-dpo.
 
-    The step-0 adapter is PEFT's initialisation of ``lora_config`` under ``torch.manual_seed(seed)`` on the base as
-    TRL's first run loads it. The GPU side is TRL's ``DPOTrainer`` given the base and the recipe's ``peft_config``
-    (the reference: the adapter disabled), its adapter set to the step-0 one; the port is ``run.DPORun`` from that
-    adapter with the base as reference, trained by ``DPORun.train`` (``DPOPeftTrainer``) on one device, its values
-    read from the ``trainer_state.json`` it writes, as ``gemport dpo`` does. Everything the port needs (recipe
-    fields, loss, optimizer, LoRA config, tokenizer and template, data, token ids) is checked, and the port's model
-    loaded, before either side trains. Unless the tolerances fix all, TRL trains again from the same adapter on the
-    same pairs in float64 (``frame.FLOAT64``: every float32 step transformers asks for by name widened too, without
-    gradient checkpointing), so that its distance from the float32 run is all of float32's rounding: each step's
-    loss, grad_norm and DPO metrics are held to ``FLOOR_MULTIPLE`` times how far the float32 run logged them from
-    it (``parity.step_floors``), the final adapters to ``FLOOR_MULTIPLE`` times how far the two end apart, and at
-    least ``parity.LEAST_ADAPTER_TOLERANCE``. A DPO metric's floor is the largest of its kind at its step
-    (``QUANTITIES``).
+    Args:
+      base_dir: an HF Gemma checkpoint (or a miniature of it) with its tokenizer, unless ``tokenizer`` is given.
+      data: TRL preference records (prompt/chosen/rejected or chosen/rejected, plain or conversational) or a file
+        of them (``data.formats.read``).
+      dpo_config: ``DPOConfig``, a dict of its fields, or a ``trl dpo --config`` YAML (``run.dpo.dpo_fields``);
+        ``max_steps`` is set to ``steps`` when given; float32 on CPU, one log line per step and no checkpoints
+        are imposed on both sides.
+      lora_config: ``peft.LoraConfig``, a dict, or an ``adapter_config.json`` (or its directory). Its
+        ``lora_dropout`` is turned off by TRL's ``disable_dropout`` (the default), on both sides; with
+        ``disable_dropout: false`` it must be 0 (``parity.without_dropout``).
+      steps: the optimizer steps to compare (default: the config's ``max_steps``).
+      tokenizer: default ``AutoTokenizer.from_pretrained(base_dir)``.
+      chat_format: the port's rendering of conversations (default: from the tokenizer's template, which must
+        render the records' conversations as gemport does: ``data.template.check_template``).
+      port_dpo_config: the port's DPOConfig if it differs (default: the same), e.g. to see a broken port.
+      tolerances: the bounds (default ``FLOORS``: measured floors).
+      progress: show the port's steps as a progress bar.
+      qlora: a ``gemport.lora.QLoraSpec``: bitsandbytes' 4-bit base on TRL's side, ``load_qlora_model`` on the
+        port's (``DPORun(qlora=)``), both in float32, each reference its 4-bit base with LoRA off.
+      dtype: ``"float32"`` (the default: a disagreement is in what is computed) or ``"bfloat16"``, the recipe as
+        ``bf16: true`` trains it, judged against TRL's own float32 run (``frame.BFLOAT16``).
 
-    Raises RecipeError (recipe fields, no steps, a dtype other than float32 or bfloat16), LoraError (also a QLoRA
-    recipe in bfloat16), MaskError / TemplateMismatchError (data, template), OptimizerConfigError, before either
-    side trains.
+    Returns:
+      A ``DPOTrajectory``: a ``parity.Trajectory`` with ``metrics`` (``MetricRow``s), ``ok`` and
+      ``first_disagreement``.
+
+    Raises:
+      RecipeError: recipe fields, no steps, a dtype other than float32 or bfloat16.
+      LoraError: the LoRA config, or a QLoRA recipe in bfloat16.
+      MaskError, TemplateMismatchError: the data or the template.
+      OptimizerConfigError: the optimizer fields. All before either side trains.
     """
     return compare(base_dir, data, functools.partial(
         _DPOSides.prepare, data=data, dpo_config=dpo_config, lora_config=lora_config, port_dpo_config=port_dpo_config,

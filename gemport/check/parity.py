@@ -244,16 +244,11 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
 
     The GPU side is TRL's ``SFTTrainer`` on a ``get_peft_model`` of ``base_dir`` (PEFT's initialisation
     under ``torch.manual_seed(seed)``); that adapter is imported into Tunix (``import_peft``) and trained
-    with ``data.from_sft_config`` batches, ``optim.hf_optimizer`` and ``step.train_step``. Unless
-    the tolerances fix all, the GPU side trains again from that adapter on the same batches in float64 (every
-    float32 step transformers asks for by name widened too; a float32 recipe's rounding, all of it). Each
-    step's loss and grad_norm are held to ``FLOOR_MULTIPLE`` times how far the float32 run logged them from the
-    float64 one (``StepRow.loss_floor``, ``StepRow.grad_norm_floor``, at least ``LEAST_FLOOR``). The final
-    adapters are held to ``FLOOR_MULTIPLE`` times the farthest the two GPU runs end apart, or in float32 the port
-    with ``FLOOR_PADDING`` more padding columns per row from the port (``Trajectory.adapter_floor``). The float64
-    run costs about what the float32 one does (no gradient checkpointing: its recompute changes no value).
-    Everything the port needs (model, LoRA config, optimizer, tokenizer, template, data) is checked before
-    either side trains; both train in a temporary directory, removed at the end.
+    with ``data.from_sft_config`` batches, ``optim.hf_optimizer`` and ``step.train_step``. Each step's loss and
+    grad_norm, and the final adapters, are held to ``FLOOR_MULTIPLE`` times floors measured in the same run
+    (``StepRow.loss_floor``, ``StepRow.grad_norm_floor``, ``Trajectory.adapter_floor``); see
+    docs/train.md#the-floors-parity-judges-against. Everything the port needs is checked before either side
+    trains; both train in a temporary directory, removed at the end.
 
     Args:
       base_dir: an HF Gemma checkpoint (the real one, or a miniature of it) with its tokenizer, unless
@@ -273,23 +268,15 @@ def trajectory(base_dir, data, *, sft_config, lora_config, steps=None, tokenizer
       tolerances: `Tolerances`: the bounds; loss, grad_norm and adapter left None are ``FLOOR_MULTIPLE`` times
         the floor measured in the run.
       progress: show the port's steps as a progress bar.
-      qlora: a `gemport.lora.QLoraSpec` (QLoRA): the GPU side loads ``base_dir`` through bitsandbytes
-        (``BitsAndBytesConfig(**qlora.to_bnb())``, then ``peft.prepare_model_for_kbit_training`` as TRL does),
-        the port through `gemport.checkpoint.quantize.load_qlora_model`, both computing in float32 as the rest
-        of the comparison does (``bnb_4bit_compute_dtype`` is overridden). The GPU side's adapters stay float32,
-        as PEFT makes them: TRL's cast of a quantized model's adapters to bfloat16 is undone, since the port
-        trains float32 factors (see docs/qlora.md for what that cast changes). bitsandbytes has no float64:
-        the floor is then TRL with sdpa attention instead of eager, attention's float32 rounding only.
+      qlora: a `gemport.lora.QLoraSpec` (QLoRA): the GPU side loads ``base_dir`` through bitsandbytes, the
+        port through `gemport.checkpoint.quantize.load_qlora_model`, both in float32; see
+        docs/train.md#with-a-4-bit-base.
       loss_fn: the port's step's loss (default ``step.segment_loss``: segment attention, chunked cross-entropy,
         as ``train_step`` and ``HFPeftTrainer`` train by default); ``step.tunix_loss`` runs Tunix's own
         attention and logits.
       dtype: ``"float32"`` (the default: a disagreement is a difference in what is computed, not in precision)
-        or ``"bfloat16"``, the recipe as ``bf16: true`` trains it: the GPU side loads the base in bfloat16
-        (PEFT's adapters stay float32) and computes under torch's CPU bfloat16 autocast, as TRL does on a GPU;
-        the port loads a bfloat16 base with float32 factors, as ``SFTRun`` does. The floor is then the GPU
-        recipe's own float32 run against its bfloat16 one: the rounding of the dtype, which the port and TRL
-        each add, at different points of the computation (eager vs sdpa would differ in attention's rounding
-        only).
+        or ``"bfloat16"``, the recipe as ``bf16: true`` trains it, judged against the GPU recipe's own float32
+        run; see docs/train.md#in-bfloat16.
 
     Returns:
       A `Trajectory`: one `StepRow` per step TRL logged (both sides' learning rate, loss and grad_norm, and the

@@ -159,11 +159,9 @@ def from_sft_config(config: Any, tokenizer: Any, *, chat_format: Gemma3 | Gemma4
     The fields read are ``gemport.recipe.DataFields`` (``DataFields.from_config``: absent ones at TRL's ``SFTConfig``
     defaults).
 
-    Reads ``assistant_only_loss`` (-> ``MaskPolicy("assistant")``, else every token trained),
-    ``completion_only_loss``, ``max_length`` (-> ``Truncation(max_length)``), ``packing`` /
-    ``packing_strategy`` / ``padding_free`` / ``pad_to_multiple_of`` (-> the layout),
-    ``dataset_text_field``, ``eos_token`` (which must be in the vocabulary, as TRL checks), ``pad_token``, and
-    the batch sizes and sample order through ``optimizer_steps``.
+    Reads the masks, ``max_length``, the packing layout, the text field and special tokens, and the batch sizes
+    and sample order through ``optimizer_steps``. Where it differs from TRL, and what becomes of the GPU
+    recipe's speed settings: see docs/sft.md#where-the-data-differs-from-trl.
 
     Args:
       config: ``SFTConfig``, ``TrainingArguments`` or a dict of their fields; kept as the pipeline's ``config``,
@@ -174,21 +172,6 @@ def from_sft_config(config: Any, tokenizer: Any, *, chat_format: Gemma3 | Gemma4
         template (text and prompt/completion strings only); pass ``chat_format(tokenizer, thinking="on")`` for
         Gemma 4 with thinking.
 
-    Where gemport deliberately differs from TRL: TRL truncates at ``max_length`` tokens wherever
-    they fall; gemport cuts at turn boundaries (``Truncation(max_length, overflow="trim")``), so
-    no trained turn loses its end, and reports what it cut. Identical for examples that fit.
-    Settings gemport does not reproduce raise ``RecipeError`` naming the field:
-    ``truncation_mode="keep_end"``, ``packing_strategy`` other than ``"bfd"``, ``loss_type="dft"``,
-    ``shuffle_dataset=True`` (TRL shuffles the prepared dataset with ``datasets``' generator).
-
-    The GPU recipe's speed settings: ``gradient_checkpointing`` (TRL's default True) -> ``remat`` (``remat_of``);
-    ``packing`` / ``padding_free`` -> the layout, whose rows carry ``segment_ids`` that the default step's
-    attention honours (``step.segment_loss``: HF's ``flash_attention_2`` behaviour on packed rows, whatever
-    ``attn_implementation`` says; eager or sdpa on padding-free rows let HF's examples see each other, which
-    the port does not reproduce); ``use_liger_kernel`` -> nothing to set: the default step's chunked
-    cross-entropy is the counterpart of Liger's fused linear cross-entropy, and Liger's fused RMSNorm, RoPE
-    and GeGLU kernels have none (XLA fuses those itself).
-
     Returns:
       An `SFTPipeline`: ``examples(records, tokenizer)`` tokenizes and masks TRL records into ``(examples,
       TruncationReport)`` (each `Example`'s tokens int32 [n] and loss_mask bool [n]), ``batches(examples)``
@@ -197,7 +180,8 @@ def from_sft_config(config: Any, tokenizer: Any, *, chat_format: Gemma3 | Gemma4
       ``gradient_checkpointing``.
 
     Raises:
-      RecipeError: a setting gemport does not reproduce (above), ``packing`` without ``max_length``, an
+      RecipeError: a setting gemport does not reproduce (``truncation_mode="keep_end"``, ``packing_strategy``
+        other than ``"bfd"``, ``loss_type="dft"``, ``shuffle_dataset=True``), ``packing`` without ``max_length``, an
         ``eos_token`` the vocabulary lacks, or a ``gradient_checkpointing_kwargs`` key other than
         ``use_reentrant``.
 

@@ -267,7 +267,8 @@ def apply_lora(model, spec: GemmaSpec, lora: LoraSpec | LoraParams, *, seed: int
 
     Runs ``qwix.apply_lora_to_model`` with `provider` on a dummy batch. Each factor carries its base weight's
     sharding annotation with the rank axis unsharded (`LoraLayout.specs`) and, on a mesh, is placed
-    accordingly: no `gemport.mesh.fix_lora` needed.
+    accordingly: no `gemport.mesh.fix_lora` needed. The factors are float32 on a bfloat16 or float32 base
+    (docs/lora.md#dtypes).
 
     Args:
       model: a Tunix Gemma model of ``spec`` (e.g. from `gemport.checkpoint.load_model`), on a mesh or not.
@@ -277,10 +278,6 @@ def apply_lora(model, spec: GemmaSpec, lora: LoraSpec | LoraParams, *, seed: int
         the new model's shardings.
       qlora: the `gemport.lora.QLoraSpec` of a 4-bit base from `gemport.checkpoint.quantize.load_qlora_model`
         (QLoRA).
-
-    The factors (hence their gradients and Adam's moments) are float32 on a bfloat16 or float32 base (float64 on
-    a float64 one), as PEFT keeps adapters on a bfloat16 base; ``lora.params`` in another dtype are cast. A
-    projection's output keeps the base's dtype.
 
     Returns:
       The model with LoRA: each target einsum's ``lora_a`` [.., D_in, r] and ``lora_b`` [r, .., D_out] are

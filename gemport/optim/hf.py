@@ -102,36 +102,15 @@ def hf_optimizer(training_args_or_dict: Any, *, num_training_steps: int,
                  params: optax.Params | None = None) -> HFOptimizer:
     """Map HF ``TrainingArguments`` to the Optax transformation of the HF Trainer's optimizer step.
 
-    ``training_args_or_dict`` is a ``transformers.TrainingArguments`` (or a subclass such as TRL's
-    ``SFTConfig``) or a plain dict of its fields, read as ``gemport.recipe.OptimizerFields``; absent keys take the
-    defaults of the installed ``TrainingArguments`` (a dict that leaves some out needs transformers,
-    ``gemport[hf]``), keys that do not bear on the optimizer step are ignored. ``num_training_steps`` is the number
-    of optimizer steps, as passed to ``Trainer.create_scheduler``.
-
-    ``tx`` reproduces, in order:
-
-    - ``max_grad_norm > 0``: ``clip_grad_norm`` (torch's rule, with its 1e-6) on the gradient.
-    - ``optim`` in ``adamw_torch``/``adamw_torch_fused``: ``optax.adamw``'s pieces with torch's bias
-      corrections (``scale_by_torch_adam``) and ``adam_beta1``,
-      ``adam_beta2``, ``adam_epsilon`` and ``weight_decay``, decay multiplied by the learning
-      rate as in ``torch.optim.AdamW``, masked by ``decay_mask`` (HF's exclusion of biases and
-      norm weights). With ``params`` the mask is computed now from that pytree; with ``None`` it
-      is computed from the params given to ``init``, so it fits any tree (a LoRA-only state too).
-    - ``lr_scheduler_type``, ``lr_scheduler_kwargs`` and ``warmup_steps`` (a value below 1 is a ratio,
-      rounded up to steps; an older recipe's ``warmup_ratio``, where set, replaces it): ``hf_schedule``.
-
-    ``gradient_accumulation_steps`` does not change ``tx``: it is one update per optimizer step with the
-    gradient of the accumulated batch's mean token loss, which is HF's loss normalisation. It is returned as
-    ``accumulation``; ``per_micro_batch`` is the transformation for a loop that updates once per micro-batch.
-
-    Another ``optim``, a schedule or ``lr_scheduler_kwargs`` outside ``hf_schedule``, or a set
-    ``optim_args``, ``optim_target_modules``, ``deepspeed`` or ``average_tokens_across_devices=False``
-    raises ``OptimizerConfigError`` naming what is supported; so do values ``torch.optim.AdamW`` refuses
-    (negative learning rate, eps or weight decay, betas outside [0, 1)), NaN or infinite numbers, an argument
-    that is neither TrainingArguments nor a dict, and a ``num_training_steps`` that is not a positive int.
+    ``tx`` reproduces, in order, HF's gradient clipping (``max_grad_norm``), torch's AdamW (``optim``
+    ``adamw_torch``/``adamw_torch_fused``, decay masked by ``decay_mask``) and HF's schedule (``hf_schedule``).
+    ``gradient_accumulation_steps`` does not change ``tx``: it is returned as ``accumulation``;
+    ``per_micro_batch`` is the transformation for a loop that updates once per micro-batch. See
+    docs/optim.md#the-transformation-in-order.
 
     Args:
-      training_args_or_dict: ``TrainingArguments`` / ``SFTConfig`` / ``DPOConfig``, or a dict of their fields.
+      training_args_or_dict: ``TrainingArguments`` / ``SFTConfig`` / ``DPOConfig``, or a dict of their fields,
+        read as ``gemport.recipe.OptimizerFields`` (absent keys at the installed ``TrainingArguments``' defaults).
       num_training_steps: the optimizer steps of the run (``Trainer.create_scheduler``'s).
       params: the pytree the optimizer will update (any leaf shapes), to fix the weight-decay mask now; default:
         the mask is computed from what ``init`` gets.
@@ -139,6 +118,11 @@ def hf_optimizer(training_args_or_dict: Any, *, num_training_steps: int,
     Returns:
       ``HFOptimizer(tx, schedule, accumulation)``: ``tx`` an Optax transformation of gradient pytrees shaped as
       the params; ``schedule(step)`` the learning rate, a float32 scalar; ``accumulation`` an int.
+
+    Raises:
+      OptimizerConfigError: a setting it cannot reproduce (docs/optim.md#what-it-refuses), a value
+        ``torch.optim.AdamW`` refuses, a NaN or infinite number, an argument that is neither TrainingArguments
+        nor a dict, or a ``num_training_steps`` that is not a positive int.
 
     Example::
 

@@ -146,13 +146,9 @@ def memory_plan(
 ) -> MemoryPlan:
     """Per-device bytes of params, LoRA params and Adam moments on an (fsdp, tp) mesh.
 
-    Every array counts ``prod(shape) / prod(sizes of the axes its spec shards)`` elements: base params
-    with their Tunix annotations, LoRA factors with the shapes and specs of ``LoraLayout(spec, lora_spec)``
-    (``FACTOR_DTYPE``, float32 on any base, as `gemport.lora.apply_lora` and PEFT keep them; K/V of KV-shared
-    layers never run, so they get none;
-    separate factors on fused modules cost what PEFT's adapters cost, no more). Adam keeps
-    mu and nu, each shaped and sharded like the trainable params, in ``moments_dtype`` (default: the
-    trainable params' dtype, as ``optax.adamw`` does).
+    Every array counts ``prod(shape) / prod(sizes of the axes its spec shards)`` elements: base params with their
+    Tunix annotations, LoRA factors as ``LoraLayout(spec, lora_spec)`` shapes them in ``FACTOR_DTYPE``, Adam's mu
+    and nu like the trainable params in ``moments_dtype``. See docs/mesh.md#the-memory-plan.
 
     Args:
       lora_spec: the LoRA config (targets, rank, per-module ranks, fused form); None plans full fine-tuning

@@ -225,11 +225,8 @@ class SFTRun:
         what the kind of run adds (``extras``), the optimizer and Tunix's ``training_config``, and the record a
         rerun resumes against (``with_record``). ``DPORun`` overrides the stages where DPO differs.
 
-        The model's remat is ``gradient_checkpointing``'s (``data.sft.remat_of``). ``chat_template_path`` (a
-        .jinja file or a tokenizer folder) sets the template, as TRL does, and every training conversation is
-        checked to render and mask alike through it as the data is prepared (``data.chat_template``). The data is
-        prepared once (``cache_dir``; a ``data.Stream`` or ``IterableDataset`` is read as TRL reads a stream) and its
-        token ids checked against the vocabulary before the model loads.
+        The data is prepared once (``cache_dir``) and checked against the vocabulary and the chat template before
+        the model loads; see docs/sft.md#the-same-run-in-python and docs/sft.md#data-at-scale.
 
         Args:
           sft_config: ``SFTConfig``, a dict of its fields, or a ``trl sft --config`` YAML (read as ``trl sft``
