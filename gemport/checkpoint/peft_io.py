@@ -45,13 +45,9 @@ def export_peft(lora, out_dir: str | Path, *, base_dir: str | Path | None = None
     """Write Qwix LoRA params as a PEFT adapter that ``peft.PeftModel.from_pretrained`` loads onto the HF base
     and vLLM serves as a LoRA request, both computing the Tunix model's function.
 
-    Exact: separate factors of a fused module are split into each projection's ``lora_A`` / ``lora_B``
-    (trimmed to its rank); a shared ``lora_a`` is written as the ``lora_A`` of each projection it fuses
-    (kv_einsum -> k_proj and v_proj; k_eq_v layers' k_einsum -> k_proj, plus its v_proj copy for vLLM, see
-    the module docstring). The spec's ``rank_pattern`` / ``alpha_pattern`` go into ``adapter_config.json``.
-    Warns when vLLM would refuse the adapter (rank outside ``VLLM_RANKS``: it needs a larger
-    ``--max-lora-rank``, or above 512 cannot be served) or serve it differently (patterns giving k_proj and
-    v_proj of a k_eq_v layer different scales: no copy can be exact there). Tensors keep the adapter's dtype.
+    Exact: each projection gets its own ``lora_A`` / ``lora_B`` (a shared ``lora_a`` written for each projection it
+    fuses; k_eq_v layers' k_proj copied under v_proj for vLLM); tensors keep the adapter's dtype. Warns when vLLM
+    would refuse the adapter or serve it differently. See docs/lora.md#a-peft-adapter.
 
     Args:
       lora: the LoRA factors, anything `load_lora` reads: `LoraParams`, an nnx model or state, a flat dict, or

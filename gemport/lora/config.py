@@ -55,17 +55,13 @@ class LoraSpec:
       dropout: PEFT's ``lora_dropout``: in training steps only (`gemport.lora.qwix.lora_dropout`), on each
         adapted projection's input to the LoRA branch, as PEFT in train mode; never in evaluation.
       fused: how a Tunix module fusing several targets (``kv_einsum`` = k_proj + v_proj, ``qkv_einsum``)
-        holds them. ``"separate"`` (default): one A and one B per projection, as PEFT trains them
-        (``lora_a`` (s, D, r), ``lora_b`` (s, r, K, H)): the same function, parameters and gradients as
-        PEFT. ``"shared"``: Qwix's own form, one adapter whose A is shared by the projections (fewer
-        parameters, a different family of adapters than PEFT's); for checkpoints trained with plain Qwix.
-      init: how a fresh adapter starts; B is always zero. ``"peft"`` (PEFT's default
-        ``init_lora_weights=True``): A uniform in +-1/sqrt(fan_in), nn.Linear's kaiming-uniform with
-        a=sqrt(5); ``"gaussian"`` (PEFT's ``"gaussian"``): A normal with std 1/r. fan_in is the HF
-        projection's input width.
-      all_linear: the targets came from PEFT's ``"all-linear"``, which means every linear layer of the model:
-        on Gemma 4 with per-layer inputs or MoE that includes modules Tunix LoRA cannot carry, and
-        `LoraLayout` refuses such a model rather than train fewer modules than PEFT would.
+        holds them: ``"separate"`` (default), one A and one B per projection as PEFT trains them (``lora_a``
+        (s, D, r), ``lora_b`` (s, r, K, H)); ``"shared"``, Qwix's own form with one A, for checkpoints trained
+        with plain Qwix. See docs/lora.md#fused-modules-separate-factors.
+      init: how a fresh adapter starts; B is always zero. ``"peft"`` (PEFT's default): A uniform in
+        +-1/sqrt(fan_in), fan_in the HF projection's input width; ``"gaussian"``: A normal with std 1/r.
+      all_linear: the targets came from PEFT's ``"all-linear"``; `LoraLayout` refuses a model where that
+        includes modules Tunix LoRA cannot carry (docs/lora.md#pitfalls-gemport-refuses-or-prevents).
       rank_pattern, alpha_pattern: PEFT's per-module ranks and alphas, ``((key, value), ...)`` (a dict is
         accepted), matched against HF module names as PEFT matches them: the first key ``k`` for which
         ``(.*\\.)?(k)$`` matches the name.

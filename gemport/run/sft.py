@@ -237,8 +237,7 @@ class SFTRun:
             ``datasets.Dataset``, a .jsonl/.json/.parquet file).
           lora: ``LoraSpec``, ``peft.LoraConfig`` or its dict, ``adapter_config.json`` or its directory, or TRL's
             ``lora_*`` fields; fresh factors from ``seed``. Unset ``target_modules``: PEFT's default for the
-            base's ``model_type`` (``lora.config.peft_default_targets``: q_proj and v_proj, k_proj being a zero
-            slot of Tunix's fused kv_einsum; a ``LoraError`` where PEFT has none).
+            base's ``model_type`` (``lora.config.peft_default_targets``; docs/lora.md#fused-modules-separate-factors).
           eval_dataset: held-out TRL SFT records, in the formats of ``train_dataset``; None: no evaluation.
           init_adapter: a PEFT adapter directory to start from (its factors and spec; ``lora``, if also given,
             must describe the same adapter).

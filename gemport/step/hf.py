@@ -119,12 +119,9 @@ def train_step(*, wrt: Any = nnx.LoRAParam, loss_fn: LossFn = segment_loss,
       ``step(model, optimizer, batch) -> StepMetrics`` (loss float32 [], grad_norm float32 [], num_tokens
       int32 []), which updates ``model`` and ``optimizer`` in place. ``batch`` maps each of ``BATCH_FIELDS`` to
       an array [A, B, T] (tokens int32, loss_mask bool, segment_ids int32, positions int32; ``stack`` builds it):
-      the A micro-batches of one optimizer step, run one after the other (``lax.scan``, so memory holds one
-      micro-batch's activations and one summed gradient). The gradient of the summed loss is accumulated in
-      the parameters' dtype, divided by the batch's target count, its norm taken, and ``optimizer`` (an
-      ``nnx.Optimizer`` over ``optim.hf_optimizer``'s ``tx``) updated once. Empty micro-batches and rows (no
-      target) contribute nothing, so a short last step can be padded to the same shape. A batch without any
-      target leaves the parameters' gradient at zero.
+      the A micro-batches of one optimizer step, whose summed gradient, divided by the batch's target count,
+      updates ``optimizer`` (an ``nnx.Optimizer`` over ``optim.hf_optimizer``'s ``tx``) once. Empty micro-batches
+      and rows contribute nothing. See docs/train.md#one-step-as-hf-takes-it.
     """
 
     from gemport.lora import dropout_key, lora_dropout  # loads Qwix
