@@ -40,19 +40,11 @@ class Gemma4:
     keep_reasoning: the template drops the ``reasoning`` of assistant messages before the last user
         message (what the model sees at inference). False keeps that behaviour; True renders the
         reasoning of every assistant message that has one, for data whose earlier traces are wanted.
-    revision: which published template to follow (``REVISIONS``; 5, the newest, by default). Revisions
-        1, 3 and 4 render reasoning only on an assistant message with tool calls after the last user
-        message and close a model turn before a following assistant message; revision 2 renders no
-        reasoning, gives each tool message its own ``<|turn>tool`` turn and ends every turn with
-        ``<turn|>``; revisions 1-4 write a ``None`` tool value as ``None``, revision 5 as ``null``.
+    revision: which published template to follow (``REVISIONS``; 5, the newest, by default); how the
+        revisions differ: docs/masks.md#chat-formats.
 
-    Reasoning that is empty or whitespace is never rendered, so an empty thinking block is never
-    trained. An assistant message's ``tool_calls`` ({"function": {"name", "arguments": dict}}) are
-    rendered as ``<|tool_call>call:name{...}<tool_call|>``; the ``tool`` messages that follow it are
-    rendered inside the same model turn as ``<|tool_response>response:name{...}<tool_response|>``.
-    The first ``<|tool_response>`` after the calls is where the model stops to wait for the tool, so
-    it is the assistant's ``end``; the response body is role ``tool``. A following assistant message
-    continues the same model turn, as in the template.
+    Empty reasoning is never rendered; tool calls and their responses render inside the model turn, the
+    first ``<|tool_response>`` being the assistant's ``end``. See docs/masks.md#chat-formats.
     """
 
     thinking: Thinking = "off"

@@ -83,25 +83,18 @@ def hf_schedule(lr_scheduler_type: ScheduleName, *, learning_rate: float, num_tr
     """Map HF's ``lr_scheduler_type`` (as built by ``transformers.get_scheduler``) to an Optax schedule.
 
     ``schedule(t)`` is the learning rate of optimizer step ``t`` (0-based; Optax's count), equal to
-    HF's ``scheduler.get_last_lr()`` before its ``t``-th ``optimizer.step()``, rounded to float32:
+    HF's ``scheduler.get_last_lr()`` before its ``t``-th ``optimizer.step()``, rounded to float32; past
+    ``num_training_steps`` it holds its value at the last step. Each schedule's formula:
+    docs/optim.md#the-schedules-formulas.
 
-    - ``linear``: ``t/w`` while ``t < w``, then ``max(0, (N - t) / max(1, N - w))``.
-    - ``cosine``: warmup, then ``max(0, (1 + cos(2π·num_cycles·p)) / 2)`` with
-      ``p = (t - w) / max(1, N - w)``; ``num_cycles`` defaults to 0.5 (one half-cosine down to 0).
-    - ``cosine_with_restarts``: warmup, then ``(1 + cos(π·((num_cycles·p) mod 1))) / 2``, 0 once
-      ``p >= 1``; ``num_cycles`` defaults to 1.
-    - ``polynomial``: warmup, then ``lr_end + (lr - lr_end)·(1 - (t - w)/(N - w))**power``;
-      ``lr_end=1e-7``, ``power=1.0`` by default; HF requires ``lr > lr_end`` and fails when
-      ``w == N``.
-    - ``constant``: ``lr`` at every step. HF ignores ``num_warmup_steps`` here; so does this.
-    - ``constant_with_warmup``: warmup, then ``lr``.
+    Args:
+      lr_scheduler_type: ``linear``, ``cosine``, ``cosine_with_restarts``, ``polynomial``, ``constant`` or
+        ``constant_with_warmup`` (or HF's ``SchedulerType`` enum).
+      learning_rate, num_training_steps, num_warmup_steps: HF's (warmup ramps ``t / max(1, w)`` from 0).
+      **scheduler_kwargs: HF's ``lr_scheduler_kwargs`` (``num_cycles``, ``lr_end``, ``power``).
 
-    Warmup ramps ``t / max(1, w)`` from 0. ``w`` is ``num_warmup_steps``, ``N`` is
-    ``num_training_steps``; the factors multiply ``learning_rate``. HF's Trainer never steps past
-    ``N``; past it this schedule holds its value at step ``N - 1``.
-
-    ``lr_scheduler_type`` may also be HF's ``SchedulerType`` enum. ``scheduler_kwargs`` are HF's
-    ``lr_scheduler_kwargs``. A name or keyword not listed above raises ``OptimizerConfigError``.
+    Raises:
+      OptimizerConfigError: a name or keyword not listed above.
     """
     name = one_of(getattr(lr_scheduler_type, "value", lr_scheduler_type), ScheduleName, "lr_scheduler_type",
                   OptimizerConfigError)
