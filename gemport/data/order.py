@@ -72,14 +72,8 @@ class StepPlan(Sequence[OptimizerStep]):
     ``train_sampling_strategy``, ``max_steps``, ``num_train_epochs`` and ``dataloader_drop_last``
     (``gemport.recipe.OrderFields``) from a ``TrainingArguments`` / ``SFTConfig`` or a dict (absent keys take the
     installed ``TrainingArguments``' defaults), on one process. Each epoch's order is ``sample_order``, cut into
-    micro-batches of the batch size (the last one shorter unless ``dataloader_drop_last``); each optimizer step
-    takes ``gradient_accumulation_steps`` consecutive micro-batches, the last step of an epoch the remainder.
-    Training stops after ``max_steps`` steps if it is positive, else after ``ceil(num_train_epochs *
-    steps_per_epoch)``.
-
-    Only the orders of the two epochs read last are kept (int64 [num_samples] each), so a plan of any length holds
-    no more; an epoch's order is drawn again when it is read after those (torch's ``randperm``, about a second a
-    million rows).
+    micro-batches and grouped into steps as HF's Trainer does; only the last two epochs' orders (int64
+    [num_samples] each) are held. See docs/train.md#the-sample-order.
 
     Args:
       training_args_or_dict: ``TrainingArguments`` / ``SFTConfig``, or a dict of their fields.

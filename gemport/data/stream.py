@@ -1,19 +1,10 @@
 """A dataset read as a stream, as HF's Trainer and TRL's SFTTrainer read an ``IterableDataset``.
 
-``dataset_streaming`` (TRL's ``ScriptArguments``) hands the trainer a ``datasets.IterableDataset``. TRL 1.16
-prepares it lazily, in stream order: each record tokenized and masked as it comes, and with ``packing`` the
-examples packed 1000 at a time (``IterableDataset.map(batched=True)``'s default batch). transformers 5.12's
-Trainer gives it no sampler: the dataloader takes ``per_device_train_batch_size`` consecutive rows a micro-batch
-(the pass's last one shorter; ``dataloader_drop_last`` is not applied to an iterable dataset) and each optimizer
-step ``gradient_accumulation_steps`` consecutive micro-batches. The dataset has no length, so ``max_steps`` must
-be set. When a pass ends the stream is read again from its start (an "epoch"; HF logs ``epoch`` as passes done
-plus this pass's micro-batches over ``max_steps * gradient_accumulation_steps``).
-
-One thing is not reproduced: a pass that ends with fewer than ``gradient_accumulation_steps`` micro-batches left.
-HF runs their backward passes without an optimizer step and, as its loop zeroes gradients only after a step,
-adds their gradient to the next pass's first step (whose ``num_items_in_batch`` does not count them). A step of
-gemport has ``gradient_accumulation_steps`` micro-batches, so those are skipped (with a warning): every step but
-that one trains exactly HF's rows; that one lacks the left-over micro-batches' gradient.
+``dataset_streaming`` (TRL's ``ScriptArguments``) hands the trainer a ``datasets.IterableDataset``: prepared lazily in
+stream order (packed 1000 examples at a time), no sampler, steps of ``gradient_accumulation_steps`` consecutive
+micro-batches, ``max_steps`` required, the stream read again from its start for each pass. A pass's left-over
+micro-batches (fewer than a step) are skipped with a warning, where HF adds their gradient to the next pass's first
+step. See docs/sft.md#data-at-scale.
 
 ``StreamBatches`` is the sequence of step batches, built as the stream is read (one thread reads ahead of the
 trainer: ``run.trainer.prefetched``); nothing of the stream is cached, so a resume reads and prepares it again up to
