@@ -177,3 +177,30 @@ def test_subclasses_of_upstream_classes_override_no_upstream_private():
         assert upstream_base.__module__.split(".")[0] in ("tunix", "qwix"), cls.__mro__
         overridden = [name for name in vars(cls) if _private(name) and hasattr(upstream_base, name)]
         assert overridden == [], (cls, overridden)
+
+
+def _bare_lazy_imports(sources: dict[str, str]) -> list[str]:
+    """The imports inside functions of ``sources`` ({path: text}) with no comment on their line(s) saying why."""
+    found = []
+    for path, text in sources.items():
+        lines = text.splitlines()
+        for fn in ast.walk(ast.parse(text)):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for n in ast.walk(fn):
+                    if (isinstance(n, (ast.Import, ast.ImportFrom))
+                            and "#" not in "\n".join(lines[n.lineno - 1:n.end_lineno])):
+                        found.append(f"{path}:{n.lineno}: {ast.unparse(n)}")
+    return sorted(set(found))
+
+
+def test_every_import_inside_a_function_says_why():
+    """Imports sit at the top of a module, except where an optional dependency, a cycle or a cheap ``--help`` needs
+    otherwise, each such import saying why in a comment on its line (``# optional: torch``, ``# cycle: ...``)."""
+    sources = {str(p.relative_to(ROOT.parent)): p.read_text() for p in ROOT.rglob("*.py")}
+    assert _bare_lazy_imports(sources) == []
+
+
+def test_a_bare_lazy_import_is_found():
+    found = _bare_lazy_imports({"gemport/x.py": "import os\n\ndef f():\n    import torch  # optional: torch\n"
+                                                "    from gemport import lora\n    return lora\n"})
+    assert found == ["gemport/x.py:5: from gemport import lora"]

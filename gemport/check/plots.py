@@ -25,7 +25,7 @@ def _figure(rows: int, cols: int, height: float = _SIZE[1]):
     require("matplotlib", "plotting")
     from matplotlib.figure import Figure  # no pyplot: no global state, no display backend
 
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import MaxNLocator  # optional: plot extra
 
     fig = Figure(figsize=(_SIZE[0], height), dpi=_DPI, layout="constrained")
     axes = fig.subplots(rows, cols, squeeze=False)

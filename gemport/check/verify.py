@@ -13,6 +13,8 @@ import json
 from pathlib import Path
 
 import numpy as np
+import jax
+import jax.numpy as jnp
 
 from gemport.check.vllm_offline import Served, serve_vllm
 from gemport._src.extras import require
@@ -89,9 +91,6 @@ def tunix_logits(model, tokens: np.ndarray) -> np.ndarray:
     """float32 logits [B, T, V] of a Tunix Gemma model on ``tokens`` int32 [B, T], with a causal mask, its
     products at the precision of its dtype (``step.precision``: float32 products for a float32 model, which a
     TPU's default would multiply in one bfloat16 pass)."""
-    import jax
-    import jax.numpy as jnp
-
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
     with jax.default_matmul_precision(matmul_precision(bf16=model_dtype(model) == "bfloat16", tf32=None)):

@@ -32,9 +32,9 @@ def expert_adapter(adapter: Path) -> bool:
 
 
 def serve(vllm, run: dict, request: dict) -> list[list[dict]]:
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-    from vllm.lora.request import LoRARequest
-    from vllm.platforms import current_platform
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory  # optional: vllm
+    from vllm.lora.request import LoRARequest  # optional: vllm
+    from vllm.platforms import current_platform  # optional: vllm
 
     model = Path(run["model"])
     adapters = run["adapters"]
@@ -92,7 +92,7 @@ def main(request_path: str, response_path: str) -> int:
         Path(response_path).write_text(json.dumps(answer))
 
     try:
-        import vllm
+        import vllm  # optional: vllm
     except ImportError as e:
         respond({"error": "missing", "message": f"{sys.executable} cannot import vllm ({e})"})
         return MISSING

@@ -66,7 +66,7 @@ def require_double_quant() -> tuple[Any, Any]:
     """
     try:
         import bitsandbytes.functional as bnb_f  # the qlora extra, with torch: optional
-        import torch
+        import torch  # optional: torch
     except ImportError:
         raise MissingDependencyError(
             "double quantization (bnb_4bit_use_double_quant) reproduces bitsandbytes' 8-bit absmax with "

@@ -73,15 +73,15 @@ def run(args) -> int:
     if args.dry_run:
         compile_for_dry_run(args)
     # Lazy: these load JAX (after --dry-run's environment), and --help stays cheap.
-    from gemport.checkpoint.output import check_outside
-    from gemport.data.splits import load_splits
-    from gemport.run.dpo import DPORun
-    from gemport.run.lock import claim_output
-    from gemport.run.outputs import TRAINER_STATE
-    from gemport.run.preemption import Preempted
-    from gemport.run.sft import CHECKPOINTS
-    from gemport.run.trackers import names
-    from gemport.step.precision import describe
+    from gemport.checkpoint.output import check_outside  # lazy: JAX; --help stays cheap
+    from gemport.data.splits import load_splits  # lazy: JAX; --help stays cheap
+    from gemport.run.dpo import DPORun  # lazy: JAX; --help stays cheap
+    from gemport.run.lock import claim_output  # lazy: JAX; --help stays cheap
+    from gemport.run.outputs import TRAINER_STATE  # lazy: JAX; --help stays cheap
+    from gemport.run.preemption import Preempted  # lazy: JAX; --help stays cheap
+    from gemport.run.sft import CHECKPOINTS  # lazy: JAX; --help stays cheap
+    from gemport.run.trackers import names  # lazy: JAX; --help stays cheap
+    from gemport.step.precision import describe  # lazy: JAX; --help stays cheap
 
     recipe = trl_recipe.read(args.config, trl_recipe.parse_overrides(args.extra), command="dpo")
     config, model, script = recipe.sft, recipe.model, recipe.script
@@ -141,10 +141,10 @@ def run(args) -> int:
 def _dry_run(args, recipe, lora, qlora) -> int:
     """Compile the run's DPO step (``gemport.plan.dry_run`` of an abstract ``DPORun``) and say whether it fits."""
     # Lazy: these load JAX, and --help stays cheap.
-    from gemport.data.splits import load_splits
-    from gemport.mesh import make_mesh, slice_devices
-    from gemport.run.dpo import DPORun
-    from gemport.specs import GemmaSpec
+    from gemport.data.splits import load_splits  # lazy: JAX; --help stays cheap
+    from gemport.mesh import make_mesh, slice_devices  # lazy: JAX; --help stays cheap
+    from gemport.run.dpo import DPORun  # lazy: JAX; --help stays cheap
+    from gemport.specs import GemmaSpec  # lazy: JAX; --help stays cheap
 
     config, script, base = recipe.sft, recipe.script, recipe.model["model_name_or_path"]
     data, _ = load_splits(script["dataset_name"], script.get("dataset_config"),

@@ -19,7 +19,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     """``gemport import-peft``: write the LoRA checkpoint (step 0) to ``args.out``; exit status 0."""
     from gemport.checkpoint import import_peft as read_adapter  # lazy: JAX; --help stays cheap
-    from gemport.checkpoint import save_lora
+    from gemport.checkpoint import save_lora  # lazy: JAX; --help stays cheap
 
     check_out(args)
     lora = read_adapter(args.adapter, spec=spec_of(args.model))

@@ -69,8 +69,8 @@ def run(args) -> int:
     for peer in ("torch", "transformers", "peft", "trl", "datasets"):  # the GPU side, checked before anything else
         require(peer, "gemport parity's GPU side (TRL + PEFT on torch)", extra="parity")
     # Lazy: these load JAX, and --help stays cheap.
-    from gemport.check.parity import miniature
-    from gemport.check.plots import write_parity
+    from gemport.check.parity import miniature  # lazy: JAX; --help stays cheap
+    from gemport.check.plots import write_parity  # lazy: JAX; --help stays cheap
 
     compare = (dpo_comparison if args.trainer == "dpo" else sft_comparison)(args)  # before anything trains
     with tempfile.TemporaryDirectory(prefix="gemport-miniature-") as work:
@@ -92,10 +92,10 @@ def run(args) -> int:
 def sft_comparison(args):
     """The SFT recipe's comparison, ``(base, tokenizer) -> parity.Trajectory``, its recipe read and checked."""
     # Lazy: these load JAX, and --help stays cheap.
-    from gemport.check.frame import dropout_note, without_dropout
-    from gemport.check.parity import read_recipe, trajectory
-    from gemport.check.verdict import Tolerances
-    from gemport.step import segment_loss, tunix_loss
+    from gemport.check.frame import dropout_note, without_dropout  # lazy: JAX; --help stays cheap
+    from gemport.check.parity import read_recipe, trajectory  # lazy: JAX; --help stays cheap
+    from gemport.check.verdict import Tolerances  # lazy: JAX; --help stays cheap
+    from gemport.step import segment_loss, tunix_loss  # lazy: JAX; --help stays cheap
 
     sft, lora = read_recipe(args.config)
     if args.lora_config:
@@ -122,9 +122,9 @@ def dpo_comparison(args):
     before anything trains: ``(base, tokenizer) -> DPOTrajectory``, TRL's DPOTrainer + PEFT against ``gemport
     dpo``'s step (``gemport.check.dpo_parity.trajectory``), judged per step against the floors measured in the run."""
     # Lazy: these load JAX, and --help stays cheap.
-    from gemport.check.dpo_parity import FLOORS, trajectory
-    from gemport.check.frame import dropout_note, without_dropout
-    from gemport.check.verdict import Tolerances
+    from gemport.check.dpo_parity import FLOORS, trajectory  # lazy: JAX; --help stays cheap
+    from gemport.check.frame import dropout_note, without_dropout  # lazy: JAX; --help stays cheap
+    from gemport.check.verdict import Tolerances  # lazy: JAX; --help stays cheap
 
     # Checked before anything loads: what this comparison does not run.
     if args.loss != "segment":

@@ -43,12 +43,12 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     """``gemport plan``: print the valid meshes (and with ``--compile`` each one's compiled peak); exit status 0."""
     # Lazy: these load JAX, and --help stays cheap.
-    import jax
+    import jax  # lazy: --help stays cheap
 
-    from gemport.lora import LoraSpec, QLoraSpec
-    from gemport.mesh import TpuSlice
-    from gemport.plan import valid_meshes
-    from gemport.plan.compiled import CPU_MEMORY_SCHEDULER
+    from gemport.lora import LoraSpec, QLoraSpec  # lazy: JAX; --help stays cheap
+    from gemport.mesh import TpuSlice  # lazy: JAX; --help stays cheap
+    from gemport.plan import valid_meshes  # lazy: JAX; --help stays cheap
+    from gemport.plan.compiled import CPU_MEMORY_SCHEDULER  # lazy: JAX; --help stays cheap
 
     if args.lora_rank is not None and args.lora_rank < 1:
         raise LoraError(f"--lora-rank {args.lora_rank}: a LoRA rank is a positive integer (omit it for full "

@@ -112,16 +112,16 @@ def run(args) -> int:
         compile_for_dry_run(args)
     _initialize(args)
     # Lazy: these load JAX (after --dry-run's environment and jax.distributed), and --help stays cheap.
-    import jax
+    import jax  # lazy: --help stays cheap
 
-    from gemport.checkpoint.output import check_outside
-    from gemport.data.splits import load_splits
-    from gemport.run.lock import claim_output
-    from gemport.run.outputs import TRAINER_STATE
-    from gemport.run.preemption import Preempted
-    from gemport.run.sft import CHECKPOINTS, SFTRun
-    from gemport.run.trackers import names
-    from gemport.step.precision import describe
+    from gemport.checkpoint.output import check_outside  # lazy: JAX; --help stays cheap
+    from gemport.data.splits import load_splits  # lazy: JAX; --help stays cheap
+    from gemport.run.lock import claim_output  # lazy: JAX; --help stays cheap
+    from gemport.run.outputs import TRAINER_STATE  # lazy: JAX; --help stays cheap
+    from gemport.run.preemption import Preempted  # lazy: JAX; --help stays cheap
+    from gemport.run.sft import CHECKPOINTS, SFTRun  # lazy: JAX; --help stays cheap
+    from gemport.run.trackers import names  # lazy: JAX; --help stays cheap
+    from gemport.step.precision import describe  # lazy: JAX; --help stays cheap
 
     primary = jax.process_index() == 0
 
@@ -202,10 +202,10 @@ def run(args) -> int:
 def _dry_run(args, recipe, lora, say) -> int:
     """Compile the run's train step (``gemport.plan.dry_run`` of an abstract ``SFTRun``) and say whether it fits."""
     # Lazy: these load JAX, and --help stays cheap.
-    from gemport.data.splits import load_splits
-    from gemport.mesh import make_mesh, slice_devices
-    from gemport.run.sft import SFTRun
-    from gemport.specs import GemmaSpec
+    from gemport.data.splits import load_splits  # lazy: JAX; --help stays cheap
+    from gemport.mesh import make_mesh, slice_devices  # lazy: JAX; --help stays cheap
+    from gemport.run.sft import SFTRun  # lazy: JAX; --help stays cheap
+    from gemport.specs import GemmaSpec  # lazy: JAX; --help stays cheap
 
     sft, script = recipe.sft, recipe.script
     base = recipe.model["model_name_or_path"]

@@ -43,7 +43,7 @@ def write_adapter(trained, output_dir: Path, base_dir: Path, base: str, *, merge
     """Write a trained run's PEFT adapter into ``output_dir`` (and ``merged/`` with ``merge``), each atomically:
     ``trained`` is the run's ``lora_params()``, ``base`` the recipe's ``model_name_or_path`` the adapter names."""
     from gemport.checkpoint import export_merged, export_peft  # lazy: JAX; --help stays cheap
-    from gemport.checkpoint.peft_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+    from gemport.checkpoint.peft_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS  # lazy: JAX; --help stays cheap
 
     staged = output_dir / ".adapter"
     _put_atomically(lambda tmp: export_peft(trained, tmp, base_dir=base_dir, base_model_name_or_path=str(base)),
@@ -73,7 +73,7 @@ def compile_for_dry_run(args) -> None:
 def report_dry_run(run, tpu: str | None, rows: str, say) -> int:
     """``gemport.plan.dry_run`` of ``run`` (an abstract ``SFTRun`` or ``DPORun``) said; 1 when it does not fit."""
     from gemport.mesh import TpuSlice  # lazy: JAX; --help stays cheap
-    from gemport.plan import HBM, dry_run
+    from gemport.plan import HBM, dry_run  # lazy: JAX; --help stays cheap
 
     say(f"dry run on {f'TPU {tpu}' if tpu else 'this host'}: {rows}, compiling the train step (nothing is trained "
         "or written)")

@@ -54,9 +54,9 @@ def run(args) -> int:
     for peer in ("torch", "transformers"):  # transformers' logits, the reference, checked before anything loads
         require(peer, "gemport verify's reference (transformers on torch)", extra="hf")
     # Lazy: these load JAX, and --help stays cheap.
-    from gemport.check.verify import compare_logits
-    from gemport.checkpoint import load_lora, load_model
-    from gemport.lora import apply_lora
+    from gemport.check.verify import compare_logits  # lazy: JAX; --help stays cheap
+    from gemport.checkpoint import load_lora, load_model  # lazy: JAX; --help stays cheap
+    from gemport.lora import apply_lora  # lazy: JAX; --help stays cheap
 
     hf_dir, adapter = Path(args.hf_dir), None
     # --engine tunix: both sides in the dtype; --engine vllm: vLLM's, beside float32 references.
@@ -87,8 +87,8 @@ def _verify_vllm(args, hf_dir: Path, adapter: Path | None, tunix_model) -> int:
     """``--engine vllm``: ``hf_dir`` (``adapter`` on it, if given) served on vLLM against transformers and, given,
     ``tunix_model``; each report printed, 1 when any disagrees."""
     # Lazy: these load JAX, and --help stays cheap.
-    from gemport.check.verify import compare_vllm
-    from gemport.checkpoint import vllm_misserved
+    from gemport.check.verify import compare_vllm  # lazy: JAX; --help stays cheap
+    from gemport.checkpoint import vllm_misserved  # lazy: JAX; --help stays cheap
 
     misserved = vllm_misserved(adapter, spec=spec_of(str(hf_dir))) if adapter else []
     if misserved:

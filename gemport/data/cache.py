@@ -74,7 +74,7 @@ def data_fingerprint(source: Any, stamps: Path) -> str:
     if isinstance(source, (str, os.PathLike)):
         return f"file:{file_digest(source, stamps)}"
     if hasattr(source, "cache_files") and hasattr(source, "column_names"):
-        from datasets.fingerprint import generate_fingerprint
+        from datasets.fingerprint import generate_fingerprint  # optional: datasets
 
         return f"datasets:{generate_fingerprint(source)}:{len(source)}"
     h = hashlib.sha256()

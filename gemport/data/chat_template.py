@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 
 from gemport.errors import MaskError, RecipeError
+from gemport.data import formats
+from gemport.data.template import template_text
 
 _FIELD = "chat_template_path"
 _EMBEDDING_MULTIPLE = 64  # clone_chat_template's resize_to_multiple_of
@@ -34,7 +36,7 @@ def with_chat_template(tokenizer: Any, path: str | os.PathLike, vocab_rows: int)
     vocab_rows: the base's embedding rows; a folder whose cloning would add tokens or resize the embeddings
     (which changes the model) is refused. Raises ``RecipeError`` naming ``chat_template_path``.
     """
-    import transformers
+    import transformers  # optional: transformers
 
     path_ = Path(path)
     out = copy.deepcopy(tokenizer)
@@ -75,10 +77,7 @@ def check_records(records: Iterable[Any], tokenizer: Any, chat_format: Any, *, p
     the number of records checked. Raises ``RecipeError`` naming ``chat_template_path`` and the record (by its
     index in the dataset: ``records`` begin at ``first_index``).
     """
-    from transformers.utils.chat_template_utils import render_jinja_template
-
-    from gemport.data import formats
-    from gemport.data.template import template_text
+    from transformers.utils.chat_template_utils import render_jinja_template  # optional: transformers
 
     template = template_text(tokenizer)
     if policy is not None and not re.search(r"\{%-?\s*generation\s*-?%\}", template):

@@ -23,6 +23,7 @@ from gemport.data.gemma3 import Gemma3
 from gemport.data.gemma4 import Gemma4
 from gemport.data.packing import Rows
 from gemport.data.tokenize import text_of
+from gemport.data.template import chat_format as from_tokenizer
 
 TruncationMode = Literal["keep_start", "keep_end"]
 
@@ -93,8 +94,6 @@ def tokenize(record: Mapping[str, Any], tokenizer: Any, chat_format: Gemma3 | Ge
         prompt, chosen, rejected = split_prompt(record["chosen"], record["rejected"])
     if _conversational(chosen) or _conversational(prompt):
         if chat_format is None:
-            from gemport.data.template import chat_format as from_tokenizer
-
             chat_format = from_tokenizer(tokenizer)
         chat_format = for_record(chat_format, record)
         tools = record_tools(record.get("tools"))

@@ -22,6 +22,7 @@ from gemport.data.steps import Layout, StepBatches
 from gemport.data.tokenize import Example
 from gemport.data.truncation import Truncation, TruncationReport
 from gemport.recipe import DataFields
+from gemport.data.template import chat_format as from_tokenizer
 
 LAYOUTS: tuple[Layout, ...] = typing.get_args(Layout)
 """Every ``Layout``."""
@@ -218,8 +219,6 @@ def from_sft_config(config: Any, tokenizer: Any, *, chat_format: Gemma3 | Gemma4
     if f.packing and max_length is None:
         raise RecipeError("SFTConfig.packing needs max_length, as in TRL")
     if chat_format is None and getattr(tokenizer, "chat_template", None):
-        from gemport.data.template import chat_format as from_tokenizer
-
         chat_format = from_tokenizer(tokenizer)
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else None
     if f.eos_token is not None and vocab is not None and f.eos_token not in vocab:  # as TRL raises

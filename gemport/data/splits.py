@@ -8,6 +8,7 @@ from typing import Any
 
 from gemport.errors import MaskError
 from gemport.data.stream import Stream
+from gemport.data.formats import located
 
 _FILES = (".jsonl", ".json", ".parquet")
 
@@ -36,7 +37,7 @@ def load_splits(dataset_name: str | os.PathLike, dataset_config: str | None = No
                             f"{test_split!r} split (a folder with {train_split}.jsonl and {test_split}.jsonl, or a "
                             "saved DatasetDict), or set eval_strategy: 'no'")
         return (Stream(path) if streaming else path), None
-    import datasets
+    import datasets  # optional: datasets
 
     if path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file()):
         loaded = datasets.load_from_disk(str(path))
@@ -67,8 +68,6 @@ def load_splits(dataset_name: str | os.PathLike, dataset_config: str | None = No
 
 def _name_bad_record(folder: Path) -> None:
     """Raise MaskError naming the file and line of the first record of ``folder`` that is not valid JSON."""
-    from gemport.data.formats import located
-
     if folder.is_dir():
         for file in sorted(folder.iterdir()):
             if file.suffix in (".jsonl", ".json"):

@@ -22,6 +22,7 @@ import numpy as np
 from gemport.data import formats
 from gemport.data.dataset import Options, fitted
 from gemport.data.truncation import Truncation, TruncationReport
+from gemport.data.chat_template import check_records
 
 PART_SIZE = 2048
 """Records a worker prepares at a time: large enough that sending a part back costs little beside preparing it,
@@ -66,8 +67,6 @@ _JOB: Job | None = None  # the forked workers' job, set before the fork
 def prepare_part(job: Job, part: formats.Part) -> Done:
     """``Done`` of one part of ``job.source``."""
     if job.template is not None:
-        from gemport.data.chat_template import check_records
-
         check_records((r for _, r in part.read(job.source)), first_index=part.first, **job.template)
     examples, report = fitted(part.read(job.source), job.tokenizer, job.truncation, job.options,
                               first_index=part.first, progress=False)

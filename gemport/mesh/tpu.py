@@ -108,7 +108,7 @@ def slice_devices(name: str) -> list:
                     "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
     for key, value in compile_only.items():
         os.environ.setdefault(key, value)
-    from jax.experimental import topologies
+    from jax.experimental import topologies  # lazy: only a TPU slice's compile-only devices need it
 
     try:
         return list(topologies.get_topology_desc(topology_name=tpu.topology, platform="tpu",

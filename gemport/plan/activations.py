@@ -26,6 +26,8 @@ import numpy as np
 from gemport.errors import MeshError
 from gemport.specs import GemmaSpec
 from gemport.step.hf import LossFn, segment_loss
+from gemport.step.attention import BLOCK
+from gemport.step.chunked_loss import CHUNK, VOCAB_SLICE, num_slices
 
 REMAT = ("none", "block", "decoder")
 
@@ -79,8 +81,6 @@ class StepMemory:
 def _layer_widths(spec: GemmaSpec, layer: int, seq_len: int, tp: int, tiled: bool) -> dict[str, float]:
     """Per-token elements on one device of each kind of tensor a layer computes; attention scores are one
     [T, S] row per head under Tunix's attention, one tile row (``step.attention.BLOCK`` keys) under gemport's."""
-    from gemport.step.attention import BLOCK
-
     keys = min(seq_len, BLOCK) if tiled else seq_len
     head_dim, kv_heads = spec.layer_head_dim(layer), spec.layer_kv_heads(layer)
     kv = 0 if spec.layer_kv_shared(layer) else (1 if spec.layer_k_eq_v(layer) else 2) * kv_heads * head_dim
@@ -156,8 +156,6 @@ def step_memory(
         # int32 tokens and positions, bool loss mask and attention mask.
         batch_bytes = rows * seq_len * (4 + 4 + 1 + seq_len)
     else:
-        from gemport.step.chunked_loss import CHUNK, VOCAB_SLICE, num_slices
-
         block = rows * min(CHUNK, seq_len) * -(-spec.vocab // num_slices(spec.vocab, VOCAB_SLICE) // tp)
         logits = _BLOCK_COPIES * block * 4
         # int32 tokens, positions and segment ids, bool loss mask.

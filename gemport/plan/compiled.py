@@ -31,6 +31,14 @@ from gemport.specs import GemmaSpec
 from gemport.run.model import lora_model
 from gemport.step.hf import LossFn, segment_loss
 from gemport.data.batching import BATCH_FIELDS
+from gemport.run.trainer import ACCUMULATION, NUM_ITEMS, HFPeftTrainer
+from gemport.optim import hf_optimizer
+from gemport.run.sft import sft_fields, training_config
+from gemport.recipe import RunFields
+from gemport.step.precision import matmul_precision
+from gemport.mesh.factory import make_mesh
+from gemport.mesh.tpu import slice_devices
+from gemport.data.sft import remat_of
 
 # XLA:CPU orders a program for concurrency by default: it runs every layer's rematerialisation as early
 # as its inputs allow, so remat saves nothing. Accelerators schedule for memory; with this flag in XLA_FLAGS
@@ -41,8 +49,6 @@ CPU_MEMORY_SCHEDULER = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 def micro_batch_shapes(rows: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
     """One micro-batch as ``HFPeftTrainer``'s step takes it (``micro_batches``' elements without the accumulation
     field): tokens, segment_ids, positions int32 [B, T], loss_mask bool [B, T], num_items_in_batch int32 [B]."""
-    from gemport.run.trainer import NUM_ITEMS
-
     shapes = {k: jax.ShapeDtypeStruct((rows, seq_len), jnp.bool_ if k == "loss_mask" else jnp.int32)
               for k in BATCH_FIELDS}
     return {**shapes, NUM_ITEMS: jax.ShapeDtypeStruct((rows,), jnp.int32)}
@@ -75,8 +81,6 @@ def lower_step(trainer: Any, mesh, rows: int, seq_len: int, *,
     element of ``SFTRun.micro_batches``: a ``DPORun``'s carries DPO's fields); default ``micro_batch_shapes``.
     """
     rows_sharding = NamedSharding(mesh, PartitionSpec(*trainer.config.data_sharding_axis))
-    from gemport.run.trainer import ACCUMULATION
-
     layout = micro_batch if micro_batch is not None else micro_batch_shapes(rows, seq_len)
     inputs = {k: jax.ShapeDtypeStruct(np.shape(v), v.dtype, sharding=rows_sharding) for k, v in layout.items()
               if k != ACCUMULATION}  # a check's field, which the trainer drops before the step
@@ -88,8 +92,8 @@ def lower_step(trainer: Any, mesh, rows: int, seq_len: int, *,
 def fingerprint(program: str) -> str:
     """The StableHLO of a lowered program (``Lowered.as_text()``, or a ``jax_dump_ir_to`` dump) without debug
     locations, printed as MLIR prints it: equal for equal programs, whatever traced them."""
-    from jax._src.interpreters import mlir
-    from jax._src.lib.mlir import ir
+    from jax._src.interpreters import mlir  # lazy: JAX's internals, for the fingerprint only
+    from jax._src.lib.mlir import ir  # lazy: JAX's internals, for the fingerprint only
 
     with mlir.make_ir_context():
         return ir.Module.parse(program).operation.get_asm(enable_debug_info=False)
@@ -141,13 +145,6 @@ def step_trainer(model: nnx.Module, args: Mapping[str, Any] | None = None, *, lo
     """The ``HFPeftTrainer`` ``SFTRun`` builds for ``model`` and the ``SFTConfig`` fields ``args`` (TRL's defaults
     for the rest; one optimizer step), without data: ``hf_optimizer``'s transformation and schedule, Tunix's
     ``TrainingConfig`` with the recipe's accumulation, no checkpoints."""
-    from gemport.optim import hf_optimizer
-    from gemport.run.trainer import HFPeftTrainer
-    from gemport.run.sft import sft_fields, training_config
-
-    from gemport.recipe import RunFields
-    from gemport.step.precision import matmul_precision
-
     args = sft_fields(dict(args or {}))
     fields = RunFields.from_config(args)
     return HFPeftTrainer(model, hf_optimizer(args, num_training_steps=1).tx, training_config(fields, 1), loss_fn=loss_fn,
@@ -174,10 +171,6 @@ def compiled_peak(spec: GemmaSpec, lora_spec: LoraSpec, fsdp: int, tp: int, *, b
     Raises MeshError when the host has fewer than fsdp * tp CPU devices
     (``--xla_force_host_platform_device_count``), or fsdp * tp is not the TPU slice's chip count.
     """
-    from gemport.mesh.factory import make_mesh
-    from gemport.mesh.tpu import slice_devices
-    from gemport.data.sft import remat_of
-
     if tpu is not None:
         devices = slice_devices(tpu)
         if len(devices) != fsdp * tp:

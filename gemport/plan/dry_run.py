@@ -14,6 +14,7 @@ from typing import Any
 
 from gemport.plan.compiled import compile_step
 from gemport.plan.memory import HBM
+from gemport.data.sft import remat_of
 
 GiB = 2**30
 
@@ -102,8 +103,6 @@ def dry_run(run: Any, *, hbm_bytes: int | None = None) -> DryRun:
     rows, seq_len = first["tokens"].shape
     trainer = run.make_trainer() if run.trainer is None else run.trainer
     compiled = compile_step(trainer, run.mesh, rows, seq_len, micro_batch=first)
-    from gemport.data.sft import remat_of
-
     remat = remat_of(run.args)  # the model's, as create set it
     return DryRun(compiled.argument_bytes, compiled.temp_bytes, compiled.peak_bytes,
                   hbm_bytes if hbm_bytes is not None else _hbm(run.mesh), compiled.flops_per_token, rows, seq_len,

@@ -18,6 +18,7 @@ from gemport.lora.qlora import is_quantized
 from gemport._src.partition import axes_of, bytes_per_device
 from gemport.specs import GemmaSpec
 from gemport.step.hf import LossFn, segment_loss, tunix_loss
+from gemport.step.chunked_loss import VOCAB_SLICE, num_slices
 
 GiB = 2**30
 
@@ -247,8 +248,6 @@ def _gathered(spec, params, sizes, param_dtype, loss_fn: LossFn, qlora=None) -> 
     embedding = sum(bytes_per_device(shape, ann, whole, item) for path, shape, ann, _ in params
                     if path.endswith("input_embedding") and sharded(ann))
     if loss_fn is segment_loss:
-        from gemport.step.chunked_loss import VOCAB_SLICE, num_slices
-
         embedding //= num_slices(spec.vocab, VOCAB_SLICE)
     return weights + embedding
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from flax import nnx
+import qwix
 
 from gemport.specs import names
 from gemport._src.params import path_str
@@ -18,6 +19,7 @@ from gemport.lora import LoraSpec, QLoraSpec, apply_lora
 from gemport.lora.qlora import is_quantized
 from gemport.specs import GemmaSpec
 from gemport.step.remat import set_remat
+from gemport._src import upstream
 
 
 def quantize_base(model: nnx.Module, spec: GemmaSpec, qlora: QLoraSpec) -> None:
@@ -25,10 +27,6 @@ def quantize_base(model: nnx.Module, spec: GemmaSpec, qlora: QLoraSpec) -> None:
     ``WithAux(QArray)`` of uint4 codes and float32 scales in bitsandbytes' blocks (``how_to_quantize``). The
     codes are Qwix's quantization of the weights the model holds; shapes, dtypes and shardings are the
     loader's, which is what a compile measures."""
-    import qwix
-
-    from gemport._src import upstream
-
     by_path = {e.tunix: e for e in names.entries(spec)}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         entry = by_path[path_str(path)]

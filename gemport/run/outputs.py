@@ -25,6 +25,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 from tunix.sft import hooks
+from tqdm.auto import tqdm
 
 from gemport.errors import RecipeError
 from gemport.recipe import OutputsFields
@@ -86,8 +87,6 @@ class HFOutputs(hooks.TrainingHooks):
         # Once, at the first event: Tunix evaluates before it calls on_train_start.
         if self.bar is not None:
             return
-        from tqdm.auto import tqdm
-
         self.start_step = trainer.train_steps
         state = self.out / TRAINER_STATE
         if self.start_step and state.is_file():

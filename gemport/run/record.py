@@ -15,9 +15,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
+
 from gemport.errors import RecipeError
 from gemport.data.flat import FlatExamples, digest
 from gemport.data.tokenize import Example
+from gemport.recipe import MAPPED
 
 RECIPE_FILE = "gemport_recipe.json"
 """The record's name in the checkpoint root (``<output_dir>/checkpoints/gemport_recipe.json``)."""
@@ -51,8 +54,6 @@ def recipe_record(args: Mapping[str, Any], *, base_dir: str | os.PathLike, dtype
     changes the trained weights (not ``output_dir``, logging, evaluation or saving cadence, ``MAPPED`` fields),
     ``base`` (the resolved base folder), ``dtype``, ``lora`` (the resolved ``LoraSpec``), ``qlora`` and ``data``
     (``data_hash``). Overrides are in ``args`` already."""
-    from gemport.recipe import MAPPED
-
     out = {f"SFTConfig.{k}": _plain(v) for k, v in sorted(args.items())
            if k not in _NOT_TRAINING and k not in MAPPED and not k.startswith(("hub_", "_"))}
     lora = json.loads(lora_spec.to_json()) if hasattr(lora_spec, "to_json") else _plain(lora_spec)
@@ -69,8 +70,6 @@ def check_resume(root: str | os.PathLike, record: Mapping[str, Any], *, explicit
     ``explicit`` (``resume_from_checkpoint`` set): then the new recipe is recorded and the run resumes. Under
     ``jax.distributed`` every process checks and process 0 writes.
     """
-    import jax
-
     root = Path(root)
     path = root / RECIPE_FILE
     record = _plain(dict(record))

@@ -113,7 +113,7 @@ def run_config(args: Mapping[str, Any], base_dir: str | os.PathLike, lora_config
     """The config HF's W&B and trackio callbacks upload: ``peft_config`` ({adapter name: its
     ``adapter_config.json`` fields}), then the base's ``config.to_dict()``, then the SFTConfig fields
     (``sft_config_dict``) over them."""
-    import transformers
+    import transformers  # optional: transformers
 
     model = transformers.AutoConfig.from_pretrained(base_dir).to_dict()
     config = {**model, **sft_config_dict(args)}
@@ -138,7 +138,7 @@ class TensorBoard(Tracker):
     step, past which older events are dropped."""
 
     def __init__(self, args: Mapping[str, Any], config: Mapping[str, Any], output_dir: Path, start_step: int):
-        from tensorboardX import SummaryWriter
+        from tensorboardX import SummaryWriter  # optional: tensorboardX
 
         logdir = os.environ.get("TENSORBOARD_LOGGING_DIR") or args.get("logging_dir") or output_dir / "runs"
         self.writer = SummaryWriter(str(Path(logdir).expanduser()), purge_step=start_step + 1 if start_step else None)
@@ -164,7 +164,7 @@ class Wandb(Tracker):
     already started) with the run config and ``train/global_step`` as every metric's step."""
 
     def __init__(self, args: Mapping[str, Any], config: Mapping[str, Any], num_parameters: int):
-        import wandb
+        import wandb  # optional: wandb
 
         self.wandb = wandb
         if os.environ.get("WANDB_WATCH", "false") in ("all", "parameters", "gradients"):
@@ -191,7 +191,7 @@ class Trackio(Tracker):
     ``finish()`` ends it, as HF's callback does at the end of training."""
 
     def __init__(self, args: Mapping[str, Any], config: Mapping[str, Any], num_parameters: int):
-        import trackio
+        import trackio  # optional: trackio
 
         self.trackio = trackio
         trackio.init(project=args.get("project", "huggingface"), name=args.get("run_name"),

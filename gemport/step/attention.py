@@ -192,8 +192,8 @@ def segment_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax
 
 
 def _splash(q, k, v, segment_ids, window, interpret=False):
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash  # lazy: TPU only
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib  # lazy: TPU only
 
     _, length, n, _ = q.shape
     kv_heads = k.shape[2]
@@ -225,7 +225,7 @@ def _splash(q, k, v, segment_ids, window, interpret=False):
 def _pallas_gpu(q, k, v, segment_ids, interpret=False):
     # JAX's Pallas GPU flash attention (Triton) takes segment ids and a causal mask, with as many KV heads as
     # query heads: GQA's KV heads are repeated for their query groups.
-    from jax.experimental.pallas.ops.gpu import attention as gpu_attention
+    from jax.experimental.pallas.ops.gpu import attention as gpu_attention  # lazy: GPU only
 
     groups = q.shape[2] // k.shape[2]
     k, v = (jnp.repeat(x, groups, axis=2) for x in (k, v))
@@ -237,7 +237,7 @@ def _pallas_gpu(q, k, v, segment_ids, interpret=False):
 def _gpu_kernel_takes(t: int, window: int | None) -> bool:
     """Whether ``_pallas_gpu`` computes this layer: a global (causal) layer whose length every block of the
     kernel divides. It has no sliding window."""
-    from jax.experimental.pallas.ops.gpu import attention as gpu_attention
+    from jax.experimental.pallas.ops.gpu import attention as gpu_attention  # lazy: GPU only
 
     blocks = [b for b in dataclasses.astuple(gpu_attention.BlockSizes.get_default()) if b]
     return window is None and all(t % min(b, t) == 0 for b in blocks)
@@ -291,7 +291,7 @@ def _no_cache(cache):
 
 @functools.cache
 def _gemma4_class():
-    from tunix.models.gemma4 import model as g4
+    from tunix.models.gemma4 import model as g4  # optional: tunix extra
 
     class SegmentAttention(g4.Attention):
         """Tunix Gemma 4 attention whose scores come from ``segment_attention`` (``attn_mask`` = segment_ids)."""
@@ -324,7 +324,7 @@ def _gemma4_class():
 
 @functools.cache
 def _gemma3_class():
-    from tunix.models.gemma3 import model as g3
+    from tunix.models.gemma3 import model as g3  # optional: tunix extra
 
     class SegmentAttention(g3.Attention):
         """Tunix Gemma 3 attention whose scores come from ``segment_attention`` (``attn_mask`` = segment_ids)."""

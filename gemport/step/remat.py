@@ -72,7 +72,7 @@ def tied_remat_model(model: nnx.Module) -> nnx.Module:
     temporaries live at a time. Other remat configs, a KV cache and other models (Gemma 3, whose layers run
     nnx transforms of their own inside) run as Tunix runs them. The copy shares the arrays of ``model``;
     ``model`` is not changed."""
-    from tunix.models.gemma4 import model as gemma4
+    from tunix.models.gemma4 import model as gemma4  # optional: tunix extra
 
     copy = nnx.merge(*nnx.split(model))
     for _, module in nnx.iter_modules(copy):
