@@ -86,6 +86,14 @@ def current_module():
     return _qwix()[2].get_current_module()
 
 
+def take_module_path(module: nnx.Module, source: nnx.Module) -> None:
+    """Give ``module`` the path Qwix matches its rules against (``qwix_path``, set on each module by
+    ``apply_lora_to_model``) of ``source``: Qwix takes the innermost nnx module on the Python stack as the
+    current one, and a module of gemport's own (``step.scan.ScannedLayers``) is on it when JAX traces a layer's
+    deferred parts (a ``custom_vjp``'s forward) from within it."""
+    module.qwix_path = getattr(source, "qwix_path", ())
+
+
 def find_weight(value):
     """The name of the current module's param holding ``value`` (a weight, 4-bit or not), or None."""
     lora, ptq, flax_util, _, _ = _qwix()

@@ -22,6 +22,7 @@ from gemport.data.packing import tunix_inputs
 from gemport.step.attention import check_segments, segment_attention_model
 from gemport.step.chunked_loss import hidden_states, target_nll
 from gemport.step.remat import tied_remat_model
+from gemport.step.scan import scanned_decoder
 
 class StepMetrics(NamedTuple):
     """What ``train_step``'s step returns, each float32 [] or int32 [].
@@ -57,14 +58,16 @@ def tunix_loss(model: nnx.Module, micro_batch: Mapping[str, jax.typing.ArrayLike
 def micro_batch_nll(model: nnx.Module, micro_batch: Mapping[str, jax.typing.ArrayLike]) -> jax.Array:
     """Per-target losses float32 [B, T - 1] of a Tunix Gemma on one micro-batch of ``BATCH_FIELDS`` [B, T],
     the fast way: attention from ``segment_ids`` (``attention.segment_attention_model``: blockwise, splash on
-    TPU; no [T, S] scores), decoder remat that recomputes one layer at a time (``remat.tied_remat_model``) and
+    TPU; no [T, S] scores), decoder remat that recomputes one layer at a time, as a scan over blocks of layers
+    (``scan.scanned_decoder``; ``remat.tied_remat_model`` where the scan does not apply), and
     the cross-entropy in chunks of tokens (``chunked_loss``: never [B, T, V] logits).
     Position t's loss of token t + 1, equal to ``step.cross_entropy``' on ``micro_batch_logits``.
     """
     tokens = jnp.asarray(micro_batch["tokens"], jnp.int32)
     segment_ids = jnp.asarray(micro_batch["segment_ids"], jnp.int32)
     positions = jnp.asarray(micro_batch["positions"], jnp.int32)
-    hidden = hidden_states(tied_remat_model(segment_attention_model(model)), tokens, positions, segment_ids)
+    hidden = hidden_states(scanned_decoder(tied_remat_model(segment_attention_model(model))), tokens, positions,
+                           segment_ids)
     return target_nll(model, hidden, tokens)
 
 

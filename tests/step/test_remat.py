@@ -36,9 +36,10 @@ def _loss_and_grads(model, batch):
 @pytest.mark.parametrize("name", ["gemma4_dense", "gemma3_1b"])
 def test_the_fast_steps_remat_gives_tunixs_loss_and_lora_grads(hf_checkpoint, name, monkeypatch):
     """Summed loss and LoRA gradients of ``segment_loss`` under decoder remat (what ``gradient_checkpointing: true``
-    sets: on Gemma 4 the layers' recomputation tied to their cotangents, on Gemma 3 Tunix's ``nnx.remat``) against
-    the same step without remat (``false``) and, on Gemma 4, under Tunix's ``nnx.remat``: within 1e-5 relative
-    (float32; the arithmetic is the same, fused differently)."""
+    sets: the layers scanned, each recomputed in its block) against the same step without remat (``false``) and,
+    on Gemma 4, unrolled with the layers' recomputation tied to their cotangents (where the scan does not apply)
+    and under Tunix's ``nnx.remat``: within 1e-5 relative (float32; the arithmetic is the same, fused
+    differently; tests/step/test_scan.py holds the scan to float32's floor)."""
     family = GemmaSpec.from_hf(hf_checkpoint(name)[1]).family
     model = lora_model(hf_checkpoint, name)
     tokens, positions, segment_ids, loss_mask = rows(tiny.text_config(name).vocab_size)
@@ -48,10 +49,11 @@ def test_the_fast_steps_remat_gives_tunixs_loss_and_lora_grads(hf_checkpoint, na
         set_remat(model, family, remat)
         results[remat] = _loss_and_grads(model, batch)
     if family == "gemma4":
-        with monkeypatch.context() as m:  # Tunix's own decoder remat
-            m.setattr(remat_lib, "tied_remat_model", lambda model: model)
-            m.setattr("gemport.step.hf.tied_remat_model", lambda model: model)
-            results["tunix"] = _loss_and_grads(model, batch)
+        for name, replaced in (("tied", ("scanned_decoder",)), ("tunix", ("scanned_decoder", "tied_remat_model"))):
+            with monkeypatch.context() as m:  # unrolled, then Tunix's own decoder remat
+                for function in replaced:
+                    m.setattr(f"gemport.step.hf.{function}", lambda model: model)
+                results[name] = _loss_and_grads(model, batch)
     (loss, grads) = results.pop("decoder")
     assert any(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(grads))
     for other_loss, other_grads in results.values():
@@ -71,19 +73,22 @@ def test_the_model_is_left_as_it_was(hf_checkpoint):
 def test_one_layers_backward_is_live_at_a_time_on_a_tpu_slice(monkeypatch):
     """Compiled for a v5p-8 (fsdp=4, one row of 512 tokens per chip, decoder remat, 6 layers): under Tunix's
     ``nnx.remat`` TPU's scheduler keeps two [T, F] MLP products of every layer until the end of the backward
-    pass; with each layer's backward pass bracketed, the step's temporaries are smaller."""
+    pass; with each layer's backward pass bracketed (unrolled), or the layers scanned (one block's backward pass
+    at a time), the step's temporaries are smaller."""
     from gemport.specs import GemmaSpec
 
     spec = GemmaSpec.from_hf(tiny.text_config("gemma4_mesh").to_dict())
     spec = dataclasses.replace(spec, hidden=256, mlp=4096, num_layers=6, layer_types=("sliding", "global") * 3)
     mesh = make_mesh(spec, fsdp=4, tp=1, devices=slice_devices("v5p-8"))
     peaks = {}
-    for name, tied in (("tied", True), ("tunix", False)):
+    for name, replaced in (("scanned", ()), ("tied", ("scanned_decoder",)),
+                           ("tunix", ("scanned_decoder", "tied_remat_model"))):
         from gemport.run.model import lora_model as abstract_lora_model
 
         model = abstract_lora_model(spec, LoraSpec(4, 8.0), remat="decoder", param_dtype=jnp.bfloat16)
         with monkeypatch.context() as m:
-            if not tied:
-                m.setattr("gemport.step.hf.tied_remat_model", lambda model: model)
+            for function in replaced:  # the unrolled decoder, with or without each layer's backward bracketed
+                m.setattr(f"gemport.step.hf.{function}", lambda model: model)
             peaks[name] = compile_step(step_trainer(model), mesh, 4, 512).temp_bytes
-    assert peaks["tied"] < peaks["tunix"], peaks
+    print(peaks)
+    assert peaks["tied"] < peaks["tunix"] and peaks["scanned"] < peaks["tunix"], peaks

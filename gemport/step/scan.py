@@ -1,0 +1,133 @@
+"""Decoder remat as a loop: a Tunix Gemma's layers run as one ``lax.scan`` over blocks of its attention pattern.
+
+Tunix runs its decoder layers in a Python loop, so the train step's program holds every layer's forward pass and
+its recomputation and backward pass: compile time grows with depth (about 150 s for 26 layers on a TPU host, 10 to
+36 minutes for 60 on a CPU host). Gemma's layers repeat a pattern (Gemma 3 and 4: five sliding layers, then one
+global), so under decoder remat the layers of whole patterns ("blocks") run here as one scan over the blocks: the
+program holds one block, whatever the depth.
+
+The scan reads each block's weights where they are: layer k of block j is merged from the state of layer
+``j * period + k``, chosen by ``lax.switch`` on j, so no stacked copy of the weights is made. Each layer is one
+``jax.checkpoint`` of that choice and the layer's block saving nothing, so its backward pass keeps the layer's
+input and recomputes the rest, the choice of weights included (saved per block they would be a copy of the
+decoder's weights), as Tunix's decoder remat recomputes a layer. Layers past the last whole block run as the model
+runs them.
+
+The values and gradients are those of the unrolled decoder: the same layers, on the same weights, in the same order.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gemport._src import upstream
+from gemport.errors import TrainingError
+
+MIN_BLOCKS = 2
+"""A decoder of fewer whole blocks keeps its loop: scanning one block would compile the same program."""
+
+
+def decoder_period(layers: list[tuple[nnx.GraphDef, nnx.State]]) -> int:
+    """The shortest period p of a decoder, layer i and layer i % p alike (the same graph, attention type included,
+    and states of the same structure, shapes and dtypes); at most the depth.
+
+    layers: each layer's ``nnx.split``. A 26-layer Gemma 3 has period 6 (four whole blocks, two layers past them).
+    """
+
+    def alike(i, k):
+        (gi, si), (gk, sk) = layers[i], layers[k]
+        return (_graph(gi) == _graph(gk)
+                and jax.tree.structure(si) == jax.tree.structure(sk)
+                and all(a.shape == b.shape and a.dtype == b.dtype
+                        for a, b in zip(jax.tree.leaves(si), jax.tree.leaves(sk))))
+
+    return next(p for p in range(1, len(layers) + 1) if all(alike(i, i % p) for i in range(len(layers))))
+
+
+def _graph(graphdef: nnx.GraphDef) -> tuple:
+    # A layer's graph but for the paths Qwix records on each module (``qwix_path``, its layer index in it): Qwix
+    # matches its rules against them, and a rule alike for every layer (the LoRA spec has no per-layer alpha,
+    # ``scanned_decoder`` checks) reads the same from block 0's path.
+    return graphdef.nodes, tuple((name, value) for name, value in graphdef.attributes if name != "qwix_path")
+
+
+class ScannedLayers(nnx.Module):
+    """Whole blocks of decoder layers under decoder remat, called as one Tunix decoder layer is and running as a
+    scan over the blocks.
+
+    layers: the blocks' layers in order [blocks * period]; period: the layers per block. Layer k of block j runs
+    ``layer.block(x, segment_pos, None, attn_mask, **kwargs)`` on layer ``j * period + k``'s weights, in a
+    ``jax.checkpoint`` that saves nothing.
+    """
+
+    def __init__(self, layers: list[nnx.Module], period: int):
+        self.layers = nnx.List(layers)
+        self.period = period
+
+    def __call__(self, x, segment_pos, cache, attn_mask, **kwargs):
+        """x: [B, T, D] -> the output of the blocks' last layer, in the tuple a Tunix layer returns (no cache).
+
+        Raises TrainingError given a KV cache: a scanned decoder trains, it does not generate."""
+        if cache is not None:
+            raise TrainingError("a scanned decoder (step.scan) runs without a KV cache; generate with the model "
+                                "itself")
+        p = self.period
+        parts = [nnx.split(layer) for layer in self.layers]
+        graphdefs = [graphdef for graphdef, _ in parts[:p]]
+        # states[k]: layer k of every block, each block's state an operand of the switch that chooses it
+        states = [tuple(state for _, state in parts[k::p]) for k in range(p)]
+
+        def layer_k(k, j, x, states_k):
+            state = jax.lax.switch(j, [functools.partial(lambda i, s: s[i], i) for i in range(len(states_k))],
+                                   states_k)
+            return nnx.merge(graphdefs[k], state).block(x, segment_pos, None, attn_mask, **kwargs)
+
+        # What a layer returns: (cache, x) on Gemma 3, (cache, x, kv) on Gemma 4; and x's dtype, the carry's (a
+        # layer widens a narrower input, as Gemma 4's float32 embedding in a float64 model: exactly, so first here).
+        out = jax.eval_shape(functools.partial(layer_k, 0), 0, x, states[0])
+        x = x.astype(out[1].dtype)
+
+        def block(x, j):
+            for k in range(p):
+                x = jax.checkpoint(functools.partial(layer_k, k), prevent_cse=False,
+                                   policy=jax.checkpoint_policies.nothing_saveable)(j, x, states[k])[1]
+            return x, None
+
+        x, _ = jax.lax.scan(block, x, jnp.arange(len(self.layers) // p))
+        return (None, x) + (None,) * (len(out) - 2)  # no cache, no kv
+
+
+def scanned_decoder(model: nnx.Module) -> nnx.Module:
+    """A copy of a Tunix Gemma 3 / Gemma 4 model whose decoder layers, under decoder remat
+    (``step.remat.set_remat``), run as a scan over blocks of their pattern (`ScannedLayers`), the layers past the
+    last whole block as they were. The same values and gradients; the program holds one block. ``model`` is not
+    changed; the copy shares its arrays.
+
+    The copy runs unrolled, as ``model`` does, under another remat (none, Tunix's block remat), with per-layer inputs or KV sharing (Gemma 4
+    E2B/E4B: a layer reads another's keys and values), with PEFT's ``alpha_pattern`` (Qwix would match block 0's
+    layer paths) or with fewer than ``MIN_BLOCKS`` blocks.
+    """
+    copy = nnx.merge(*nnx.split(model))
+    config = copy.config
+    decoder = sys.modules[type(config).__module__].RematConfig.DECODER  # of the model's Tunix family
+    shared = any(i != j for i, j in enumerate(getattr(copy, "kv_cache_sharing_patterns", ())))
+    if (config.remat_config not in (decoder, decoder.value) or shared or getattr(config, "per_layer_input_dim", 0)
+            or getattr(getattr(copy, "lora_spec", None), "alpha_pattern", ())):
+        return copy
+    layers = list(copy.layers)
+    p = decoder_period([nnx.split(layer) for layer in layers])
+    if len(layers) // p < MIN_BLOCKS:
+        return copy
+    whole = len(layers) // p * p
+    scanned = ScannedLayers(layers[:whole], p)
+    upstream.take_module_path(scanned, copy)  # the model's: what Qwix found here before the layers moved
+    copy.layers = nnx.List([scanned, *layers[whole:]])
+    return copy
+
+
+__all__ = ["MIN_BLOCKS", "ScannedLayers", "decoder_period", "scanned_decoder"]

@@ -1,0 +1,116 @@
+"""Decoder remat as a scan over blocks of layers (``step.scan``) against the unrolled decoder it replaces.
+
+The step's loss and LoRA gradients on packed rows, scanned and unrolled, in float32 and in float64: in float64 the
+two agree to float64's rounding (the same arithmetic), and in float32 the scanned step is as close to float64 as
+the unrolled one is (its floor, measured in the same run). Which models scan, and which keep their loop.
+"""
+
+import dataclasses
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tiny
+from float64 import assert_float32_close, tunix_float64
+from flax import nnx
+from packed_rows import rows
+
+from gemport.lora import LoraSpec
+from gemport.run.model import lora_model
+from gemport.specs import GemmaSpec
+from gemport.step import segment_loss
+from gemport.step.scan import ScannedLayers, decoder_period, scanned_decoder
+
+# Five layers of a 2-layer pattern: two blocks scanned, one layer past them unrolled.
+LAYERS = ("sliding", "global") * 2 + ("sliding",)
+PRESETS = {"gemma3": "gemma3-1b", "gemma4": "gemma4-31b"}  # Gemma 4 31B's global layers: wider, k_eq_v
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def spec_of(family, layers=LAYERS):
+    return dataclasses.replace(GemmaSpec.preset(PRESETS[family]), num_layers=len(layers), layer_types=layers,
+                               hidden=32, mlp=48, num_heads=4, num_kv_heads=2, head_dim=8, vocab=96,
+                               sliding_window=4, **({"global_head_dim": 16, "global_kv_heads": 1}
+                                                    if family == "gemma4" else {}))
+
+
+def model_of(spec, dtype, remat="decoder", lora=LoraSpec(rank=2, alpha=4, targets=TARGETS), abstract=False):
+    model = lora_model(spec, lora, param_dtype=dtype, remat=remat, abstract=abstract)
+    if abstract:
+        return model
+    key = jax.random.key(1)
+    for _, p in nnx.iter_graph(model):  # B starts at zero: give the adapter a non-zero delta
+        if isinstance(p, nnx.LoRAParam):
+            key, sub = jax.random.split(key)
+            p.set_value((0.1 * jax.random.normal(sub, p.get_value().shape)).astype(dtype))
+    return model
+
+
+def loss_and_grads(model, batch, monkeypatch, scan):
+    with monkeypatch.context() as m:
+        if not scan:
+            m.setattr("gemport.step.hf.scanned_decoder", lambda model: model)
+        loss, grads = nnx.jit(nnx.value_and_grad(lambda model: segment_loss(model, batch)[0],
+                                                 argnums=nnx.DiffState(0, nnx.LoRAParam)))(model)
+    flat = np.concatenate([np.ravel(v.get_value()) for _, v in nnx.to_flat_state(grads)])
+    return np.float64(loss), flat.astype(np.float64)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma4"])
+def test_the_scanned_decoder_trains_as_the_unrolled_one(family, monkeypatch):
+    spec = spec_of(family)
+    tokens, positions, segment_ids, loss_mask = rows(spec.vocab)
+    batch = dict(tokens=tokens, positions=positions, segment_ids=segment_ids, loss_mask=loss_mask)
+    model = model_of(spec, jnp.float32)
+    blocks = scanned_decoder(model).layers[0]  # Gemma 3 cycles its own pattern: five sliding layers, period 1
+    assert isinstance(blocks, ScannedLayers) and len(blocks.layers) // blocks.period >= 2
+    float32 = {scan: loss_and_grads(model, batch, monkeypatch, scan) for scan in (True, False)}
+    with tunix_float64(monkeypatch):
+        for name in ("gemport.step.attention", "gemport.step.chunked_loss"):  # gemport's float32 accumulators too
+            monkeypatch.setattr(importlib.import_module(name), "jnp", importlib.import_module("float64")._Float64Numpy())
+        graphdef, state = nnx.split(model_of(spec, jnp.float64))  # a float64 model (its config too)...
+        model64 = nnx.merge(graphdef, jax.tree.map(lambda a, b: b.astype(a.dtype), state, nnx.split(model)[1]))
+        # ... with the float32 model's weights
+        float64 = {scan: loss_and_grads(model64, batch, monkeypatch, scan) for scan in (True, False)}
+    for i, quantity in enumerate(("loss", "LoRA gradients")):
+        exact, other = float64[False][i], float64[True][i]
+        assert np.abs(exact).max() > 0, quantity
+        # float32's floor: the unrolled step's distance from float64; the scanned step within 10x of it
+        assert_float32_close(float32[True][i], float32[False][i], exact)
+        floor32 = np.abs(float32[False][i] - exact).max() / np.abs(exact).max()
+        # float64: the same arithmetic, so the two differ by float64's rounding of float32's noise at most
+        bound = 10 * floor32 * np.finfo(np.float64).eps / np.finfo(np.float32).eps
+        assert np.abs(other - exact).max() / np.abs(exact).max() <= bound, quantity
+
+
+def test_a_14_layer_gemma3_scans_two_blocks_of_six_and_leaves_the_model_as_it_was():
+    """Gemma 3 1B's 26 layers scan as four blocks of six the same way (shapes only: no compile)."""
+    spec = dataclasses.replace(GemmaSpec.preset("gemma3-1b"), num_layers=14,
+                               layer_types=(("sliding",) * 5 + ("global",)) * 2 + ("sliding",) * 2,
+                               hidden=32, mlp=48, num_heads=4, num_kv_heads=1, head_dim=8, vocab=96)
+    model = model_of(spec, jnp.float32, abstract=True)
+    assert decoder_period([nnx.split(layer) for layer in model.layers]) == 6
+    before = [type(m) for _, m in nnx.iter_modules(model)]
+    scanned = scanned_decoder(model)
+    first = scanned.layers[0]
+    assert isinstance(first, ScannedLayers) and (first.period, len(first.layers), len(scanned.layers)) == (6, 12, 3)
+    assert [type(m) for _, m in nnx.iter_modules(model)] == before
+    assert first.layers[7].attn.q_einsum.w is not None
+
+
+@pytest.mark.parametrize("case", ["no remat", "per-layer inputs and KV sharing", "per-layer alpha", "one block"])
+def test_these_keep_their_loop(case):
+    """The scan runs under decoder remat, on layers that read nothing of other layers', under one LoRA rule, over
+    two blocks or more."""
+    if case == "one block":
+        model = model_of(spec_of("gemma4", ("sliding", "global")), jnp.float32, abstract=True)
+    elif case == "per-layer inputs and KV sharing":
+        model = model_of(GemmaSpec.from_hf(tiny.text_config("gemma4_ple").to_dict()), jnp.float32, abstract=True)
+    elif case == "per-layer alpha":
+        model = model_of(spec_of("gemma3"), jnp.float32, abstract=True, lora=LoraSpec(
+            rank=2, alpha=4, targets=TARGETS, alpha_pattern=(("layers.0.self_attn.q_proj", 8.0),)))
+    else:
+        model = model_of(spec_of("gemma3"), jnp.float32, remat="none", abstract=True)
+    assert not any(isinstance(m, ScannedLayers) for _, m in nnx.iter_modules(scanned_decoder(model)))
