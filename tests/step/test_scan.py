@@ -7,6 +7,7 @@ the unrolled one is (its floor, measured in the same run). Which models scan, an
 
 import dataclasses
 import importlib
+import json
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ import tiny
 from float64 import assert_float32_close, tunix_float64
 from flax import nnx
 from packed_rows import rows
+from repo_paths import ROOT
 
 from gemport.lora import LoraSpec
 from gemport.run.model import lora_model
@@ -114,3 +116,15 @@ def test_these_keep_their_loop(case):
     else:
         model = model_of(spec_of("gemma3"), jnp.float32, remat="none", abstract=True)
     assert not any(isinstance(m, ScannedLayers) for _, m in nnx.iter_modules(scanned_decoder(model)))
+
+
+def test_the_recorded_compiles_cover_12_to_60_layers_and_the_scan_holds_less():
+    """``bench/bench_compile.py --record bench/compile.jsonl``'s figures (Gemma 4 31B's widths, the bundled recipe):
+    each depth compiled both ways, and the scanned step's compiled peak, which is deterministic, below the
+    unrolled one's. Compile seconds are read by docs/tpu.md, not judged here."""
+    records = [json.loads(line) for line in (ROOT / "bench" / "compile.jsonl").read_text().splitlines() if line]
+    peaks = {(r["target"], r["layers"], r["scanned"]): r["peak_bytes"] for r in records}
+    assert {(layers, scanned) for _, layers, scanned in peaks} >= {(12, False), (12, True), (60, False), (60, True)}
+    for (target, layers, scanned), peak in peaks.items():
+        if scanned and (target, layers, False) in peaks:
+            assert peak < peaks[target, layers, False], (target, layers)
