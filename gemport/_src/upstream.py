@@ -86,6 +86,12 @@ def current_module():
     return _qwix()[2].get_current_module()
 
 
+def graph_without_module_paths(graphdef: nnx.GraphDef) -> tuple:
+    """``graphdef``'s nodes and attributes, but for the path Qwix records on each module (``qwix_path``): two
+    layers alike but for their place in the model compare equal."""
+    return graphdef.nodes, tuple((name, value) for name, value in graphdef.attributes if name != "qwix_path")
+
+
 def take_module_path(module: nnx.Module, source: nnx.Module) -> None:
     """Give ``module`` the path Qwix matches its rules against (``qwix_path``, set on each module by
     ``apply_lora_to_model``) of ``source``: Qwix takes the innermost nnx module on the Python stack as the

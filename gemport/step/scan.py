@@ -41,19 +41,14 @@ def decoder_period(layers: list[tuple[nnx.GraphDef, nnx.State]]) -> int:
 
     def alike(i, k):
         (gi, si), (gk, sk) = layers[i], layers[k]
-        return (_graph(gi) == _graph(gk)
+        # Qwix matches its rules against module paths, whose layer index differs: a rule alike for every layer
+        # (no per-layer alpha, ``scanned_decoder`` checks) reads the same from block 0's paths.
+        return (upstream.graph_without_module_paths(gi) == upstream.graph_without_module_paths(gk)
                 and jax.tree.structure(si) == jax.tree.structure(sk)
                 and all(a.shape == b.shape and a.dtype == b.dtype
                         for a, b in zip(jax.tree.leaves(si), jax.tree.leaves(sk))))
 
     return next(p for p in range(1, len(layers) + 1) if all(alike(i, i % p) for i in range(len(layers))))
-
-
-def _graph(graphdef: nnx.GraphDef) -> tuple:
-    # A layer's graph but for the paths Qwix records on each module (``qwix_path``, its layer index in it): Qwix
-    # matches its rules against them, and a rule alike for every layer (the LoRA spec has no per-layer alpha,
-    # ``scanned_decoder`` checks) reads the same from block 0's path.
-    return graphdef.nodes, tuple((name, value) for name, value in graphdef.attributes if name != "qwix_path")
 
 
 class ScannedLayers(nnx.Module):
