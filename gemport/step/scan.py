@@ -2,9 +2,10 @@
 
 Tunix runs its decoder layers in a Python loop, so the train step's program holds every layer's forward pass and
 its recomputation and backward pass: compile time grows with depth (about 150 s for 26 layers on a TPU host, 10 to
-36 minutes for 60 on a CPU host). Gemma's layers repeat a pattern (Gemma 3 and 4: five sliding layers, then one
-global), so under decoder remat the layers of whole patterns ("blocks") run here as one scan over the blocks: the
-program holds one block, whatever the depth.
+36 minutes for 60 when this project's CPU host compiles for a v5p-8). Gemma's layers repeat a pattern (Gemma 3 and
+4: five sliding layers, then one global), so under decoder remat the layers of whole patterns ("blocks") run here
+as one scan over the blocks: the program holds one block, whatever the depth (docs/benchmarks.md, "Compile time at
+depth", has the figures).
 
 The scan reads each block's weights where they are: layer k of block j is merged from the state of layer
 ``j * period + k``, chosen by ``lax.switch`` on j, so no stacked copy of the weights is made. Each layer is one
@@ -103,9 +104,9 @@ def scanned_decoder(model: nnx.Module) -> nnx.Module:
     last whole block as they were. The same values and gradients; the program holds one block. ``model`` is not
     changed; the copy shares its arrays.
 
-    The copy runs unrolled, as ``model`` does, under another remat (none, Tunix's block remat), with per-layer inputs or KV sharing (Gemma 4
-    E2B/E4B: a layer reads another's keys and values), with PEFT's ``alpha_pattern`` (Qwix would match block 0's
-    layer paths) or with fewer than ``MIN_BLOCKS`` blocks.
+    The copy runs unrolled, as ``model`` does, under another remat (none, Tunix's block remat), with per-layer
+    inputs or KV sharing (Gemma 4 E2B/E4B: a layer reads another's keys and values), with PEFT's ``alpha_pattern``
+    (Qwix would match block 0's layer paths) or with fewer than ``MIN_BLOCKS`` blocks.
     """
     copy = nnx.merge(*nnx.split(model))
     config = copy.config

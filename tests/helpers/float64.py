@@ -33,9 +33,10 @@ class _Float64Numpy:
 
 
 @contextlib.contextmanager
-def tunix_float64(monkeypatch):
-    """x64 on, and Tunix's explicit float32 casts widened to float64 (undone with ``monkeypatch``)."""
-    for name in TUNIX_FLOAT32_MODULES:
+def tunix_float64(monkeypatch, also=()):
+    """x64 on, and Tunix's explicit float32 casts widened to float64, and those of the modules named in ``also``
+    (undone with ``monkeypatch``)."""
+    for name in (*TUNIX_FLOAT32_MODULES, *also):
         monkeypatch.setattr(importlib.import_module(name), "jnp", _Float64Numpy())
     with jax.enable_x64(True):
         yield

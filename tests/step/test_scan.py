@@ -6,7 +6,6 @@ the unrolled one is (its floor, measured in the same run). Which models scan, an
 """
 
 import dataclasses
-import importlib
 import json
 
 import jax
@@ -69,9 +68,8 @@ def test_the_scanned_decoder_trains_as_the_unrolled_one(family, monkeypatch):
     blocks = scanned_decoder(model).layers[0]  # Gemma 3 cycles its own pattern: five sliding layers, period 1
     assert isinstance(blocks, ScannedLayers) and len(blocks.layers) // blocks.period >= 2
     float32 = {scan: loss_and_grads(model, batch, monkeypatch, scan) for scan in (True, False)}
-    with tunix_float64(monkeypatch):
-        for name in ("gemport.step.attention", "gemport.step.chunked_loss"):  # gemport's float32 accumulators too
-            monkeypatch.setattr(importlib.import_module(name), "jnp", importlib.import_module("float64")._Float64Numpy())
+    # gemport's attention and loss accumulate in float32 too
+    with tunix_float64(monkeypatch, also=("gemport.step.attention", "gemport.step.chunked_loss")):
         graphdef, state = nnx.split(model_of(spec, jnp.float64))  # a float64 model (its config too)...
         model64 = nnx.merge(graphdef, jax.tree.map(lambda a, b: b.astype(a.dtype), state, nnx.split(model)[1]))
         # ... with the float32 model's weights
