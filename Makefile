@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 LATEST ?= .venv-latest
 LATEST_STAMP := $(LATEST)/.installed
 
-.PHONY: demo test test-latest bench docs clean vllm test-tpu
+.PHONY: demo test test-latest bench docs clean vllm test-tpu bench-tpu
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -67,8 +67,16 @@ test-tpu:
 	rm -f $(TPU_RECORD)
 	GEMPORT_TPU=1 GEMPORT_TPU_RECORD=$(TPU_RECORD) $(TPU_PY) -m pytest -q -p no:cacheprovider -m tpu $(TPU_TESTS)
 
+# On a TPU host (as test-tpu): the trained step's speed, every case of docs/benchmarks.md's "On the chip" table, each
+# in its own process, appended to BENCH_TPU_RECORD (tests/step/test_speed_record.py reads bench/tpu.jsonl). About
+# 15 minutes on a v5e; the lent machine's 10-minute commands take it in two: `bench/bench_tpu.py --cases ...`.
+BENCH_TPU_RECORD ?= bench/tpu.jsonl
+
+bench-tpu:
+	$(TPU_PY) bench/bench_tpu.py --record $(BENCH_TPU_RECORD)
+
 bench: $(STAMP)
-	for b in bench/bench_*.py; do $(PY) $$b || exit 1; done
+	for b in $(filter-out bench/bench_tpu.py,$(wildcard bench/bench_*.py)); do $(PY) $$b || exit 1; done
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(LATEST) build .pytest_cache

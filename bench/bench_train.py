@@ -50,32 +50,9 @@ from gemport.mesh.dims import FSDP  # noqa: E402
 from gemport.plan import memory_plan  # noqa: E402
 from gemport.plan.activations import REMAT  # noqa: E402
 from gemport.specs import GemmaSpec  # noqa: E402
+from flops import flops_per_token, peak_tflops  # noqa: E402
 
 GiB = 2**30
-
-PEAK_TFLOPS = {"TPU v4": 275, "TPU v5 lite": 197, "TPU v5e": 197, "TPU v5p": 459, "TPU v5": 459, "TPU v6 lite": 918,
-               "TPU v6e": 918, "H100": 989, "H200": 989, "B200": 2250}
-"""Dense bf16 peak per device (TFLOP/s), by ``device_kind`` (the longest key it contains)."""
-
-
-def peak_tflops(device_kind: str) -> float | None:
-    keys = [k for k in PEAK_TFLOPS if k in device_kind]
-    return PEAK_TFLOPS[max(keys, key=len)] if keys else None
-
-
-def flops_per_token(spec: GemmaSpec, seq_len: int) -> float:
-    """Model FLOPs of one trained token: 4 x weights passed (frozen weights: forward, and backward to the
-    activations; the embedding as the logits' matmul) + 12 x keys seen x heads x head width per layer."""
-    from gemport.mesh.dims import annotated
-
-    weights = sum(int(np.prod(shape)) for _, shape, _, _ in annotated(spec) if len(shape) > 1)
-    attention = 0.0
-    for i in range(spec.num_layers):
-        window = spec.sliding_window if spec.layer_types[i] == "sliding" else seq_len
-        seen = min(window, (seq_len + 1) / 2)
-        attention += 12 * seen * spec.num_heads * spec.layer_head_dim(i)
-    return 4 * weights + attention
-
 
 def bench_spec(widths: str, layers: int, vocab: int) -> GemmaSpec:
     """Gemma 4 31B's layout (5 sliding : 1 global, k_eq_v global layers) at its real widths or tiny ones."""

@@ -1,0 +1,236 @@
+"""The trained step on a TPU chip: step time, tokens/s, MFU, peak HBM and compile seconds of every case of issue 44's
+point 1, each in its own process (the chip's peak memory is per process; a case out of HBM does not stop the rest).
+
+The step is the one ``SFTRun.train()`` runs (``HFPeftTrainer.jitted_train_step`` of ``plan.compiled.step_trainer``:
+TRL's defaults, HF's AdamW with clipping, decoder remat, so the decoder scanned in blocks where it has two or more),
+bf16, LoRA r=16 on all seven projections, random weights, rows of one segment. MFU is ``bench_train``'s count
+(``4 x`` the weights a token passes through + attention) over the chip's bf16 peak; a model measured at two depths
+also gets its decoder layers' own MFU (the extra layers' FLOPs over the extra time). ``compile_s`` is the first
+call's time less one step (tracing and compiling); ``matmul`` is the chip's rate on a plain 8192^3 bf16 product;
+``compile-60`` compiles the 60-layer Gemma 4 31B step for a v5p-8 with libtpu on this host (``bench_compile``).
+Usage, on the TPU machine (``source .whl-tpu/setup.sh`` first; ``make bench-tpu`` does both):
+
+    python bench/bench_tpu.py --record bench/tpu.jsonl            # every case, in order
+    python bench/bench_tpu.py --cases matmul 1b-26 --record F     # some
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+GiB = 2**30
+
+CASES = {
+    # name: (preset, layers or None for all, rows, seq_len, loss); 8192 tokens per micro-batch, as issue 44 asks
+    "1b-26": ("gemma3-1b", None, 4, 2048, "fast"),
+    "1b-14": ("gemma3-1b", 14, 4, 2048, "fast"),
+    "31b-4": ("gemma4-31b", 4, 2, 4096, "fast"),
+    "31b-8": ("gemma4-31b", 8, 2, 4096, "fast"),
+    "e4b": ("gemma4-e4b", None, 2, 4096, "fast"),
+    "1b-26-tunix-2x1024": ("gemma3-1b", None, 2, 1024, "tunix"),
+    "1b-26-tunix-4x2048": ("gemma3-1b", None, 4, 2048, "tunix"),
+}
+"""The step's cases: a Gemma preset cut to ``layers`` (its own pattern), ``rows`` x ``seq_len`` tokens, gemport's
+fast step (segment attention, chunked loss) or Tunix's own loss (``step.tunix_loss``)."""
+
+DEPTHS = {"1b": ("1b-14", "1b-26"), "31b": ("31b-4", "31b-8")}
+"""Pairs of depths of one model whose difference gives the decoder layers' own MFU."""
+
+ORDER = ("matmul", "1b-26", "31b-4", "1b-14", "31b-8", "1b-26-tunix-2x1024", "e4b", "1b-26-tunix-4x2048",
+         "compile-60")
+
+
+def versions() -> dict:
+    import jax
+
+    out = {"device_kind": jax.devices()[0].device_kind, "jax": jax.__version__,
+           "date": datetime.date.today().isoformat()}
+    for package in ("jaxlib", "libtpu", "google-tunix", "qwix"):
+        try:
+            out[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def spec_of(preset: str, layers: int | None):
+    from gemport.specs import GemmaSpec
+
+    spec = GemmaSpec.preset(preset)
+    if layers is None:
+        return spec
+    return dataclasses.replace(spec, num_layers=layers, layer_types=spec.layer_types[:layers])
+
+
+def drawn(graph, mesh, scale: float):
+    """``graph`` (an abstract model or optimizer) with its values on ``mesh`` as the run places them, drawn in one
+    compiled program: normal x ``scale`` (0: zeros, an optimizer's fresh state). Initialised op by op, as Tunix and
+    optax do, 31B's widths took minutes per layer on the chip, each new shape one more compile."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from gemport.plan.compiled import _placed
+
+    graphdef, state = nnx.split(_placed(graph, mesh))
+    shapes, treedef = jax.tree.flatten(state)
+
+    def draw(key):
+        keys = jax.random.split(key, len(shapes))
+        return [scale * jax.random.normal(k, s.shape, s.dtype) if scale and jnp.issubdtype(s.dtype, jnp.floating)
+                else jnp.zeros(s.shape, s.dtype) for k, s in zip(keys, shapes)]
+
+    values = jax.jit(draw, out_shardings=[s.sharding for s in shapes])(jax.random.key(0))
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, values))
+
+
+def progress(message: str) -> None:
+    print(f"# {message}", file=sys.stderr, flush=True)
+
+
+def matmul() -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    n = 8192
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+    f = jax.jit(lambda a: a @ a)
+    f(a).block_until_ready()
+    times = []
+    for _ in range(10):
+        start = time.perf_counter()
+        f(a).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return dict(ms=min(times) * 1e3, tflops=2 * n**3 / min(times) / 1e12)
+
+
+def step(preset: str, layers: int | None, rows: int, seq_len: int, loss: str, steps: int = 5) -> dict:
+    import jax
+    import jax.numpy as jnp
+    from bench_train import batch_arrays
+    from flops import flops_per_token, peak_tflops
+
+    from gemport.lora import LoraSpec
+    from gemport.mesh import make_mesh
+    from gemport.plan.compiled import step_trainer
+    from gemport.run.model import lora_model
+    from gemport.step import segment_loss, tunix_loss
+
+    start = time.perf_counter()
+    spec = spec_of(preset, layers)
+    device = jax.devices()[0]
+    mesh = make_mesh(spec, fsdp=1, tp=1, devices=[device])
+    model = lora_model(spec, LoraSpec(rank=16, alpha=32), param_dtype=jnp.bfloat16, remat="decoder")  # abstract
+    trainer = step_trainer(model, {"gradient_checkpointing": True},
+                           loss_fn=segment_loss if loss == "fast" else tunix_loss)
+    model, optimizer = drawn(trainer.model, mesh, 0.02), drawn(trainer.optimizer, mesh, 0.0)
+    batch = batch_arrays(rows, seq_len, spec.vocab, mesh)
+    train_step = trainer.jitted_train_step()
+    progress(f"model and optimizer on the chip after {time.perf_counter() - start:.0f} s")
+    times = []
+    with jax.set_mesh(mesh):
+        for _ in range(steps + 1):
+            start = time.perf_counter()
+            out, _, _ = train_step(model, optimizer, batch)
+            out.block_until_ready()
+            times.append(time.perf_counter() - start)
+            progress(f"call {len(times)}: {times[-1]:.1f} s")
+    seconds = min(times[1:])
+    tokens = rows * seq_len
+    flops = flops_per_token(spec, seq_len)
+    peak = peak_tflops(device.device_kind)
+    return dict(layers=spec.num_layers, rows=rows, seq_len=seq_len, loss=loss, ms=seconds * 1e3,
+                tokens_per_s=tokens / seconds, flops_per_token=flops,
+                mfu=tokens / seconds * flops / (peak * 1e12) if peak else None,
+                peak_hbm_gib=(device.memory_stats() or {}).get("peak_bytes_in_use", 0) / GiB,
+                compile_s=times[0] - seconds, final_loss=float(out))
+
+
+def compile_60() -> dict:
+    os.environ["JAX_PLATFORMS"] = "cpu"  # libtpu compiles for the slice; nothing runs
+    import bench_compile
+
+    return bench_compile.compile_seconds(60, 1024, "v5p-8", scanned=True)
+
+
+def run_case(name: str) -> dict:
+    import jax
+
+    if name != "compile-60" and jax.default_backend() != "tpu":
+        raise SystemExit(f"bench_tpu measures a TPU chip; this host's JAX has {jax.default_backend()}")
+    if name == "matmul":
+        return matmul()
+    if name == "compile-60":
+        return compile_60()
+    preset, layers, rows, seq_len, loss = CASES[name]
+    return dict(model=preset, **step(preset, layers, rows, seq_len, loss))
+
+
+def in_process(name: str, timeout: float) -> dict:
+    """Case ``name`` in a child process: its result line, or what stopped it (out of HBM, a timeout)."""
+    start = time.perf_counter()
+    try:
+        child = subprocess.run([sys.executable, __file__, "--case", name], capture_output=True, text=True,
+                               timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        said = [line for line in (e.stderr or b"").decode(errors="replace").splitlines() if line.startswith("# ")]
+        return dict(case=name, error=f"timed out after {timeout:.0f} s" + (f" ({said[-1][2:]})" if said else ""))
+    lines = [line for line in child.stdout.splitlines() if line.startswith("{")]
+    if child.returncode == 0 and lines:
+        return dict(case=name, **json.loads(lines[-1]), wall_s=time.perf_counter() - start)
+    text = child.stderr + child.stdout
+    hbm = [line for line in text.splitlines() if "RESOURCE_EXHAUSTED" in line or "Ran out of memory" in line]
+    return dict(case=name, error=("out of HBM: " + hbm[0].strip()[:300]) if hbm else text.strip()[-600:])
+
+
+def layers_only(results: dict, name: str) -> list[dict]:
+    """The decoder layers' own MFU of the model measured at two depths, one of them case ``name``, once both ran
+    (the parent holds no chip: the peak is read back from the deeper case's MFU)."""
+    out = []
+    for model, (low, high) in DEPTHS.items():
+        a, b = results.get(low, {}), results.get(high, {})
+        if name in (low, high) and a.get("mfu") and b.get("mfu"):
+            tokens = b["rows"] * b["seq_len"]
+            peak_flops = b["tokens_per_s"] * b["flops_per_token"] / b["mfu"]
+            seconds = (b["ms"] - a["ms"]) / 1e3
+            out.append(dict(case=f"{model} layers", from_cases=[low, high], layers=b["layers"] - a["layers"],
+                            ms=seconds * 1e3, mfu=(b["flops_per_token"] - a["flops_per_token"]) * tokens / seconds
+                            / peak_flops, **{k: b[k] for k in ("device_kind", "jax", "libtpu", "date") if k in b}))
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", nargs="+", default=list(ORDER), choices=ORDER)
+    parser.add_argument("--record", type=Path, help="append each result to this JSON lines file")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds per case")
+    parser.add_argument("--case", help=argparse.SUPPRESS)  # the child's
+    args = parser.parse_args()
+    if args.case:
+        print(json.dumps({**run_case(args.case), **versions()}))
+        return
+    results = {}
+    for name in args.cases:
+        result = in_process(name, args.timeout)
+        results[name] = result
+        lines = [result] + layers_only(results, name)
+        for line in lines:
+            print(json.dumps(line), flush=True)
+            if args.record and "error" not in line:  # what stopped a case is printed, not recorded
+                with args.record.open("a") as f:
+                    f.write(json.dumps(line) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""The trained step's speed on a TPU chip, as ``bench/bench_tpu.py --record bench/tpu.jsonl`` recorded it
+(docs/benchmarks.md, "On the chip"): every figure is of a TPU, of a case the bench still runs, with the fields a reader
+needs, and its derived figures (tokens/s, MFU) follow from its measured ones and today's FLOP count, so a change to
+the count or to a case's model shows here. Timings are read, not judged: rerun the bench on a TPU to renew them."""
+
+import json
+import sys
+
+import pytest
+from repo_paths import ROOT
+
+BENCH = ROOT / "bench"
+sys.path.insert(0, str(BENCH))
+import bench_tpu  # noqa: E402
+import flops  # noqa: E402
+
+RECORDS = [json.loads(line) for line in (BENCH / "tpu.jsonl").read_text().splitlines() if line.strip()]
+STEPS = [r for r in RECORDS if r["case"] in bench_tpu.CASES and "ms" in r]
+
+HBM_GIB = {"TPU v5 lite": 15.75}
+"""Each recorded chip's HBM (a v5e's 16 GB)."""
+
+
+def test_the_record_is_of_a_tpu_with_the_chips_rate_and_the_headline_steps():
+    assert RECORDS and all("TPU" in r["device_kind"] and r["jax"] and r["libtpu"] for r in RECORDS)
+    assert all(r["case"] in bench_tpu.ORDER or r["case"].endswith(" layers") for r in RECORDS)
+    cases = {r["case"] for r in RECORDS}
+    assert {"matmul", "1b-26", "31b-4"} <= cases
+    for r in RECORDS:
+        if r["case"] == "matmul":
+            assert 0 < r["tflops"] <= flops.peak_tflops(r["device_kind"])
+
+
+@pytest.mark.parametrize("record", STEPS, ids=[r["case"] for r in STEPS])
+def test_each_steps_figures_follow_from_what_was_measured(record):
+    preset, layers, rows, seq_len, loss = bench_tpu.CASES[record["case"]]
+    spec = bench_tpu.spec_of(preset, layers)
+    assert (record["model"], record["layers"], record["rows"], record["seq_len"], record["loss"]) == (
+        preset, spec.num_layers, rows, seq_len, loss)
+    assert record["tokens_per_s"] == pytest.approx(rows * seq_len / (record["ms"] / 1e3), rel=1e-9)
+    assert record["flops_per_token"] == flops.flops_per_token(spec, seq_len)
+    peak = flops.peak_tflops(record["device_kind"]) * 1e12
+    assert record["mfu"] == pytest.approx(record["tokens_per_s"] * record["flops_per_token"] / peak, rel=1e-9)
+    assert 0 < record["peak_hbm_gib"] < HBM_GIB[record["device_kind"]]
+    assert record["compile_s"] > 0
