@@ -1,0 +1,136 @@
+"""Where a TPU's float32 leaves float32's precision: each elementwise function the Gemma models call, on the chip and
+on the host's CPU against float64; then a miniature Gemma 4 31B's float32 forward (Tunix, ``"highest"`` products),
+each operation run on the chip on the CPU's inputs, the operations furthest from the CPU's output first.
+
+On the TPU machine, from the project's root: ``source .whl-tpu/setup.sh && python3 tools/tpu/op_precision.py OUT``
+(about 2 minutes; JSON lines appended to ``OUT/op_precision.jsonl``). docs/tpu.md, "Precision", has the findings.
+"""
+
+import collections
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax._src import source_info_util  # the user frame of each traced operation
+from jax.extend import core
+
+from gemport.specs import GemmaSpec
+
+EXACT = {"reshape", "broadcast_in_dim", "transpose", "convert_element_type", "iota", "squeeze", "slice",
+         "concatenate", "select_n", "split", "pad", "gather", "stop_gradient", "and", "lt", "max", "reduce_max",
+         "dynamic_slice", "copy", "copy_p", "expand_dims"}
+"""Operations whose float32 result is exact on any backend: not run on the chip."""
+
+FUNCTIONS = {  # name: (function, its float64 reference, inputs from standard normal x)
+    "tanh": (jnp.tanh, np.tanh, lambda x: x),
+    "exp": (jnp.exp, np.exp, lambda x: x),
+    "logistic": (jax.nn.sigmoid, lambda x: 1 / (1 + np.exp(-x)), lambda x: x),
+    "erf": (jax.scipy.special.erf, np.vectorize(math.erf), lambda x: x),
+    "log": (jnp.log, np.log, lambda x: np.abs(x) + 0.1),
+    "rsqrt": (jax.lax.rsqrt, lambda x: 1 / np.sqrt(x), lambda x: np.abs(x) + 0.1),
+    "sqrt": (jnp.sqrt, np.sqrt, lambda x: np.abs(x) + 0.1),
+    "reciprocal": (lambda x: 1 / x, lambda x: 1 / x, lambda x: np.abs(x) + 0.1),
+    "sin": (jnp.sin, np.sin, lambda x: 60 * x),
+    "cos": (jnp.cos, np.cos, lambda x: 60 * x),
+    "power 1e6^-x": (lambda x: jnp.power(1e6, -x), lambda x: 1e6 ** -x, np.abs),
+}
+
+
+def functions(chip, cpu, write):
+    x = np.random.default_rng(0).standard_normal(1 << 16)
+    for name, (f, reference, domain) in FUNCTIONS.items():
+        arg = domain(x).astype(np.float32)
+        want = reference(arg.astype(np.float64))  # at the float32 inputs: the function's error only
+        for device in (chip, cpu):
+            got = np.asarray(jax.jit(f)(jax.device_put(arg, device)), np.float64)
+            write(function=name, device=device.platform,
+                  max_relative=float(np.max(np.abs(got - want) / np.abs(want))),
+                  max_absolute=float(np.max(np.abs(got - want))))
+
+
+def miniature() -> GemmaSpec:
+    full = GemmaSpec.preset("gemma4-31b")
+    return dataclasses.replace(full, num_layers=6, layer_types=full.layer_types[:6], hidden=256, mlp=512, vocab=512,
+                               head_dim=64, global_head_dim=128, sliding_window=32)
+
+
+def operations(chip, cpu, write, top: int = 25):
+    spec = miniature()
+    with jax.default_device(cpu):
+        model = spec.tunix_model_class()(spec.to_tunix(param_dtype=jnp.float32), rngs=nnx.Rngs(0))
+        graphdef, state = nnx.split(model)
+        tokens = jnp.asarray(np.random.default_rng(0).integers(0, spec.vocab, (2, 64)), jnp.int32)
+        b, t = tokens.shape
+
+        def forward(state, tokens):
+            positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+            return nnx.merge(graphdef, state)(tokens, positions, None, jnp.tril(jnp.ones((b, t, t), bool)))[0]
+
+        with jax.default_matmul_precision("highest"):
+            closed = jax.make_jaxpr(forward)(state, tokens)
+            on_cpu, on_chip = (np.asarray(jax.jit(forward, device=d)(state, tokens), np.float64) for d in (cpu, chip))
+    write(what="logits", chip_from_cpu=float(np.abs(on_chip - on_cpu).max()), max_logit=float(np.abs(on_cpu).max()))
+    found = []
+
+    def run(jaxpr, consts, args):
+        env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
+
+        def read(v):
+            return v.val if isinstance(v, core.Literal) else env[v]
+
+        for e in jaxpr.eqns:
+            ins = [read(v) for v in e.invars]
+            inner = e.params.get("jaxpr")
+            if inner is not None and hasattr(inner, "consts"):
+                outs = run(inner.jaxpr, inner.consts, ins)
+            else:
+                outs = e.primitive.bind(*[jax.device_put(i, cpu) for i in ins], **e.params)
+                outs = outs if e.primitive.multiple_results else [outs]
+                if e.primitive.name not in EXACT:
+                    on_chip = e.primitive.bind(*[jax.device_put(i, chip) for i in ins], **e.params)
+                    on_chip = on_chip if e.primitive.multiple_results else [on_chip]
+                    for o, c in zip(outs, on_chip):
+                        if jnp.issubdtype(o.dtype, jnp.floating) and o.size:
+                            o, c = np.asarray(o, np.float64), np.asarray(c, np.float64)
+                            finite = np.isfinite(o)
+                            scale = np.abs(o[finite]).max() if finite.any() else 0.0
+                            worst = float(np.abs(o - c)[finite].max() / scale) if scale else 0.0
+                            frame = source_info_util.user_frame(e.source_info.traceback)
+                            where = f"{Path(frame.file_name).name}:{frame.start_line} {frame.function_name}" if frame else ""
+                            found.append((worst, e.primitive.name, str(e.params.get("precision", "")), where))
+            env.update(zip(e.outvars, outs))
+        return [read(v) for v in jaxpr.outvars]
+
+    with jax.default_matmul_precision("highest"):
+        run(closed.jaxpr, closed.consts, jax.tree.leaves(state) + [tokens])
+    found.sort(reverse=True)
+    for worst, primitive, precision, where in found[:top]:
+        write(operation=primitive, relative=worst, precision=precision, where=where)
+    by_primitive = collections.defaultdict(float)
+    for worst, primitive, _, _ in found:
+        by_primitive[primitive] = max(by_primitive[primitive], worst)
+    write(worst_by_operation=dict(sorted(by_primitive.items(), key=lambda kv: -kv[1])))
+
+
+def main():
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
+    chip, cpu = jax.devices()[0], jax.devices("cpu")[0]
+
+    def write(**line):
+        line = {**line, "device_kind": chip.device_kind, "jax": jax.__version__}
+        print(json.dumps(line), flush=True)
+        with (out / "op_precision.jsonl").open("a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    functions(chip, cpu, write)
+    operations(chip, cpu, write)
+
+
+if __name__ == "__main__":
+    main()
