@@ -174,6 +174,23 @@ def test_plan_is_within_15_percent_of_what_libtpu_compiles_at_31b_widths(figure)
     assert abs(plan.total_bytes / figure["peak_bytes"] - 1) <= 0.15, (plan.total_bytes, figure, str(plan))
 
 
+def test_plan_is_within_15_percent_of_what_libtpu_compiles_for_the_scanned_decoder_at_depth():
+    """The plan's estimate against libtpu's compile-only peak of the step at depth, its decoder scanned in blocks
+    (``gemport.step.scan``: the figures above are of two layers, one block, unrolled): ``bench/bench_compile.py
+    --tpu``'s records in bench/compile.jsonl, the bundled recipe at Gemma 4 31B's widths."""
+    sys.path.insert(0, str(BENCH))
+    import bench_compile
+    import bench_plan_fit
+
+    figures = [json.loads(line) for line in (BENCH / "compile.jsonl").read_text().splitlines() if line]
+    scanned = [m for m in figures if m["target"] != "cpu" and m["scanned"]]
+    assert {m["layers"] for m in scanned} >= {60}
+    rows = bench_plan_fit.recipe()[0]["per_device_train_batch_size"]
+    for m in scanned:
+        plan = bench_plan_fit.estimate(bench_compile.spec_of(m["layers"]), m["fsdp"], m["tp"], rows, m["seq_len"])
+        assert abs(plan.total_bytes / m["peak_bytes"] - 1) <= 0.15, (plan.total_bytes, m, str(plan))
+
+
 def test_the_recorded_libtpu_figures_cover_the_dry_run_meshes():
     """One v5p chip, a v5p-8 and a v6e-8, at 4096 and 8192 tokens, each on the mesh the dry run picks."""
     sys.path.insert(0, str(BENCH))
