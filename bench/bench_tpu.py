@@ -36,7 +36,7 @@ CASES = {
     "1b-26": ("gemma3-1b", None, 4, 2048, "fast"),
     "1b-14": ("gemma3-1b", 14, 4, 2048, "fast"),
     "31b-4": ("gemma4-31b", 4, 2, 4096, "fast"),
-    "31b-8": ("gemma4-31b", 8, 2, 4096, "fast"),
+    "31b-5": ("gemma4-31b", 5, 2, 4096, "fast"),
     "e4b": ("gemma4-e4b", None, 2, 4096, "fast"),
     "1b-26-tunix-2x1024": ("gemma3-1b", None, 2, 1024, "tunix"),
     "1b-26-tunix-4x2048": ("gemma3-1b", None, 4, 2048, "tunix"),
@@ -44,10 +44,12 @@ CASES = {
 """The step's cases: a Gemma preset cut to ``layers`` (its own pattern), ``rows`` x ``seq_len`` tokens, gemport's
 fast step (segment attention, chunked loss) or Tunix's own loss (``step.tunix_loss``)."""
 
-DEPTHS = {"1b": ("1b-14", "1b-26"), "31b": ("31b-4", "31b-8")}
-"""Pairs of depths of one model whose difference gives the decoder layers' own MFU."""
+DEPTHS = {"1b": ("1b-14", "1b-26"), "31b": ("31b-4", "31b-5")}
+"""Pairs of depths of one model, both scanned, whose difference gives the decoder layers' own MFU: Gemma 3 1B's
+two blocks of six, Gemma 4 31B's fifth layer (its first five are sliding, one scanned block each; a global layer
+makes six, one block, unrolled, and twelve do not fit a v5e's 16 GB)."""
 
-ORDER = ("matmul", "1b-26", "31b-4", "1b-14", "31b-8", "1b-26-tunix-2x1024", "e4b", "1b-26-tunix-4x2048",
+ORDER = ("matmul", "1b-26", "31b-4", "1b-14", "31b-5", "1b-26-tunix-2x1024", "e4b", "1b-26-tunix-4x2048",
          "compile-60")
 
 
