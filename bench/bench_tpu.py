@@ -39,17 +39,18 @@ CASES = {
     "31b-5": ("gemma4-31b", 5, 2, 4096, "fast"),
     "e4b": ("gemma4-e4b", None, 2, 4096, "fast"),
     "1b-26-tunix-2x1024": ("gemma3-1b", None, 2, 1024, "tunix"),
-    "1b-26-tunix-4x2048": ("gemma3-1b", None, 4, 2048, "tunix"),
+    "1b-26-tunix-2x2048": ("gemma3-1b", None, 2, 2048, "tunix"),
 }
 """The step's cases: a Gemma preset cut to ``layers`` (its own pattern), ``rows`` x ``seq_len`` tokens, gemport's
-fast step (segment attention, chunked loss) or Tunix's own loss (``step.tunix_loss``)."""
+fast step (segment attention, chunked loss) or Tunix's own loss (``step.tunix_loss``: its [B, T, N, T] scores and
+[B, T, V] logits did not fit a v5e at 4 x 2048 tokens, 19.2 GB; 2 x 1024 did)."""
 
 DEPTHS = {"1b": ("1b-14", "1b-26"), "31b": ("31b-4", "31b-5")}
 """Pairs of depths of one model, both scanned, whose difference gives the decoder layers' own MFU: Gemma 3 1B's
 two blocks of six, Gemma 4 31B's fifth layer (its first five are sliding, one scanned block each; a global layer
 makes six, one block, unrolled, and twelve do not fit a v5e's 16 GB)."""
 
-ORDER = ("matmul", "1b-26", "31b-4", "1b-14", "31b-5", "1b-26-tunix-2x1024", "e4b", "1b-26-tunix-4x2048",
+ORDER = ("matmul", "1b-26", "31b-4", "1b-14", "31b-5", "1b-26-tunix-2x1024", "e4b", "1b-26-tunix-2x2048",
          "compile-60")
 
 
