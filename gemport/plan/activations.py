@@ -60,6 +60,8 @@ class StepMemory:
         attention and logits).
       gathered_bytes: under fsdp, the weights gathered whole over fsdp for a dot (``gemport.plan.memory``); 0
         without fsdp.
+      scanned_bytes: with the decoder scanned in blocks (``step.scan``), one block's weights, which the scan's
+        choice of each layer's weights copies (``gemport.plan.memory``); 0 where the decoder keeps its loop.
     """
 
     batch: int
@@ -71,11 +73,12 @@ class StepMemory:
     batch_bytes: int
     loss_fn: LossFn = segment_loss
     gathered_bytes: int = 0
+    scanned_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
         return (self.gradient_bytes + self.activation_bytes + self.logits_bytes + self.batch_bytes
-                + self.gathered_bytes)
+                + self.gathered_bytes + self.scanned_bytes)
 
 
 def _layer_widths(spec: GemmaSpec, layer: int, seq_len: int, tp: int, tiled: bool) -> dict[str, float]:
@@ -105,6 +108,7 @@ def step_memory(
     compute_dtype="bfloat16",
     loss_fn: LossFn = segment_loss,
     gathered_bytes: int = 0,
+    scanned_bytes: int = 0,
 ) -> StepMemory:
     """Per-device bytes of one train step of ``spec`` on an (fsdp, tp) mesh for ``batch`` rows of ``seq_len``.
 
@@ -170,4 +174,5 @@ def step_memory(
         batch_bytes=batch_bytes,
         loss_fn=loss_fn,
         gathered_bytes=gathered_bytes,
+        scanned_bytes=scanned_bytes,
     )

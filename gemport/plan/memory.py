@@ -19,6 +19,7 @@ from gemport._src.partition import axes_of, bytes_per_device
 from gemport.specs import GemmaSpec
 from gemport.step.hf import LossFn, segment_loss, tunix_loss
 from gemport.step.chunked_loss import VOCAB_SLICE, num_slices
+from gemport.step.scan import scanned_period
 
 GiB = 2**30
 
@@ -91,6 +92,7 @@ class MemoryPlan:
                 f" + gradients {_human(step.gradient_bytes)} + activations {_human(step.activation_bytes)} + "
                 f"logits and loss {_human(step.logits_bytes)} + batch {_human(step.batch_bytes)}"
                 + (f" + fsdp-gathered weights {_human(step.gathered_bytes)}" if step.gathered_bytes else "")
+                + (f" + a scanned block's weights {_human(step.scanned_bytes)}" if step.scanned_bytes else "")
                 + (f" + XLA:CPU weight copy {_human(self.weight_copy_bytes)}" if self.weight_copy_bytes else "")
                 + f" = {_human(self.total_bytes)} per device (batch {step.batch} x {step.seq_len} tokens, "
                 f"remat {step.remat}, {'fast' if step.loss_fn is segment_loss else 'Tunix'} step)"
@@ -158,7 +160,8 @@ def memory_plan(
       batch, seq_len: rows per step (all devices) and tokens per row; with both, the plan adds the train
         step's gradients, activations (per ``remat``: ``"none"``, ``"block"``, ``"decoder"``, Tunix's
         ``remat_config``), logits and loss temporaries (``gemport.plan.activations.step_memory``) and, with
-        fsdp > 1, the largest weight and embedding slice gathered whole over fsdp for their dots.
+        fsdp > 1, the largest weight and embedding slice gathered whole over fsdp for their dots; where the
+        fast step scans its decoder (``step.scan.scanned_period``), one block's weights, which the scan copies.
       compute_dtype: the compute dtype of activations (default ``param_dtype``).
       backend: ``"cpu"`` adds the weight copies XLA:CPU makes for its dots, to compare with a CPU compile.
       loss_fn: ``step.segment_loss`` plans ``step.train_step``'s default step (segment attention in tiles, the
@@ -179,7 +182,7 @@ def memory_plan(
       >>> plan = memory_plan(GemmaSpec.preset("gemma4-31b"), fsdp=1, tp=4, hbm_bytes="v5p",
       ...                    lora_spec=LoraSpec(rank=8, alpha=16), batch=2, seq_len=4096, remat="decoder")
       >>> round(plan.base_bytes / 2**30, 2), round(plan.total_bytes / 2**30, 2), plan.fits
-      (14.29, 18.46, True)
+      (14.29, 19.83, True)
     """
     check(spec, fsdp, tp)
     sizes = {FSDP: fsdp, TP: tp}
@@ -206,7 +209,9 @@ def memory_plan(
             planned[kind] = (
                 step_memory(spec, fsdp, tp, batch=batch, seq_len=seq_len, remat=remat,
                             trainable_bytes=trainable * trainable_dtype.itemsize, compute_dtype=compute_dtype or param_dtype,
-                            loss_fn=kind, gathered_bytes=_gathered(spec, params, sizes, param_dtype, kind, qlora)),
+                            loss_fn=kind, gathered_bytes=_gathered(spec, params, sizes, param_dtype, kind, qlora),
+                            scanned_bytes=_scanned(spec, params, sizes, param_dtype, kind, qlora, remat, lora_spec,
+                                                   trainable_dtype)),
                 _weight_copy(params, sizes, param_dtype, kind, qlora, compute_dtype) if backend == "cpu" else 0,
             )
     (step_plan, weight_copy), (tunix_plan, tunix_copy) = planned.get(loss_fn, (None, 0)), planned.get(tunix_loss, (None, 0))
@@ -250,6 +255,25 @@ def _gathered(spec, params, sizes, param_dtype, loss_fn: LossFn, qlora=None) -> 
     if loss_fn is segment_loss:
         embedding //= num_slices(spec.vocab, VOCAB_SLICE)
     return weights + embedding
+
+
+def _scanned(spec, params, sizes, param_dtype, loss_fn: LossFn, qlora, remat, lora_spec, lora_dtype) -> int:
+    # The fast step's scan (step.scan) chooses each layer's weights from its block's with a lax.switch, whose
+    # result is a copy: one block's weights (and LoRA factors) per device are live besides the model's (libtpu,
+    # Gemma 4 31B's widths on a v6e-8: the scanned step's peak exceeds the unrolled one's by that block, 0.68 GiB).
+    period = scanned_period(spec, lora_spec, remat) if loss_fn is segment_loss else 0
+    if not period:
+        return 0
+    block = tuple(f"layers.{i}." for i in range(period))
+    item = np.dtype(param_dtype).itemsize
+    base = sum(qlora_bytes_per_device(e, ann, sizes, qlora) if qlora is not None and is_quantized(e)
+               else bytes_per_device(shape, ann, sizes, item) for path, shape, ann, e in params if path.startswith(block))
+    if lora_spec is None:
+        return base
+    layout = LoraLayout(spec, lora_spec)
+    specs = layout.specs({path: ann for path, _, ann, _ in params})
+    return base + sum(bytes_per_device(shape, specs[name], sizes, np.dtype(lora_dtype).itemsize)
+                      for name, shape in layout.shapes().items() if name.startswith(block))
 
 
 def _weight_copy(params, sizes, param_dtype, loss_fn: LossFn, qlora=None, compute_dtype=None) -> int:
@@ -297,7 +321,7 @@ def valid_meshes(spec: GemmaSpec, num_devices: int, **options) -> tuple[MemoryPl
 
       >>> from gemport import GemmaSpec, LoraSpec, valid_meshes
       >>> plans = valid_meshes(GemmaSpec.preset("gemma4-31b"), 8, hbm_bytes="v5e",
-      ...                      lora_spec=LoraSpec(rank=16, alpha=32), batch=8, seq_len=4096, remat="decoder")
+      ...                      lora_spec=LoraSpec(rank=16, alpha=32), batch=8, seq_len=3584, remat="decoder")
       >>> [(plan.fsdp, plan.tp, plan.fits) for plan in plans]
       [(8, 1, False), (4, 2, True), (2, 4, True)]
     """

@@ -28,6 +28,8 @@ from flax import nnx
 
 from gemport._src import upstream
 from gemport.errors import TrainingError
+from gemport.lora import LoraLayout, LoraSpec
+from gemport.specs import GemmaSpec
 
 MIN_BLOCKS = 2
 """A decoder of fewer whole blocks keeps its loop: scanning one block would compile the same program."""
@@ -98,6 +100,31 @@ class ScannedLayers(nnx.Module):
         return (None, x) + (None,) * (len(out) - 2)  # no cache, no kv
 
 
+def scanned_period(spec: GemmaSpec, lora_spec: LoraSpec | None, remat: str) -> int:
+    """The layers per block `scanned_decoder` scans a model of ``spec`` with LoRA per ``lora_spec`` in, under
+    Tunix's remat ``remat``; 0 where the decoder keeps its loop. Read from the spec, as the memory plan needs it
+    (``tests/step/test_scan.py`` holds it to `scanned_decoder`'s choice on the models): the period of each layer's
+    attention type, MLP width and LoRA factors' shapes.
+
+    Example:
+      >>> scanned_period(GemmaSpec.preset("gemma3-1b"), LoraSpec(rank=8), "decoder")
+      6
+    """
+    if (remat != "decoder" or spec.per_layer_input_dim or spec.num_kv_shared_layers
+            or (lora_spec is not None and lora_spec.alpha_pattern)):
+        return 0
+    factors = LoraLayout(spec, lora_spec).shapes() if lora_spec is not None else {}
+
+    def layer(i):
+        prefix = f"layers.{i}."
+        return (spec.layer_types[i], spec.layer_mlp(i),
+                sorted((name[len(prefix):], shape) for name, shape in factors.items() if name.startswith(prefix)))
+
+    layers = [layer(i) for i in range(spec.num_layers)]
+    p = next(p for p in range(1, len(layers) + 1) if all(layers[i] == layers[i % p] for i in range(len(layers))))
+    return p if len(layers) // p >= MIN_BLOCKS else 0
+
+
 def scanned_decoder(model: nnx.Module) -> nnx.Module:
     """A copy of a Tunix Gemma 3 / Gemma 4 model whose decoder layers, under decoder remat
     (``step.remat.set_remat``), run as a scan over blocks of their pattern (`ScannedLayers`), the layers past the
@@ -126,4 +153,4 @@ def scanned_decoder(model: nnx.Module) -> nnx.Module:
     return copy
 
 
-__all__ = ["MIN_BLOCKS", "ScannedLayers", "decoder_period", "scanned_decoder"]
+__all__ = ["MIN_BLOCKS", "ScannedLayers", "decoder_period", "scanned_decoder", "scanned_period"]
