@@ -3,7 +3,7 @@ on the host's CPU against float64; then a miniature Gemma 4 31B's float32 forwar
 each operation run on the chip on the CPU's inputs, the operations furthest from the CPU's output first.
 
 On the TPU machine, from the project's root: ``source .whl-tpu/setup.sh && python3 tools/tpu/op_precision.py OUT``
-(about 2 minutes; JSON lines appended to ``OUT/op_precision.jsonl``). docs/tpu.md, "Precision", has the findings.
+(JSON lines appended to ``OUT/op_precision.jsonl``); docs/tpu.md, "The chip's float32 functions", has the findings.
 """
 
 import collections
