@@ -267,7 +267,8 @@ def _scanned(spec, params, sizes, param_dtype, loss_fn: LossFn, qlora, remat, lo
     block = tuple(f"layers.{i}." for i in range(period))
     item = np.dtype(param_dtype).itemsize
     base = sum(qlora_bytes_per_device(e, ann, sizes, qlora) if qlora is not None and is_quantized(e)
-               else bytes_per_device(shape, ann, sizes, item) for path, shape, ann, e in params if path.startswith(block))
+               else bytes_per_device(shape, ann, sizes, item)
+               for path, shape, ann, e in params if path.startswith(block))
     if lora_spec is None:
         return base
     layout = LoraLayout(spec, lora_spec)

@@ -102,7 +102,8 @@ def operations(chip, cpu, write, top: int = 25):
                             scale = np.abs(o[finite]).max() if finite.any() else 0.0
                             worst = float(np.abs(o - c)[finite].max() / scale) if scale else 0.0
                             frame = source_info_util.user_frame(e.source_info.traceback)
-                            where = f"{Path(frame.file_name).name}:{frame.start_line} {frame.function_name}" if frame else ""
+                            where = (f"{Path(frame.file_name).name}:{frame.start_line} {frame.function_name}"
+                                     if frame else "")
                             found.append((worst, e.primitive.name, str(e.params.get("precision", "")), where))
             env.update(zip(e.outvars, outs))
         return [read(v) for v in jaxpr.outvars]
