@@ -12,7 +12,10 @@ grep -qx '/.whl-tpu/' .git/info/exclude 2>/dev/null || echo '/.whl-tpu/' >> .git
 rm -rf .whl-tpu && mkdir -p .whl-tpu
 names=(google-tunix qwix google-metrax grain clu perfetto array-record portpicker simplejson uvloop tensorboardx humanize
        wadler-lindig jaxtyping treescope)
-[ "${1:-}" = "--peers" ] && names+=(trl peft accelerate) && touch .whl-tpu/peers
+# With the peers, TRL's dataset map fingerprints its function with datasets' dill, and the machine's index has an
+# older datasets (5.0.1, with pyarrow 25.0.1) whose pickling of pyarrow's types failed there: the pinned datasets
+# travels (the pinned pyarrow's wheel, 53 MB, would take the device tool's carry past its 64 MiB).
+[ "${1:-}" = "--peers" ] && names+=(trl peft accelerate datasets) && touch .whl-tpu/peers
 pin() { grep -i "^$1==" constraints.txt | head -1 || true; }
 reqs=()
 for n in "${names[@]}"; do p=$(pin "$n"); reqs+=("${p:-$n}"); done
