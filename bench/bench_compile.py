@@ -15,7 +15,6 @@ takes tens of minutes on this host).
 """
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
@@ -28,16 +27,20 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).parent))
 
 import bench_plan_fit  # noqa: E402
+import bench_tpu  # noqa: E402
 
 GiB = 2**30
 
 
 def spec_of(layers: int):
     """Gemma 4 31B at ``layers`` layers, its own pattern (five sliding, one global) cut there."""
-    from gemport.specs import GemmaSpec
+    return bench_tpu.spec_of("gemma4-31b", layers)
 
-    full = GemmaSpec.preset("gemma4-31b")
-    return dataclasses.replace(full, num_layers=layers, layer_types=full.layer_types[:layers])
+
+def planned(record: dict):
+    """The memory plan (no compile) of the step a record of ``compile_seconds`` compiled."""
+    rows = bench_plan_fit.recipe()[0]["per_device_train_batch_size"]
+    return bench_plan_fit.estimate(spec_of(record["layers"]), record["fsdp"], record["tp"], rows, record["seq_len"])
 
 
 def compile_seconds(layers: int, seq_len: int, tpu: str | None, scanned: bool) -> dict:

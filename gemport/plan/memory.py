@@ -195,12 +195,13 @@ def memory_plan(
                          else bytes_per_device(shape, ann, sizes, np.dtype(param_dtype).itemsize)
                          for _, shape, ann, e in params)
     trainable_dtype = np.dtype(param_dtype)
-    lora_elements = 0
+    factors = {}  # each LoRA factor's elements per device, by name
     if lora_spec is not None:
         trainable_dtype = np.dtype(lora_dtype or FACTOR_DTYPE)
         layout = LoraLayout(spec, lora_spec)
         lora_specs = layout.specs({path: ann for path, _, ann, _ in params})
-        lora_elements = sum(bytes_per_device(shape, lora_specs[name], sizes, 1) for name, shape in layout.shapes().items())
+        factors = {name: bytes_per_device(shape, lora_specs[name], sizes, 1) for name, shape in layout.shapes().items()}
+    lora_elements = sum(factors.values())
     trainable = lora_elements if lora_spec is not None else base_elements
     moments_item = np.dtype(moments_dtype or trainable_dtype).itemsize
     planned = {}
@@ -211,7 +212,7 @@ def memory_plan(
                             trainable_bytes=trainable * trainable_dtype.itemsize, compute_dtype=compute_dtype or param_dtype,
                             loss_fn=kind, gathered_bytes=_gathered(spec, params, sizes, param_dtype, kind, qlora),
                             scanned_bytes=_scanned(spec, params, sizes, param_dtype, kind, qlora, remat, lora_spec,
-                                                   trainable_dtype)),
+                                                   factors, trainable_dtype)),
                 _weight_copy(params, sizes, param_dtype, kind, qlora, compute_dtype) if backend == "cpu" else 0,
             )
     (step_plan, weight_copy), (tunix_plan, tunix_copy) = planned.get(loss_fn, (None, 0)), planned.get(tunix_loss, (None, 0))
@@ -257,7 +258,8 @@ def _gathered(spec, params, sizes, param_dtype, loss_fn: LossFn, qlora=None) -> 
     return weights + embedding
 
 
-def _scanned(spec, params, sizes, param_dtype, loss_fn: LossFn, qlora, remat, lora_spec, lora_dtype) -> int:
+def _scanned(spec, params, sizes, param_dtype, loss_fn: LossFn, qlora, remat, lora_spec, factors,
+             lora_dtype) -> int:
     # The fast step's scan (step.scan) chooses each layer's weights from its block's with a lax.switch, whose
     # result is a copy: one block's weights (and LoRA factors) per device are live besides the model's (libtpu,
     # Gemma 4 31B's widths on a v6e-8: the scanned step's peak exceeds the unrolled one's by that block, 0.68 GiB).
@@ -269,12 +271,7 @@ def _scanned(spec, params, sizes, param_dtype, loss_fn: LossFn, qlora, remat, lo
     base = sum(qlora_bytes_per_device(e, ann, sizes, qlora) if qlora is not None and is_quantized(e)
                else bytes_per_device(shape, ann, sizes, item)
                for path, shape, ann, e in params if path.startswith(block))
-    if lora_spec is None:
-        return base
-    layout = LoraLayout(spec, lora_spec)
-    specs = layout.specs({path: ann for path, _, ann, _ in params})
-    return base + sum(bytes_per_device(shape, specs[name], sizes, np.dtype(lora_dtype).itemsize)
-                      for name, shape in layout.shapes().items() if name.startswith(block))
+    return base + np.dtype(lora_dtype).itemsize * sum(n for name, n in factors.items() if name.startswith(block))
 
 
 def _weight_copy(params, sizes, param_dtype, loss_fn: LossFn, qlora=None, compute_dtype=None) -> int:

@@ -180,14 +180,12 @@ def test_plan_is_within_15_percent_of_what_libtpu_compiles_for_the_scanned_decod
     --tpu``'s records in bench/compile.jsonl, the bundled recipe at Gemma 4 31B's widths."""
     sys.path.insert(0, str(BENCH))
     import bench_compile
-    import bench_plan_fit
 
     figures = [json.loads(line) for line in (BENCH / "compile.jsonl").read_text().splitlines() if line]
     scanned = [m for m in figures if m["target"] != "cpu" and m["scanned"]]
     assert {m["layers"] for m in scanned} >= {60}
-    rows = bench_plan_fit.recipe()[0]["per_device_train_batch_size"]
     for m in scanned:
-        plan = bench_plan_fit.estimate(bench_compile.spec_of(m["layers"]), m["fsdp"], m["tp"], rows, m["seq_len"])
+        plan = bench_compile.planned(m)
         assert abs(plan.total_bytes / m["peak_bytes"] - 1) <= 0.15, (plan.total_bytes, m, str(plan))
 
 
