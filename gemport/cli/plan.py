@@ -32,7 +32,9 @@ def add_parser(sub) -> None:
                                              "step's gradients, activations, logits)")
     c.add_argument("--seq-len", type=int, help="tokens per row")
     c.add_argument("--remat", default=Default("gemport.plan.memory_plan", "remat"),
-                   help="Tunix remat_config of the step, a RematConfig name in lower case (default %(default)s)")
+                   help="remat of the step: Tunix's remat_config in lower case (none, block, decoder), or "
+                        "projections (decoder remat keeping the adapted projections' products) "
+                        "(default %(default)s)")
     c.add_argument("--compile", action="store_true",
                    help="also lower and compile the LoRA train step for abstract inputs, for --tpu's chips or else "
                         "this host's CPU (nothing allocated; a minute or more at real widths), and print its "

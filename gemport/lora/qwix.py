@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import qwix
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from gemport.errors import LoraError
 from gemport.lora import experts
@@ -30,6 +31,10 @@ from gemport._src import upstream
 from gemport._src.params import flat_params, path_str
 from gemport._src.pattern import Equation
 from gemport.specs import GemmaSpec
+
+PROJECTION = "projection"
+"""The ``jax.ad_checkpoint.checkpoint_name`` of each adapted projection's frozen product (before the LoRA delta is
+added): what a remat that keeps the projections' outputs saves (``step.remat``)."""
 
 
 def lora_a_init(init: str, ranks: tuple[int, ...], separate: bool):
@@ -110,8 +115,8 @@ class Provider(upstream.lora_provider_class()):
         rule = self.current_rule("dot_general")
         if not isinstance(rule, Rule):
             return super().dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, **kwargs)
-        result = upstream.ptq_dot_general(self, lhs, rhs, dimension_numbers, precision, preferred_element_type,
-                                          **kwargs)
+        result = checkpoint_name(upstream.ptq_dot_general(self, lhs, rhs, dimension_numbers, precision,
+                                                          preferred_element_type, **kwargs), PROJECTION)
         name = upstream.find_weight(rhs)
         if name is None:
             return result
@@ -128,7 +133,7 @@ class Provider(upstream.lora_provider_class()):
         rule = self.current_rule("einsum")
         if not isinstance(rule, Rule):
             return super().einsum(einsum_str, *operands, **kwargs)
-        result = upstream.ptq_einsum(self, einsum_str, *operands, **kwargs)
+        result = checkpoint_name(upstream.ptq_einsum(self, einsum_str, *operands, **kwargs), PROJECTION)
         lhs, rhs = operands
         name = upstream.find_weight(rhs)
         if name is None:

@@ -29,7 +29,7 @@ from gemport.step.hf import LossFn, segment_loss
 from gemport.step.attention import BLOCK
 from gemport.step.chunked_loss import CHUNK, VOCAB_SLICE, num_slices
 
-REMAT = ("none", "block", "decoder")
+REMAT = ("none", "block", "decoder", "projections")
 
 # Tensors one layer keeps for its backward pass, in units of one tensor per token of the given width:
 # attention scores (N x T per token, float32 on Gemma 4), MLP width F, model width D, head widths (Q, K, V).
@@ -38,8 +38,8 @@ _KEPT = {"scores": 1.25, "mlp": 3.0, "model": 12.0, "heads": 3.0}
 _BACKWARD = {"scores": 2.0, "mlp": 1.0, "model": 2.0}
 # Float32 (B, T, V) tensors of the logits and the loss: logits, softcapped logits, log-softmax, gradient.
 _LOGIT_COPIES = 4
-# Model-width tensors per layer kept under remat: the layer's inputs (decoder), or each block's (block).
-_REMAT_KEPT = {"decoder": 2.0, "block": 5.0}
+# Model-width tensors per layer kept under remat: the layer's inputs (decoder, projections), or each block's (block).
+_REMAT_KEPT = {"decoder": 2.0, "block": 5.0, "projections": 2.0}
 # gemport's default step (``step.segment_loss``) holds float32 blocks of logits [rows, CHUNK, VOCAB_SLICE], not
 # (B, T, V): the block, its exponentials and its cotangent.
 _BLOCK_COPIES = 3
@@ -50,7 +50,8 @@ class StepMemory:
     """Per-device bytes of one train step beyond params, LoRA params and optimizer moments.
 
     Attributes:
-      batch, seq_len, remat: the step planned (global batch B, sequence length T, Tunix remat policy).
+      batch, seq_len, remat: the step planned (global batch B, sequence length T, remat: Tunix's policy, or
+        gemport's "projections", ``step.remat.SAVED``).
       gradient_bytes: one gradient per trainable param (shaped and sharded like it).
       activation_bytes: what the layers keep for the backward pass plus one layer's backward temporaries.
       logits_bytes: the float32 logits (B, T, V) and the loss's temporaries of that size.
@@ -109,13 +110,15 @@ def step_memory(
     loss_fn: LossFn = segment_loss,
     gathered_bytes: int = 0,
     scanned_bytes: int = 0,
+    projections: float = 0,
 ) -> StepMemory:
     """Per-device bytes of one train step of ``spec`` on an (fsdp, tp) mesh for ``batch`` rows of ``seq_len``.
 
     Args:
       batch: rows per step (all devices together); fsdp splits them, so it must divide by fsdp.
       seq_len: tokens per row T.
-      remat: Tunix's ``remat_config``: ``"none"``, ``"block"`` or ``"decoder"``.
+      remat: Tunix's ``remat_config``: ``"none"``, ``"block"`` or ``"decoder"``; or ``"projections"``, decoder
+        remat keeping each layer's adapted projections' products too (``step.remat.SAVED``).
       trainable_bytes: per-device bytes of the trainable params (their gradients are as large).
       compute_dtype: the compute dtype of activations (Tunix Gemma 4's ``dtype``; Gemma 3 computes in its param
         dtype). Gemma 4 takes attention softmax in float32 whatever it is; logits are float32.
@@ -124,6 +127,9 @@ def step_memory(
         [B, T, V] logits.
       gathered_bytes: per-device bytes of the weights fsdp gathers whole for the dot that needs them at the
         peak (``gemport.plan.memory`` counts them from the params' annotations); carried as they are.
+      projections: under remat ``"projections"``, the elements per token one device keeps of every layer's
+        adapted projections' products (``gemport.plan.memory`` counts them from the LoRA factors), in
+        ``compute_dtype``.
     """
     if remat not in REMAT:
         raise MeshError(f"remat={remat!r}: expected one of {', '.join(REMAT)} (Tunix's RematConfig)")
@@ -146,7 +152,9 @@ def step_memory(
         per_token = sum(kept) + backward
     else:
         saved = sum(_REMAT_KEPT[remat] * w["model"] * act for w in layers)
-        if remat == "decoder":
+        if remat == "projections":
+            saved += projections * act
+        if remat != "block":
             live = max(kept)
         else:
             attention = {**_KEPT, "mlp": 0, "model": _KEPT["model"] / 2}

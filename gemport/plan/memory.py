@@ -159,7 +159,7 @@ def memory_plan(
       hbm_bytes: HBM per device in bytes, or a chip name from ``HBM`` (e.g. ``"v5p"``).
       batch, seq_len: rows per step (all devices) and tokens per row; with both, the plan adds the train
         step's gradients, activations (per ``remat``: ``"none"``, ``"block"``, ``"decoder"``, Tunix's
-        ``remat_config``), logits and loss temporaries (``gemport.plan.activations.step_memory``) and, with
+        ``remat_config``, or ``"projections"``, ``step.remat.SAVED``), logits and loss temporaries (``gemport.plan.activations.step_memory``) and, with
         fsdp > 1, the largest weight and embedding slice gathered whole over fsdp for their dots; where the
         fast step scans its decoder (``step.scan.scanned_period``), one block's weights, which the scan copies.
       compute_dtype: the compute dtype of activations (default ``param_dtype``).
@@ -185,6 +185,10 @@ def memory_plan(
       (14.29, 19.83, True)
     """
     check(spec, fsdp, tp)
+    if remat == "projections" and not (lora_spec is not None and scanned_period(spec, lora_spec, remat)):
+        raise MeshError("remat 'projections' keeps the adapted projections' products of a scanned decoder; this "
+                        + ("plan has no LoRA" if lora_spec is None else "model's decoder cannot be scanned (per-layer "
+                           "inputs, KV sharing or PEFT's alpha_pattern)") + "; plan remat 'decoder'")
     sizes = {FSDP: fsdp, TP: tp}
     params = annotated(spec)
     # Tunix creates every parameter in param_dtype, so elements per device times one itemsize is exact.
@@ -212,7 +216,8 @@ def memory_plan(
                             trainable_bytes=trainable * trainable_dtype.itemsize, compute_dtype=compute_dtype or param_dtype,
                             loss_fn=kind, gathered_bytes=_gathered(spec, params, sizes, param_dtype, kind, qlora),
                             scanned_bytes=_scanned(spec, params, sizes, param_dtype, kind, qlora, remat, lora_spec,
-                                                   factors, trainable_dtype)),
+                                                   factors, trainable_dtype),
+                            projections=_projections(layout, factors) if lora_spec is not None else 0),
                 _weight_copy(params, sizes, param_dtype, kind, qlora, compute_dtype) if backend == "cpu" else 0,
             )
     (step_plan, weight_copy), (tunix_plan, tunix_copy) = planned.get(loss_fn, (None, 0)), planned.get(tunix_loss, (None, 0))
@@ -272,6 +277,13 @@ def _scanned(spec, params, sizes, param_dtype, loss_fn: LossFn, qlora, remat, lo
                else bytes_per_device(shape, ann, sizes, item)
                for path, shape, ann, e in params if path.startswith(block))
     return base + np.dtype(lora_dtype).itemsize * sum(n for name, n in factors.items() if name.startswith(block))
+
+
+def _projections(layout: LoraLayout, factors: dict[str, int]) -> float:
+    # An adapted projection's product (lora.qwix.PROJECTION: what remat "projections" keeps; the experts' products
+    # are not named) has the widths of its lora_b without the rank axis: per device, lora_b's elements over its
+    # rank, lora_a's last axis.
+    return sum(factors[a.lora_b] / a.shapes[0][-1] for a in layout.adapters)
 
 
 def _weight_copy(params, sizes, param_dtype, loss_fn: LossFn, qlora=None, compute_dtype=None) -> int:

@@ -9,10 +9,11 @@ depth", has the figures).
 
 The scan reads each block's weights where they are: layer k of block j is merged from the state of layer
 ``j * period + k``, chosen by ``lax.switch`` on j, so no stacked copy of the weights is made. Each layer is one
-``jax.checkpoint`` of that choice and the layer's block saving nothing, so its backward pass keeps the layer's
-input and recomputes the rest, the choice of weights included (saved per block they would be a copy of the
-decoder's weights), as Tunix's decoder remat recomputes a layer. Layers past the last whole block run as the model
-runs them.
+``jax.checkpoint`` of that choice and the layer's block keeping what the remat keeps (``step.remat.SAVED``): under
+"decoder" nothing, so its backward pass keeps the layer's input and recomputes the rest, the choice of weights
+included (saved per block they would be a copy of the decoder's weights), as Tunix's decoder remat recomputes a
+layer; under "projections" also the adapted projections' products. Layers past the last whole block run after the
+scan, each in the same ``jax.checkpoint``.
 
 The values and gradients are those of the unrolled decoder: the same layers, on the same weights, in the same order.
 """
@@ -30,6 +31,7 @@ from gemport._src import upstream
 from gemport.errors import TrainingError
 from gemport.lora import LoraLayout, LoraSpec
 from gemport.specs import GemmaSpec
+from gemport.step.remat import SAVED
 
 MIN_BLOCKS = 2
 """A decoder of fewer whole blocks keeps its loop: scanning one block would compile the same program."""
@@ -55,48 +57,56 @@ def decoder_period(layers: list[tuple[nnx.GraphDef, nnx.State]]) -> int:
 
 
 class ScannedLayers(nnx.Module):
-    """Whole blocks of decoder layers under decoder remat, called as one Tunix decoder layer is and running as a
-    scan over the blocks.
+    """A decoder's layers under decoder remat, called as one Tunix decoder layer is: its whole blocks as a scan
+    over the blocks, the layers past them one by one, each layer in a ``jax.checkpoint`` keeping what ``remat``
+    keeps (``step.remat.SAVED``).
 
-    layers: the blocks' layers in order [blocks * period]; period: the layers per block. Layer k of block j runs
-    ``layer.block(x, segment_pos, None, attn_mask, **kwargs)`` on layer ``j * period + k``'s weights, in a
-    ``jax.checkpoint`` that saves nothing.
+    layers: the decoder's layers in order; period: the layers per block. Layer k of block j runs
+    ``layer.block(x, segment_pos, None, attn_mask, **kwargs)`` on layer ``j * period + k``'s weights.
     """
 
-    def __init__(self, layers: list[nnx.Module], period: int):
+    def __init__(self, layers: list[nnx.Module], period: int, remat: str = "decoder"):
         self.layers = nnx.List(layers)
         self.period = period
+        self.remat = remat
 
     def __call__(self, x, segment_pos, cache, attn_mask, **kwargs):
-        """x: [B, T, D] -> the output of the blocks' last layer, in the tuple a Tunix layer returns (no cache).
+        """x: [B, T, D] -> the output of the last layer, in the tuple a Tunix layer returns (no cache).
 
         Raises TrainingError given a KV cache: a scanned decoder trains, it does not generate."""
         if cache is not None:
             raise TrainingError("a scanned decoder (step.scan) runs without a KV cache; generate with the model "
                                 "itself")
         p = self.period
+        whole = len(self.layers) // p * p
         parts = [nnx.split(layer) for layer in self.layers]
-        graphdefs = [graphdef for graphdef, _ in parts[:p]]
         # states[k]: layer k of every block, each block's state an operand of the switch that chooses it
-        states = [tuple(state for _, state in parts[k::p]) for k in range(p)]
+        states = [tuple(state for _, state in parts[k:whole:p]) for k in range(p)]
+        policy = SAVED[self.remat]
+
+        def layer(graphdef, x, state):
+            return nnx.merge(graphdef, state).block(x, segment_pos, None, attn_mask, **kwargs)
 
         def layer_k(k, j, x, states_k):
             state = jax.lax.switch(j, [functools.partial(lambda i, s: s[i], i) for i in range(len(states_k))],
                                    states_k)
-            return nnx.merge(graphdefs[k], state).block(x, segment_pos, None, attn_mask, **kwargs)
+            return layer(parts[k][0], x, state)
 
         # What a layer returns: (cache, x) on Gemma 3, (cache, x, kv) on Gemma 4; and x's dtype, the carry's (a
         # layer widens a narrower input, as Gemma 4's float32 embedding in a float64 model: exactly, so first here).
-        out = jax.eval_shape(functools.partial(layer_k, 0), 0, x, states[0])
+        out = jax.eval_shape(functools.partial(layer, parts[0][0]), x, parts[0][1])
         x = x.astype(out[1].dtype)
 
         def block(x, j):
             for k in range(p):
-                x = jax.checkpoint(functools.partial(layer_k, k), prevent_cse=False,
-                                   policy=jax.checkpoint_policies.nothing_saveable)(j, x, states[k])[1]
+                # In a scan the recomputation cannot be merged with the forward pass, so CSE may stay on.
+                x = jax.checkpoint(functools.partial(layer_k, k), prevent_cse=False, policy=policy)(j, x,
+                                                                                                    states[k])[1]
             return x, None
 
-        x, _ = jax.lax.scan(block, x, jnp.arange(len(self.layers) // p))
+        x, _ = jax.lax.scan(block, x, jnp.arange(whole // p))
+        for graphdef, state in parts[whole:]:
+            x = jax.checkpoint(functools.partial(layer, graphdef), policy=policy)(x, state)[1]
         return (None, x) + (None,) * (len(out) - 2)  # no cache, no kv
 
 
@@ -110,7 +120,7 @@ def scanned_period(spec: GemmaSpec, lora_spec: LoraSpec | None, remat: str) -> i
       >>> scanned_period(GemmaSpec.preset("gemma3-1b"), LoraSpec(rank=8), "decoder")
       6
     """
-    if (remat != "decoder" or spec.per_layer_input_dim or spec.num_kv_shared_layers
+    if (remat not in SAVED or spec.per_layer_input_dim or spec.num_kv_shared_layers
             or (lora_spec is not None and lora_spec.alpha_pattern)):
         return 0
     factors = LoraLayout(spec, lora_spec).shapes() if lora_spec is not None else {}
@@ -122,34 +132,43 @@ def scanned_period(spec: GemmaSpec, lora_spec: LoraSpec | None, remat: str) -> i
 
     layers = [layer(i) for i in range(spec.num_layers)]
     p = next(p for p in range(1, len(layers) + 1) if all(layers[i] == layers[i % p] for i in range(len(layers))))
-    return p if len(layers) // p >= MIN_BLOCKS else 0
+    return p if len(layers) // p >= MIN_BLOCKS or remat != "decoder" else 0
 
 
 def scanned_decoder(model: nnx.Module) -> nnx.Module:
     """A copy of a Tunix Gemma 3 / Gemma 4 model whose decoder layers, under decoder remat
-    (``step.remat.set_remat``), run as a scan over blocks of their pattern (`ScannedLayers`), the layers past the
-    last whole block as they were. The same values and gradients; the program holds one block. ``model`` is not
-    changed; the copy shares its arrays.
+    (``step.remat.set_remat``: ``model.remat`` "decoder" or "projections"), run as `ScannedLayers`: a scan over the
+    whole blocks of their pattern, then the layers past them. The same values and gradients; the program holds one
+    block. ``model`` is not changed; the copy shares its arrays.
 
-    The copy runs unrolled, as ``model`` does, under another remat (none, Tunix's block remat), with per-layer
-    inputs or KV sharing (Gemma 4 E2B/E4B: a layer reads another's keys and values), with PEFT's ``alpha_pattern``
-    (Qwix would match block 0's layer paths) or with fewer than ``MIN_BLOCKS`` blocks.
+    The copy runs unrolled, as ``model`` does, under another remat (none, Tunix's block remat), and under
+    "decoder" with per-layer inputs or KV sharing (Gemma 4 E2B/E4B: a layer reads another's keys and values), with
+    PEFT's ``alpha_pattern`` (Qwix would match block 0's layer paths) or with fewer than ``MIN_BLOCKS`` blocks.
+
+    Raises TrainingError under "projections" where the decoder cannot be scanned: only the scan keeps the
+    projections' products.
     """
     copy = nnx.merge(*nnx.split(model))
     config = copy.config
     decoder = sys.modules[type(config).__module__].RematConfig.DECODER  # of the model's Tunix family
+    if config.remat_config not in (decoder, decoder.value):
+        return copy
+    remat = getattr(copy, "remat", "decoder")
     shared = any(i != j for i, j in enumerate(getattr(copy, "kv_cache_sharing_patterns", ())))
-    if (config.remat_config not in (decoder, decoder.value) or shared or getattr(config, "per_layer_input_dim", 0)
-            or getattr(getattr(copy, "lora_spec", None), "alpha_pattern", ())):
+    if shared or getattr(config, "per_layer_input_dim", 0) or getattr(
+            getattr(copy, "lora_spec", None), "alpha_pattern", ()):
+        if remat != "decoder":
+            raise TrainingError(f"remat {remat!r} keeps the projections' products in a scanned decoder, and this "
+                                "model's cannot be scanned (per-layer inputs, KV sharing or PEFT's alpha_pattern);"
+                                " set gradient_checkpointing's remat to 'decoder'")
         return copy
     layers = list(copy.layers)
     p = decoder_period([nnx.split(layer) for layer in layers])
-    if len(layers) // p < MIN_BLOCKS:
+    if len(layers) // p < MIN_BLOCKS and remat == "decoder":
         return copy
-    whole = len(layers) // p * p
-    scanned = ScannedLayers(layers[:whole], p)
+    scanned = ScannedLayers(layers, p, remat)
     upstream.take_module_path(scanned, copy)  # the model's: what Qwix found here before the layers moved
-    copy.layers = nnx.List([scanned, *layers[whole:]])
+    copy.layers = nnx.List([scanned])
     return copy
 
 

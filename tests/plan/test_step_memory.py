@@ -34,6 +34,7 @@ WIDE = dataclasses.replace(G31, num_layers=2, layer_types=("sliding", "global"),
 CASES = [
     ("gemma4_dense", "none", 1, 8, 128),
     ("gemma4_dense", "decoder", 1, 8, 128),
+    ("gemma4_dense", "projections", 1, 8, 128),
     ("gemma4_dense", "none", 4, 8, 128),
     ("gemma4_moe", "none", 1, 8, 128),  # the experts resident, tokens reaching their top 2 through ragged_dot
     ("gemma3_1b", "none", 1, 2, 16),
@@ -70,8 +71,10 @@ qlora_spec = GemmaSpec.from_hf(transformers.Gemma4TextConfig(**{qlora!r}).to_dic
 wide = dataclasses.replace(GemmaSpec.preset("gemma4-31b"), num_layers=2, layer_types=("sliding", "global"), vocab=8192)
 for fast, (name, remat, fsdp, batch, seq_len), base in {cases!r}:
     spec = {{"wide": wide, "qlora": qlora_spec}}.get(name) or GemmaSpec.from_hf(tiny.text_config(name).to_dict())
-    # decoder / none through the recipe's gradient_checkpointing, as a run sets them; block as Tunix names it
-    recipe = {{"remat": remat}} if remat == "block" else {{"args": {{"gradient_checkpointing": remat == "decoder"}}}}
+    # decoder / none through the recipe's gradient_checkpointing, as a run sets them; block as Tunix names it,
+    # projections as step.remat does
+    recipe = ({{"remat": remat}} if remat in ("block", "projections")
+              else {{"args": {{"gradient_checkpointing": remat == "decoder"}}}})
     peak = compiled_peak(spec, LoraSpec(rank=4, alpha=8), fsdp, 1, batch=batch, seq_len=seq_len,
                          param_dtype=base.replace("nf4", "float32"),
                          loss_fn=segment_loss if fast else tunix_loss,
@@ -141,7 +144,8 @@ def test_the_4bit_base_compiles_below_the_bf16_one_and_is_planned_within_15_perc
 # and with clipping XLA:CPU holds about 2.5x the temporaries of the same step without it under remat (gemma4_dense,
 # 8 x 128, decoder: 33.3 MB against 13.4 MB; without remat 15% more). libtpu does not: its compile-only figures of
 # the clipped step at 31B widths are within 0% to 13% of the plan, which counts no clipping (LIBTPU_PEAKS below).
-UNFITTED = {("gemma4_dense", "decoder", 1, 8, 128), ("wide", "block", 1, 1, 1024)}
+UNFITTED = {("gemma4_dense", "decoder", 1, 8, 128), ("gemma4_dense", "projections", 1, 8, 128),
+            ("wide", "block", 1, 1, 1024)}
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason="XLA:CPU holds "
@@ -228,6 +232,42 @@ def test_remat_shrinks_the_plan_as_it_shrinks_the_compiled_step(peaks):
                                 remat=r).step.activation_bytes for r in ("none", remat)}
         assert plans[remat] < plans["none"]
         assert peaks[(True, (name, remat, 1, batch, seq_len))] < peaks[(True, (name, "none", 1, batch, seq_len))]
+
+
+def test_keeping_the_projections_grows_the_plan_as_it_grows_the_compiled_step(peaks):
+    """Remat "projections" keeps each layer's adapted products besides its input: more than decoder remat, in the
+    plan (by those products) and in the compile."""
+    case = ("gemma4_dense", "decoder", 1, 8, 128)
+    kept = ("gemma4_dense", "projections", 1, 8, 128)
+    assert _plan(kept).step.activation_bytes > _plan(case).step.activation_bytes
+    assert peaks[(True, kept)] > peaks[(True, case)]
+
+
+@pytest.mark.parametrize("name", ["gemma4_dense", "gemma3_1b"])
+def test_the_plan_keeps_the_products_the_step_names(name, monkeypatch):
+    """What the plan adds under remat "projections" is, per token, every product the LoRA provider names
+    ``lora.qwix.PROJECTION`` in a forward pass of the model (each layer traced once, unrolled), in the compute
+    dtype."""
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    import gemport.lora.qwix
+    from gemport.run.model import lora_model
+    from gemport.step import segment_loss
+
+    spec, lora, rows, seq_len = _spec(name), LoraSpec(4, 8.0), 2, 8
+    model = lora_model(spec, lora, param_dtype=jnp.float32, remat="projections", abstract=False)
+    named = []
+    monkeypatch.setattr(gemport.lora.qwix, "checkpoint_name", lambda x, n: named.append(x) or x)
+    monkeypatch.setattr("gemport.step.hf.scanned_decoder", lambda model: model)
+    batch = {k: np.ones((rows, seq_len), np.int32) for k in ("tokens", "positions", "segment_ids", "loss_mask")}
+    nnx.eval_shape(lambda model: segment_loss(model, batch)[0], model)
+    per_token = sum(x.size for x in named) / (rows * seq_len)
+    plans = {r: memory_plan(spec, 1, 1, lora_spec=lora, param_dtype="float32", batch=rows, seq_len=seq_len, remat=r)
+             for r in ("decoder", "projections")}
+    extra = plans["projections"].step.activation_bytes - plans["decoder"].step.activation_bytes
+    assert per_token > 0 and extra == pytest.approx(rows * seq_len * per_token * 4, abs=1)
 
 
 def test_the_fast_step_needs_less_than_tunix_step_at_long_rows():

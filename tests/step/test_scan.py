@@ -23,6 +23,8 @@ from gemport.lora import LoraSpec
 from gemport.run.model import lora_model
 from gemport.specs import GemmaSpec
 from gemport.step import segment_loss
+from gemport.errors import TrainingError
+from gemport.step.remat import SAVED
 from gemport.step.scan import ScannedLayers, decoder_period, scanned_decoder, scanned_period
 
 # Five layers of a 2-layer pattern: two blocks scanned, one layer past them unrolled.
@@ -62,32 +64,40 @@ def loss_and_grads(model, batch, monkeypatch, scan):
 
 @pytest.mark.parametrize("family", ["gemma3", "gemma4"])
 def test_the_scanned_decoder_trains_as_the_unrolled_one(family, monkeypatch):
+    """Under each remat the scan takes (``step.remat.SAVED``: what a layer keeps changes what is recomputed, not
+    the values); unrolled, the model runs Tunix's decoder remat."""
     spec = spec_of(family)
     tokens, positions, segment_ids, loss_mask = rows(spec.vocab)
     batch = dict(tokens=tokens, positions=positions, segment_ids=segment_ids, loss_mask=loss_mask)
-    model = model_of(spec, jnp.float32)
-    blocks = scanned_decoder(model).layers[0]  # Gemma 3 cycles its own pattern: five sliding layers, period 1
+    models = {remat: model_of(spec, jnp.float32, remat=remat) for remat in SAVED}
+    blocks = scanned_decoder(models["decoder"]).layers[0]  # Gemma 3 cycles its own pattern: five sliding, period 1
     assert isinstance(blocks, ScannedLayers) and len(blocks.layers) // blocks.period >= 2
-    float32 = {scan: loss_and_grads(model, batch, monkeypatch, scan) for scan in (True, False)}
+    runs = [(remat, True) for remat in SAVED] + [("decoder", False)]
+    float32 = {run: loss_and_grads(models[run[0]], batch, monkeypatch, run[1]) for run in runs}
     # gemport's attention and loss accumulate in float32 too
     with tunix_float64(monkeypatch, also=("gemport.step.attention", "gemport.step.chunked_loss")):
-        graphdef, state = nnx.split(model_of(spec, jnp.float64))  # a float64 model (its config too)...
-        model64 = nnx.merge(graphdef, jax.tree.map(lambda a, b: b.astype(a.dtype), state, nnx.split(model)[1]))
-        # ... with the float32 model's weights
-        float64 = {scan: loss_and_grads(model64, batch, monkeypatch, scan) for scan in (True, False)}
-    for i, quantity in enumerate(("loss", "LoRA gradients")):
-        exact, other = float64[False][i], float64[True][i]
-        assert np.abs(exact).max() > 0, quantity
-        # float32's floor: the unrolled step's distance from float64; the scanned step within 10x of it
-        assert_float32_close(float32[True][i], float32[False][i], exact)
-        floor32 = np.abs(float32[False][i] - exact).max() / np.abs(exact).max()
-        # float64: the same arithmetic, so the two differ by float64's rounding of float32's noise at most
-        bound = 10 * floor32 * np.finfo(np.float64).eps / np.finfo(np.float32).eps
-        assert np.abs(other - exact).max() / np.abs(exact).max() <= bound, quantity
+        float64 = {}
+        for remat, scan in runs:
+            graphdef, state = nnx.split(model_of(spec, jnp.float64, remat=remat))  # a float64 model (config too)...
+            model64 = nnx.merge(graphdef, jax.tree.map(lambda a, b: b.astype(a.dtype), state,
+                                                       nnx.split(models[remat])[1]))  # ... with float32's weights
+            float64[remat, scan] = loss_and_grads(model64, batch, monkeypatch, scan)
+    unrolled = ("decoder", False)
+    for remat in SAVED:
+        for i, quantity in enumerate(("loss", "LoRA gradients")):
+            exact, other = float64[unrolled][i], float64[remat, True][i]
+            assert np.abs(exact).max() > 0, quantity
+            # float32's floor: the unrolled step's distance from float64; the scanned step within 10x of it
+            assert_float32_close(float32[remat, True][i], float32[unrolled][i], exact)
+            floor32 = np.abs(float32[unrolled][i] - exact).max() / np.abs(exact).max()
+            # float64: the same arithmetic, so the two differ by float64's rounding of float32's noise at most
+            bound = 10 * floor32 * np.finfo(np.float64).eps / np.finfo(np.float32).eps
+            assert np.abs(other - exact).max() / np.abs(exact).max() <= bound, (remat, quantity)
 
 
 def test_a_14_layer_gemma3_scans_two_blocks_of_six_and_leaves_the_model_as_it_was():
-    """Gemma 3 1B's 26 layers scan as four blocks of six the same way (shapes only: no compile)."""
+    """Gemma 3 1B's 26 layers scan as four blocks of six the same way, the last two layers after the scan (shapes
+    only: no compile)."""
     spec = dataclasses.replace(GemmaSpec.preset("gemma3-1b"), num_layers=14,
                                layer_types=(("sliding",) * 5 + ("global",)) * 2 + ("sliding",) * 2,
                                hidden=32, mlp=48, num_heads=4, num_kv_heads=1, head_dim=8, vocab=96)
@@ -96,7 +106,7 @@ def test_a_14_layer_gemma3_scans_two_blocks_of_six_and_leaves_the_model_as_it_wa
     before = [type(m) for _, m in nnx.iter_modules(model)]
     scanned = scanned_decoder(model)
     first = scanned.layers[0]
-    assert isinstance(first, ScannedLayers) and (first.period, len(first.layers), len(scanned.layers)) == (6, 12, 3)
+    assert isinstance(first, ScannedLayers) and (first.period, len(first.layers), len(scanned.layers)) == (6, 14, 1)
     assert [type(m) for _, m in nnx.iter_modules(model)] == before
     assert first.layers[7].attn.q_einsum.w is not None
 
@@ -118,6 +128,23 @@ def test_these_keep_their_loop(case):
 
 
 LORA = LoraSpec(rank=2, alpha=4, targets=TARGETS)
+
+
+@pytest.mark.parametrize("case", ["per-layer inputs and KV sharing", "per-layer alpha"])
+def test_remat_projections_is_refused_where_the_decoder_keeps_its_loop(case):
+    """Only the scan keeps the projections' products: a model it cannot scan is refused, not run under another
+    remat."""
+    if case == "per-layer alpha":
+        spec, lora = spec_of("gemma3"), LoraSpec(rank=2, alpha=4, targets=TARGETS,
+                                                 alpha_pattern=(("layers.0.self_attn.q_proj", 8.0),))
+    else:
+        spec, lora = GemmaSpec.from_hf(tiny.text_config("gemma4_ple").to_dict()), LORA
+    model = model_of(spec, jnp.float32, remat="projections", lora=lora, abstract=True)
+    with pytest.raises(TrainingError, match="remat 'projections'.*cannot be scanned"):
+        scanned_decoder(model)
+    assert scanned_period(spec, lora, "projections") == 0
+
+
 PERIODS = {  # spec, LoRA, remat: what the plan reads the scan from
     "gemma3-1b 14 layers": (dataclasses.replace(spec_of("gemma3"), num_layers=14,
                                                 layer_types=GemmaSpec.preset("gemma3-1b").layer_types[:14]),
@@ -125,6 +152,8 @@ PERIODS = {  # spec, LoRA, remat: what the plan reads the scan from
     "31b 4 sliding": (spec_of("gemma4", ("sliding",) * 4), LORA, "decoder"),
     "31b 12 layers": (spec_of("gemma4", GemmaSpec.preset("gemma4-31b").layer_types[:12]), LORA, "decoder"),
     "block remat": (spec_of("gemma4"), LORA, "block"),
+    "one block, projections": (spec_of("gemma4", ("sliding", "global")), LORA, "projections"),
+    "31b 4 sliding, projections": (spec_of("gemma4", ("sliding",) * 4), LORA, "projections"),
     "one layer's rank": (spec_of("gemma4", ("sliding", "global") * 4), LoraSpec(
         rank=2, alpha=4, targets=TARGETS, rank_pattern=(("layers.2.self_attn.q_proj", 4),)), "decoder"),
     "per-layer alpha": (spec_of("gemma3"), LoraSpec(rank=2, alpha=4, targets=TARGETS,
