@@ -12,6 +12,10 @@ Usage, on the TPU machine (``source .whl-tpu/setup.sh`` first; ``make bench-tpu`
 
     python bench/bench_tpu.py --record bench/tpu.jsonl            # every case, in order
     python bench/bench_tpu.py --cases matmul 1b-26 --record F     # some
+
+and on the CPU host, the steps' compiled peaks for one v5e (libtpu compile-only) beside their memory plans:
+
+    python bench/bench_tpu.py --compile-only --cases 1b-26 31b-4 --record bench/tpu_compiled.jsonl
 """
 
 from __future__ import annotations
@@ -31,26 +35,37 @@ sys.path.insert(0, str(Path(__file__).parent))
 GiB = 2**30
 
 CASES = {
-    # name: (preset, layers or None for all, rows, seq_len, loss); 8192 tokens per micro-batch, as issue 44 asks
-    "1b-26": ("gemma3-1b", None, 4, 2048, "fast"),
-    "1b-14": ("gemma3-1b", 14, 4, 2048, "fast"),
-    "31b-4": ("gemma4-31b", 4, 2, 4096, "fast"),
-    "31b-5": ("gemma4-31b", 5, 2, 4096, "fast"),
-    "e4b": ("gemma4-e4b", None, 2, 4096, "fast"),
-    "1b-26-tunix-2x1024": ("gemma3-1b", None, 2, 1024, "tunix"),
-    "1b-26-tunix-2x2048": ("gemma3-1b", None, 2, 2048, "tunix"),
+    # name: (preset, layers or None for all, rows, seq_len, loss, remat); 8192 tokens per micro-batch, as issue 44
+    # asks
+    "1b-26": ("gemma3-1b", None, 4, 2048, "fast", "decoder"),
+    "1b-14": ("gemma3-1b", 14, 4, 2048, "fast", "decoder"),
+    "31b-4": ("gemma4-31b", 4, 2, 4096, "fast", "decoder"),
+    "31b-5": ("gemma4-31b", 5, 2, 4096, "fast", "decoder"),
+    "1b-26-projections": ("gemma3-1b", None, 4, 2048, "fast", "projections"),
+    "1b-14-projections": ("gemma3-1b", 14, 4, 2048, "fast", "projections"),
+    "31b-4-projections": ("gemma4-31b", 4, 2, 4096, "fast", "projections"),
+    "31b-5-projections": ("gemma4-31b", 5, 2, 4096, "fast", "projections"),
+    "e4b": ("gemma4-e4b", None, 2, 4096, "fast", "decoder"),
+    "1b-26-tunix-2x1024": ("gemma3-1b", None, 2, 1024, "tunix", "decoder"),
+    "1b-26-tunix-2x2048": ("gemma3-1b", None, 2, 2048, "tunix", "decoder"),
 }
 """The step's cases: a Gemma preset cut to ``layers`` (its own pattern), ``rows`` x ``seq_len`` tokens, gemport's
 fast step (segment attention, chunked loss) or Tunix's own loss (``step.tunix_loss``: its [B, T, N, T] scores and
-[B, T, V] logits did not fit a v5e at 4 x 2048 tokens, 19.2 GB; 2 x 1024 did)."""
+[B, T, V] logits did not fit a v5e at 4 x 2048 tokens, 19.2 GB; 2 x 1024 did), and the remat (``step.remat``:
+"decoder" recomputes each layer whole, TRL's default; "projections" keeps the adapted projections' products)."""
 
-DEPTHS = {"1b": ("1b-14", "1b-26"), "31b": ("31b-4", "31b-5")}
+LORA = dict(rank=16, alpha=32)
+"""Every case's LoRA: r=16 on all seven projections (``LoraSpec``'s default targets)."""
+
+DEPTHS = {"1b": ("1b-14", "1b-26"), "31b": ("31b-4", "31b-5"),
+          "1b projections": ("1b-14-projections", "1b-26-projections"),
+          "31b projections": ("31b-4-projections", "31b-5-projections")}
 """Pairs of depths of one model, both scanned, whose difference gives the decoder layers' own MFU: Gemma 3 1B's
 two blocks of six, Gemma 4 31B's fifth layer (its first five are sliding, one scanned block each; a global layer
-makes six, one block, unrolled, and twelve do not fit a v5e's 16 GB)."""
+makes six, one block, and twelve do not fit a v5e's 16 GB)."""
 
-ORDER = ("matmul", "1b-26", "31b-4", "1b-14", "31b-5", "1b-26-tunix-2x1024", "e4b", "1b-26-tunix-2x2048",
-         "compile-60")
+ORDER = ("matmul", "1b-26", "31b-4", "1b-26-projections", "31b-4-projections", "1b-14", "31b-5",
+         "1b-14-projections", "31b-5-projections", "1b-26-tunix-2x1024", "e4b", "1b-26-tunix-2x2048", "compile-60")
 
 
 def versions() -> dict:
@@ -77,8 +92,9 @@ def spec_of(preset: str, layers: int | None):
 
 def drawn(graph, mesh, scale: float):
     """``graph`` (an abstract model or optimizer) with its values on ``mesh`` as the run places them, drawn in one
-    compiled program: normal x ``scale`` (0: zeros, an optimizer's fresh state). Initialised op by op, as Tunix and
-    optax do, 31B's widths took minutes per layer on the chip, each new shape one more compile."""
+    compiled program: normal x ``scale`` (0: zeros, an optimizer's fresh state), one draw per shape scaled by up to
+    2x per array. Initialised op by op, as Tunix and optax do, 31B's widths took minutes per layer on the chip, each
+    new shape one more compile."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -88,10 +104,16 @@ def drawn(graph, mesh, scale: float):
     graphdef, state = nnx.split(_placed(graph, mesh))
     shapes, treedef = jax.tree.flatten(state)
 
+    # One draw per shape, each array of that shape a distinct multiple of it: a draw per array (626 for Gemma 3 1B)
+    # took a minute to compile on the CPU and four before the step on the chip.
+    kinds = sorted({(s.shape, str(s.dtype)) for s in shapes if scale and jnp.issubdtype(s.dtype, jnp.floating)})
+
     def draw(key):
-        keys = jax.random.split(key, len(shapes))
-        return [scale * jax.random.normal(k, s.shape, s.dtype) if scale and jnp.issubdtype(s.dtype, jnp.floating)
-                else jnp.zeros(s.shape, s.dtype) for k, s in zip(keys, shapes)]
+        keys = dict(zip(kinds, jax.random.split(key, len(kinds))))
+        normal = {kind: jax.random.normal(keys[kind], *kind) for kind in kinds}
+        return [(scale * (1 + i / len(shapes))) * normal[s.shape, str(s.dtype)]
+                if scale and jnp.issubdtype(s.dtype, jnp.floating) else jnp.zeros(s.shape, s.dtype)
+                for i, s in enumerate(shapes)]
 
     values = jax.jit(draw, out_shardings=[s.sharding for s in shapes])(jax.random.key(0))
     return nnx.merge(graphdef, jax.tree.unflatten(treedef, values))
@@ -117,7 +139,7 @@ def matmul() -> dict:
     return dict(ms=min(times) * 1e3, tflops=2 * n**3 / min(times) / 1e12)
 
 
-def step(preset: str, layers: int | None, rows: int, seq_len: int, loss: str, steps: int = 5) -> dict:
+def step(preset: str, layers: int | None, rows: int, seq_len: int, loss: str, remat: str, steps: int = 5) -> dict:
     import jax
     import jax.numpy as jnp
     from bench_train import batch_arrays
@@ -133,7 +155,7 @@ def step(preset: str, layers: int | None, rows: int, seq_len: int, loss: str, st
     spec = spec_of(preset, layers)
     device = jax.devices()[0]
     mesh = make_mesh(spec, fsdp=1, tp=1, devices=[device])
-    model = lora_model(spec, LoraSpec(rank=16, alpha=32), param_dtype=jnp.bfloat16, remat="decoder")  # abstract
+    model = lora_model(spec, LoraSpec(**LORA), param_dtype=jnp.bfloat16, remat=remat)  # abstract
     trainer = step_trainer(model, {"gradient_checkpointing": True},
                            loss_fn=segment_loss if loss == "fast" else tunix_loss)
     model, optimizer = drawn(trainer.model, mesh, 0.02), drawn(trainer.optimizer, mesh, 0.0)
@@ -152,11 +174,48 @@ def step(preset: str, layers: int | None, rows: int, seq_len: int, loss: str, st
     tokens = rows * seq_len
     flops = flops_per_token(spec, seq_len)
     peak = peak_tflops(device.device_kind)
-    return dict(layers=spec.num_layers, rows=rows, seq_len=seq_len, loss=loss, ms=seconds * 1e3,
+    return dict(layers=spec.num_layers, rows=rows, seq_len=seq_len, loss=loss, remat=remat, ms=seconds * 1e3,
                 tokens_per_s=tokens / seconds, flops_per_token=flops,
                 mfu=tokens / seconds * flops / (peak * 1e12) if peak else None,
                 peak_hbm_gib=(device.memory_stats() or {}).get("peak_bytes_in_use", 0) / GiB,
                 compile_s=times[0] - seconds, final_loss=float(out))
+
+
+def planned(name: str):
+    """The memory plan (``gemport.memory_plan``, one v5e) of case ``name``'s step."""
+    from gemport.lora import LoraSpec
+    from gemport.plan import memory_plan
+    from gemport.step import segment_loss, tunix_loss
+
+    preset, layers, rows, seq_len, loss, remat = CASES[name]
+    return memory_plan(spec_of(preset, layers), 1, 1, lora_spec=LoraSpec(**LORA), hbm_bytes="v5e", batch=rows,
+                       seq_len=seq_len, remat=remat, loss_fn=segment_loss if loss == "fast" else tunix_loss)
+
+
+def compiled(name: str) -> dict:
+    """Case ``name``'s step compiled for one v5e by libtpu on this host (compile-only: nothing runs), its peak
+    from XLA's memory analysis (deterministic, unlike the chip's runtime counter, which leaves out the program's
+    temporaries), beside its memory plan."""
+    import jax
+    import jax.numpy as jnp
+
+    jax.config.update("jax_platforms", "cpu")  # libtpu compiles for the chip; nothing runs
+    from gemport.lora import LoraSpec
+    from gemport.mesh import make_mesh
+    from gemport.mesh.tpu import slice_devices
+    from gemport.plan.compiled import compile_step, step_trainer
+    from gemport.run.model import lora_model
+    from gemport.step import segment_loss, tunix_loss
+
+    preset, layers, rows, seq_len, loss, remat = CASES[name]
+    spec = spec_of(preset, layers)
+    mesh = make_mesh(spec, fsdp=1, tp=1, devices=slice_devices("v5e-1"))
+    model = lora_model(spec, LoraSpec(**LORA), param_dtype=jnp.bfloat16, remat=remat, abstract=True)
+    trainer = step_trainer(model, {"gradient_checkpointing": True},
+                           loss_fn=segment_loss if loss == "fast" else tunix_loss)
+    peak = compile_step(trainer, mesh, rows, seq_len).peak_bytes
+    return dict(target="v5e-1", compiled_gib=peak / GiB, planned_gib=planned(name).total_bytes / GiB,
+                jax=jax.__version__, libtpu=metadata.version("libtpu"), date=datetime.date.today().isoformat())
 
 
 def compile_60() -> dict:
@@ -168,25 +227,27 @@ def compile_60() -> dict:
     return bench_compile.compile_seconds(60, 1024, "v5p-8", scanned=True)
 
 
-def run_case(name: str) -> dict:
+def run_case(name: str, compile_only: bool = False) -> dict:
     import jax
 
+    if compile_only:
+        return compiled(name)
     if name != "compile-60" and jax.default_backend() != "tpu":
         raise SystemExit(f"bench_tpu measures a TPU chip; this host's JAX has {jax.default_backend()}")
     if name == "matmul":
         return matmul()
     if name == "compile-60":
         return compile_60()
-    preset, layers, rows, seq_len, loss = CASES[name]
-    return dict(model=preset, **step(preset, layers, rows, seq_len, loss))
+    preset, layers, rows, seq_len, loss, remat = CASES[name]
+    return dict(model=preset, **step(preset, layers, rows, seq_len, loss, remat))
 
 
-def in_process(name: str, timeout: float) -> dict:
+def in_process(name: str, timeout: float, compile_only: bool = False) -> dict:
     """Case ``name`` in a child process: its result line, or what stopped it (out of HBM, a timeout)."""
     start = time.perf_counter()
     try:
-        child = subprocess.run([sys.executable, __file__, "--case", name], capture_output=True, text=True,
-                               timeout=timeout)
+        child = subprocess.run([sys.executable, __file__, "--case", name] + ["--compile-only"] * compile_only,
+                               capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
         said = [line for line in (e.stderr or b"").decode(errors="replace").splitlines() if line.startswith("# ")]
         return dict(case=name, error=f"timed out after {timeout:.0f} s" + (f" ({said[-1][2:]})" if said else ""))
@@ -219,16 +280,21 @@ def main():
     parser.add_argument("--cases", nargs="+", default=list(ORDER), choices=ORDER)
     parser.add_argument("--record", type=Path, help="append each result to this JSON lines file")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per case")
+    parser.add_argument("--compile-only", action="store_true",
+                        help="on the CPU host: compile each step case for one v5e with libtpu and record its "
+                             "compiled peak beside its memory plan (bench/tpu_compiled.jsonl)")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # the child's
     args = parser.parse_args()
     if args.case:
-        print(json.dumps({**run_case(args.case), **versions()}))
+        print(json.dumps({**run_case(args.case, args.compile_only), **versions()}))
         return
     results = {}
     for name in args.cases:
-        result = in_process(name, args.timeout)
+        if args.compile_only and name not in CASES:
+            continue
+        result = in_process(name, args.timeout, args.compile_only)
         results[name] = result
-        lines = [result] + layers_only(results, name)
+        lines = [result] + ([] if args.compile_only else layers_only(results, name))
         for line in lines:
             print(json.dumps(line), flush=True)
             if args.record and "error" not in line:  # what stopped a case is printed, not recorded
