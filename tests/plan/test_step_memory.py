@@ -34,7 +34,6 @@ WIDE = dataclasses.replace(G31, num_layers=2, layer_types=("sliding", "global"),
 CASES = [
     ("gemma4_dense", "none", 1, 8, 128),
     ("gemma4_dense", "decoder", 1, 8, 128),
-    ("gemma4_dense", "projections", 1, 8, 128),
     ("gemma4_dense", "none", 4, 8, 128),
     ("gemma4_moe", "none", 1, 8, 128),  # the experts resident, tokens reaching their top 2 through ragged_dot
     ("gemma3_1b", "none", 1, 2, 16),
@@ -71,10 +70,8 @@ qlora_spec = GemmaSpec.from_hf(transformers.Gemma4TextConfig(**{qlora!r}).to_dic
 wide = dataclasses.replace(GemmaSpec.preset("gemma4-31b"), num_layers=2, layer_types=("sliding", "global"), vocab=8192)
 for fast, (name, remat, fsdp, batch, seq_len), base in {cases!r}:
     spec = {{"wide": wide, "qlora": qlora_spec}}.get(name) or GemmaSpec.from_hf(tiny.text_config(name).to_dict())
-    # decoder / none through the recipe's gradient_checkpointing, as a run sets them; block as Tunix names it,
-    # projections as step.remat does
-    recipe = ({{"remat": remat}} if remat in ("block", "projections")
-              else {{"args": {{"gradient_checkpointing": remat == "decoder"}}}})
+    # decoder / none through the recipe's gradient_checkpointing, as a run sets them; block as Tunix names it
+    recipe = {{"remat": remat}} if remat == "block" else {{"args": {{"gradient_checkpointing": remat == "decoder"}}}}
     peak = compiled_peak(spec, LoraSpec(rank=4, alpha=8), fsdp, 1, batch=batch, seq_len=seq_len,
                          param_dtype=base.replace("nf4", "float32"),
                          loss_fn=segment_loss if fast else tunix_loss,
@@ -144,8 +141,7 @@ def test_the_4bit_base_compiles_below_the_bf16_one_and_is_planned_within_15_perc
 # and with clipping XLA:CPU holds about 2.5x the temporaries of the same step without it under remat (gemma4_dense,
 # 8 x 128, decoder: 33.3 MB against 13.4 MB; without remat 15% more). libtpu does not: its compile-only figures of
 # the clipped step at 31B widths are within 0% to 13% of the plan, which counts no clipping (LIBTPU_PEAKS below).
-UNFITTED = {("gemma4_dense", "decoder", 1, 8, 128), ("gemma4_dense", "projections", 1, 8, 128),
-            ("wide", "block", 1, 1, 1024)}
+UNFITTED = {("gemma4_dense", "decoder", 1, 8, 128), ("wide", "block", 1, 1, 1024)}
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason="XLA:CPU holds "
@@ -193,6 +189,38 @@ def test_plan_is_within_15_percent_of_what_libtpu_compiles_for_the_scanned_decod
         assert abs(plan.total_bytes / m["peak_bytes"] - 1) <= 0.15, (plan.total_bytes, m, str(plan))
 
 
+# `python bench/bench_tpu.py --compile-only`: the chip bench's steps compiled for one v5e by libtpu on this host.
+V5E = [json.loads(line) for line in (BENCH / "tpu_compiled.jsonl").read_text().splitlines() if line]
+# Where the plan misses libtpu's compile for one v5e by more than 15%, not yet understood: Gemma 3 1B's widths
+# (under by 21% under decoder remat, 29% under "projections"), 31B's first four layers under decoder remat (over
+# by 16%). A strict xfail: each fails once the plan meets the compile.
+V5E_GAPS = {"1b-26", "1b-26-projections", "31b-4"}
+
+
+@pytest.mark.parametrize("record", [pytest.param(r, marks=pytest.mark.xfail(strict=True, reason="the plan misses "
+                                                                             "libtpu's one-chip compile"))
+                                    if r["case"] in V5E_GAPS else r for r in V5E], ids=lambda r: r["case"])
+def test_plan_is_within_15_percent_of_what_libtpu_compiles_for_one_v5e(record):
+    sys.path.insert(0, str(BENCH))
+    import bench_tpu
+
+    assert record["target"] == "v5e-1" and record["libtpu"]
+    assert abs(bench_tpu.planned(record["case"]).total_bytes / 2**30 / record["compiled_gib"] - 1) <= 0.15
+
+
+def test_the_projections_cost_libtpu_more_than_decoder_remat_and_the_plan_says_so():
+    """Compiled for one v5e, remat "projections" holds more than decoder remat at both widths (past the chip's
+    15.75 GiB: docs/tpu.md), and the plan does not claim it fits."""
+    sys.path.insert(0, str(BENCH))
+    import bench_tpu
+
+    compiled = {r["case"]: r["compiled_gib"] for r in V5E}
+    for case in ("1b-26", "31b-4"):
+        assert compiled[case + "-projections"] > compiled[case]
+        assert bench_tpu.planned(case + "-projections").total_bytes > bench_tpu.planned(case).total_bytes
+    assert bench_tpu.planned("31b-4-projections").fits is False
+
+
 def test_the_recorded_libtpu_figures_cover_the_dry_run_meshes():
     """One v5p chip, a v5p-8 and a v6e-8, at 4096 and 8192 tokens, each on the mesh the dry run picks."""
     sys.path.insert(0, str(BENCH))
@@ -232,15 +260,6 @@ def test_remat_shrinks_the_plan_as_it_shrinks_the_compiled_step(peaks):
                                 remat=r).step.activation_bytes for r in ("none", remat)}
         assert plans[remat] < plans["none"]
         assert peaks[(True, (name, remat, 1, batch, seq_len))] < peaks[(True, (name, "none", 1, batch, seq_len))]
-
-
-def test_keeping_the_projections_grows_the_plan_as_it_grows_the_compiled_step(peaks):
-    """Remat "projections" keeps each layer's adapted products besides its input: more than decoder remat, in the
-    plan (by those products) and in the compile."""
-    case = ("gemma4_dense", "decoder", 1, 8, 128)
-    kept = ("gemma4_dense", "projections", 1, 8, 128)
-    assert _plan(kept).step.activation_bytes > _plan(case).step.activation_bytes
-    assert peaks[(True, kept)] > peaks[(True, case)]
 
 
 @pytest.mark.parametrize("name", ["gemma4_dense", "gemma3_1b"])
