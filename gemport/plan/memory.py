@@ -159,9 +159,10 @@ def memory_plan(
       hbm_bytes: HBM per device in bytes, or a chip name from ``HBM`` (e.g. ``"v5p"``).
       batch, seq_len: rows per step (all devices) and tokens per row; with both, the plan adds the train
         step's gradients, activations (per ``remat``: ``"none"``, ``"block"``, ``"decoder"``, Tunix's
-        ``remat_config``, or ``"projections"``, ``step.remat.SAVED``), logits and loss temporaries (``gemport.plan.activations.step_memory``) and, with
-        fsdp > 1, the largest weight and embedding slice gathered whole over fsdp for their dots; where the
-        fast step scans its decoder (``step.scan.scanned_period``), one block's weights, which the scan copies.
+        ``remat_config``, or ``"projections"``, ``step.remat.SAVED``), logits and loss temporaries
+        (``gemport.plan.activations.step_memory``) and, with fsdp > 1, the largest weight and embedding slice
+        gathered whole over fsdp for their dots; where the fast step scans its decoder
+        (``step.scan.scanned_period``), one block's weights, which the scan copies.
       compute_dtype: the compute dtype of activations (default ``param_dtype``).
       backend: ``"cpu"`` adds the weight copies XLA:CPU makes for its dots, to compare with a CPU compile.
       loss_fn: ``step.segment_loss`` plans ``step.train_step``'s default step (segment attention in tiles, the

@@ -40,8 +40,9 @@ def quantize_base(model: nnx.Module, spec: GemmaSpec, qlora: QLoraSpec) -> None:
 def lora_model(spec: GemmaSpec, lora_spec: LoraSpec, *, param_dtype=jnp.bfloat16, remat: str = "none",
                abstract: bool = True, qlora: QLoraSpec | None = None) -> nnx.Module:
     """A Tunix model of ``spec`` with Qwix LoRA per ``lora_spec`` and the remat ``remat`` (Tunix's
-    ``remat_config`` "none", "block", "decoder", or "projections", ``step.remat.set_remat``): shapes only (``abstract``) or random; on a 4-bit base (``quantize_base``) with
-    ``qlora``, its LoRA factors float32 as Qwix makes them there."""
+    ``remat_config`` "none", "block", "decoder", or "projections", ``step.remat.set_remat``): shapes only
+    (``abstract``) or random; on a 4-bit base (``quantize_base``) with ``qlora``, its LoRA factors float32 as Qwix
+    makes them there."""
     cfg = spec.to_tunix(param_dtype=param_dtype)
 
     def build():
