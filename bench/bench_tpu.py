@@ -106,13 +106,16 @@ def drawn(graph, mesh, scale: float):
 
     # One draw per shape, each array of that shape a distinct multiple of it: a draw per array (626 for Gemma 3 1B)
     # took a minute to compile on the CPU and four before the step on the chip.
-    kinds = sorted({(s.shape, str(s.dtype)) for s in shapes if scale and jnp.issubdtype(s.dtype, jnp.floating)})
+    def random(s):
+        return scale and jnp.issubdtype(s.dtype, jnp.floating)
+
+    kinds = sorted({(s.shape, str(s.dtype)) for s in shapes if random(s)})
 
     def draw(key):
         keys = dict(zip(kinds, jax.random.split(key, len(kinds))))
         normal = {kind: jax.random.normal(keys[kind], *kind) for kind in kinds}
         return [(scale * (1 + i / len(shapes))) * normal[s.shape, str(s.dtype)]
-                if scale and jnp.issubdtype(s.dtype, jnp.floating) else jnp.zeros(s.shape, s.dtype)
+                if random(s) else jnp.zeros(s.shape, s.dtype)
                 for i, s in enumerate(shapes)]
 
     values = jax.jit(draw, out_shardings=[s.sharding for s in shapes])(jax.random.key(0))
@@ -139,25 +142,37 @@ def matmul() -> dict:
     return dict(ms=min(times) * 1e3, tflops=2 * n**3 / min(times) / 1e12)
 
 
+def loss_fn(loss: str):
+    from gemport.step import segment_loss, tunix_loss
+
+    return segment_loss if loss == "fast" else tunix_loss
+
+
+def abstract_trainer(spec, loss: str, remat: str):
+    """The trainer ``SFTRun`` builds (TRL's defaults) for an abstract bf16 model of ``spec`` with the cases' LoRA,
+    the loss ``loss`` ("fast" or "tunix") and the remat ``remat``."""
+    import jax.numpy as jnp
+
+    from gemport.lora import LoraSpec
+    from gemport.plan.compiled import step_trainer
+    from gemport.run.model import lora_model
+
+    model = lora_model(spec, LoraSpec(**LORA), param_dtype=jnp.bfloat16, remat=remat, abstract=True)
+    return step_trainer(model, {"gradient_checkpointing": True}, loss_fn=loss_fn(loss))
+
+
 def step(preset: str, layers: int | None, rows: int, seq_len: int, loss: str, remat: str, steps: int = 5) -> dict:
     import jax
-    import jax.numpy as jnp
     from bench_train import batch_arrays
     from flops import flops_per_token, peak_tflops
 
-    from gemport.lora import LoraSpec
     from gemport.mesh import make_mesh
-    from gemport.plan.compiled import step_trainer
-    from gemport.run.model import lora_model
-    from gemport.step import segment_loss, tunix_loss
 
     start = time.perf_counter()
     spec = spec_of(preset, layers)
     device = jax.devices()[0]
     mesh = make_mesh(spec, fsdp=1, tp=1, devices=[device])
-    model = lora_model(spec, LoraSpec(**LORA), param_dtype=jnp.bfloat16, remat=remat)  # abstract
-    trainer = step_trainer(model, {"gradient_checkpointing": True},
-                           loss_fn=segment_loss if loss == "fast" else tunix_loss)
+    trainer = abstract_trainer(spec, loss, remat)
     model, optimizer = drawn(trainer.model, mesh, 0.02), drawn(trainer.optimizer, mesh, 0.0)
     batch = batch_arrays(rows, seq_len, spec.vocab, mesh)
     train_step = trainer.jitted_train_step()
@@ -185,11 +200,10 @@ def planned(name: str):
     """The memory plan (``gemport.memory_plan``, one v5e) of case ``name``'s step."""
     from gemport.lora import LoraSpec
     from gemport.plan import memory_plan
-    from gemport.step import segment_loss, tunix_loss
 
     preset, layers, rows, seq_len, loss, remat = CASES[name]
     return memory_plan(spec_of(preset, layers), 1, 1, lora_spec=LoraSpec(**LORA), hbm_bytes="v5e", batch=rows,
-                       seq_len=seq_len, remat=remat, loss_fn=segment_loss if loss == "fast" else tunix_loss)
+                       seq_len=seq_len, remat=remat, loss_fn=loss_fn(loss))
 
 
 def compiled(name: str) -> dict:
@@ -197,23 +211,16 @@ def compiled(name: str) -> dict:
     from XLA's memory analysis (deterministic, unlike the chip's runtime counter, which leaves out the program's
     temporaries), beside its memory plan."""
     import jax
-    import jax.numpy as jnp
 
     jax.config.update("jax_platforms", "cpu")  # libtpu compiles for the chip; nothing runs
-    from gemport.lora import LoraSpec
     from gemport.mesh import make_mesh
     from gemport.mesh.tpu import slice_devices
-    from gemport.plan.compiled import compile_step, step_trainer
-    from gemport.run.model import lora_model
-    from gemport.step import segment_loss, tunix_loss
+    from gemport.plan.compiled import compile_step
 
     preset, layers, rows, seq_len, loss, remat = CASES[name]
     spec = spec_of(preset, layers)
     mesh = make_mesh(spec, fsdp=1, tp=1, devices=slice_devices("v5e-1"))
-    model = lora_model(spec, LoraSpec(**LORA), param_dtype=jnp.bfloat16, remat=remat, abstract=True)
-    trainer = step_trainer(model, {"gradient_checkpointing": True},
-                           loss_fn=segment_loss if loss == "fast" else tunix_loss)
-    peak = compile_step(trainer, mesh, rows, seq_len).peak_bytes
+    peak = compile_step(abstract_trainer(spec, loss, remat), mesh, rows, seq_len).peak_bytes
     return dict(target="v5e-1", compiled_gib=peak / GiB, planned_gib=planned(name).total_bytes / GiB,
                 jax=jax.__version__, libtpu=metadata.version("libtpu"), date=datetime.date.today().isoformat())
 
