@@ -10,12 +10,15 @@ root=$(git rev-parse --show-toplevel)
 cd "$root"
 grep -qx '/.whl-tpu/' .git/info/exclude 2>/dev/null || echo '/.whl-tpu/' >> .git/info/exclude
 rm -rf .whl-tpu && mkdir -p .whl-tpu
+# transformers, tokenizers and huggingface_hub at the pinned versions too: the machine's index has others
+# (transformers 5.17.0), whose defaults and models are not the ones the recorded defaults and the peers were read from.
 names=(google-tunix qwix google-metrax grain clu perfetto array-record portpicker simplejson uvloop tensorboardx humanize
-       wadler-lindig jaxtyping treescope)
-# With the peers, TRL's dataset map fingerprints its function with datasets' dill, and the machine's index has an
-# older datasets (5.0.1, with pyarrow 25.0.1) whose pickling of pyarrow's types failed there: the pinned datasets
-# travels (the pinned pyarrow's wheel, 53 MB, would take the device tool's carry past its 64 MiB).
-[ "${1:-}" = "--peers" ] && names+=(trl peft accelerate datasets) && touch .whl-tpu/peers
+       wadler-lindig jaxtyping treescope transformers tokenizers huggingface_hub)
+# With the peers, datasets fingerprints each dataset with dill, and the machine's index has another dill, with
+# which pickling pyarrow's MonthDayNano failed there (with datasets 5.0.1 and the pinned 5.2.0 alike); the pinned
+# datasets, dill and multiprocess travel, and pass with the machine's pyarrow 25.0.1 (the pinned pyarrow's wheel,
+# 53 MB, would take the device tool's carry past its 64 MiB).
+[ "${1:-}" = "--peers" ] && names+=(trl peft accelerate datasets dill multiprocess) && touch .whl-tpu/peers
 pin() { grep -i "^$1==" constraints.txt | head -1 || true; }
 reqs=()
 for n in "${names[@]}"; do p=$(pin "$n"); reqs+=("${p:-$n}"); done
