@@ -76,7 +76,10 @@ def operations(chip, cpu, write, top: int = 25):
             closed = jax.make_jaxpr(forward)(state, tokens)
             on_cpu, on_chip = (np.asarray(jax.jit(forward, device=d)(state, tokens), np.float64) for d in (cpu, chip))
     write(what="logits", chip_from_cpu=float(np.abs(on_chip - on_cpu).max()), max_logit=float(np.abs(on_cpu).max()))
-    found = []
+    # The CPU runs the forward op by op, keeping each inexact operation's inputs and output; the chip then runs all
+    # of those operations in one compiled program, each on the CPU's inputs (a compile per operation took longer
+    # than the session's chip time), so each one's error is its own, not what it inherited.
+    taken = []
 
     def run(jaxpr, consts, args):
         env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
@@ -92,24 +95,31 @@ def operations(chip, cpu, write, top: int = 25):
             else:
                 outs = e.primitive.bind(*[jax.device_put(i, cpu) for i in ins], **e.params)
                 outs = outs if e.primitive.multiple_results else [outs]
-                if e.primitive.name not in EXACT:
-                    on_chip = e.primitive.bind(*[jax.device_put(i, chip) for i in ins], **e.params)
-                    on_chip = on_chip if e.primitive.multiple_results else [on_chip]
-                    for o, c in zip(outs, on_chip):
-                        if jnp.issubdtype(o.dtype, jnp.floating) and o.size:
-                            o, c = np.asarray(o, np.float64), np.asarray(c, np.float64)
-                            finite = np.isfinite(o)
-                            scale = np.abs(o[finite]).max() if finite.any() else 0.0
-                            worst = float(np.abs(o - c)[finite].max() / scale) if scale else 0.0
-                            frame = source_info_util.user_frame(e.source_info.traceback)
-                            where = (f"{Path(frame.file_name).name}:{frame.start_line} {frame.function_name}"
-                                     if frame else "")
-                            found.append((worst, e.primitive.name, str(e.params.get("precision", "")), where))
+                if e.primitive.name not in EXACT and any(jnp.issubdtype(o.dtype, jnp.floating) for o in outs):
+                    taken.append((e, [np.asarray(i) for i in ins], [np.asarray(o) for o in outs]))
             env.update(zip(e.outvars, outs))
         return [read(v) for v in jaxpr.outvars]
 
     with jax.default_matmul_precision("highest"):
         run(closed.jaxpr, closed.consts, jax.tree.leaves(state) + [tokens])
+
+        def each(inputs):
+            outs = [e.primitive.bind(*ins, **e.params) for (e, _, _), ins in zip(taken, inputs)]
+            return [o if e.primitive.multiple_results else [o] for (e, _, _), o in zip(taken, outs)]
+
+        on_chip = jax.jit(each, device=chip)([ins for _, ins, _ in taken])
+    found = []
+    for (e, _, outs), chip_outs in zip(taken, on_chip):
+        for o, c in zip(outs, chip_outs):
+            if not (jnp.issubdtype(o.dtype, jnp.floating) and o.size):
+                continue
+            o, c = np.asarray(o, np.float64), np.asarray(c, np.float64)
+            finite = np.isfinite(o)
+            scale = np.abs(o[finite]).max() if finite.any() else 0.0
+            worst = float(np.abs(o - c)[finite].max() / scale) if scale else 0.0
+            frame = source_info_util.user_frame(e.source_info.traceback)
+            where = f"{Path(frame.file_name).name}:{frame.start_line} {frame.function_name}" if frame else ""
+            found.append((worst, e.primitive.name, str(e.params.get("precision", "")), where))
     found.sort(reverse=True)
     for worst, primitive, precision, where in found[:top]:
         write(operation=primitive, relative=worst, precision=precision, where=where)
