@@ -161,12 +161,14 @@ def abstract_trainer(spec, loss: str, remat: str):
     return step_trainer(model, {"gradient_checkpointing": True}, loss_fn=loss_fn(loss))
 
 
-def step(preset: str, layers: int | None, rows: int, seq_len: int, loss: str, remat: str, steps: int = 5) -> dict:
+def step(preset: str, layers: int | None, rows: int, seq_len: int, loss: str, remat: str, steps: int = 5,
+         profile: Path | None = None) -> dict:
     import jax
     from bench_train import batch_arrays
     from flops import flops_per_token, peak_tflops
 
     from gemport.mesh import make_mesh
+    from gemport.plan.compiled import Compiled
 
     start = time.perf_counter()
     spec = spec_of(preset, layers)
@@ -185,6 +187,13 @@ def step(preset: str, layers: int | None, rows: int, seq_len: int, loss: str, re
             out.block_until_ready()
             times.append(time.perf_counter() - start)
             progress(f"call {len(times)}: {times[-1]:.1f} s")
+        # The program the calls ran (JAX's cache gives it back without compiling again): its peak as XLA
+        # compiled it for this chip, which the runtime's peak_bytes_in_use leaves the temporaries out of.
+        ran = Compiled.of(train_step.lower(model, optimizer, batch).compile(), rows * seq_len, 1)
+        if profile is not None:
+            profile.mkdir(parents=True, exist_ok=True)
+            with jax.profiler.trace(str(profile)):
+                train_step(model, optimizer, batch)[0].block_until_ready()
     seconds = min(times[1:])
     tokens = rows * seq_len
     flops = flops_per_token(spec, seq_len)
@@ -193,6 +202,7 @@ def step(preset: str, layers: int | None, rows: int, seq_len: int, loss: str, re
                 tokens_per_s=tokens / seconds, flops_per_token=flops,
                 mfu=tokens / seconds * flops / (peak * 1e12) if peak else None,
                 peak_hbm_gib=(device.memory_stats() or {}).get("peak_bytes_in_use", 0) / GiB,
+                compiled_gib=ran.peak_bytes / GiB, temp_gib=ran.temp_bytes / GiB,
                 compile_s=times[0] - seconds, final_loss=float(out))
 
 
@@ -234,7 +244,7 @@ def compile_60() -> dict:
     return bench_compile.compile_seconds(60, 1024, "v5p-8", scanned=True)
 
 
-def run_case(name: str, compile_only: bool = False) -> dict:
+def run_case(name: str, compile_only: bool = False, profile: Path | None = None) -> dict:
     import jax
 
     if compile_only:
@@ -246,15 +256,17 @@ def run_case(name: str, compile_only: bool = False) -> dict:
     if name == "compile-60":
         return compile_60()
     preset, layers, rows, seq_len, loss, remat = CASES[name]
-    return dict(model=preset, **step(preset, layers, rows, seq_len, loss, remat))
+    return dict(model=preset, **step(preset, layers, rows, seq_len, loss, remat,
+                                     profile=profile / name if profile else None))
 
 
-def in_process(name: str, timeout: float, compile_only: bool = False) -> dict:
+def in_process(name: str, timeout: float, compile_only: bool = False, profile: Path | None = None) -> dict:
     """Case ``name`` in a child process: its result line, or what stopped it (out of HBM, a timeout)."""
     start = time.perf_counter()
+    flags = ["--compile-only"] * compile_only + (["--profile", str(profile)] if profile else [])
     try:
-        child = subprocess.run([sys.executable, __file__, "--case", name] + ["--compile-only"] * compile_only,
-                               capture_output=True, text=True, timeout=timeout)
+        child = subprocess.run([sys.executable, __file__, "--case", name, *flags], capture_output=True, text=True,
+                               timeout=timeout)
     except subprocess.TimeoutExpired as e:
         said = [line for line in (e.stderr or b"").decode(errors="replace").splitlines() if line.startswith("# ")]
         return dict(case=name, error=f"timed out after {timeout:.0f} s" + (f" ({said[-1][2:]})" if said else ""))
@@ -290,16 +302,18 @@ def main():
     parser.add_argument("--compile-only", action="store_true",
                         help="on the CPU host: compile each step case for one v5e with libtpu and record its "
                              "compiled peak beside its memory plan (bench/tpu_compiled.jsonl)")
+    parser.add_argument("--profile", type=Path,
+                        help="on the chip: a profile of one more step of each case under this folder (jax.profiler)")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # the child's
     args = parser.parse_args()
     if args.case:
-        print(json.dumps({**run_case(args.case, args.compile_only), **versions()}))
+        print(json.dumps({**run_case(args.case, args.compile_only, args.profile), **versions()}))
         return
     results = {}
     for name in args.cases:
         if args.compile_only and name not in CASES:
             continue
-        result = in_process(name, args.timeout, args.compile_only)
+        result = in_process(name, args.timeout, args.compile_only, args.profile)
         results[name] = result
         lines = [result] + ([] if args.compile_only else layers_only(results, name))
         for line in lines:

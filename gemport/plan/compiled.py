@@ -116,6 +116,15 @@ class Compiled:
     devices: int
     executable: object
 
+    @classmethod
+    def of(cls, executable, tokens: int, devices: int) -> "Compiled":
+        """The figures of ``executable`` (a ``jax.stages.Compiled``) for a micro-batch of ``tokens`` on ``devices``."""
+        m = executable.memory_analysis()
+        cost = executable.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        return cls(m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes, m.alias_size_in_bytes,
+                   float((cost or {}).get("flops", 0.0)), tokens, devices, executable)
+
     @property
     def peak_bytes(self) -> int:
         """Arguments + outputs + temporaries, donated buffers counted once."""
@@ -134,11 +143,7 @@ def compile_step(trainer: Any, mesh, rows: int, seq_len: int, *,
     (``micro_batch``: as ``lower_step``'s). compiler_options: XLA's, as ``Lowered.compile`` takes them (e.g.
     ``{"xla_dump_to": dir, "xla_dump_hlo_as_text": True}`` writes the buffer assignment and memory-usage report)."""
     executable = lower_step(trainer, mesh, rows, seq_len, micro_batch=micro_batch).compile(compiler_options)
-    m = executable.memory_analysis()
-    cost = executable.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    return Compiled(m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes, m.alias_size_in_bytes,
-                    float((cost or {}).get("flops", 0.0)), rows * seq_len, mesh.size, executable)
+    return Compiled.of(executable, rows * seq_len, mesh.size)
 
 
 def step_trainer(model: nnx.Module, args: Mapping[str, Any] | None = None, *, loss_fn: LossFn = segment_loss):
