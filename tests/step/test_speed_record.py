@@ -44,3 +44,17 @@ def test_each_steps_figures_follow_from_what_was_measured(record):
     assert record["mfu"] == pytest.approx(record["tokens_per_s"] * record["flops_per_token"] / peak, rel=1e-9)
     assert 0 < record["peak_hbm_gib"] < HBM_GIB[record["device_kind"]]
     assert record["compile_s"] > 0
+
+
+COMPILED_ONLY = {(r["case"], r["libtpu"]): r["compiled_gib"]
+                 for r in map(json.loads, (BENCH / "tpu_compiled.jsonl").read_text().splitlines())}
+ON_CHIP_AND_HOST = [r for r in STEPS if (r["case"], r["libtpu"]) in COMPILED_ONLY and "compiled_gib" in r]
+
+
+def test_the_chips_compile_is_libtpus_compile_only_one():
+    """The peak XLA compiled each step to on the chip (``compiled_gib``, its memory analysis) is the one libtpu
+    compiles for one v5e on the CPU host (bench/tpu_compiled.jsonl, ``--compile-only``), to the byte: the host's
+    compile-only figures, which the plan is judged against, are the chip's own."""
+    assert ON_CHIP_AND_HOST
+    for r in ON_CHIP_AND_HOST:
+        assert r["compiled_gib"] * 2**30 == pytest.approx(COMPILED_ONLY[r["case"], r["libtpu"]] * 2**30, abs=1), r
