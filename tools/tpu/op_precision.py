@@ -1,6 +1,7 @@
 """Where a TPU's float32 leaves float32's precision: each elementwise function the Gemma models call, on the chip and
 on the host's CPU against float64; then a miniature Gemma 4 31B's float32 forward (Tunix, ``"highest"`` products),
-each operation run on the chip on the CPU's inputs, the operations furthest from the CPU's output first.
+each operation run on the chip on the CPU's inputs, the operations furthest from the CPU's output first; then the
+same forward compiled whole on each device, the operations whose error most exceeds their inputs' first.
 
 On the TPU machine, from the project's root: ``source .whl-tpu/setup.sh && python3 tools/tpu/op_precision.py OUT``
 (JSON lines appended to ``OUT/op_precision.jsonl``); docs/tpu.md, "The chip's float32 functions", has the findings.
@@ -129,6 +130,89 @@ def operations(chip, cpu, write, top: int = 25):
     write(worst_by_operation=dict(sorted(by_primitive.items(), key=lambda kv: -kv[1])))
 
 
+def _where(e) -> str:
+    frame = source_info_util.user_frame(e.source_info.traceback)
+    return f"{Path(frame.file_name).name}:{frame.start_line} {frame.function_name}" if frame else ""
+
+
+def program(chip, cpu, write, top: int = 25):
+    """The miniature's forward compiled whole on each device, every operation's output returned: the operations
+    whose output leaves the CPU's far more than their inputs had (what fusion changes, which one operation run alone
+    on the chip does not show: the forward's logits move 6.4e-4 on a v5e, its worst operation alone 5.6e-5)."""
+    spec = miniature()
+    with jax.default_device(cpu):
+        model = spec.tunix_model_class()(spec.to_tunix(param_dtype=jnp.float32), rngs=nnx.Rngs(0))
+        graphdef, state = nnx.split(model)
+        tokens = jnp.asarray(np.random.default_rng(0).integers(0, spec.vocab, (2, 64)), jnp.int32)
+    b, t = tokens.shape
+
+    def forward(state, tokens):
+        positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+        return nnx.merge(graphdef, state)(tokens, positions, None, jnp.tril(jnp.ones((b, t, t), bool)))[0]
+
+    with jax.default_matmul_precision("highest"):
+        closed = jax.make_jaxpr(forward)(state, tokens)
+    records = []  # per operation: (primitive, where, its inputs' and outputs' indices into the returned values)
+
+    def every(args):
+        records.clear()
+        values = []
+
+        def run(jaxpr, consts, args, slots):
+            env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
+            slot = dict(zip(jaxpr.invars, slots))
+
+            def read(v):
+                return v.val if isinstance(v, core.Literal) else env[v]
+
+            for e in jaxpr.eqns:
+                ins = [read(v) for v in e.invars]
+                in_slots = [None if isinstance(v, core.Literal) else slot.get(v) for v in e.invars]
+                inner = e.params.get("jaxpr")
+                if inner is not None and hasattr(inner, "consts"):
+                    outs, out_slots = run(inner.jaxpr, inner.consts, ins, in_slots)
+                else:
+                    outs = e.primitive.bind(*ins, **e.params)
+                    outs = outs if e.primitive.multiple_results else [outs]
+                    out_slots = []
+                    for o in outs:
+                        if jnp.issubdtype(o.dtype, jnp.floating) and e.primitive.name not in EXACT:
+                            values.append(o)
+                            out_slots.append(len(values) - 1)
+                        else:  # exact: carries its input's error
+                            out_slots.append(next((s for s in in_slots if s is not None), None))
+                    if e.primitive.name not in EXACT:
+                        records.append((e.primitive.name, _where(e), in_slots, out_slots))
+                env.update(zip(e.outvars, outs))
+                slot.update(zip(e.outvars, out_slots))
+            return [read(v) for v in jaxpr.outvars], [slot.get(v) for v in jaxpr.outvars]
+
+        run(closed.jaxpr, closed.consts, args, [None] * len(args))
+        return values
+
+    leaves = jax.tree.leaves(state) + [tokens]
+    with jax.default_matmul_precision("highest"):
+        on_cpu = [np.asarray(v, np.float64) for v in jax.jit(every, device=cpu)(leaves)]
+        on_chip = [np.asarray(v, np.float64) for v in jax.jit(every, device=chip)(leaves)]
+
+    def error(i):
+        if i is None:
+            return 0.0
+        scale = np.abs(on_cpu[i]).max()
+        return float(np.abs(on_chip[i] - on_cpu[i]).max() / scale) if scale else 0.0
+
+    jumps = []
+    for primitive, where, in_slots, out_slots in records:
+        inherited = max([error(i) for i in in_slots] + [0.0])
+        for i in out_slots:
+            if i is not None:
+                got = error(i)
+                jumps.append((got / max(inherited, 2.0**-24), got, inherited, primitive, where))
+    jumps.sort(reverse=True)
+    for jump, got, inherited, primitive, where in jumps[:top]:
+        write(program_operation=primitive, relative=got, inputs_relative=inherited, jump=jump, where=where)
+
+
 def main():
     out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
     chip, cpu = jax.devices()[0], jax.devices("cpu")[0]
@@ -141,6 +225,7 @@ def main():
 
     functions(chip, cpu, write)
     operations(chip, cpu, write)
+    program(chip, cpu, write)
 
 
 if __name__ == "__main__":
