@@ -331,8 +331,8 @@ def test_bad_step_arguments_are_typed_errors():
 @pytest.mark.parametrize("name", ["gemma4_dense", "gemma3_1b"])
 def test_vocabulary_slices_give_the_full_logits_loss_and_gradients(hf_checkpoint, name):
     """The chunked loss over interleaved vocabulary slices (7 tokens by 16 of 96 rows, or 16 of 128, a block at
-    a time) against Tunix's full logits: the summed loss, the LoRA gradients and the tied embedding's gradient
-    (full fine-tuning; under LoRA nothing reads it)."""
+    a time, each slice four runs of 4 rows) against Tunix's full logits: the summed loss, the LoRA gradients and
+    the tied embedding's gradient (full fine-tuning; under LoRA nothing reads it)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -341,10 +341,11 @@ def test_vocabulary_slices_give_the_full_logits_loss_and_gradients(hf_checkpoint
     from packed_rows import lora_model, rel_err, rows, summed_loss
 
     from gemport.data import attention_mask
-    from gemport.step.chunked_loss import hidden_states, num_slices, target_nll
+    from gemport.step.chunked_loss import hidden_states, num_slices, run_rows, target_nll
 
     vocab = tiny.text_config(name).vocab_size
-    assert num_slices(vocab, 22) > 2
+    slices = num_slices(vocab, 22)
+    assert slices > 2 and vocab // slices // run_rows(vocab, slices, 4) == 4  # each slice four runs
     model = lora_model(hf_checkpoint, name)
     tokens, positions, segment_ids, loss_mask = rows(vocab)
     mask = attention_mask(segment_ids)
@@ -353,7 +354,7 @@ def test_vocabulary_slices_give_the_full_logits_loss_and_gradients(hf_checkpoint
     def loss(params, sliced):
         m = nnx.merge(graphdef, params, rest)
         if sliced:
-            nll = target_nll(m, hidden_states(m, tokens, positions, mask), tokens, chunk=7, vocab_slice=22)
+            nll = target_nll(m, hidden_states(m, tokens, positions, mask), tokens, chunk=7, vocab_slice=22, run=4)
             return jnp.where(loss_mask[:, 1:], nll, 0.0).sum()
         return summed_loss(m(tokens, positions, None, mask)[0], tokens, loss_mask)
 

@@ -16,7 +16,7 @@ from gemport.data import stack
 from gemport.step import segment_loss, train_step, tunix_loss
 from gemport.data import attention_mask
 from gemport.step.cross_entropy import loss_scopes, nll_scopes
-from gemport.step.chunked_loss import hidden_states, slice_rows, target_nll
+from gemport.step.chunked_loss import hidden_states, run_rows, slice_rows, target_nll
 
 
 @pytest.mark.parametrize("name", ["gemma4_dense", "gemma3_1b"])
@@ -77,12 +77,17 @@ def test_fast_step_trains_as_tunix_step(hf_checkpoint):
         assert float(jnp.mean(jnp.abs(g - r))) < 1e-2 * lr
 
 
+@pytest.mark.parametrize("run, taken", [(1, 1), (3, 3), (5, 6), (512, 12)])
 @pytest.mark.parametrize("bits", [True, False], ids=["bit-pattern", "in-place"])
-def test_slice_rows_are_the_interleaved_rows_either_way(bits):
+def test_slice_rows_are_the_interleaved_runs_either_way(bits, run, taken):
     """Both ways of slicing a bfloat16 embedding (its bit pattern, for XLA:CPU; in place, for accelerators)
-    give rows b, b + s, ... exactly, under jit with a traced slice index."""
+    give runs b, b + s, ... of ``taken`` rows exactly (the least divisor of the slice's 12 rows from ``run``),
+    under jit with a traced slice index."""
     w = jax.random.normal(jax.random.key(0), (48, 8)).astype(jnp.bfloat16)
-    rows = jax.jit(lambda b: slice_rows(w, 4, b, bits=bits))
+    assert run_rows(48, 4, run) == taken
+    rows = jax.jit(lambda b: slice_rows(w, 4, b, run=run, bits=bits))
     for b in range(4):
-        np.testing.assert_array_equal(np.asarray(rows(b), np.float32), np.asarray(w[b::4], np.float32))
+        want = [start + i for start in range(b * taken, 48, 4 * taken) for i in range(taken)]
+        assert len(want) == 12
+        np.testing.assert_array_equal(np.asarray(rows(b), np.float32), np.asarray(w[np.array(want)], np.float32))
         assert rows(b).dtype == jnp.bfloat16
