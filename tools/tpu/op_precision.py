@@ -61,21 +61,28 @@ def miniature() -> GemmaSpec:
                                head_dim=64, global_head_dim=128, sliding_window=32)
 
 
-def operations(chip, cpu, write, top: int = 25):
+def forward_of(cpu):
+    """The miniature's float32 forward (state, tokens) -> logits, its jaxpr at ``"highest"``, its state and 2 x 64
+    tokens, on the CPU."""
     spec = miniature()
     with jax.default_device(cpu):
         model = spec.tunix_model_class()(spec.to_tunix(param_dtype=jnp.float32), rngs=nnx.Rngs(0))
         graphdef, state = nnx.split(model)
         tokens = jnp.asarray(np.random.default_rng(0).integers(0, spec.vocab, (2, 64)), jnp.int32)
-        b, t = tokens.shape
+    b, t = tokens.shape
 
-        def forward(state, tokens):
-            positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-            return nnx.merge(graphdef, state)(tokens, positions, None, jnp.tril(jnp.ones((b, t, t), bool)))[0]
+    def forward(state, tokens):
+        positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+        return nnx.merge(graphdef, state)(tokens, positions, None, jnp.tril(jnp.ones((b, t, t), bool)))[0]
 
-        with jax.default_matmul_precision("highest"):
-            closed = jax.make_jaxpr(forward)(state, tokens)
-            on_cpu, on_chip = (np.asarray(jax.jit(forward, device=d)(state, tokens), np.float64) for d in (cpu, chip))
+    with jax.default_matmul_precision("highest"):
+        return forward, jax.make_jaxpr(forward)(state, tokens), state, tokens
+
+
+def operations(chip, cpu, write, top: int = 25):
+    forward, closed, state, tokens = forward_of(cpu)
+    with jax.default_matmul_precision("highest"):
+        on_cpu, on_chip = (np.asarray(jax.jit(forward, device=d)(state, tokens), np.float64) for d in (cpu, chip))
     write(what="logits", chip_from_cpu=float(np.abs(on_chip - on_cpu).max()), max_logit=float(np.abs(on_cpu).max()))
     # The CPU runs the forward op by op, keeping each inexact operation's inputs and output; the chip then runs all
     # of those operations in one compiled program, each on the CPU's inputs (a compile per operation took longer
@@ -139,19 +146,7 @@ def program(chip, cpu, write, top: int = 25):
     """The miniature's forward compiled whole on each device, every operation's output returned: the operations
     whose output leaves the CPU's far more than their inputs had (what fusion changes, which one operation run alone
     on the chip does not show: the forward's logits move 6.4e-4 on a v5e, its worst operation alone 5.6e-5)."""
-    spec = miniature()
-    with jax.default_device(cpu):
-        model = spec.tunix_model_class()(spec.to_tunix(param_dtype=jnp.float32), rngs=nnx.Rngs(0))
-        graphdef, state = nnx.split(model)
-        tokens = jnp.asarray(np.random.default_rng(0).integers(0, spec.vocab, (2, 64)), jnp.int32)
-    b, t = tokens.shape
-
-    def forward(state, tokens):
-        positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-        return nnx.merge(graphdef, state)(tokens, positions, None, jnp.tril(jnp.ones((b, t, t), bool)))[0]
-
-    with jax.default_matmul_precision("highest"):
-        closed = jax.make_jaxpr(forward)(state, tokens)
+    _, closed, state, tokens = forward_of(cpu)
     records = []  # per operation: (primitive, where, its inputs' and outputs' indices into the returned values)
 
     def every(args):
