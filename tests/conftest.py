@@ -43,20 +43,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "tpu: the TPU tier: runs on a TPU host with GEMPORT_TPU=1, and only there")
 
 
-FIRST = ("run/test_multihost.py", "check/test_parity.py", "run/test_gemma4_e2e.py", "plan/test_step_memory.py",
-         "check/test_vllm.py", "run/test_dpo_run.py", "run/test_peft_trainer.py", "step/test_remat.py",
-         "step/test_scan.py", "cli/test_sft_cli.py", "cli/test_no_torch.py")
-"""The longest modules of the suite (2 to 7 minutes each on the 2-core machine CI runs on), handed to the workers
-first (the Makefile's ``--no-loadscope-reorder``); the rest follow in collection order. xdist's own order (most
-tests first) left one of them to the end, with one worker running it alone for minutes."""
-
-
 def pytest_collection_modifyitems(config, items):
-    def rank(item):
-        path = item.path.as_posix()
-        return next((i for i, name in enumerate(FIRST) if path.endswith("tests/" + name)), len(FIRST))
-
-    items.sort(key=rank)  # stable: each module's tests keep their order
     for item in items:
         if ON_CHIP and "tpu" not in item.keywords:
             item.add_marker(pytest.mark.skip(reason="GEMPORT_TPU=1 runs the TPU tier only"))
