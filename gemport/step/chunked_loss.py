@@ -32,8 +32,8 @@ VOCAB_SLICE = 16384
 RUN = 512
 """Consecutive embedding rows a slice takes at a time (``run_rows``): whole tiles of a TPU's layout. Rows taken
 one at a time (slice b holding rows b, b + s, ...) share each tile of rows with the other slices, so copying one
-slice read most of the table: on a v5e that copy was a quarter of the step at Gemma 4 31B's widths (331 of
-1,341 ms, 126 GB/s)."""
+slice read most of the table: on a v5e that copy was a quarter of the step at Gemma 4 31B's widths (332 of
+1,341 ms, 127 GB/s)."""
 
 
 @functools.cache
