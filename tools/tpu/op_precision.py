@@ -79,6 +79,19 @@ def forward_of(cpu):
         return forward, jax.make_jaxpr(forward)(state, tokens), state, tokens
 
 
+def _where(e) -> str:
+    frame = source_info_util.user_frame(e.source_info.traceback)
+    return f"{Path(frame.file_name).name}:{frame.start_line} {frame.function_name}" if frame else ""
+
+
+def _relative(want, got) -> float:
+    # max |got - want| over max |want|, where want is finite (masks hold -inf)
+    want, got = np.asarray(want, np.float64), np.asarray(got, np.float64)
+    finite = np.isfinite(want)
+    scale = np.abs(want[finite]).max() if finite.any() else 0.0
+    return float(np.abs(got - want)[finite].max() / scale) if scale else 0.0
+
+
 def operations(chip, cpu, write, top: int = 25):
     forward, closed, state, tokens = forward_of(cpu)
     with jax.default_matmul_precision("highest"):
@@ -121,13 +134,7 @@ def operations(chip, cpu, write, top: int = 25):
         for o, c in zip(outs, chip_outs):
             if not (jnp.issubdtype(o.dtype, jnp.floating) and o.size):
                 continue
-            o, c = np.asarray(o, np.float64), np.asarray(c, np.float64)
-            finite = np.isfinite(o)
-            scale = np.abs(o[finite]).max() if finite.any() else 0.0
-            worst = float(np.abs(o - c)[finite].max() / scale) if scale else 0.0
-            frame = source_info_util.user_frame(e.source_info.traceback)
-            where = f"{Path(frame.file_name).name}:{frame.start_line} {frame.function_name}" if frame else ""
-            found.append((worst, e.primitive.name, str(e.params.get("precision", "")), where))
+            found.append((_relative(o, c), e.primitive.name, str(e.params.get("precision", "")), _where(e)))
     found.sort(reverse=True)
     for worst, primitive, precision, where in found[:top]:
         write(operation=primitive, relative=worst, precision=precision, where=where)
@@ -135,11 +142,6 @@ def operations(chip, cpu, write, top: int = 25):
     for worst, primitive, _, _ in found:
         by_primitive[primitive] = max(by_primitive[primitive], worst)
     write(worst_by_operation=dict(sorted(by_primitive.items(), key=lambda kv: -kv[1])))
-
-
-def _where(e) -> str:
-    frame = source_info_util.user_frame(e.source_info.traceback)
-    return f"{Path(frame.file_name).name}:{frame.start_line} {frame.function_name}" if frame else ""
 
 
 def program(chip, cpu, write, top: int = 25):
@@ -191,10 +193,7 @@ def program(chip, cpu, write, top: int = 25):
         on_chip = [np.asarray(v, np.float64) for v in jax.jit(every, device=chip)(leaves)]
 
     def error(i):
-        if i is None:
-            return 0.0
-        scale = np.abs(on_cpu[i]).max()
-        return float(np.abs(on_chip[i] - on_cpu[i]).max() / scale) if scale else 0.0
+        return 0.0 if i is None else _relative(on_cpu[i], on_chip[i])
 
     jumps = []
     for primitive, where, in_slots, out_slots in records:
