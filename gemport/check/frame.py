@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import hashlib
 import json
 import tempfile
 from collections.abc import Callable, Mapping
@@ -230,10 +231,15 @@ class Setup:
             quantization_config=quantization, **experts)
 
     def dataset(self):
-        """The records as the GPU side's ``train_dataset``."""
+        """The records as the GPU side's ``train_dataset``, fingerprinted by their JSON.
+
+        datasets would fingerprint the table by pickling it with dill, which failed on the TPU machine (pyarrow's
+        ``MonthDayNano`` type, with the pinned datasets and dill); the records' own hash names the same data.
+        """
         import datasets  # optional: TRL's
 
-        return datasets.Dataset.from_list(self.records)
+        fingerprint = hashlib.sha256(json.dumps(self.records, sort_keys=True).encode()).hexdigest()[:16]
+        return datasets.Dataset(datasets.table.InMemoryTable.from_pylist(self.records), fingerprint=fingerprint)
 
     def write_start(self, lora, seed: int) -> dict:
         """Write the step-0 adapter both sides start from to ``start``: PEFT's initialisation of ``lora`` (a
