@@ -1,11 +1,11 @@
 """The TPU tier's last run on a chip, as recorded in tests/files/on_chip.jsonl: every comparison the tier makes is
-there, from a TPU, each within its bound, and each bound ``on_chip.MULTIPLE`` times a floor measured in that run
+there, from a TPU, each within its bound (but the float32 gaps issue 45 has open, each beyond it), and each bound ``on_chip.MULTIPLE`` times a floor measured in that run
 (at least the dtype's rounding). Rerun the tier on a TPU host to renew it (docs/benchmarks.md#on-the-chip-exact)."""
 
 import json
 
 import pytest
-from on_chip import ATTENTION_LAYERS, DTYPES, MULTIPLE, RECORD, TESTS
+from on_chip import ATTENTION_LAYERS, DTYPES, FLOAT32_GAPS, MULTIPLE, RECORD, TESTS
 
 
 @pytest.fixture(scope="module")
@@ -18,9 +18,8 @@ def test_the_record_is_of_a_tpu_and_holds_every_comparison(records):
     assert {r["device_kind"] for r in records} and all("TPU" in r["device_kind"] for r in records)
     assert set(TESTS) <= {r["test"] for r in records}
     splash = {(r["layer"], r["dtype"], r["quantity"]) for r in records if r["test"] == "splash_attention"}
-    # Each layer and dtype's forward and query gradient at least: the run recorded here stopped a float32 layer at
-    # its dq (then beyond the float32 floor, the kernel's precision now part of it), before dk and dv.
-    assert splash >= {(layer, dtype, q) for layer in ATTENTION_LAYERS for dtype in DTYPES for q in ("out", "dq")}
+    assert splash >= {(layer, dtype, q) for layer in ATTENTION_LAYERS for dtype in DTYPES
+                      for q in ("out", "dq", "dk", "dv")}
 
 
 def test_every_comparison_holds_its_bound_from_its_floor(records):
@@ -29,5 +28,7 @@ def test_every_comparison_holds_its_bound_from_its_floor(records):
             assert r["bound"] == pytest.approx(MULTIPLE * max(r["floor"], r["least"])), r["case"]
         if r.get("expect") == "fail":  # a broken port, which the comparison must refuse
             assert r["ok"] and r["worst"] > r["bound"], r
+        elif r["case"] in FLOAT32_GAPS:  # open: recorded as it failed, until a renewed record holds it
+            assert not r["ok"] and r["worst"] > r["bound"], f"{r['case']} holds now: take it out of FLOAT32_GAPS"
         else:
             assert r["ok"] and r["worst"] <= r["bound"], r

@@ -27,9 +27,14 @@ ATTENTION_LAYERS = {  # heads per row fewer than the models', widths, windows an
 DTYPES = ("bfloat16", "float32")
 """The recipes' dtypes the tier compares in."""
 
-TESTS = ("splash_attention", "chunked_loss", "lora_dropout")
-"""What the step tier records (``record``'s ``test``), each at least once; the check tier's (``trained_step``,
-``parity``, ``verify``: tests/check/test_peers_on_chip.py) has not run on a chip yet."""
+TESTS = ("splash_attention", "chunked_loss", "lora_dropout", "verify", "parity", "trained_step")
+"""What the tier records (``record``'s ``test``), each at least once: the step tier's, then the check tier's
+(tests/check/test_peers_on_chip.py, with the peers)."""
+
+FLOAT32_GAPS = {"base logits float32", "doc recipe float32", "float32 step 0 grad_norm"}
+"""The check tier's float32 comparisons the recorded run did not hold on the chip (issue 45, open; docs/tpu.md,
+"float32 on the chip", has the cause found: RoPE's timescales). The record test requires each to be beyond its
+bound, so one that holds in a renewed record fails it until it leaves this set."""
 
 MULTIPLE = 10.0
 """A comparison passes at up to this many times its floor (the suite's and ``gemport parity``'s multiple)."""
