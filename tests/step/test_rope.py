@@ -1,6 +1,6 @@
 """RoPE at the host's timescales (``step.rope``): the float64 power rounded once, Tunix's rotation otherwise, and
 what the trained step and ``verify`` trace. Tunix computes the timescales in the traced program, which a TPU's
-float32 power computes about 80 times less exactly than the CPU (docs/tpu.md, "float32 on the chip")."""
+float32 power computes about 80 times less exactly than the CPU (docs/tpu.md, "Precision")."""
 
 import dataclasses
 
