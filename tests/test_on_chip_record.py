@@ -1,6 +1,6 @@
 """The TPU tier's last run on a chip, as recorded in tests/files/on_chip.jsonl: every comparison the tier makes is
-there, from a TPU, each within its bound (but the float32 gaps issue 45 has open, each beyond it), and each bound ``on_chip.MULTIPLE`` times a floor measured in that run
-(at least the dtype's rounding). Rerun the tier on a TPU host to renew it (docs/benchmarks.md#on-the-chip-exact)."""
+there, from a TPU, each within its bound (but the float32 gaps issue 45 has open, each beyond it), and each bound
+``on_chip.MULTIPLE`` times a floor measured in that run (at least the dtype's rounding). Rerun the tier on a TPU host to renew it (docs/benchmarks.md#on-the-chip-exact)."""
 
 import json
 
