@@ -9,20 +9,16 @@ float32 LoRA factors in bfloat16 as torch's autocast does: ``"default"``.
 
 ``matmul_precision`` is the one reading of the recipe; ``with_precision`` traces a function under it, so every
 product of the step, and its transpose in the backward pass, carries it (``run.trainer.HFPeftTrainer`` traces its
-train and eval steps so), and with RoPE's timescales computed on the host (``step.rope``), which a TPU's float32
-power would compute 80 times less exactly than a CPU, at every precision.
+train and eval steps so).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
-
-from gemport.step.rope import exact_rope
 
 Precision = Literal["default", "high", "highest"]
 """``jax.default_matmul_precision``'s names for one, three or six bfloat16 passes on a TPU."""
@@ -49,13 +45,13 @@ def describe(precision: Precision) -> str:
 
 def with_precision(fn: Callable[..., Any], precision: Precision) -> Callable[..., Any]:
     """``fn`` traced under ``jax.default_matmul_precision(precision)``: each product it makes (and, being recorded
-    with it, each product its derivative makes) at that precision (``"default"``: JAX's), and under
-    ``rope.exact_rope``: its Tunix models' RoPE at the host's timescales."""
+    with it, each product its derivative makes) at that precision. ``"default"`` returns ``fn`` itself."""
+    if precision == "default":
+        return fn
 
     @functools.wraps(fn)
     def precise(*args: Any, **kwargs: Any) -> Any:
-        with exact_rope(), (jax.default_matmul_precision(precision) if precision != "default"
-                            else contextlib.nullcontext()):
+        with jax.default_matmul_precision(precision):
             return fn(*args, **kwargs)
 
     return precise

@@ -37,8 +37,7 @@ def test_with_precision_records_it_on_the_products_and_their_transposes():
     text = jax.jit(jax.grad(with_precision(f, "highest"))).lower(x).as_text()
     dots = re.findall(r"stablehlo\.dot_general.*", text)
     assert len(dots) == 2 and all("HIGHEST" in d for d in dots), dots  # the gradient: two transposed products
-    text = jax.jit(jax.grad(with_precision(f, "default"))).lower(x).as_text()
-    assert not re.findall(r"stablehlo\.dot_general.*HIGH", text)  # JAX's own precision
+    assert with_precision(f, "default") is f
 
 
 @pytest.mark.parametrize("fields, expected", [({"bf16": False}, "HIGHEST"), ({"bf16": False, "tf32": True}, "HIGH"),
@@ -52,7 +51,5 @@ def test_the_trained_step_carries_the_recipe_precision(fields, expected):
                        abstract=False)
     trainer = step_trainer(model, {**fields, "gradient_checkpointing": False})
     mesh = make_mesh(spec, fsdp=1, tp=1, devices=jax.devices()[:1])
-    text = lower_step(trainer, mesh, 2, 32).as_text()
-    dots = re.findall(r"stablehlo\.dot_general.*", text)
+    dots = re.findall(r"stablehlo\.dot_general.*", lower_step(trainer, mesh, 2, 32).as_text())
     assert dots and all(f"precision = [{expected}, {expected}]" in d for d in dots), dots[:3]
-    assert "stablehlo.power" not in text  # RoPE's timescales are the host's constants (step.rope), at any precision
