@@ -304,6 +304,21 @@ def tunix_shard_on(mesh):
         sharding_utils.shard, gemma4.shard = saved
 
 
+@contextlib.contextmanager
+def tunix_rope(*, gemma3, gemma4):
+    """While open, Tunix's Gemma 3 and Gemma 4 models call ``gemma3`` and ``gemma4`` (each with the arguments of
+    that model module's ``apply_rope``) where they call ``apply_rope``; on close, whatever was there before."""
+    from tunix.models.gemma3 import model as g3  # Tunix, an extra, on first use
+    from tunix.models.gemma4 import model as g4  # Tunix, an extra, on first use
+
+    saved = g3.apply_rope, g4.apply_rope
+    g3.apply_rope, g4.apply_rope = gemma3, gemma4
+    try:
+        yield
+    finally:
+        g3.apply_rope, g4.apply_rope = saved
+
+
 __all__ = [
     "QWIX_VERSION",
     "TUNIX_VERSION",
@@ -322,6 +337,7 @@ __all__ = [
     "ptq_einsum",
     "quantize_array",
     "query_norm",
+    "tunix_rope",
     "tunix_shard_on",
     "with_aux",
 ]

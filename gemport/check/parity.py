@@ -184,9 +184,10 @@ class _SFTSides:
         setup.write_start(lora, config.seed)
         base = (load_model(setup.base_dir, spec=spec, param_dtype=setup.dtype) if setup.qlora is None
                 else load_qlora_model(setup.base_dir, setup.qlora, spec=spec))
-        # The port's products at the recipe's precision (float32's on a TPU too), as SFTRun's trainer takes them.
+        # The port's products at the recipe's precision (float32's on a TPU too), as SFTRun's trainer takes them:
+        # the whole step traced under it, so the backward passes of custom_vjps (splash attention's) take it too.
         precision = matmul_precision(setup.dtype == "bfloat16", port_config.tf32)
-        step = train_step(wrt=nnx.LoRAParam, loss_fn=with_precision(loss_fn or segment_loss, precision))
+        step = with_precision(train_step(wrt=nnx.LoRAParam, loss_fn=loss_fn or segment_loss), precision)
         return cls(setup, config, import_peft(setup.start, base_dir=setup.base_dir), spec, base, optimizer, step,
                    batches, progress)
 

@@ -21,6 +21,7 @@ from gemport._src.extras import require
 from gemport.errors import VerifyError
 from gemport.specs import GemmaSpec
 from gemport.step.precision import matmul_precision
+from gemport.step.rope import exact_rope
 
 
 # How far beyond the floor two correct implementations may land. The floor is a maximum over few tokens, so it
@@ -89,11 +90,11 @@ def transformers_model(hf_dir: str | Path, *, adapter_dir: str | Path | None = N
 
 def tunix_logits(model, tokens: np.ndarray) -> np.ndarray:
     """float32 logits [B, T, V] of a Tunix Gemma model on ``tokens`` int32 [B, T], with a causal mask, its
-    products at the precision of its dtype (``step.precision``: float32 products for a float32 model, which a
-    TPU's default would multiply in one bfloat16 pass)."""
+    products at the precision of its dtype and its RoPE at the host's inverse frequencies (``step.precision``: float32 products
+    for a float32 model, which a TPU's default would multiply in one bfloat16 pass; ``step.rope``)."""
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-    with jax.default_matmul_precision(matmul_precision(bf16=model_dtype(model) == "bfloat16", tf32=None)):
+    with exact_rope(), jax.default_matmul_precision(matmul_precision(model_dtype(model) == "bfloat16", None)):
         logits, _ = model(jnp.asarray(tokens), positions, None, jnp.tril(jnp.ones((b, t, t), bool)))
     return np.asarray(logits, np.float32)
 

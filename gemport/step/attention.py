@@ -26,6 +26,7 @@ from gemport._src import upstream
 from gemport.errors import BatchError, SpecError
 from gemport.mesh.dims import FSDP, TP
 from gemport.mesh.tpu import platform
+from gemport.step.precision import backward_at, traced
 
 BLOCK = 512
 """Query and key tile length of the blockwise attention (rows are padded up to a multiple of it)."""
@@ -119,17 +120,22 @@ def _output(out, q):
     return _merge(out)[:, : q.shape[1]].astype(q.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _attention(q, k, v, segment_ids, window, block):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _attention(q, k, v, segment_ids, window, block, precision):
     return _output(_forward(q, k, v, segment_ids, window, block)[0], q)
 
 
-def _attention_fwd(q, k, v, segment_ids, window, block):
+def _attention_fwd(q, k, v, segment_ids, window, block, precision):
     out, lse = _forward(q, k, v, segment_ids, window, block)
     return _output(out, q), (q, k, v, segment_ids, out, lse)
 
 
-def _attention_bwd(window, block, residuals, d_out):
+def _attention_bwd(window, block, precision, residuals, d_out):
+    with backward_at(precision):
+        return _attention_grads(window, block, residuals, d_out)
+
+
+def _attention_grads(window, block, residuals, d_out):
     q, k, v, segment_ids, out, lse = residuals
     qb, kb, vb, sb, block, num_blocks = _prepare(q, k, v, segment_ids, block)
     span = _kv_span(num_blocks, block, window)
@@ -188,7 +194,7 @@ def segment_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax
     the softmax are float32. Memory beyond the inputs is one [B, N, block, block] tile, forward and
     backward (the backward recomputes the tiles from the saved log-sum-exp).
     """
-    return _attention(q, k, v, segment_ids, window, block)
+    return _attention(q, k, v, segment_ids, window, block, traced())
 
 
 def _splash(q, k, v, segment_ids, window, interpret=False):

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gemport.mesh.tpu import platform
+from gemport.step.precision import backward_at, traced
 
 CHUNK = 512
 """Tokens of each row per block of logits (and per float32 cotangent [B, CHUNK, D] of the backward pass)."""
@@ -164,19 +165,24 @@ def _forward(h, targets, state, graphdef, softcap, slices, run, direction=False)
     return nll, lse, grad
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _nll(h, targets, state, graphdef, softcap, slices, run):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _nll(h, targets, state, graphdef, softcap, slices, run, precision):
     return _forward(h, targets, state, graphdef, softcap, slices, run)[0]
 
 
-def _nll_fwd(h, targets, state, graphdef, softcap, slices, run):
+def _nll_fwd(h, targets, state, graphdef, softcap, slices, run, precision):
     # The hidden states' gradient is folded into the forward pass (a second product per slice), so the backward
     # pass needs no second pass over the vocabulary's logits for it: two products a slice in all, not three.
     nll, lse, grad = _forward(h, targets, state, graphdef, softcap, slices, run, direction=True)
     return nll, (h, targets, state, lse, grad)
 
 
-def _nll_bwd(graphdef, softcap, slices, run, residuals, g):
+def _nll_bwd(graphdef, softcap, slices, run, precision, residuals, g):
+    with backward_at(precision):
+        return _nll_grads(graphdef, softcap, slices, run, residuals, g)
+
+
+def _nll_grads(graphdef, softcap, slices, run, residuals, g):
     h, targets, state, lse, grad = residuals
     f32 = jnp.float32
     w = nnx.merge(graphdef, state).input_embedding.get_value()
@@ -233,5 +239,5 @@ def target_nll(model: nnx.Module, hidden: jax.Array, tokens: jax.Array, *, chunk
     softcap = getattr(model.config, "final_logit_softcap", None)
     vocab = state["input_embedding"].get_value().shape[0]
     slices = num_slices(vocab, vocab_slice)
-    nll = _nll(h, targets, state, graphdef, softcap, slices, run_rows(vocab, slices, run))
+    nll = _nll(h, targets, state, graphdef, softcap, slices, run_rows(vocab, slices, run), traced())
     return nll.swapaxes(0, 1).reshape(b, -1)[:, :n]

@@ -9,16 +9,20 @@ float32 LoRA factors in bfloat16 as torch's autocast does: ``"default"``.
 
 ``matmul_precision`` is the one reading of the recipe; ``with_precision`` traces a function under it, so every
 product of the step, and its transpose in the backward pass, carries it (``run.trainer.HFPeftTrainer`` traces its
-train and eval steps so).
+train and eval steps so), and, at every precision, with RoPE's inverse frequencies computed on the host
+(``step.rope``) where Tunix computes timescales with a power a TPU computes 80 times less exactly than a CPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
+
+from gemport.step.rope import exact_rope
 
 Precision = Literal["default", "high", "highest"]
 """``jax.default_matmul_precision``'s names for one, three or six bfloat16 passes on a TPU."""
@@ -45,16 +49,31 @@ def describe(precision: Precision) -> str:
 
 def with_precision(fn: Callable[..., Any], precision: Precision) -> Callable[..., Any]:
     """``fn`` traced under ``jax.default_matmul_precision(precision)``: each product it makes (and, being recorded
-    with it, each product its derivative makes) at that precision. ``"default"`` returns ``fn`` itself."""
-    if precision == "default":
-        return fn
+    with it, each product its derivative makes) at that precision (``"default"``: JAX's), and under
+    ``rope.exact_rope``: its Tunix models' RoPE at the host's inverse frequencies."""
 
     @functools.wraps(fn)
     def precise(*args: Any, **kwargs: Any) -> Any:
-        with jax.default_matmul_precision(precision):
+        with exact_rope(), (jax.default_matmul_precision(precision) if precision != "default"
+                            else contextlib.nullcontext()):
             return fn(*args, **kwargs)
 
     return precise
 
 
-__all__ = ["Precision", "describe", "matmul_precision", "with_precision"]
+def traced() -> Precision | str | None:
+    """The precision products traced now take: ``with_precision``'s (or a ``jax.default_matmul_precision`` the
+    caller opened), None for JAX's default. A ``custom_vjp`` reads it in its forward pass and hands it to its
+    backward pass (``backward_at``), which JAX traces once the forward's function has returned, outside any
+    context the forward was traced in: without it, a loss traced under ``with_precision`` and differentiated
+    outside it (``jax.grad(with_precision(loss, p))``) would take the custom backward's products at the default,
+    one bfloat16 pass on a TPU."""
+    return jax.config.jax_default_matmul_precision
+
+
+def backward_at(precision: Precision | str | None) -> contextlib.AbstractContextManager[None]:
+    """The context a ``custom_vjp``'s backward pass traces its products in: the forward's ``traced()``."""
+    return jax.default_matmul_precision(precision)
+
+
+__all__ = ["Precision", "backward_at", "describe", "matmul_precision", "traced", "with_precision"]

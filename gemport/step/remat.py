@@ -21,6 +21,7 @@ import jax
 from flax import nnx
 
 from gemport.lora.qwix import PROJECTION
+from gemport.step.precision import backward_at, traced
 
 
 def rematerialize(f):
@@ -28,8 +29,10 @@ def rematerialize(f):
     the cotangent of its output exists, all of its input cotangents computed together.
 
     f: a function of pytrees of arrays (integer arrays get float0 cotangents). The forward pass keeps only
-    the arguments.
+    the arguments; the backward pass's products take the precision of the products traced where ``f`` is
+    wrapped (``step.precision.traced``).
     """
+    precision = traced()
 
     @jax.custom_vjp
     def g(*args):
@@ -40,7 +43,8 @@ def rematerialize(f):
 
     def backward(args, cotangent):
         args, cotangent = jax.lax.optimization_barrier((args, cotangent))
-        return jax.lax.optimization_barrier(jax.vjp(f, *args)[1](cotangent))
+        with backward_at(precision):
+            return jax.lax.optimization_barrier(jax.vjp(f, *args)[1](cotangent))
 
     g.defvjp(forward, backward)
     return g

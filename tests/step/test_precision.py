@@ -10,7 +10,9 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from flax import nnx
 
 from gemport.lora import LoraSpec
 from gemport.mesh import make_mesh
@@ -37,7 +39,8 @@ def test_with_precision_records_it_on_the_products_and_their_transposes():
     text = jax.jit(jax.grad(with_precision(f, "highest"))).lower(x).as_text()
     dots = re.findall(r"stablehlo\.dot_general.*", text)
     assert len(dots) == 2 and all("HIGHEST" in d for d in dots), dots  # the gradient: two transposed products
-    assert with_precision(f, "default") is f
+    text = jax.jit(jax.grad(with_precision(f, "default"))).lower(x).as_text()
+    assert not re.findall(r"stablehlo\.dot_general.*HIGH", text)  # JAX's own precision
 
 
 @pytest.mark.parametrize("fields, expected", [({"bf16": False}, "HIGHEST"), ({"bf16": False, "tf32": True}, "HIGH"),
@@ -51,5 +54,52 @@ def test_the_trained_step_carries_the_recipe_precision(fields, expected):
                        abstract=False)
     trainer = step_trainer(model, {**fields, "gradient_checkpointing": False})
     mesh = make_mesh(spec, fsdp=1, tp=1, devices=jax.devices()[:1])
-    dots = re.findall(r"stablehlo\.dot_general.*", lower_step(trainer, mesh, 2, 32).as_text())
+    text = lower_step(trainer, mesh, 2, 32).as_text()
+    dots = re.findall(r"stablehlo\.dot_general.*", text)
     assert dots and all(f"precision = [{expected}, {expected}]" in d for d in dots), dots[:3]
+    assert "stablehlo.power" not in text  # RoPE's timescales are the host's constants (step.rope), at any precision
+
+
+def dots_of(fn, *args):
+    """The lowered ``dot_general``s of ``jax.jit(fn)`` on ``args``."""
+    return re.findall(r"stablehlo\.dot_general.*", jax.jit(fn).lower(*args).as_text())
+
+
+@pytest.mark.parametrize("case", ["segment_attention", "target_nll", "rematerialize"])
+def test_a_loss_traced_with_precision_keeps_it_in_its_custom_backward_passes(case):
+    """``jax.grad(with_precision(loss, "highest"))``: the products of gemport's custom_vjps' backward passes, which
+    JAX traces after the wrapped loss has returned, take the loss's precision too (they took JAX's default, one
+    bfloat16 pass on a TPU: the chip's float32 parity was 84x its floor at step 0's grad_norm)."""
+    from gemport.step.attention import segment_attention
+    from gemport.step.chunked_loss import target_nll
+    from gemport.step.remat import rematerialize
+
+    rng = np.random.default_rng(0)
+    if case == "segment_attention":
+        q, k, v = (jnp.asarray(rng.standard_normal((1, 16, 2, 8)), jnp.float32) for _ in range(3))
+        args = (q,)
+
+        def loss(q):
+            return segment_attention(q, k, v, jnp.ones((1, 16), jnp.int32), window=None, block=8).sum()
+    elif case == "target_nll":
+        spec = dataclasses.replace(GemmaSpec.preset("gemma3-1b"), num_layers=2, hidden=16, mlp=32, num_heads=2,
+                                   num_kv_heads=1, head_dim=8, vocab=64, sliding_window=8,
+                                   layer_types=("sliding", "global"))
+        graphdef, state = nnx.split(spec.tunix_model_class()(spec.to_tunix(param_dtype=jnp.float32),
+                                                             rngs=nnx.Rngs(0)))
+        tokens = jnp.asarray(rng.integers(0, 64, (1, 8)), jnp.int32)
+        args = (jnp.asarray(rng.standard_normal((1, 8, 16)), jnp.float32), nnx.as_pure(state))
+
+        def loss(hidden, state):  # the embedding's gradient too: its backward pass's only product
+            return target_nll(nnx.merge(graphdef, state), hidden, tokens, chunk=4, vocab_slice=32).sum()
+    else:
+        w = jnp.asarray(rng.standard_normal((8, 8)), jnp.float32)
+        args = (w,)
+
+        def loss(w):
+            return rematerialize(lambda w, x: jnp.tanh(x @ w) @ w)(w, jnp.ones((4, 8), jnp.float32)).sum()
+
+    every = tuple(range(len(args)))
+    dots = dots_of(jax.grad(with_precision(loss, "highest"), every), *args)
+    assert dots and all("precision = [HIGHEST, HIGHEST]" in d for d in dots), [d[-80:] for d in dots]
+    assert not [d for d in dots_of(jax.grad(loss, every), *args) if "HIGH" in d]  # unwrapped: JAX's own

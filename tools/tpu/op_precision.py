@@ -1,6 +1,7 @@
 """Where a TPU's float32 leaves float32's precision: each elementwise function the Gemma models call, on the chip and
 on the host's CPU against float64; then a miniature Gemma 4 31B's float32 forward (Tunix, ``"highest"`` products),
-each operation run on the chip on the CPU's inputs, the operations furthest from the CPU's output first; then the
+its logits on the chip against the CPU's with Tunix's RoPE and with gemport's (``step.rope``), each operation run on
+the chip on the CPU's inputs, the operations furthest from the CPU's output first; then the
 same forward compiled whole on each device, the operations whose error most exceeds their inputs' first.
 
 On the TPU machine, from the project's root: ``source .whl-tpu/setup.sh && python3 tools/tpu/op_precision.py OUT``
@@ -22,6 +23,7 @@ from jax._src import source_info_util  # the user frame of each traced operation
 from jax.extend import core
 
 from gemport.specs import GemmaSpec
+from gemport.step.rope import exact_rope
 
 EXACT = {"reshape", "broadcast_in_dim", "transpose", "convert_element_type", "iota", "squeeze", "slice",
          "concatenate", "select_n", "split", "pad", "gather", "stop_gradient", "and", "lt", "max", "reduce_max",
@@ -97,6 +99,11 @@ def operations(chip, cpu, write, top: int = 25):
     with jax.default_matmul_precision("highest"):
         on_cpu, on_chip = (np.asarray(jax.jit(forward, device=d)(state, tokens), np.float64) for d in (cpu, chip))
     write(what="logits", chip_from_cpu=float(np.abs(on_chip - on_cpu).max()), max_logit=float(np.abs(on_cpu).max()))
+    with jax.default_matmul_precision("highest"), exact_rope():  # the inverse frequencies the host computes (step.rope)
+        exact = [np.asarray(jax.jit(lambda s, t: forward(s, t), device=d)(state, tokens), np.float64)
+                 for d in (cpu, chip)]
+    write(what="logits, exact_rope", chip_from_cpu=float(np.abs(exact[1] - exact[0]).max()),
+          max_logit=float(np.abs(exact[0]).max()))
     # The CPU runs the forward op by op, keeping each inexact operation's inputs and output; the chip then runs all
     # of those operations in one compiled program, each on the CPU's inputs (a compile per operation took longer
     # than the session's chip time), so each one's error is its own, not what it inherited.
