@@ -90,8 +90,8 @@ def transformers_model(hf_dir: str | Path, *, adapter_dir: str | Path | None = N
 
 def tunix_logits(model, tokens: np.ndarray) -> np.ndarray:
     """float32 logits [B, T, V] of a Tunix Gemma model on ``tokens`` int32 [B, T], with a causal mask, its
-    products at the precision of its dtype and its RoPE at the host's inverse frequencies (``step.precision``: float32 products
-    for a float32 model, which a TPU's default would multiply in one bfloat16 pass; ``step.rope``)."""
+    products at the precision of its dtype and its RoPE at the host's inverse frequencies (``step.precision``:
+    float32 products for a float32 model, which a TPU's default would multiply in one bfloat16 pass; ``step.rope``)."""
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
     with exact_rope(), jax.default_matmul_precision(matmul_precision(model_dtype(model) == "bfloat16", None)):
