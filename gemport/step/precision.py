@@ -50,7 +50,9 @@ def describe(precision: Precision) -> str:
 def with_precision(fn: Callable[..., Any], precision: Precision) -> Callable[..., Any]:
     """``fn`` traced under ``jax.default_matmul_precision(precision)``: each product it makes (and, being recorded
     with it, each product its derivative makes) at that precision (``"default"``: JAX's), and under
-    ``rope.exact_rope``: its Tunix models' RoPE at the host's inverse frequencies."""
+    ``rope.exact_rope``: its Tunix models' RoPE at the host's inverse frequencies. gemport's own ``custom_vjp``s
+    carry the precision into their backward pass (``traced``); another library's (splash attention's) takes it only
+    when the differentiation is traced inside ``fn``, so wrap the whole step, as the trainer and ``parity`` do."""
 
     @functools.wraps(fn)
     def precise(*args: Any, **kwargs: Any) -> Any:

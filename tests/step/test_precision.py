@@ -22,6 +22,16 @@ from gemport.specs import GemmaSpec
 from gemport.step.precision import matmul_precision, with_precision
 
 
+def dots(text):
+    """The ``dot_general``s of a lowered program's ``text``."""
+    return re.findall(r"stablehlo\.dot_general.*", text)
+
+
+def dots_of(fn, *args):
+    """The lowered ``dot_general``s of ``jax.jit(fn)`` on ``args``."""
+    return dots(jax.jit(fn).lower(*args).as_text())
+
+
 def test_the_recipe_gives_the_precision():
     assert matmul_precision(bf16=False, tf32=None) == "highest"
     assert matmul_precision(bf16=False, tf32=False) == "highest"
@@ -36,11 +46,9 @@ def test_with_precision_records_it_on_the_products_and_their_transposes():
     def f(a):
         return (a @ a).sum()
 
-    text = jax.jit(jax.grad(with_precision(f, "highest"))).lower(x).as_text()
-    dots = re.findall(r"stablehlo\.dot_general.*", text)
-    assert len(dots) == 2 and all("HIGHEST" in d for d in dots), dots  # the gradient: two transposed products
-    text = jax.jit(jax.grad(with_precision(f, "default"))).lower(x).as_text()
-    assert not re.findall(r"stablehlo\.dot_general.*HIGH", text)  # JAX's own precision
+    products = dots_of(jax.grad(with_precision(f, "highest")), x)
+    assert len(products) == 2 and all("HIGHEST" in d for d in products), products  # two transposed products
+    assert not [d for d in dots_of(jax.grad(with_precision(f, "default")), x) if "HIGH" in d]  # JAX's own
 
 
 @pytest.mark.parametrize("fields, expected", [({"bf16": False}, "HIGHEST"), ({"bf16": False, "tf32": True}, "HIGH"),
@@ -55,14 +63,10 @@ def test_the_trained_step_carries_the_recipe_precision(fields, expected):
     trainer = step_trainer(model, {**fields, "gradient_checkpointing": False})
     mesh = make_mesh(spec, fsdp=1, tp=1, devices=jax.devices()[:1])
     text = lower_step(trainer, mesh, 2, 32).as_text()
-    dots = re.findall(r"stablehlo\.dot_general.*", text)
-    assert dots and all(f"precision = [{expected}, {expected}]" in d for d in dots), dots[:3]
+    products = dots(text)
+    assert products and all(f"precision = [{expected}, {expected}]" in d for d in products), products[:3]
     assert "stablehlo.power" not in text  # RoPE's timescales are the host's constants (step.rope), at any precision
 
-
-def dots_of(fn, *args):
-    """The lowered ``dot_general``s of ``jax.jit(fn)`` on ``args``."""
-    return re.findall(r"stablehlo\.dot_general.*", jax.jit(fn).lower(*args).as_text())
 
 
 @pytest.mark.parametrize("case", ["segment_attention", "target_nll", "rematerialize"])
@@ -100,6 +104,6 @@ def test_a_loss_traced_with_precision_keeps_it_in_its_custom_backward_passes(cas
             return rematerialize(lambda w, x: jnp.tanh(x @ w) @ w)(w, jnp.ones((4, 8), jnp.float32)).sum()
 
     every = tuple(range(len(args)))
-    dots = dots_of(jax.grad(with_precision(loss, "highest"), every), *args)
-    assert dots and all("precision = [HIGHEST, HIGHEST]" in d for d in dots), [d[-80:] for d in dots]
+    products = dots_of(jax.grad(with_precision(loss, "highest"), every), *args)
+    assert products and all("precision = [HIGHEST, HIGHEST]" in d for d in products), [d[-80:] for d in products]
     assert not [d for d in dots_of(jax.grad(loss, every), *args) if "HIGH" in d]  # unwrapped: JAX's own
