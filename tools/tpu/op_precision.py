@@ -45,6 +45,43 @@ FUNCTIONS = {  # name: (function, its float64 reference, inputs from standard no
 }
 
 
+LN2_HI, LN2_LO = np.float32(0.693145751953125), np.float32(1.428606765330187e-06)  # LN2_HI: 16 bits, k * LN2_HI exact
+
+
+def _reduced(y):
+    """y = k ln 2 + r, |r| <= ln 2 / 2: (2^k, r) from products and sums, exact for |k| < 2^8."""
+    k = jnp.round(y * np.float32(1 / math.log(2)))
+    r = (y - k * LN2_HI) - k * LN2_LO
+    scale = jax.lax.bitcast_convert_type(((k.astype(jnp.int32) + 127) << 23), jnp.float32)
+    return scale, r
+
+
+def _expm1_reduced(r):
+    # Taylor to r^10 / 10!: the next term is 2e-13 of the sum at |r| = ln 2 / 2, so only the float32 roundings remain
+    p = jnp.zeros_like(r)
+    for n in range(10, 0, -1):
+        p = (p + np.float32(1 / math.factorial(n))) * r if n > 1 else (p + 1) * r
+    return p
+
+
+def products_exp(x):
+    """exp(x) float32 from products, sums and one exponent shift: within a few ulp of float64 on any device."""
+    scale, r = _reduced(jnp.clip(x, -87.0, 88.0))
+    return jnp.where(x < -87.0, 0.0, scale * (1 + _expm1_reduced(r))).astype(x.dtype)
+
+
+def products_tanh(x):
+    """tanh(x) float32 as expm1(2|x|) / (expm1(2|x|) + 2), signed: within a few ulp of float64 on any device."""
+    scale, r = _reduced(2 * jnp.minimum(jnp.abs(x), 10.0))  # tanh(10) rounds to 1 in float32
+    e = scale * _expm1_reduced(r) + (scale - 1)
+    return (jnp.sign(x) * (e / (e + 2))).astype(x.dtype)
+
+
+FUNCTIONS |= {"tanh, from products": (products_tanh, np.tanh, lambda x: x),
+              "exp, from products": (products_exp, np.exp, lambda x: x)}
+SUBSTITUTES = {"tanh": products_tanh, "exp": products_exp}
+
+
 def functions(chip, cpu, write):
     x = np.random.default_rng(0).standard_normal(1 << 16)
     for name, (f, reference, domain) in FUNCTIONS.items():
@@ -77,7 +114,7 @@ def forward_of(cpu):
         positions = jnp.broadcast_to(jnp.arange(t), (b, t))
         return nnx.merge(graphdef, state)(tokens, positions, None, jnp.tril(jnp.ones((b, t, t), bool)))[0]
 
-    with jax.default_matmul_precision("highest"):
+    with jax.default_matmul_precision("highest"), exact_rope():  # the rotation gemport runs (step.rope)
         return forward, jax.make_jaxpr(forward)(state, tokens), state, tokens
 
 
@@ -214,6 +251,44 @@ def program(chip, cpu, write, top: int = 25):
         write(program_operation=primitive, relative=got, inputs_relative=inherited, jump=jump, where=where)
 
 
+def _evaluated(closed, substitutes):
+    """``closed``'s function with each primitive named in ``substitutes`` computed by its substitute."""
+    def run(jaxpr, consts, args):
+        env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
+
+        def read(v):
+            return v.val if isinstance(v, core.Literal) else env[v]
+
+        for e in jaxpr.eqns:
+            ins = [read(v) for v in e.invars]
+            inner = e.params.get("jaxpr", e.params.get("call_jaxpr"))
+            if inner is not None and hasattr(inner, "consts"):
+                outs = run(inner.jaxpr, inner.consts, ins)
+            elif e.primitive.name in substitutes:
+                outs = [substitutes[e.primitive.name](*ins)]
+            else:
+                outs = e.primitive.bind(*ins, **e.params)
+                outs = outs if e.primitive.multiple_results else [outs]
+            env.update(zip(e.outvars, outs))
+        return [read(v) for v in jaxpr.outvars]
+
+    return lambda *args: run(closed.jaxpr, closed.consts, jax.tree.leaves(args))
+
+
+def substituted(chip, cpu, write):
+    """The miniature's logits (RoPE's fix in) on the chip against the CPU's, with the chip's own tanh and exp and
+    with each replaced by its from-products form: how much of the float32 gap those two functions are."""
+    _, closed, state, tokens = forward_of(cpu)
+    with jax.default_matmul_precision("highest"):
+        want = np.asarray(jax.jit(_evaluated(closed, {}), device=cpu)(state, tokens)[0], np.float64)
+        for names in ((), ("tanh",), ("exp",), ("tanh", "exp")):
+            substitutes = {n: SUBSTITUTES[n] for n in names}
+            for device in (chip, cpu):
+                got = np.asarray(jax.jit(_evaluated(closed, substitutes), device=device)(state, tokens)[0], np.float64)
+                write(what="logits, exact_rope", substituted=list(names), device=device.platform,
+                      from_cpu=float(np.abs(got - want).max()), max_logit=float(np.abs(want).max()))
+
+
 def main():
     out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
     chip, cpu = jax.devices()[0], jax.devices("cpu")[0]
@@ -225,8 +300,9 @@ def main():
             f.write(json.dumps(line) + "\n")
 
     functions(chip, cpu, write)
-    operations(chip, cpu, write)
+    substituted(chip, cpu, write)
     program(chip, cpu, write)
+    operations(chip, cpu, write)
 
 
 if __name__ == "__main__":
