@@ -1,8 +1,10 @@
 """Where a TPU's float32 leaves float32's precision: each elementwise function the Gemma models call, on the chip and
-on the host's CPU against float64; then a miniature Gemma 4 31B's float32 forward (Tunix, ``"highest"`` products),
-its logits on the chip against the CPU's with Tunix's RoPE and with gemport's (``step.rope``), each operation run on
-the chip on the CPU's inputs, the operations furthest from the CPU's output first; then the
-same forward compiled whole on each device, the operations whose error most exceeds their inputs' first.
+on the host's CPU against float64 (with tanh and exp also computed from products and sums, ``products_tanh`` and
+``products_exp``); a miniature Gemma 4 31B's float32 forward (Tunix, ``"highest"`` products, gemport's RoPE) on the
+chip against the CPU with the chip's tanh and exp and with each replaced by its from-products form; the same forward
+compiled whole on each device, the operations whose error most exceeds their inputs' first; then its logits with
+Tunix's RoPE and with gemport's (``step.rope``), and each operation run on the chip on the CPU's inputs, the
+operations furthest from the CPU's output first.
 
 On the TPU machine, from the project's root: ``source .whl-tpu/setup.sh && python3 tools/tpu/op_precision.py OUT``
 (JSON lines appended to ``OUT/op_precision.jsonl``); docs/tpu.md, "The chip's float32 functions", has the findings.
@@ -133,8 +135,9 @@ def _relative(want, got) -> float:
 
 def operations(chip, cpu, write, top: int = 25):
     forward, closed, state, tokens = forward_of(cpu)
-    with jax.default_matmul_precision("highest"):
-        on_cpu, on_chip = (np.asarray(jax.jit(forward, device=d)(state, tokens), np.float64) for d in (cpu, chip))
+    with jax.default_matmul_precision("highest"):  # a new function: jit would reuse forward_of's trace (its RoPE)
+        on_cpu, on_chip = (np.asarray(jax.jit(lambda s, t: forward(s, t), device=d)(state, tokens), np.float64)
+                           for d in (cpu, chip))
     write(what="logits", chip_from_cpu=float(np.abs(on_chip - on_cpu).max()), max_logit=float(np.abs(on_cpu).max()))
     with jax.default_matmul_precision("highest"), exact_rope():  # the inverse frequencies the host computes (step.rope)
         exact = [np.asarray(jax.jit(lambda s, t: forward(s, t), device=d)(state, tokens), np.float64)
