@@ -120,6 +120,28 @@ def forward_of(cpu):
         return forward, jax.make_jaxpr(forward)(state, tokens), state, tokens
 
 
+def _bound(e, ins) -> list:
+    """Equation ``e``'s outputs on ``ins``, as a list."""
+    outs = e.primitive.bind(*ins, **e.params)
+    return outs if e.primitive.multiple_results else [outs]
+
+
+def _walk(jaxpr, consts, args, leaf) -> list:
+    """``jaxpr``'s outputs on ``args``, descending into the jaxprs of calls (jit, custom_jvp); ``leaf(e, ins)`` gives
+    each other equation's outputs."""
+    env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
+
+    def read(v):
+        return v.val if isinstance(v, core.Literal) else env[v]
+
+    for e in jaxpr.eqns:
+        ins = [read(v) for v in e.invars]
+        inner = e.params.get("jaxpr", e.params.get("call_jaxpr"))
+        outs = _walk(inner.jaxpr, inner.consts, ins, leaf) if hasattr(inner, "consts") else leaf(e, ins)
+        env.update(zip(e.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
+
+
 def _where(e) -> str:
     frame = source_info_util.user_frame(e.source_info.traceback)
     return f"{Path(frame.file_name).name}:{frame.start_line} {frame.function_name}" if frame else ""
@@ -149,27 +171,14 @@ def operations(chip, cpu, write, top: int = 25):
     # than the session's chip time), so each one's error is its own, not what it inherited.
     taken = []
 
-    def run(jaxpr, consts, args):
-        env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
-
-        def read(v):
-            return v.val if isinstance(v, core.Literal) else env[v]
-
-        for e in jaxpr.eqns:
-            ins = [read(v) for v in e.invars]
-            inner = e.params.get("jaxpr")
-            if inner is not None and hasattr(inner, "consts"):
-                outs = run(inner.jaxpr, inner.consts, ins)
-            else:
-                outs = e.primitive.bind(*[jax.device_put(i, cpu) for i in ins], **e.params)
-                outs = outs if e.primitive.multiple_results else [outs]
-                if e.primitive.name not in EXACT and any(jnp.issubdtype(o.dtype, jnp.floating) for o in outs):
-                    taken.append((e, [np.asarray(i) for i in ins], [np.asarray(o) for o in outs]))
-            env.update(zip(e.outvars, outs))
-        return [read(v) for v in jaxpr.outvars]
+    def keep(e, ins):  # run on the CPU, kept with its inputs
+        outs = _bound(e, [jax.device_put(i, cpu) for i in ins])
+        if e.primitive.name not in EXACT and any(jnp.issubdtype(o.dtype, jnp.floating) for o in outs):
+            taken.append((e, [np.asarray(i) for i in ins], [np.asarray(o) for o in outs]))
+        return outs
 
     with jax.default_matmul_precision("highest"):
-        run(closed.jaxpr, closed.consts, jax.tree.leaves(state) + [tokens])
+        _walk(closed.jaxpr, closed.consts, jax.tree.leaves(state) + [tokens], keep)
 
         def each(inputs):
             outs = [e.primitive.bind(*ins, **e.params) for (e, _, _), ins in zip(taken, inputs)]
@@ -256,26 +265,10 @@ def program(chip, cpu, write, top: int = 25):
 
 def _evaluated(closed, substitutes):
     """``closed``'s function with each primitive named in ``substitutes`` computed by its substitute."""
-    def run(jaxpr, consts, args):
-        env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
+    def leaf(e, ins):
+        return [substitutes[e.primitive.name](*ins)] if e.primitive.name in substitutes else _bound(e, ins)
 
-        def read(v):
-            return v.val if isinstance(v, core.Literal) else env[v]
-
-        for e in jaxpr.eqns:
-            ins = [read(v) for v in e.invars]
-            inner = e.params.get("jaxpr", e.params.get("call_jaxpr"))
-            if inner is not None and hasattr(inner, "consts"):
-                outs = run(inner.jaxpr, inner.consts, ins)
-            elif e.primitive.name in substitutes:
-                outs = [substitutes[e.primitive.name](*ins)]
-            else:
-                outs = e.primitive.bind(*ins, **e.params)
-                outs = outs if e.primitive.multiple_results else [outs]
-            env.update(zip(e.outvars, outs))
-        return [read(v) for v in jaxpr.outvars]
-
-    return lambda *args: run(closed.jaxpr, closed.consts, jax.tree.leaves(args))
+    return lambda *args: _walk(closed.jaxpr, closed.consts, jax.tree.leaves(args), leaf)
 
 
 def substituted(chip, cpu, write):
