@@ -34,9 +34,8 @@ demo: $(STAMP)
 	$(PY) examples/port_gemma4.py
 
 # Two workers, one per core of the machine CI runs on (tests pin their math to one thread); a test module's
-# tests stay on one worker, so module fixtures are built once; modules go in tests/conftest.py's order, the
-# longest first.
-PYTEST_WORKERS = -n 2 --dist loadscope --no-loadscope-reorder
+# tests stay on one worker, so module fixtures are built once.
+PYTEST_WORKERS = -n 2 --dist loadscope
 
 test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q $(PYTEST_WORKERS)

@@ -6,7 +6,6 @@ tests/check/test_peers_on_chip.py) runs on a TPU host with
 CPU's); elsewhere, as in CI, the tier is skipped and its recorded figures are checked (tests/test_on_chip_record.py).
 """
 
-import collections
 import json
 import os
 import platform
@@ -44,24 +43,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "tpu: the TPU tier: runs on a TPU host with GEMPORT_TPU=1, and only there")
 
 
-# The modules that take minutes on the 2-core CI machine (--durations: fixtures that train in two processes, serve
-# with vLLM or compile for a slice; trajectories against TRL), longest first. The Makefile's workers take modules in
-# collection order (--no-loadscope-reorder), so these start first and neither worker is left running one of them
-# while the other idles; the rest follow with the modules of most tests first, as xdist would order them.
-HEAVY = ("tests/check/test_parity.py", "tests/run/test_multihost.py", "tests/run/test_gemma4_e2e.py",
-         "tests/check/test_vllm.py", "tests/plan/test_step_memory.py", "tests/run/test_dpo_run.py",
-         "tests/run/test_peft_trainer.py", "tests/cli/test_sft_cli.py", "tests/step/test_scan.py",
-         "tests/step/test_remat.py", "tests/cli/test_no_torch.py", "tests/run/test_resume.py")
-
-
 def pytest_collection_modifyitems(config, items):
-    per_module = collections.Counter(item.nodeid.split("::")[0] for item in items)
-
-    def order(item):
-        module = item.nodeid.split("::")[0]
-        return HEAVY.index(module) if module in HEAVY else len(HEAVY), -per_module[module], module
-
-    items.sort(key=order)  # stable: a module's tests keep their order
     for item in items:
         if ON_CHIP and "tpu" not in item.keywords:
             item.add_marker(pytest.mark.skip(reason="GEMPORT_TPU=1 runs the TPU tier only"))
