@@ -62,7 +62,7 @@ def _expm1_reduced(r):
     # Taylor to r^10 / 10!: the next term is 2e-13 of the sum at |r| = ln 2 / 2, so only the float32 roundings remain
     p = jnp.zeros_like(r)
     for n in range(10, 0, -1):
-        p = (p + np.float32(1 / math.factorial(n))) * r if n > 1 else (p + 1) * r
+        p = (p + np.float32(1 / math.factorial(n))) * r
     return p
 
 
