@@ -22,8 +22,6 @@ def test_the_record_is_of_a_tpu_and_holds_every_comparison(records):
                       for q in ("out", "dq", "dk", "dv")}
 
 
-@pytest.mark.xfail(strict=True, reason="issue 45: the learning-rate case has not finished on the chip yet "
-                                      "(docs/tpu.md, the tier's calls)")
 def test_the_record_shows_a_broken_port_failing_on_the_chip(records):
     """``gemport parity`` on the chip refuses a port whose learning rate is not the recipe's."""
     assert any(r["test"] == "parity" and r.get("expect") == "fail" for r in records)
