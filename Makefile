@@ -35,10 +35,11 @@ demo: $(STAMP)
 
 # Two workers, one per core of the machine CI runs on (tests pin their math to one thread); a test module's
 # tests stay on one worker, so module fixtures are built once.
+# --durations: the suite has 30 minutes on that machine; every run names what costs most.
 PYTEST_WORKERS = -n 2 --dist loadscope
 
 test: $(STAMP) $(VLLM_STAMP)
-	$(PY) -m pytest -q $(PYTEST_WORKERS)
+	$(PY) -m pytest -q $(PYTEST_WORKERS) --durations=30
 	$(VENV)/bin/mkdocs build --strict --quiet --site-dir build/site
 
 # The newest versions pyproject's ranges allow, in a second venv (not in CI). Tunix 0.1.7 declares
