@@ -120,7 +120,12 @@ def products_against_the_cpu(tunix_model) -> tuple[float, str | None]:
     device = next(iter(tunix_model.embedder.input_embedding.get_value().devices()))
     if device.platform == "cpu":
         return 1.0, None
-    ratio = product_roundoff(device) / product_roundoff(jax.devices("cpu")[0])
+    try:
+        host = jax.devices("cpu")[0]
+    except RuntimeError as e:  # JAX_PLATFORMS without cpu
+        raise VerifyError(f"verify: the float32 floor on {device.device_kind} needs JAX's CPU backend beside it, to "
+                          f"measure the CPU's float32 products; add cpu to JAX_PLATFORMS ({e})") from None
+    ratio = product_roundoff(device) / product_roundoff(host)
     return max(1.0, ratio), device.device_kind
 
 
