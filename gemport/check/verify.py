@@ -101,7 +101,7 @@ def tunix_logits(model, tokens: np.ndarray) -> np.ndarray:
 
 def product_roundoff(device, size: int = 512) -> float:
     """The relative RMS error, against float64 on the host, of a float32 product [size, size] @ [size, size] of
-    standard normals at precision ``"highest"`` on ``device``: float32's rounding of the sums on a CPU (about 1e-7
+    standard normals at precision ``"highest"`` on ``device``: float32's rounding of the sums on a CPU (4e-7
     at 512), more where the device multiplies float32 in bfloat16 passes (a TPU: six; ``step.precision``)."""
     a, b = np.random.default_rng(0).standard_normal((2, size, size)).astype(np.float32)
     exact = a.astype(np.float64) @ b.astype(np.float64)
