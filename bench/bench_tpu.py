@@ -67,7 +67,8 @@ makes six, one block, and twelve do not fit a v5e's 16 GB), or under "projection
 products did not fit: 16.33 GB of temporaries)."""
 
 ORDER = ("matmul", "1b-26", "31b-4", "1b-26-projections", "31b-4-projections", "1b-14", "31b-5",
-         "1b-14-projections", "31b-3-projections", "1b-26-tunix-2x1024", "e4b", "e4b-2x2048", "1b-26-tunix-2x2048", "compile-60")
+         "1b-14-projections", "31b-3-projections", "1b-26-tunix-2x1024", "e4b", "e4b-2x2048", "1b-26-tunix-2x2048",
+         "compile-60")
 
 
 def versions() -> dict:

@@ -115,8 +115,9 @@ def products_against_the_cpu(tunix_model) -> tuple[float, str | None]:
     (``product_roundoff``'s ratio, at least 1), and the device's kind; 1.0 and None on a CPU.
 
     transformers' float32 floor is two runs of its float32 arithmetic on the host's CPU; a model on a device whose
-    float32 products round coarser (a v5e's largest errors: about ten times, tools/tpu/op_precision.py) lands that much further
-    from the reference with nothing wrong in the port, so ``compare_logits`` scales the floor by this ratio."""
+    float32 products round coarser (a v5e's largest errors: about ten times, tools/tpu/op_precision.py) lands that
+    much further from the reference with nothing wrong in the port, so ``compare_logits`` scales the floor by this
+    ratio."""
     device = next(iter(tunix_model.embedder.input_embedding.get_value().devices()))
     if device.platform == "cpu":
         return 1.0, None
