@@ -101,11 +101,12 @@ def tunix_logits(model, tokens: np.ndarray) -> np.ndarray:
 
 def product_roundoff(device, size: int = 512) -> float:
     """The relative RMS error, against float64 on the host, of a float32 product [size, size] @ [size, size] of
-    standard normals at precision ``"highest"`` on ``device``: float32's rounding of the sums on a CPU (4e-7
-    at 512), more where the device multiplies float32 in bfloat16 passes (a TPU: six; ``step.precision``)."""
+    standard normals on ``device``, at the precision ``tunix_logits`` gives a float32 model (``"highest"``):
+    float32's rounding of the sums on a CPU (4e-7 at 512), more where the device multiplies float32 in bfloat16
+    passes (a TPU: six; ``step.precision``)."""
     a, b = np.random.default_rng(0).standard_normal((2, size, size)).astype(np.float32)
     exact = a.astype(np.float64) @ b.astype(np.float64)
-    with jax.default_matmul_precision("highest"):
+    with jax.default_matmul_precision(matmul_precision(bf16=False, tf32=None)):
         got = np.asarray(jax.jit(jnp.matmul)(jax.device_put(a, device), jax.device_put(b, device)), np.float64)
     return float(np.sqrt(np.mean((got - exact) ** 2) / np.mean(exact ** 2)))
 
@@ -118,7 +119,7 @@ def products_against_the_cpu(tunix_model) -> tuple[float, str | None]:
     float32 products round coarser (a v5e's largest errors: about ten times, tools/tpu/op_precision.py) lands that
     much further from the reference with nothing wrong in the port, so ``compare_logits`` scales the floor by this
     ratio."""
-    device = next(iter(tunix_model.embedder.input_embedding.get_value().devices()))
+    device = next(iter(_embedding(tunix_model).devices()))
     if device.platform == "cpu":
         return 1.0, None
     try:
@@ -130,9 +131,13 @@ def products_against_the_cpu(tunix_model) -> tuple[float, str | None]:
     return max(1.0, ratio), device.device_kind
 
 
+def _embedding(tunix_model) -> jax.Array:
+    return tunix_model.embedder.input_embedding.get_value()
+
+
 def model_dtype(tunix_model) -> str:
     """The dtype of a Tunix model's base weights (its embedding), e.g. ``"bfloat16"``."""
-    return str(tunix_model.embedder.input_embedding.get_value().dtype)
+    return str(_embedding(tunix_model).dtype)
 
 
 def compare_logits(hf_dir: str | Path, tunix_model, *, adapter_dir: str | Path | None = None,
