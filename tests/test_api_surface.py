@@ -79,8 +79,7 @@ SUBPACKAGES = {
     ],
     "gemport.check.verify": [
         "ContinuationReport", "LogitReport", "WITHIN", "compare_continuations", "compare_logits", "compare_vllm",
-        "log_softmax", "logprob_floor", "model_dtype", "product_roundoff", "products_against_the_cpu",
-        "transformers_model", "tunix_logits",
+        "log_softmax", "logprob_floor", "model_dtype", "transformers_model", "tunix_logits",
     ],
     "gemport.run.dpo": ["DPORun", "dpo_fields", "eval_preference_batches", "preference_batches",
                         "preference_micro_batches"],

@@ -99,45 +99,9 @@ def tunix_logits(model, tokens: np.ndarray) -> np.ndarray:
     return np.asarray(logits, np.float32)
 
 
-def product_roundoff(device, size: int = 512) -> float:
-    """The relative RMS error, against float64 on the host, of a float32 product [size, size] @ [size, size] of
-    standard normals on ``device``, at the precision ``tunix_logits`` gives a float32 model (``"highest"``):
-    float32's rounding of the sums on a CPU (4e-7 at 512), more where the device multiplies float32 in bfloat16
-    passes (a TPU: six; ``step.precision``)."""
-    a, b = np.random.default_rng(0).standard_normal((2, size, size)).astype(np.float32)
-    exact = a.astype(np.float64) @ b.astype(np.float64)
-    with jax.default_matmul_precision(matmul_precision(bf16=False, tf32=None)):
-        got = np.asarray(jax.jit(jnp.matmul)(jax.device_put(a, device), jax.device_put(b, device)), np.float64)
-    return float(np.sqrt(np.mean((got - exact) ** 2) / np.mean(exact ** 2)))
-
-
-def products_against_the_cpu(tunix_model) -> tuple[float, str | None]:
-    """How much coarser the float32 products of the device ``tunix_model`` lives on are than the host CPU's
-    (``product_roundoff``'s ratio, at least 1), and the device's kind; 1.0 and None on a CPU.
-
-    transformers' float32 floor is two runs of its float32 arithmetic on the host's CPU; a model on a device whose
-    float32 products round coarser (a v5e's largest errors: about ten times, tools/tpu/op_precision.py) lands that
-    much further from the reference with nothing wrong in the port, so ``compare_logits`` scales the floor by this
-    ratio."""
-    device = next(iter(_embedding(tunix_model).devices()))
-    if device.platform == "cpu":
-        return 1.0, None
-    try:
-        host = jax.devices("cpu")[0]
-    except RuntimeError as e:  # JAX_PLATFORMS without cpu
-        raise VerifyError(f"verify: the float32 floor on {device.device_kind} needs JAX's CPU backend beside it, to "
-                          f"measure the CPU's float32 products; add cpu to JAX_PLATFORMS ({e})") from None
-    ratio = product_roundoff(device) / product_roundoff(host)
-    return max(1.0, ratio), device.device_kind
-
-
-def _embedding(tunix_model) -> jax.Array:
-    return tunix_model.embedder.input_embedding.get_value()
-
-
 def model_dtype(tunix_model) -> str:
     """The dtype of a Tunix model's base weights (its embedding), e.g. ``"bfloat16"``."""
-    return str(_embedding(tunix_model).dtype)
+    return str(tunix_model.embedder.input_embedding.get_value().dtype)
 
 
 def compare_logits(hf_dir: str | Path, tunix_model, *, adapter_dir: str | Path | None = None,
@@ -146,9 +110,7 @@ def compare_logits(hf_dir: str | Path, tunix_model, *, adapter_dir: str | Path |
     """Run the same tokens through transformers on ``hf_dir`` (and PEFT ``adapter_dir``) and ``tunix_model``, and
     judge the distance against a floor measured on the same tokens.
 
-    In float32 the floor is transformers eager against transformers sdpa: two correct attention kernels, times how
-    much coarser the float32 products of the Tunix model's device are than the host CPU's, measured in the same
-    run (``products_against_the_cpu``: 1 on a CPU; more on a TPU, where "highest" is six bfloat16 passes). In
+    In float32 the floor is transformers eager against transformers sdpa: two correct attention kernels. In
     bfloat16 both sides run in bfloat16, and Tunix's distance from transformers' float32 run is judged against
     transformers' own (its bfloat16 run against its float32 run): the rounding of the dtype itself, which two
     bfloat16 runs each add independently. One float32 unit of the largest logit bounds the floor from below.
@@ -195,11 +157,6 @@ def compare_logits(hf_dir: str | Path, tunix_model, *, adapter_dir: str | Path |
             "tunix bfloat16 - transformers float32"
     unit = float(np.abs(expected).max()) * float(np.finfo(np.float32).eps)
     floor = max(float(np.abs(other - expected).max()), unit)
-    if dtype == "float32":  # bfloat16's floor is its own rounding, far past any device's float32 products
-        coarser, kind = products_against_the_cpu(tunix_model)
-        if kind is not None:
-            floor *= coarser
-            floor_name += f", x {coarser:.3g}: {kind}'s float32 products against the CPU's (product_roundoff)"
     got = tunix_logits(tunix_model, tokens)
     return LogitReport(float(np.abs(got - expected).max()), float(np.abs(expected).max()), expected.shape, floor,
                        floor_name, within, atol, distance_name)
@@ -380,8 +337,6 @@ __all__ = [
     "log_softmax",
     "logprob_floor",
     "model_dtype",
-    "product_roundoff",
-    "products_against_the_cpu",
     "transformers_model",
     "tunix_logits",
 ]
