@@ -77,7 +77,7 @@ bench-tpu:
 	$(TPU_PY) bench/bench_tpu.py --record $(BENCH_TPU_RECORD)
 
 bench: $(STAMP)
-	for b in $(filter-out bench/bench_tpu.py,$(wildcard bench/bench_*.py)); do $(PY) $$b || exit 1; done
+	for b in $(filter-out bench/bench_tpu.py bench/bench_splash.py,$(wildcard bench/bench_*.py)); do $(PY) $$b || exit 1; done
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(LATEST) build .pytest_cache

@@ -250,8 +250,10 @@ def compile_60() -> dict:
 def run_case(name: str, compile_only: bool = False, profile: Path | None = None) -> dict:
     import jax
 
+    from gemport.step.attention import SPLASH_BLOCKS
+
     if compile_only:
-        return compiled(name)
+        return dict(compiled(name), splash_blocks=SPLASH_BLOCKS)
     if name != "compile-60" and jax.default_backend() != "tpu":
         raise SystemExit(f"bench_tpu measures a TPU chip; this host's JAX has {jax.default_backend()}")
     if name == "matmul":
@@ -260,7 +262,7 @@ def run_case(name: str, compile_only: bool = False, profile: Path | None = None)
         return compile_60()
     preset, layers, rows, seq_len, loss, remat = CASES[name]
     return dict(model=preset, **step(preset, layers, rows, seq_len, loss, remat,
-                                     profile=profile / name if profile else None))
+                                     profile=profile / name if profile else None), splash_blocks=SPLASH_BLOCKS)
 
 
 def in_process(name: str, timeout: float, compile_only: bool = False, profile: Path | None = None) -> dict:

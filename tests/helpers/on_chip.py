@@ -62,9 +62,11 @@ def relative(got, want) -> float:
     return float(np.abs(got - want).max() / scale) if scale else float(np.abs(got - want).max())
 
 
-def versions() -> dict[str, str]:
-    """The device kind and the versions that decide what the chip computes."""
-    out = {"device_kind": chip().device_kind, "jax": jax.__version__}
+def versions() -> dict:
+    """The device kind, the versions and splash attention's tiles: what decides what the chip computes."""
+    from gemport.step.attention import SPLASH_BLOCKS
+
+    out = {"device_kind": chip().device_kind, "jax": jax.__version__, "splash_blocks": SPLASH_BLOCKS}
     for package in ("jaxlib", "libtpu", "google-tunix", "qwix", "torch", "trl", "peft", "transformers"):
         try:
             out[package] = importlib.metadata.version(package)

@@ -114,9 +114,13 @@ def test_segment_blind_attention_refuses_packed_rows(hf_checkpoint):
     assert not segment_blind(segment_attention_model(model))
 
 
+SMALL_TILES = dict(attention.SPLASH_BLOCKS, **{name: 128 for name in attention.SPLASH_BLOCKS if name.startswith("block_")})
+
+
 @pytest.mark.parametrize("kernel, window, fsdp, tp, axes, length", [
     ("splash", None, 2, 2, "Auto", 128), ("splash", 16, 1, 4, "Auto", 128), ("splash", 16, 1, 1, "Auto", 128),
     ("splash", None, 2, 1, "Auto", 100), ("splash", 16, 1, 1, "Auto", 100),
+    ("splash-small-tiles", None, 1, 1, "Auto", 300), ("splash-small-tiles", 16, 1, 1, "Auto", 300),
     ("pallas-gpu", None, 1, 1, "Auto", 128), ("pallas-gpu", None, 2, 2, "Auto", 128),
     ("pallas-gpu", None, 2, 2, "Explicit", 128),
 ])
@@ -125,7 +129,9 @@ def test_kernels_run_per_device_and_match_blockwise(kernel, window, fsdp, tp, ax
     global layers) in interpret mode on CPU devices, under a mesh: each device runs the kernel on its own rows
     and KV heads (with their query groups; with tp=4 over 2 KV heads the heads stay whole), and outputs and
     gradients equal blockwise attention on rows of two examples and padding, GQA. gemport's meshes have Auto
-    axes; Explicit ones work too. Rows of 100 tokens are not a multiple of splash's 128-token blocks."""
+    axes; Explicit ones work too. Rows of 100 tokens are not a multiple of splash's 128-token blocks. Splash runs
+    its tiles (``SPLASH_BLOCKS``: 512 rows, the fused backward kernel), which a row shorter than a tile takes at its
+    own length, one tile; with 128-row tiles, rows of 300 tokens are three tiles each way."""
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
     kq, kk, kv, kd = jax.random.split(jax.random.key(1), 4)
@@ -143,6 +149,8 @@ def test_kernels_run_per_device_and_match_blockwise(kernel, window, fsdp, tp, ax
 
     if kernel == "splash":
         local = functools.partial(attention._splash, window=window, interpret=True)
+    elif kernel == "splash-small-tiles":
+        local = functools.partial(attention._splash, window=window, interpret=True, blocks=SMALL_TILES)
     else:
         local = functools.partial(attention._pallas_gpu, interpret=True)
     with jax.set_mesh(mesh):

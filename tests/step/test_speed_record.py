@@ -6,6 +6,7 @@ the count or to a case's model shows here. Timings are read, not judged: rerun t
 import json
 import sys
 
+import numpy as np
 import pytest
 from repo_paths import ROOT
 
@@ -46,9 +47,15 @@ def test_each_steps_figures_follow_from_what_was_measured(record):
     assert record["compile_s"] > 0
 
 
-COMPILED_ONLY = {(r["case"], r["libtpu"]): r["compiled_gib"]
+def program(r: dict) -> tuple:
+    """What decides a step's compiled program besides the tree: its case, libtpu and splash attention's tiles (a
+    record without them ran JAX's default tiles)."""
+    return r["case"], r["libtpu"], json.dumps(r.get("splash_blocks"), sort_keys=True)
+
+
+COMPILED_ONLY = {program(r): r["compiled_gib"]
                  for r in map(json.loads, (BENCH / "tpu_compiled.jsonl").read_text().splitlines())}
-ON_CHIP_AND_HOST = [r for r in STEPS if (r["case"], r["libtpu"]) in COMPILED_ONLY and "compiled_gib" in r]
+ON_CHIP_AND_HOST = [r for r in STEPS if program(r) in COMPILED_ONLY and "compiled_gib" in r]
 
 
 def test_the_chips_compile_is_libtpus_compile_only_one():
@@ -57,4 +64,37 @@ def test_the_chips_compile_is_libtpus_compile_only_one():
     compile-only figures, which the plan is judged against, are the chip's own."""
     assert ON_CHIP_AND_HOST
     for r in ON_CHIP_AND_HOST:
-        assert r["compiled_gib"] * 2**30 == pytest.approx(COMPILED_ONLY[r["case"], r["libtpu"]] * 2**30, abs=1), r
+        assert r["compiled_gib"] * 2**30 == pytest.approx(COMPILED_ONLY[program(r)] * 2**30, abs=1), r
+
+
+def test_the_headline_steps_latest_records_are_of_the_tiles_the_step_runs():
+    """docs/benchmarks.md's figures are each case's latest record: for the headline cases, of the splash tiles the
+    step runs today (``step.attention.SPLASH_BLOCKS``), so a change of tiles shows here until the bench reruns."""
+    from gemport.step.attention import SPLASH_BLOCKS
+
+    latest = {r["case"]: r for r in STEPS}
+    for case in ("1b-26", "31b-4", "31b-5", "1b-26-projections", "31b-4-projections"):
+        assert latest[case].get("splash_blocks") == SPLASH_BLOCKS, case
+
+
+def test_the_steps_splash_tiles_are_the_recorded_fastest():
+    """bench/splash.jsonl (``bench/bench_splash.py`` on the chip): every shape the bench runs, with every candidate
+    tiling, each ratio to the default's tiles from the measured milliseconds; the tiles the step runs
+    (``SPLASH_BLOCKS``) are a candidate, and over the shapes (geometric mean of the ratios) the fastest recorded."""
+    import bench_splash
+
+    from gemport.step.attention import SPLASH_BLOCKS
+
+    splash = [json.loads(line) for line in (BENCH / "splash.jsonl").read_text().splitlines() if line.strip()]
+    assert splash and all("TPU" in r["device_kind"] and r["libtpu"] for r in splash)
+    assert {(r["shape"], r["tiling"]) for r in splash} == {(s, t) for s in bench_splash.SHAPES
+                                                         for t in bench_splash.CANDIDATES}
+    default = {r["shape"]: r["ms"] for r in splash if r["blocks"] is None}
+    for r in splash:
+        assert r["blocks"] == bench_splash.CANDIDATES[r["tiling"]]
+        if "ms" in r:
+            assert r["vs_default"] == pytest.approx(default[r["shape"]] / r["ms"], rel=1e-9)
+    speedup = {t: np.exp(np.mean([np.log(r.get("vs_default", 0) or 1e-9) for r in splash if r["tiling"] == t]))
+               for t in bench_splash.CANDIDATES}
+    ours = next(t for t, blocks in bench_splash.CANDIDATES.items() if blocks == SPLASH_BLOCKS)
+    assert max(speedup, key=speedup.get) == ours, speedup
