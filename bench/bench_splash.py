@@ -50,10 +50,16 @@ CANDIDATES = {
 
 def time_case(shape: str, blocks: dict | None, steps: int = 10) -> float:
     """Milliseconds of one forward and backward pass of ``_splash`` at ``shape`` with tiling ``blocks``."""
+    import dataclasses
+
     import jax
     import jax.numpy as jnp
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 
     from gemport.step import attention
+
+    if blocks is None:  # JAX's own tiles
+        blocks = dataclasses.asdict(splash.BlockSizes.get_default())
 
     rows, length, heads, kv_heads, width, window = SHAPES[shape]
     keys = jax.random.split(jax.random.key(0), 4)
