@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from gemport.step.attention import splash_tiles
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 # name: (rows, length, query heads, KV heads, head width, window or None)
@@ -30,21 +32,13 @@ SHAPES = {
 }
 
 
-def tiles(q: int, kv: int, fused: bool = False) -> dict:
-    """A tiling: ``q`` query rows and ``kv`` key rows per tile in every kernel (forward, dq, dkv), or the fused
-    backward kernel (dq and dkv in one)."""
-    blocks = dict(block_q=q, block_kv=kv, block_kv_compute=kv, block_q_dkv=q, block_kv_dkv=kv,
-                  block_kv_dkv_compute=kv)
-    return dict(blocks, use_fused_bwd_kernel=True) if fused else dict(blocks, block_q_dq=q, block_kv_dq=kv)
-
-
 CANDIDATES = {
     "default (128)": None,
-    "256": tiles(256, 256),
-    "512": tiles(512, 512),
-    "512, fused backward": tiles(512, 512, fused=True),
-    "q 512, kv 1024": tiles(512, 1024),
-    "1024": tiles(1024, 1024),
+    "256": splash_tiles(256, 256),
+    "512": splash_tiles(512, 512),
+    "512, fused backward": splash_tiles(512, 512, fused=True),
+    "q 512, kv 1024": splash_tiles(512, 1024),
+    "1024": splash_tiles(1024, 1024),
 }
 
 

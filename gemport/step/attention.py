@@ -197,8 +197,14 @@ def segment_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax
     return _attention(q, k, v, segment_ids, window, block, traced())
 
 
-SPLASH_BLOCKS = dict(block_q=512, block_kv=512, block_kv_compute=512, block_q_dkv=512, block_kv_dkv=512,
-                     block_kv_dkv_compute=512, use_fused_bwd_kernel=True)
+def splash_tiles(q: int, kv: int, fused: bool = False) -> dict:
+    """A tiling of splash attention's kernels (the fields of its ``BlockSizes``): ``q`` query rows and ``kv`` key
+    rows per tile in the forward kernel and the backward ones, dq's and dkv's or, ``fused``, one kernel for both."""
+    tiles = dict(block_q=q, block_kv=kv, block_kv_compute=kv, block_q_dkv=q, block_kv_dkv=kv, block_kv_dkv_compute=kv)
+    return dict(tiles, use_fused_bwd_kernel=True) if fused else dict(tiles, block_q_dq=q, block_kv_dq=kv)
+
+
+SPLASH_BLOCKS = splash_tiles(512, 512, fused=True)
 """Splash attention's tiles on TPU: 512 query and key rows in the forward kernel and in the fused backward one. On
 a v5e at the trained steps' shapes (bench/bench_splash.py, bench/splash.jsonl) 2.3 to 3.8 x faster forward and
 backward than JAX's default 128-row tiles."""
@@ -212,11 +218,10 @@ def _splash(q, k, v, segment_ids, window, interpret=False, blocks=SPLASH_BLOCKS)
     kv_heads = k.shape[2]
     # A row shorter than a tile takes tiles of its own length, in the kernel's 128-row units.
     row = -(-length // 128) * 128
-    sizes = splash.BlockSizes(**{name: min(b, row) if isinstance(b, int) and name.startswith("block_") else b
-                                 for name, b in blocks.items()})
+    blocks = {name: min(b, row) if name.startswith("block_") and b else b for name, b in blocks.items()}
     # The kernel's blocks must divide the row: pad it at the end. Causality keeps the padding out of every real
     # query's view, whatever its segment id, and the padded queries' outputs are dropped.
-    block = max(getattr(sizes, f.name) or 0 for f in dataclasses.fields(sizes) if f.name.startswith("block_"))
+    block = max(b for name, b in blocks.items() if name.startswith("block_") and b)
     pad = -length % block
     q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
     seg = jnp.pad(jnp.asarray(segment_ids, jnp.int32), ((0, 0), (0, pad)))
@@ -226,7 +231,7 @@ def _splash(q, k, v, segment_ids, window, interpret=False, blocks=SPLASH_BLOCKS)
     else:
         mask = mask_lib.LocalMask((t, t), window_size=(window - 1, 0), offset=0)
     kernel = splash.make_splash_mqa_single_device(mask_lib.MultiHeadMask([mask] * (n // kv_heads)),
-                                                    block_sizes=sizes, interpret=interpret)
+                                                    block_sizes=splash.BlockSizes(**blocks), interpret=interpret)
     # [B, T, K, G, H] -> [B, K, G, T, H]: one MQA kernel per KV head and its query group.
     qg = jnp.moveaxis(q.reshape(*q.shape[:2], kv_heads, n // kv_heads, q.shape[-1]), 1, 3)
     kt, vt = jnp.moveaxis(k, 1, 2), jnp.moveaxis(v, 1, 2)

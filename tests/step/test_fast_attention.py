@@ -114,8 +114,7 @@ def test_segment_blind_attention_refuses_packed_rows(hf_checkpoint):
     assert not segment_blind(segment_attention_model(model))
 
 
-SMALL_TILES = dict(attention.SPLASH_BLOCKS,
-                   **{name: 128 for name in attention.SPLASH_BLOCKS if name.startswith("block_")})
+SMALL_TILES = attention.splash_tiles(128, 128, fused=True)
 
 
 @pytest.mark.parametrize("kernel, window, fsdp, tp, axes, length", [
