@@ -210,15 +210,25 @@ a v5e at the trained steps' shapes (bench/bench_splash.py, bench/splash.jsonl) 2
 backward than JAX's default 128-row tiles."""
 
 
+SPLASH_TILE_BYTES = 512 * 256 * 4
+"""The most of a head's rows one splash tile holds (rows x head width x bytes). The kernels' scoped VMEM is 16 MiB
+on a v5e: 512 float32 rows of head width 512 at "highest" precision (a float32 recipe's on Gemma 4's global layers)
+need 28 MiB in the fused backward kernel, where 512 float32 rows of width 256 and 512 bfloat16 rows of width 512
+fit (libtpu's compile, on the chip and compile-only; ``tests/plan/test_tpu_compile.py``). Wider heads take fewer
+rows: float32 at width 512, 256."""
+
+
 def _splash(q, k, v, segment_ids, window, interpret=False, blocks=SPLASH_BLOCKS):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash  # lazy: TPU only
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib  # lazy: TPU only
 
     _, length, n, _ = q.shape
     kv_heads = k.shape[2]
-    # A row shorter than a tile takes tiles of its own length, in the kernel's 128-row units.
+    # A row shorter than a tile takes tiles of its own length, in the kernel's 128-row units, and a tile holds at
+    # most SPLASH_TILE_BYTES of a head's rows.
     row = -(-length // 128) * 128
-    blocks = {name: min(b, row) if name.startswith("block_") and b else b for name, b in blocks.items()}
+    fit = max(128, SPLASH_TILE_BYTES // (q.shape[-1] * q.dtype.itemsize) // 128 * 128)
+    blocks = {name: min(b, row, fit) if name.startswith("block_") and b else b for name, b in blocks.items()}
     # The kernel's blocks must divide the row: pad it at the end. Causality keeps the padding out of every real
     # query's view, whatever its segment id, and the padded queries' outputs are dropped.
     block = max(b for name, b in blocks.items() if name.startswith("block_") and b)

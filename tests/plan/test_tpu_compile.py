@@ -164,3 +164,31 @@ def test_tunix_constrains_activations_in_a_step_compiled_for_the_slice():
     assert sharding_utils.shard is shard
     host_mesh = make_mesh(spec, fsdp=2, tp=2, devices=jax.devices()[:4])
     assert constraints(host_mesh, True) == 0  # on the host's own devices, Tunix decides as it does in training
+
+
+@pytest.mark.parametrize("dtype, width", [("float32", 512), ("float32", 256), ("bfloat16", 512)])
+def test_splash_attention_fits_a_v5es_scoped_vmem_at_gemmas_head_widths(dtype, width):
+    """Splash attention forward and backward on 2 rows of 2048 tokens, compiled for one v5e as a float32 recipe
+    ("highest" precision) or a bfloat16 one runs it. At 512-row tiles, float32 at Gemma 4's global width (512) ran
+    out of the kernels' 16 MiB scoped VMEM on the chip (28 MiB): wider heads take fewer rows
+    (``step.attention.SPLASH_TILE_BYTES``)."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from gemport.mesh.dims import FSDP
+    from gemport.step.attention import attend
+
+    mesh = jax.sharding.Mesh(np.array(slice_devices("v5e-1")), (FSDP,))
+    rows = NamedSharding(mesh, PartitionSpec())
+    q = jax.ShapeDtypeStruct((2, 2048, 8, width), jnp.dtype(dtype), sharding=rows)
+    seg = jax.ShapeDtypeStruct((2, 2048), jnp.int32, sharding=rows)
+
+    def forward_backward(q, k, seg):
+        out, pull = jax.vjp(lambda q, k: attend(q, k, k, seg, None), q, k)
+        return out, pull(out)
+
+    k = jax.ShapeDtypeStruct((2, 2048, 1, width), jnp.dtype(dtype), sharding=rows)
+    with jax.set_mesh(mesh), jax.default_matmul_precision("highest" if dtype == "float32" else "default"):
+        compiled = jax.jit(forward_backward).lower(q, k, seg).compile()
+    assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 2
