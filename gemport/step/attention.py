@@ -250,8 +250,31 @@ def _splash(q, k, v, segment_ids, window, interpret=False, blocks=SPLASH_BLOCKS)
         ids = splash.SegmentIds(q=s_r, kv=s_r)
         return jax.vmap(lambda qh, kh, vh: kernel(qh, kh, vh, segment_ids=ids))(q_r, k_r, v_r)
 
-    out = jax.vmap(row)(qg, kt, vt, seg)  # [B, K, G, T, H]
+    out = _mosaic_precision(jax.vmap(row))(qg, kt, vt, seg)  # [B, K, G, T, H]
     return jnp.moveaxis(out, 3, 1).reshape(q.shape)[:, :length].astype(q.dtype)
+
+
+def _mosaic_precision(kernel):
+    # Mosaic compiles a TPU kernel's products at JAX's default precision or "highest", not at "high" (three
+    # bfloat16 passes, a tf32 recipe's: "Unsupported dot precision: HIGH"). Under "high" the kernel runs at
+    # "highest", forward and backward: at least the precision the recipe asked for.
+    if traced() != "high":
+        return kernel
+
+    def at_highest(*args):
+        with jax.default_matmul_precision("highest"):
+            return kernel(*args)
+
+    @jax.custom_vjp
+    def run(*args):
+        return at_highest(*args)
+
+    def backward(pull, d_out):
+        with jax.default_matmul_precision("highest"):
+            return pull(d_out)
+
+    run.defvjp(lambda *args: jax.vjp(at_highest, *args), backward)
+    return run
 
 
 def _pallas_gpu(q, k, v, segment_ids, interpret=False):

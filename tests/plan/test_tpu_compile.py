@@ -166,29 +166,34 @@ def test_tunix_constrains_activations_in_a_step_compiled_for_the_slice():
     assert constraints(host_mesh, True) == 0  # on the host's own devices, Tunix decides as it does in training
 
 
-@pytest.mark.parametrize("dtype, width", [("float32", 512), ("float32", 256), ("bfloat16", 512)])
-def test_splash_attention_fits_a_v5es_scoped_vmem_at_gemmas_head_widths(dtype, width):
-    """Splash attention forward and backward on 2 rows of 2048 tokens, compiled for one v5e as a float32 recipe
-    ("highest" precision) or a bfloat16 one runs it. At 512-row tiles, float32 at Gemma 4's global width (512) ran
-    out of the kernels' 16 MiB scoped VMEM on the chip (28 MiB): wider heads take fewer rows
-    (``step.attention.SPLASH_TILE_BYTES``)."""
+@pytest.mark.parametrize("bf16, tf32, width", [(False, None, 512), (False, None, 256), (False, True, 512),
+                                              (False, True, 256), (True, None, 512)])
+def test_splash_attention_compiles_for_a_v5e_at_each_recipes_precision_and_gemmas_head_widths(bf16, tf32, width):
+    """Splash attention forward and backward on 2 rows of 2048 tokens, compiled for one v5e at a recipe's dtype and
+    precision (``step.precision``): float32 ("highest"), float32 with tf32 ("high") and bfloat16 ("default").
+    Found on the chip: at 512-row tiles, float32 at Gemma 4's global width (512) ran out of the kernels' 16 MiB
+    scoped VMEM (28 MiB), so wider heads take fewer rows (``step.attention.SPLASH_TILE_BYTES``); and Mosaic
+    compiles no "high" products, so under tf32 the kernels run at "highest"."""
     import jax
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec
 
     from gemport.mesh.dims import FSDP
     from gemport.step.attention import attend
+    from gemport.step.precision import matmul_precision, with_precision
 
     mesh = jax.sharding.Mesh(np.array(slice_devices("v5e-1")), (FSDP,))
     rows = NamedSharding(mesh, PartitionSpec())
-    q = jax.ShapeDtypeStruct((2, 2048, 8, width), jnp.dtype(dtype), sharding=rows)
+    dtype = jnp.bfloat16 if bf16 else jnp.float32
+    q = jax.ShapeDtypeStruct((2, 2048, 8, width), dtype, sharding=rows)
+    k = jax.ShapeDtypeStruct((2, 2048, 1, width), dtype, sharding=rows)
     seg = jax.ShapeDtypeStruct((2, 2048), jnp.int32, sharding=rows)
 
     def forward_backward(q, k, seg):
         out, pull = jax.vjp(lambda q, k: attend(q, k, k, seg, None), q, k)
         return out, pull(out)
 
-    k = jax.ShapeDtypeStruct((2, 2048, 1, width), jnp.dtype(dtype), sharding=rows)
-    with jax.set_mesh(mesh), jax.default_matmul_precision("highest" if dtype == "float32" else "default"):
-        compiled = jax.jit(forward_backward).lower(q, k, seg).compile()
+    with jax.set_mesh(mesh):
+        step = with_precision(forward_backward, matmul_precision(bf16, tf32))
+        compiled = jax.jit(step).lower(q, k, seg).compile()
     assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 2

@@ -121,6 +121,7 @@ SMALL_TILES = attention.splash_tiles(128, 128, fused=True)
     ("splash", None, 2, 2, "Auto", 128), ("splash", 16, 1, 4, "Auto", 128), ("splash", 16, 1, 1, "Auto", 128),
     ("splash", None, 2, 1, "Auto", 100), ("splash", 16, 1, 1, "Auto", 100),
     ("splash-small-tiles", None, 1, 1, "Auto", 300), ("splash-small-tiles", 16, 1, 1, "Auto", 300),
+    ("splash-tf32", 16, 2, 1, "Auto", 128),
     ("pallas-gpu", None, 1, 1, "Auto", 128), ("pallas-gpu", None, 2, 2, "Auto", 128),
     ("pallas-gpu", None, 2, 2, "Explicit", 128),
 ])
@@ -131,7 +132,9 @@ def test_kernels_run_per_device_and_match_blockwise(kernel, window, fsdp, tp, ax
     gradients equal blockwise attention on rows of two examples and padding, GQA. gemport's meshes have Auto
     axes; Explicit ones work too. Rows of 100 tokens are not a multiple of splash's 128-token blocks. Splash runs
     its tiles (``SPLASH_BLOCKS``: 512 rows, the fused backward kernel), which a row shorter than a tile takes at its
-    own length, one tile; with 128-row tiles, rows of 300 tokens are three tiles each way."""
+    own length, one tile; with 128-row tiles, rows of 300 tokens are three tiles each way. Under a tf32 recipe's
+    "high" precision splash runs at "highest" (Mosaic has no "high"), forward and backward through its own
+    custom_vjp."""
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
     kq, kk, kv, kd = jax.random.split(jax.random.key(1), 4)
@@ -147,13 +150,13 @@ def test_kernels_run_per_device_and_match_blockwise(kernel, window, fsdp, tp, ax
         out, vjp = jax.vjp(f, q, k, v)
         return (out, *vjp(d_out))
 
-    if kernel == "splash":
+    if kernel in ("splash", "splash-tf32"):
         local = functools.partial(attention._splash, window=window, interpret=True)
     elif kernel == "splash-small-tiles":
         local = functools.partial(attention._splash, window=window, interpret=True, blocks=SMALL_TILES)
     else:
         local = functools.partial(attention._pallas_gpu, interpret=True)
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh), jax.default_matmul_precision("high" if kernel == "splash-tf32" else None):
         got = jax.jit(lambda: pull(lambda q, k, v: attention._on_mesh(local, q, k, v, segment_ids)))()
     ref = pull(lambda q, k, v: segment_attention(q, k, v, segment_ids, window=window, block=32))
     expected = NamedSharding(mesh, P("fsdp" if fsdp > 1 else None, None, "tp" if tp == 2 else None, None))
