@@ -12,6 +12,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
+
+from gemport.errors import BatchError
 from gemport.plan.compiled import compile_step
 from gemport.plan.memory import HBM
 from gemport.data.sft import remat_of
@@ -56,16 +59,7 @@ class DryRun:
         """What to change so that the step fits (empty when it fits or the HBM is unknown)."""
         if self.fits is not False:
             return ""
-        changes = []
-        if self.remat == "none":
-            changes.append("set gradient_checkpointing: true (decoder remat keeps one layer's activations)")
-        if self.rows > self.mesh.get("fsdp", 1):
-            batch_size = self.rows if self.batch_size is None else self.batch_size
-            changes.append(f"fewer rows per micro-batch (per_device_train_batch_size {batch_size}; raise "
-                           "gradient_accumulation_steps to keep the batch)")
-        changes.append("more chips or another mesh (--tpu a larger slice, --fsdp / --tp)")
-        changes.append(f"a shorter max_length (rows of {self.seq_len} tokens)")
-        return "to fit: " + "; or ".join(changes)
+        return _to_fit(self.remat, self.rows, self.seq_len, self.mesh, self.batch_size)
 
     def __str__(self) -> str:
         mesh = " ".join(f"{k}={v}" for k, v in self.mesh.items())
@@ -77,6 +71,18 @@ class DryRun:
             text += f" of {self.hbm_bytes / GiB:.2f} GiB HBM: {'fits' if self.fits else 'does not fit'}"
         text += f"; {self.flops_per_token / 1e9:.3f} GFLOPs per token (XLA's cost analysis)"
         return text + (f"\n{self.advice()}" if self.advice() else "")
+
+
+def _to_fit(remat: str, rows: int, seq_len: int, mesh: dict[str, int], batch_size: int | None) -> str:
+    changes = []
+    if remat == "none":
+        changes.append("set gradient_checkpointing: true (decoder remat keeps one layer's activations)")
+    if rows > mesh.get("fsdp", 1):
+        changes.append(f"fewer rows per micro-batch (per_device_train_batch_size {batch_size or rows}; raise "
+                       "gradient_accumulation_steps to keep the batch)")
+    changes.append("more chips or another mesh (--tpu a larger slice, --fsdp / --tp)")
+    changes.append(f"a shorter max_length (rows of {seq_len} tokens)")
+    return "to fit: " + "; or ".join(changes)
 
 
 # libtpu's device kinds ("TPU v5p", "TPU v5 lite", "TPU v6 lite", "TPU v4") -> HBM's chip names
@@ -98,12 +104,27 @@ def dry_run(run: Any, *, hbm_bytes: int | None = None) -> DryRun:
         slice, build it on ``make_mesh(spec, devices=slice_devices("v5p-8"), ...)``.
     hbm_bytes: the chip's HBM; default ``gemport.plan.HBM`` of the mesh's TPU generation (None on CPU).
     Returns a ``DryRun``.
+    Raises BatchError when libtpu refuses to compile the step past the chips' HBM (RESOURCE_EXHAUSTED), naming the
+    micro-batch, the mesh, libtpu's finding and what to change.
     """
     first = run.micro_batches(run.train_batches[:1])[0]  # the trainer's first micro-batch, its fields and shapes
     rows, seq_len = first["tokens"].shape
     trainer = run.make_trainer() if run.trainer is None else run.trainer
-    compiled = compile_step(trainer, run.mesh, rows, seq_len, micro_batch=first)
     remat = remat_of(run.args)  # the model's, as create set it
+    try:
+        compiled = compile_step(trainer, run.mesh, rows, seq_len, micro_batch=first)
+    except jax.errors.JaxRuntimeError as e:
+        # libtpu refuses to compile a program past the chip's HBM, so there is no peak to report: say what it
+        # found and what to change.
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        mesh = dict(run.mesh.shape)
+        raise BatchError(
+            f"the train step of {rows} rows x {seq_len} tokens per micro-batch on "
+            f"{' '.join(f'{k}={v}' for k, v in mesh.items())}, remat {remat}, does not fit the chips' memory "
+            f"(libtpu: {str(e).splitlines()[0]}); "
+            f"{_to_fit(remat, rows, seq_len, mesh, run.args['per_device_train_batch_size'])}"
+        ) from None
     return DryRun(compiled.argument_bytes, compiled.temp_bytes, compiled.peak_bytes,
                   hbm_bytes if hbm_bytes is not None else _hbm(run.mesh), compiled.flops_per_token, rows, seq_len,
                   dict(run.mesh.shape), remat, run.mesh.devices.flat[0].platform,

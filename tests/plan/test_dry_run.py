@@ -49,6 +49,17 @@ def test_the_recipe_compiles_for_the_slice_from_config_json_alone(hf_checkpoint,
         assert change in tight.advice(), tight.advice()
 
 
+def test_a_step_libtpu_cannot_fit_is_an_error_saying_what_to_change(hf_checkpoint, tmp_path):
+    """libtpu refuses to compile a program past the chip's HBM (RESOURCE_EXHAUSTED): the dry run says so in one
+    line, with the micro-batch, the mesh and what to change, not libtpu's traceback."""
+    _, base = hf_checkpoint("gemma4_dense")
+    recipe = _recipe(tmp_path, base, per_device_train_batch_size=16384, gradient_checkpointing=False)
+    one_line_error(gemport("sft", "--config", recipe, "--dry-run", "--tpu", "v5e-1", ok=False),
+                   "16384 rows x 128 tokens", "fsdp=1 tp=1", "remat none", "does not fit the chips' memory",
+                   "libtpu: RESOURCE_EXHAUSTED", "gradient_checkpointing: true", "per_device_train_batch_size 16384")
+    assert not (tmp_path / "out").exists()
+
+
 def test_tpu_is_for_a_dry_run(tmp_path, hf_checkpoint):
     _, base = hf_checkpoint("gemma4_dense")
     for command in ("sft", "dpo"):
