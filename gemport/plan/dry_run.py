@@ -62,7 +62,7 @@ class DryRun:
         return _to_fit(self.remat, self.rows, self.seq_len, self.mesh, self.batch_size)
 
     def __str__(self) -> str:
-        mesh = " ".join(f"{k}={v}" for k, v in self.mesh.items())
+        mesh = _mesh_text(self.mesh)
         compiler = "libtpu" if self.platform == "tpu" else f"XLA:{self.platform.upper()}"
         text = (f"train step, {self.rows} rows x {self.seq_len} tokens per micro-batch on {mesh}, remat {self.remat} "
                 f"({compiler}), per chip: arguments {self.argument_bytes / GiB:.2f} GiB, temporaries "
@@ -71,6 +71,10 @@ class DryRun:
             text += f" of {self.hbm_bytes / GiB:.2f} GiB HBM: {'fits' if self.fits else 'does not fit'}"
         text += f"; {self.flops_per_token / 1e9:.3f} GFLOPs per token (XLA's cost analysis)"
         return text + (f"\n{self.advice()}" if self.advice() else "")
+
+
+def _mesh_text(mesh: dict[str, int]) -> str:
+    return " ".join(f"{k}={v}" for k, v in mesh.items())
 
 
 def _to_fit(remat: str, rows: int, seq_len: int, mesh: dict[str, int], batch_size: int | None) -> str:
@@ -111,6 +115,7 @@ def dry_run(run: Any, *, hbm_bytes: int | None = None) -> DryRun:
     rows, seq_len = first["tokens"].shape
     trainer = run.make_trainer() if run.trainer is None else run.trainer
     remat = remat_of(run.args)  # the model's, as create set it
+    mesh, batch_size = dict(run.mesh.shape), run.args["per_device_train_batch_size"]
     try:
         compiled = compile_step(trainer, run.mesh, rows, seq_len, micro_batch=first)
     except jax.errors.JaxRuntimeError as e:
@@ -118,17 +123,14 @@ def dry_run(run: Any, *, hbm_bytes: int | None = None) -> DryRun:
         # found and what to change.
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
-        mesh = dict(run.mesh.shape)
         raise BatchError(
-            f"the train step of {rows} rows x {seq_len} tokens per micro-batch on "
-            f"{' '.join(f'{k}={v}' for k, v in mesh.items())}, remat {remat}, does not fit the chips' memory "
-            f"(libtpu: {str(e).splitlines()[0]}); "
-            f"{_to_fit(remat, rows, seq_len, mesh, run.args['per_device_train_batch_size'])}"
+            f"the train step of {rows} rows x {seq_len} tokens per micro-batch on {_mesh_text(mesh)}, remat {remat}, "
+            f"does not fit the chips' memory (libtpu: {str(e).splitlines()[0]}); "
+            f"{_to_fit(remat, rows, seq_len, mesh, batch_size)}"
         ) from None
     return DryRun(compiled.argument_bytes, compiled.temp_bytes, compiled.peak_bytes,
                   hbm_bytes if hbm_bytes is not None else _hbm(run.mesh), compiled.flops_per_token, rows, seq_len,
-                  dict(run.mesh.shape), remat, run.mesh.devices.flat[0].platform,
-                  run.args["per_device_train_batch_size"])
+                  mesh, remat, run.mesh.devices.flat[0].platform, batch_size)
 
 
 __all__ = ["DryRun", "dry_run"]
