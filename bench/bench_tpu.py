@@ -45,6 +45,8 @@ CASES = {
     "1b-14-projections": ("gemma3-1b", 14, 4, 2048, "fast", "projections"),
     "31b-4-projections": ("gemma4-31b", 4, 2, 4096, "fast", "projections"),
     "31b-3-projections": ("gemma4-31b", 3, 2, 4096, "fast", "projections"),
+    "1b-26-fit": ("gemma3-1b", None, 4, 2048, "fast", "fit"),
+    "1b-26-fit-8x2048": ("gemma3-1b", None, 8, 2048, "fast", "fit"),
     "e4b": ("gemma4-e4b", None, 2, 4096, "fast", "decoder"),
     "e4b-2x2048": ("gemma4-e4b", None, 2, 2048, "fast", "decoder"),
     "1b-26-tunix-2x1024": ("gemma3-1b", None, 2, 1024, "tunix", "decoder"),
@@ -53,7 +55,10 @@ CASES = {
 """The step's cases: a Gemma preset cut to ``layers`` (its own pattern), ``rows`` x ``seq_len`` tokens, gemport's
 fast step (segment attention, chunked loss) or Tunix's own loss (``step.tunix_loss``: its [B, T, N, T] scores and
 [B, T, V] logits did not fit a v5e at 4 x 2048 tokens, 19.2 GB; 2 x 1024 did), and the remat (``step.remat``:
-"decoder" recomputes each layer whole, TRL's default; "projections" keeps the adapted projections' products)."""
+"decoder" recomputes each layer whole; "projections" keeps the adapted projections' products; "fit" is what
+``gradient_checkpointing: true`` trains on a TPU, the first of ``step.fit.FIT`` libtpu compiles within the chip's
+HBM, chosen by the first call as the trainer's first step chooses: at 8 x 2048 tokens 1B's 26 layers' products
+alone would take about 15 GB)."""
 
 LORA = dict(rank=16, alpha=32)
 """Every case's LoRA: r=16 on all seven projections (``LoraSpec``'s default targets)."""
@@ -67,8 +72,8 @@ makes six, one block, and twelve do not fit a v5e's 16 GB), or under "projection
 products did not fit: 16.33 GB of temporaries)."""
 
 ORDER = ("matmul", "1b-26", "31b-4", "1b-26-projections", "31b-4-projections", "1b-14", "31b-5",
-         "1b-14-projections", "31b-3-projections", "1b-26-tunix-2x1024", "e4b", "e4b-2x2048", "1b-26-tunix-2x2048",
-         "compile-60")
+         "1b-14-projections", "31b-3-projections", "1b-26-fit", "1b-26-fit-8x2048", "1b-26-tunix-2x1024", "e4b",
+         "e4b-2x2048", "1b-26-tunix-2x2048", "compile-60")
 
 
 def versions() -> dict:
@@ -172,21 +177,28 @@ def step(preset: str, layers: int | None, rows: int, seq_len: int, loss: str, re
 
     from gemport.mesh import make_mesh
     from gemport.plan.compiled import Compiled
+    from gemport.step.fit import FIT, first_fitting
 
     start = time.perf_counter()
     spec = spec_of(preset, layers)
     device = jax.devices()[0]
     mesh = make_mesh(spec, fsdp=1, tp=1, devices=[device])
-    trainer = abstract_trainer(spec, loss, remat)
+    remats = FIT if remat == "fit" else (remat,)
+    trainer = abstract_trainer(spec, loss, remats[0])
     model, optimizer = drawn(trainer.model, mesh, 0.02), drawn(trainer.optimizer, mesh, 0.0)
     batch = batch_arrays(rows, seq_len, spec.vocab, mesh)
-    train_step = trainer.jitted_train_step()
+    train_step = trainer.jitted_train_step()  # traced again for a model whose remat changed
     progress(f"model and optimizer on the chip after {time.perf_counter() - start:.0f} s")
     times = []
     with jax.set_mesh(mesh):
         for _ in range(steps + 1):
             start = time.perf_counter()
-            out, _, _ = train_step(model, optimizer, batch)
+            if not times:  # the first call takes the first remat libtpu compiles, as the trainer's (step.fit)
+                (out, _, _), took, refusals = first_fitting(model, remats,
+                                                            lambda: train_step(model, optimizer, batch))
+                progress(f"remat {took}" + "".join(f"; {r}" for r in refusals))
+            else:
+                out, _, _ = train_step(model, optimizer, batch)
             out.block_until_ready()
             times.append(time.perf_counter() - start)
             progress(f"call {len(times)}: {times[-1]:.1f} s")
@@ -201,7 +213,8 @@ def step(preset: str, layers: int | None, rows: int, seq_len: int, loss: str, re
     tokens = rows * seq_len
     flops = flops_per_token(spec, seq_len)
     peak = peak_tflops(device.device_kind)
-    return dict(layers=spec.num_layers, rows=rows, seq_len=seq_len, loss=loss, remat=remat, ms=seconds * 1e3,
+    return dict(layers=spec.num_layers, rows=rows, seq_len=seq_len, loss=loss, remat=remat, took=took,
+                refused=refusals, ms=seconds * 1e3,
                 tokens_per_s=tokens / seconds, flops_per_token=flops,
                 mfu=tokens / seconds * flops / (peak * 1e12) if peak else None,
                 peak_hbm_gib=(device.memory_stats() or {}).get("peak_bytes_in_use", 0) / GiB,
@@ -316,7 +329,8 @@ def main():
         return
     results = {}
     for name in args.cases:
-        if args.compile_only and name not in CASES:
+        # compile-only is of the step cases; a fit case's programs are its projections and decoder cases'
+        if args.compile_only and (name not in CASES or CASES[name][5] == "fit"):
             continue
         result = in_process(name, args.timeout, args.compile_only, args.profile)
         results[name] = result

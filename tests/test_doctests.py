@@ -15,7 +15,7 @@ MODULES = ["gemport.recipe", "gemport.optim.hf", "gemport.data.order", "gemport.
            "gemport.checkpoint.load", "gemport.lora.qwix", "gemport.plan.memory", "gemport.mesh.factory",
            "gemport.check.verify", "gemport.lora.layout", "gemport.mesh.audit", "gemport.checkpoint.adapters",
            "gemport.checkpoint.peft_io", "gemport.checkpoint.orbax", "gemport.run.trainer",
-           "gemport.data.sft"]
+           "gemport.data.sft", "gemport.step.fit"]
 
 
 @pytest.mark.parametrize("name", MODULES)

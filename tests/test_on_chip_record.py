@@ -42,13 +42,18 @@ def test_every_comparison_holds_its_bound_from_its_floor(records):
             assert r["ok"] and r["worst"] <= r["bound"], r
 
 
-@pytest.mark.xfail(strict=True, reason="renewed on the chip with SPLASH_BLOCKS (2026-12-07) but for Gemma 4's global "
-                                       "layer in float32 (out of the kernels' VMEM at 512 rows, now 256: "
-                                       "SPLASH_TILE_BYTES) and the bfloat16 step's second step (the tier stopped at "
-                                       "its first): still of JAX's default tiles (issue 45)")
 def test_the_record_is_of_the_splash_tiles_the_step_runs(records):
     """The tier's comparisons of splash attention, and of the steps that run it, are of the tiles the step runs
     (``step.attention.SPLASH_BLOCKS``; a record without the field ran JAX's default tiles)."""
     runs = {json.dumps(r.get("splash_blocks"), sort_keys=True) for r in records
             if r["test"] in ("splash_attention", "trained_step", "parity")}
     assert runs == {json.dumps(SPLASH_BLOCKS, sort_keys=True)}
+
+
+def test_the_bfloat16_steps_floor_is_trls_or_its_own_spread_across_tiles(records):
+    """The bfloat16 step's floor per quantity: the larger of TRL's float32-vs-bfloat16 spread and the CPU step's own
+    across attention tiles, both measured in the run (tests/check/test_peers_on_chip.py)."""
+    steps = [r for r in records if r["test"] == "trained_step" and r["dtype"] == "bfloat16"]
+    assert {r["step"] for r in steps} == {0, 1} and {r["quantity"] for r in steps} == {"loss", "grad_norm"}
+    for r in steps:
+        assert r["floor"] == max(r["trl_floor"], r["tiles_spread"]) and r["tiles_spread"] > 0, r

@@ -182,7 +182,8 @@ def peft_trainer_class():
     ``after_step(step)`` (after they are written), ``post_train_step(buffer, aux)`` / ``post_eval_step(buffer,
     aux)`` (a step's auxiliary outputs, with the buffer of metrics they go to), ``close_progress_bar()``,
     ``jitted_train_step()`` (the jitted ``step(model, optimizer, inputs)`` that ``train()`` runs; Tunix's own
-    donates the optimizer only), ``evaluate()`` (an evaluation of the eval dataset ``train()`` was given, now, as
+    donates the optimizer only), ``first_train_step(bind)`` (the ``step(inputs)`` ``train()`` calls, given
+    ``bind()``, which binds ``jitted_train_step()`` to the model and optimizer as they are when called), ``evaluate()`` (an evaluation of the eval dataset ``train()`` was given, now, as
     Tunix runs one every ``eval_every_n_steps``).
     """
 
@@ -215,11 +216,19 @@ def peft_trainer_class():
             fresh = self._jitted_train_step_fn is None
             train_step, eval_step = super().jit_train_and_eval_step(skip_jit, cache_nnx_graph)
             if fresh and not skip_jit:
-                step = self.jitted_train_step()
-                bound = nnx.cached_partial(step, self.model, self.optimizer) if cache_nnx_graph else step
-                args = () if cache_nnx_graph else (self.model, self.optimizer)
-                self._jitted_train_step_fn = train_step = functools.partial(bound, *args)
+
+                def bind():  # of the model as it is now: a remat set since is traced by a new binding
+                    step = self.jitted_train_step()
+                    if cache_nnx_graph:
+                        return nnx.cached_partial(step, self.model, self.optimizer)
+                    return functools.partial(step, self.model, self.optimizer)
+
+                # Tunix reads train_step.func.jitted_fn (its compile cache's size): a partial of the step
+                self._jitted_train_step_fn = train_step = functools.partial(self.first_train_step(bind))
             return train_step, eval_step
+
+        def first_train_step(self, bind):
+            return bind()
 
         def train(self, train_ds, eval_ds=None, *args, **kwargs):
             self.eval_ds = eval_ds

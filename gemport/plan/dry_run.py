@@ -17,7 +17,7 @@ import jax
 from gemport.errors import BatchError
 from gemport.plan.compiled import compile_step
 from gemport.plan.memory import HBM
-from gemport.data.sft import remat_of
+from gemport.step.fit import described, first_fitting, refused
 
 GiB = 2**30
 
@@ -36,6 +36,7 @@ class DryRun:
       platform: what compiled it ("tpu": libtpu; "cpu": XLA:CPU, bfloat16 computed in float32, an upper bound).
       batch_size: the recipe's ``per_device_train_batch_size`` (a DPO micro-batch has two rows per pair; None:
         ``rows``).
+      choice: why ``remat``, where ``gradient_checkpointing`` chose it (``step.fit.described``); else empty.
     """
 
     argument_bytes: int
@@ -49,6 +50,7 @@ class DryRun:
     remat: str
     platform: str
     batch_size: int | None = None
+    choice: str = ""
 
     @property
     def fits(self) -> bool | None:
@@ -64,6 +66,7 @@ class DryRun:
     def __str__(self) -> str:
         mesh = _mesh_text(self.mesh)
         compiler = "libtpu" if self.platform == "tpu" else f"XLA:{self.platform.upper()}"
+        compiler += f"; {self.choice}" if self.choice else ""
         text = (f"train step, {self.rows} rows x {self.seq_len} tokens per micro-batch on {mesh}, remat {self.remat} "
                 f"({compiler}), per chip: arguments {self.argument_bytes / GiB:.2f} GiB, temporaries "
                 f"{self.temp_bytes / GiB:.2f} GiB, peak {self.peak_bytes / GiB:.2f} GiB")
@@ -114,15 +117,17 @@ def dry_run(run: Any, *, hbm_bytes: int | None = None) -> DryRun:
     first = run.micro_batches(run.train_batches[:1])[0]  # the trainer's first micro-batch, its fields and shapes
     rows, seq_len = first["tokens"].shape
     trainer = run.make_trainer() if run.trainer is None else run.trainer
-    remat = remat_of(run.args)  # the model's, as create set it
+    remats = run.remats or (run.model.remat,)
     mesh, batch_size = dict(run.mesh.shape), run.args["per_device_train_batch_size"]
-    try:
-        compiled = compile_step(trainer, run.mesh, rows, seq_len, micro_batch=first)
+    try:  # as the trainer's first step chooses its remat (step.fit)
+        compiled, remat, refusals = first_fitting(
+            run.model, remats, lambda: compile_step(trainer, run.mesh, rows, seq_len, micro_batch=first))
     except jax.errors.JaxRuntimeError as e:
         # libtpu refuses to compile a program past the chip's HBM, so there is no peak to report: say what it
         # found and what to change.
-        if "RESOURCE_EXHAUSTED" not in str(e):
+        if not refused(e):
             raise
+        remat = run.model.remat
         raise BatchError(
             f"the train step of {rows} rows x {seq_len} tokens per micro-batch on {_mesh_text(mesh)}, remat {remat}, "
             f"does not fit the chips' memory (libtpu: {str(e).splitlines()[0]}); "
@@ -130,7 +135,7 @@ def dry_run(run: Any, *, hbm_bytes: int | None = None) -> DryRun:
         ) from None
     return DryRun(compiled.argument_bytes, compiled.temp_bytes, compiled.peak_bytes,
                   hbm_bytes if hbm_bytes is not None else _hbm(run.mesh), compiled.flops_per_token, rows, seq_len,
-                  mesh, remat, run.mesh.devices.flat[0].platform, batch_size)
+                  mesh, remat, run.mesh.devices.flat[0].platform, batch_size, described(remat, remats, refusals))
 
 
 __all__ = ["DryRun", "dry_run"]

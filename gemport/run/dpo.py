@@ -268,7 +268,7 @@ class DPORun(SFTRun):
         ``reference``; as ``SFTRun.make_trainer`` otherwise (resumes from the latest checkpoint in its root)."""
         with self._trainer_placement():
             return DPOPeftTrainer(self.model, self.optimizer.tx, self.training_config, lora_spec=self.lora_spec,
-                                  seed=self.fields.seed, precision=self.precision, loss=self.loss,
+                                  seed=self.fields.seed, precision=self.precision, remats=self.remats, loss=self.loss,
                                   reference=self.reference, **kwargs)
 
 

@@ -54,7 +54,7 @@ def lora_model(spec: GemmaSpec, lora_spec: LoraSpec, *, param_dtype=jnp.bfloat16
         return apply_lora(model, spec, lora_spec, qlora=qlora)
 
     model = nnx.eval_shape(build) if abstract else build()
-    set_remat(model, spec.family, remat)
+    set_remat(model, remat)
     return model
 
 

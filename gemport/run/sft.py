@@ -77,6 +77,7 @@ from gemport.run.record import check_resume, recipe_record
 from gemport.run.trainer import HFPeftTrainer, micro_batches, prefetched
 from gemport.specs import GemmaSpec
 from gemport.step.precision import Precision, matmul_precision
+from gemport.step.fit import fit_remats
 from gemport.step.remat import set_remat
 
 CHECKPOINTS = "checkpoints"
@@ -191,6 +192,9 @@ class SFTRun:
       trainer: the ``HFPeftTrainer``, built by ``train()`` (or ``make_trainer``) when None.
       record: what the recipe trains (``run.record.recipe_record``), kept beside the checkpoints so a rerun
         resumes only the same recipe.
+      remats: the remats the trainer's first step tries, in order, for ``gradient_checkpointing``
+        (``step.fit.fit_remats``: on a TPU "projections", then decoder remat where XLA refuses it for the chips'
+        memory); the model starts at the first. Empty: the model's remat, as set.
     """
     args: dict[str, Any]
     fields: RunFields
@@ -210,6 +214,7 @@ class SFTRun:
     training_config: Any
     trainer: Any = None
     record: dict[str, Any] | None = None
+    remats: tuple[str, ...] = ()
 
     COMMAND: ClassVar[str] = "sft"
 
@@ -281,8 +286,10 @@ class SFTRun:
         mesh = mesh if mesh is not None else make_mesh(spec, fsdp=fsdp, tp=tp)
         data = cls.data(recipe, base_dir, spec, mesh, train_dataset, eval_dataset, tokenizer=tokenizer,
                         chat_format=chat_format, cache_dir=cache_dir, progress=progress, abstract=abstract)
+        lora_spec = start if isinstance(start, LoraSpec) else start.lora_spec
+        remats = fit_remats(remat_of(recipe.args), spec, lora_spec, mesh.devices.flat[0].platform)
         model = run_model(base_dir, spec, start, mesh=mesh, dtype=recipe.dtype, seed=recipe.fields.seed,
-                          remat=remat_of(recipe.args), qlora=recipe.qlora, abstract=abstract)
+                          remat=remats[0], qlora=recipe.qlora, abstract=abstract)
         if checkpoint_dir is None and not abstract:
             checkpoint_dir = checkpoint_root(recipe.fields)
         num_steps = len(data["train_batches"])
@@ -293,7 +300,7 @@ class SFTRun:
                    optimizer=hf_optimizer(recipe.args, num_training_steps=num_steps),
                    training_config=training_config(recipe.fields, num_steps, checkpoint_dir=checkpoint_dir,
                                                    evaluate=data["eval_batches"] is not None),
-                   record=cls.with_record(record, **kind), **data, **extras)
+                   record=cls.with_record(record, **kind), remats=remats, **data, **extras)
 
     @classmethod
     def read(cls, config: Any, *, lora: Any = None, qlora: Any = None, dtype: Any = None) -> RunRecipe:
@@ -444,7 +451,7 @@ class SFTRun:
         LoRA dropout draws from the recipe's ``seed``. ``kwargs`` go to the trainer (``metrics_logger``, ...)."""
         with self._trainer_placement():
             return HFPeftTrainer(self.model, self.optimizer.tx, self.training_config, lora_spec=self.lora_spec,
-                                 seed=self.fields.seed, precision=self.precision, **kwargs)
+                                 seed=self.fields.seed, precision=self.precision, remats=self.remats, **kwargs)
 
     def _trainer_placement(self):
         # An abstract run's trainer starts its optimizer state off the mesh, whose devices may be compile-only (a
@@ -589,7 +596,7 @@ def run_model(base_dir: Path, spec: GemmaSpec, start: LoraSpec | LoraParams, *, 
         else:
             base = load_qlora_model(base_dir, qlora, spec=spec, mesh=mesh, compute_dtype=dtype)
         model = apply_lora(base, spec, start, seed=seed, qlora=qlora)
-    set_remat(model, spec.family, remat)
+    set_remat(model, remat)
     return model
 
 

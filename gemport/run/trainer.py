@@ -38,6 +38,7 @@ from gemport._src.extras import require
 from gemport.lora import LoraSpec, dropout_key, lora_dropout
 from gemport.step.cross_entropy import nll_scopes
 from gemport.step.attention import check_segments
+from gemport.step.fit import described, first_fitting
 from gemport.data.distributed import global_batch
 from gemport.run.preemption import Preemption
 from gemport.step.hf import LossFn, per_target, segment_loss
@@ -282,6 +283,9 @@ class HFPeftTrainer(upstream.peft_trainer_class()):
       precision: the precision of the step's products (``step.precision.matmul_precision`` of the recipe:
         ``"highest"`` for a float32 recipe, ``"default"`` for a bfloat16 one); the train and eval steps are
         traced under it (``step.precision.with_precision``).
+      remats: the remats the first step tries, in order (``step.fit.fit_remats``): the step trains under the first
+        one XLA compiles within the devices' memory (``step.fit.first_fitting``); the trainer's ``remat`` is the
+        one taken, printed by process 0. Empty: the model's remat, as set.
       seed: the LoRA dropout stream's (HF's ``seed``). With ``model.lora_spec.dropout`` above 0 the ``i``-th
         micro-batch trained (counted by ``optimizer.step``, which checkpoints carry) runs under
         ``lora.lora_dropout(model, lora.dropout_key(seed, i))``: a resume draws the masks an uninterrupted run
@@ -295,7 +299,7 @@ class HFPeftTrainer(upstream.peft_trainer_class()):
     def __init__(self, model: nnx.Module, optimizer: optax.GradientTransformation,
                  training_config: peft_trainer.TrainingConfig, *, lora_spec: LoraSpec | None = None,
                  preemption: Preemption | None = None, loss_fn: LossFn = segment_loss, seed: int = 0,
-                 precision: Precision = "default", **kwargs: Any) -> None:
+                 precision: Precision = "default", remats: Sequence[str] = (), **kwargs: Any) -> None:
         if training_config.checkpoint_root_directory is not None:  # Tunix resumes from the newest step dir
             resume_step(training_config.checkpoint_root_directory)
         super().__init__(model, optimizer, training_config, **kwargs)
@@ -304,6 +308,8 @@ class HFPeftTrainer(upstream.peft_trainer_class()):
         self._preemption = preemption
         self._seed = seed
         self.precision = precision
+        self.remats = tuple(remats)
+        self.remat = getattr(model, "remat", None)  # the model's (step.remat.set_remat), until the first step picks
         accumulation = training_config.get_with_default("gradient_accumulation_steps", 1)
         per_target(loss_fn)  # refuses a loss without per-target scopes before anything is traced
         self.step_loss = loss_fn
@@ -354,6 +360,40 @@ class HFPeftTrainer(upstream.peft_trainer_class()):
         deleted by the first step.
         """
         return nnx.jit(self.create_train_step_fn(), donate_argnames=("model", "optimizer"))
+
+    def first_train_step(self, bind: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
+        """The ``step(inputs)`` ``train()`` calls: ``bind()`` (``jitted_train_step()`` bound to the model and the
+        optimizer), and with ``remats`` to choose from, one whose first call sets each in turn until XLA compiles
+        the step (``step.fit.first_fitting``; a refused compile runs nothing, so nothing donated is lost)."""
+        if len(self.remats) < 2:
+            return bind()
+        trainer = self
+
+        class First:
+            def __init__(self):
+                self.step, self.chosen = bind(), False
+
+            def __call__(self, inputs):
+                if self.chosen:
+                    return self.step(inputs)
+
+                def attempt():
+                    self.step = bind()
+                    return self.step(inputs)
+
+                out, trainer.remat, refusals = first_fitting(trainer.model, trainer.remats, attempt)
+                self.chosen = True
+                if jax.process_index() == 0:
+                    why = described(trainer.remat, trainer.remats, refusals)
+                    print(f"gemport: the step trains under remat {trainer.remat} ({why})", flush=True)
+                return out
+
+            @property
+            def jitted_fn(self):  # Tunix reads its compile cache's size
+                step = self.step
+                return (step.func if isinstance(step, functools.partial) else step).jitted_fn
+
+        return First()
 
     def prepare_inputs(self, input_data: Any, training: bool) -> Any:
         """Refuses packed rows to a segment-blind attention (with ``step.tunix_loss``) and a training micro-batch

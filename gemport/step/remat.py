@@ -98,17 +98,17 @@ but not the big products: about 4N FLOPs a token instead of 6N, for the products
 decoder (``step.scan``), which runs every layer of a model under it."""
 
 
-def set_remat(model: nnx.Module, family: str, remat: str) -> None:
+def set_remat(model: nnx.Module, remat: str) -> None:
     """Set Tunix's ``remat_config`` of ``model`` to ``remat`` ("none", "block", "decoder"; "projections" is
     Tunix's decoder remat keeping the projections' products, `SAVED`), in place, and record ``remat`` on
     ``model`` (``model.remat``) for the scan (``step.scan.scanned_decoder``) to read.
 
-    family: the model's Tunix family (``GemmaSpec.family``: "gemma3", "gemma4"). Qwix creates the LoRA params on a
-    first call, which fails inside ``nnx.remat``; so a model gets its LoRA without remat and the remat policy
+    model: a Tunix Gemma 3 / Gemma 4 (its ``RematConfig`` is its config's module's). Qwix creates the LoRA params
+    on a first call, which fails inside ``nnx.remat``; so a model gets its LoRA without remat and the remat policy
     afterwards. Gemma 3's attention keeps its own copy of the field.
     """
     tunix = "decoder" if remat in SAVED else remat
-    value = __import__(f"tunix.models.{family}.model", fromlist=["RematConfig"]).RematConfig[tunix.upper()]
+    value = sys.modules[type(model.config).__module__].RematConfig[tunix.upper()]
     for _, module in nnx.iter_modules(model):
         for holder in (module, getattr(module, "config", None)):
             if hasattr(holder, "remat_config"):

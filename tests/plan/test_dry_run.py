@@ -6,8 +6,10 @@ libtpu on this host, and what a chip holds is reported against its HBM; nothing 
 """
 
 import dataclasses
+import importlib
 import shutil
 
+import jax
 import yaml
 
 from gemport import plan as plan_package
@@ -34,11 +36,13 @@ def test_the_recipe_compiles_for_the_slice_from_config_json_alone(hf_checkpoint,
     monkeypatch.setattr(plan_package, "dry_run", lambda run, **kw: reports.append(real(run, **kw)) or reports[-1])
     result = gemport("sft", "--config", _recipe(tmp_path, base), "--dry-run", "--tpu", "v5p-8")
     (report,) = reports
-    assert report.platform == "tpu" and report.remat == "decoder"  # TRL's default gradient_checkpointing
+    # TRL's default gradient_checkpointing on a TPU: remat "projections" first, which fits (step.fit)
+    assert report.platform == "tpu" and report.remat == "projections"
     assert (report.rows, report.seq_len) == (4, 128) and report.mesh == {"fsdp": 4, "tp": 1}
     assert 0 < report.argument_bytes < report.peak_bytes and report.fits and report.flops_per_token > 0
     out = result.stdout
     assert "of 95.00 GiB HBM: fits" in out and "GFLOPs per token" in out and "libtpu" in out, out
+    assert "remat projections (libtpu; gradient_checkpointing's first of projections, decoder to fit)" in out, out
     assert not (tmp_path / "out").exists()  # nothing written
     # Past a chip's HBM the report says what to change, and the command exits 1.
     tight = dataclasses.replace(report, hbm_bytes=report.peak_bytes - 1, remat="none", rows=8,
@@ -58,6 +62,25 @@ def test_a_step_libtpu_cannot_fit_is_an_error_saying_what_to_change(hf_checkpoin
                    "16384 rows x 128 tokens", "fsdp=1 tp=1", "remat none", "does not fit the chips' memory",
                    "libtpu: RESOURCE_EXHAUSTED", "gradient_checkpointing: true", "per_device_train_batch_size 16384")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_remat_libtpu_refuses_gives_way_to_the_next(hf_checkpoint, tmp_path, monkeypatch):
+    """As the trainer's first step does (tests/run/test_fit.py): the dry run reports the step that would train. The
+    refusal is libtpu's message, raised for "projections" (libtpu's own takes minutes to reach at these widths)."""
+    module = importlib.import_module("gemport.plan.dry_run")  # the package's dry_run is the function
+    real = module.compile_step
+
+    def refusing(trainer, *args, **kwargs):
+        if trainer.model.remat == "projections":
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory "
+                                             "in memory space hbm.")
+        return real(trainer, *args, **kwargs)
+
+    monkeypatch.setattr(module, "compile_step", refusing)
+    _, base = hf_checkpoint("gemma4_dense")
+    out = gemport("sft", "--config", _recipe(tmp_path, base), "--dry-run", "--tpu", "v5e-1").stdout
+    assert ("remat decoder (libtpu; gradient_checkpointing's first of projections, decoder to fit; projections "
+            "refused: RESOURCE_EXHAUSTED") in out and ": fits" in out, out
 
 
 def test_tpu_is_for_a_dry_run(tmp_path, hf_checkpoint):
@@ -80,7 +103,7 @@ def test_a_dpo_recipe_compiles_for_the_slice(dpo_workdir, tmp_path, monkeypatch)
                           lora_alpha=8, per_device_train_batch_size=2)
     result = gemport("dpo", "--config", config, "--dry-run", "--tpu", "v5p-8")
     (report,) = reports
-    assert report.platform == "tpu" and report.remat == "decoder" and report.rows == 4  # 2 pairs, 2 rows each
+    assert report.platform == "tpu" and report.remat == "projections" and report.rows == 4  # 2 pairs, 2 rows each
     assert 0 < report.argument_bytes < report.peak_bytes and report.fits and report.flops_per_token > 0
     assert "of 95.00 GiB HBM: fits" in result.stdout and "3 preference pairs" in result.stdout, result.stdout
     tight = dataclasses.replace(report, hbm_bytes=report.peak_bytes - 1)

@@ -46,7 +46,7 @@ def test_the_fast_steps_remat_gives_tunixs_loss_and_lora_grads(hf_checkpoint, na
     batch = dict(tokens=tokens, positions=positions, segment_ids=segment_ids, loss_mask=loss_mask)
     results = {}
     for remat in ("none", "decoder"):
-        set_remat(model, family, remat)
+        set_remat(model, remat)
         results[remat] = _loss_and_grads(model, batch)
     if family == "gemma4":
         with monkeypatch.context() as m:  # Tunix's own decoder remat

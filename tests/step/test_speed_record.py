@@ -15,6 +15,8 @@ sys.path.insert(0, str(BENCH))
 import bench_tpu  # noqa: E402
 import flops  # noqa: E402
 
+from gemport.step.fit import FIT  # noqa: E402
+
 RECORDS = [json.loads(line) for line in (BENCH / "tpu.jsonl").read_text().splitlines() if line.strip()]
 STEPS = [r for r in RECORDS if r["case"] in bench_tpu.CASES and "ms" in r]
 
@@ -45,6 +47,17 @@ def test_each_steps_figures_follow_from_what_was_measured(record):
     assert record["mfu"] == pytest.approx(record["tokens_per_s"] * record["flops_per_token"] / peak, rel=1e-9)
     assert 0 < record["peak_hbm_gib"] < HBM_GIB[record["device_kind"]]
     assert record["compile_s"] > 0
+    if remat == "fit":  # the first of FIT libtpu compiled, after one refusal per remat before it
+        assert record["took"] in FIT and len(record["refused"]) == FIT.index(record["took"]), record
+
+
+def test_fit_takes_projections_where_they_fit_and_decoder_where_libtpu_refuses_them():
+    """``gradient_checkpointing: true`` on the chip (``step.fit``): Gemma 3 1B at 4 x 2048 tokens keeps the
+    projections' products; at 8 x 2048 libtpu refuses them for the chip's HBM and the step takes decoder remat."""
+    latest = {r["case"]: r for r in STEPS}
+    assert latest["1b-26-fit"]["took"] == "projections"
+    assert latest["1b-26-fit-8x2048"]["took"] == "decoder"
+    assert "RESOURCE_EXHAUSTED" in latest["1b-26-fit-8x2048"]["refused"][0]
 
 
 def program(r: dict) -> tuple:

@@ -1,0 +1,87 @@
+"""Remat that fits: what ``gradient_checkpointing: true`` trains.
+
+TRL's ``gradient_checkpointing`` asks for memory to be saved, not for a policy. Decoder remat (``step.remat``) keeps
+one layer's input and recomputes the rest, about 6N FLOPs a token for the 4N a step counts; remat "projections"
+also keeps the adapted projections' products, about 4N, for their memory (``step.remat.SAVED``). On a TPU, where
+XLA refuses at compile time a program past the chips' HBM (``RESOURCE_EXHAUSTED``), the run compiles "projections"
+first and takes decoder remat only where it is refused (``FIT``): the step keeps what fits and recomputes the rest.
+Elsewhere (XLA:CPU and GPU compile any size, and fail only when running) it takes decoder remat, as HF does.
+
+Both remats compute the same values and gradients (``tests/step/test_scan.py``); only memory and time differ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import jax
+from flax import nnx
+
+from gemport.lora import LoraSpec
+from gemport.specs import GemmaSpec
+from gemport.step.remat import set_remat
+from gemport.step.scan import scanned_period
+
+T = TypeVar("T")
+
+FIT = ("projections", "decoder")
+"""The remats ``gradient_checkpointing: true`` tries on a TPU, in order: the first whose step compiles within the
+chips' memory trains."""
+
+
+def fit_remats(remat: str, spec: GemmaSpec, lora_spec: LoraSpec | None, platform: str) -> tuple[str, ...]:
+    """The remats a run of recipe remat ``remat`` (``data.sft.remat_of``) tries, in order.
+
+    ``FIT`` for decoder remat on a TPU (``platform``: the mesh's devices') where the decoder scans under
+    "projections" (``step.scan.scanned_period``: not Gemma 4 E2B/E4B's per-layer inputs and KV sharing, nor PEFT's
+    ``alpha_pattern``); ``(remat,)`` otherwise.
+
+    Example:
+      >>> fit_remats("decoder", GemmaSpec.preset("gemma3-1b"), LoraSpec(rank=16), "tpu")
+      ('projections', 'decoder')
+      >>> fit_remats("decoder", GemmaSpec.preset("gemma3-1b"), LoraSpec(rank=16), "cpu")
+      ('decoder',)
+    """
+    if remat == "decoder" and platform == "tpu" and scanned_period(spec, lora_spec, FIT[0]):
+        return FIT
+    return (remat,)
+
+
+def refused(error: BaseException) -> bool:
+    """Whether ``error`` is XLA refusing a program past the devices' memory (``RESOURCE_EXHAUSTED``)."""
+    return isinstance(error, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(error)
+
+
+def first_fitting(model: nnx.Module, remats: Sequence[str], attempt: Callable[[], T]) -> tuple[T, str, list[str]]:
+    """Set each remat of ``remats`` on ``model`` in turn (``step.remat.set_remat``) and return what ``attempt()``
+    (a compile, or a step's first call) gives under the first one XLA does not refuse (`refused`).
+
+    Returns ``(result, remat, refusals)``: ``model`` is left at ``remat``; ``refusals`` has one line per remat
+    refused before it (the remat and XLA's first line). Raises the last refusal when every remat is refused, and
+    any other error at once.
+    """
+    refusals = []
+    for i, remat in enumerate(remats):
+        set_remat(model, remat)
+        try:
+            return attempt(), remat, refusals
+        except Exception as e:
+            if not refused(e) or i == len(remats) - 1:
+                raise
+            refusals.append(f"{remat} refused: {str(e).splitlines()[0]}")
+
+
+def described(remat: str, remats: Sequence[str], refusals: Sequence[str]) -> str:
+    """Why the step takes ``remat`` (what `first_fitting` found): empty where ``remats`` left no choice.
+
+    Example:
+      >>> described("projections", FIT, [])
+      "gradient_checkpointing's first of projections, decoder to fit"
+    """
+    if len(remats) < 2:
+        return ""
+    return "; ".join([f"gradient_checkpointing's first of {', '.join(remats)} to fit", *refusals])
+
+
+__all__ = ["FIT", "described", "first_fitting", "fit_remats", "refused"]
