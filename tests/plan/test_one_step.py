@@ -14,9 +14,11 @@ import pytest
 
 from gemport import SFTRun
 from gemport.mesh import make_mesh
+from gemport.plan import dry_run
 from gemport.plan.compiled import compile_step, fingerprint, lower_step, micro_batch_shapes, step_trainer
 from gemport.specs import GemmaSpec
 from gemport.run.model import lora_model
+from gemport.step.fit import FIT
 from chats import chats, tokenizer
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "down_proj"]}
@@ -69,6 +71,19 @@ def test_planning_lowers_the_program_training_compiles(runs, tmp_path):
     assert "optimization_barrier" in trained  # TRL's default gradient_checkpointing: the tied decoder remat ran
     assert planned == trained
     assert peak == trained
+
+
+def test_a_run_choosing_its_remat_trains_the_program_its_dry_run_reports(runs, tmp_path):
+    """``gradient_checkpointing: true`` on a TPU tries ``step.fit.FIT``: the dry run and the trainer's first step each
+    take the first remat XLA compiles (XLA:CPU refuses neither, so both take "projections" here) and the program
+    trained is the one the dry run compiled, not decoder remat's."""
+    create, mesh, planned, _ = runs
+    abstract, run = create(ARGS, abstract=True), create(ARGS)
+    abstract.remats = run.remats = FIT  # as SFTRun.create sets them on a TPU mesh
+    assert dry_run(abstract).remat == "projections"
+    trained = _trained(run, tmp_path)
+    assert run.trainer.remat == "projections"
+    assert trained == _planned(abstract, mesh) != planned
 
 
 def test_the_fingerprint_tells_another_step_apart(runs):
