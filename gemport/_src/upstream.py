@@ -183,8 +183,9 @@ def peft_trainer_class():
     aux)`` (a step's auxiliary outputs, with the buffer of metrics they go to), ``close_progress_bar()``,
     ``jitted_train_step()`` (the jitted ``step(model, optimizer, inputs)`` that ``train()`` runs; Tunix's own
     donates the optimizer only), ``first_train_step(bind)`` (the ``step(inputs)`` ``train()`` calls, given
-    ``bind()``, which binds ``jitted_train_step()`` to the model and optimizer as they are when called), ``evaluate()`` (an evaluation of the eval dataset ``train()`` was given, now, as
-    Tunix runs one every ``eval_every_n_steps``).
+    ``bind()``, which binds ``jitted_train_step()`` to the model and optimizer as they are when called),
+    ``evaluate()`` (an evaluation of the eval dataset ``train()`` was given, now, as Tunix runs one every
+    ``eval_every_n_steps``).
     """
 
     peft_trainer = require("tunix.sft.peft_trainer", "gemport.run.trainer")
