@@ -286,8 +286,7 @@ class SFTRun:
         mesh = mesh if mesh is not None else make_mesh(spec, fsdp=fsdp, tp=tp)
         data = cls.data(recipe, base_dir, spec, mesh, train_dataset, eval_dataset, tokenizer=tokenizer,
                         chat_format=chat_format, cache_dir=cache_dir, progress=progress, abstract=abstract)
-        lora_spec = start if isinstance(start, LoraSpec) else start.lora_spec
-        remats = fit_remats(remat_of(recipe.args), spec, lora_spec, mesh.devices.flat[0].platform)
+        remats = fit_remats(remat_of(recipe.args), spec, _lora_spec(start), mesh.devices.flat[0].platform)
         model = run_model(base_dir, spec, start, mesh=mesh, dtype=recipe.dtype, seed=recipe.fields.seed,
                           remat=remats[0], qlora=recipe.qlora, abstract=abstract)
         if checkpoint_dir is None and not abstract:
@@ -587,9 +586,8 @@ def run_model(base_dir: Path, spec: GemmaSpec, start: LoraSpec | LoraParams, *, 
     ``checkpoint.quantize.load_qlora_model``), with LoRA from ``start`` (``starting_adapter``; a fresh adapter
     initialised from ``seed``) and decoder remat ``remat`` (``step.remat.set_remat``). ``abstract``: shapes only,
     from ``spec`` (``run.model.lora_model``: no weight read), for ``gemport.plan.dry_run``."""
-    lora_spec = start if isinstance(start, LoraSpec) else start.lora_spec
     if abstract:
-        return lora_model(spec, lora_spec, param_dtype=dtype, remat=remat, qlora=qlora)
+        return lora_model(spec, _lora_spec(start), param_dtype=dtype, remat=remat, qlora=qlora)
     with use_mesh(mesh):
         if qlora is None:
             base = load_model(base_dir, spec=spec, mesh=mesh, param_dtype=dtype)
@@ -598,6 +596,10 @@ def run_model(base_dir: Path, spec: GemmaSpec, start: LoraSpec | LoraParams, *, 
         model = apply_lora(base, spec, start, seed=seed, qlora=qlora)
     set_remat(model, remat)
     return model
+
+
+def _lora_spec(start: LoraSpec | LoraParams) -> LoraSpec:
+    return start if isinstance(start, LoraSpec) else start.lora_spec
 
 
 def starting_adapter(lora: Any, init_adapter: str | os.PathLike | None, base_dir: Path,
