@@ -14,10 +14,9 @@ from typing import Any
 
 import jax
 
-from gemport.errors import BatchError
 from gemport.plan.compiled import compile_step
 from gemport.plan.memory import HBM
-from gemport.step.fit import described, first_fitting, refused
+from gemport.step.fit import described, does_not_fit, first_fitting, refused, to_fit
 
 GiB = 2**30
 
@@ -61,7 +60,7 @@ class DryRun:
         """What to change so that the step fits (empty when it fits or the HBM is unknown)."""
         if self.fits is not False:
             return ""
-        return _to_fit(self.remat, self.rows, self.seq_len, self.mesh, self.batch_size)
+        return to_fit(self.remat, self.rows, self.seq_len, self.mesh, self.batch_size)
 
     def __str__(self) -> str:
         mesh = _mesh_text(self.mesh)
@@ -78,18 +77,6 @@ class DryRun:
 
 def _mesh_text(mesh: dict[str, int]) -> str:
     return " ".join(f"{k}={v}" for k, v in mesh.items())
-
-
-def _to_fit(remat: str, rows: int, seq_len: int, mesh: dict[str, int], batch_size: int | None) -> str:
-    changes = []
-    if remat == "none":
-        changes.append("set gradient_checkpointing: true (decoder remat keeps one layer's activations)")
-    if rows > mesh.get("fsdp", 1):
-        changes.append(f"fewer rows per micro-batch (per_device_train_batch_size {batch_size or rows}; raise "
-                       "gradient_accumulation_steps to keep the batch)")
-    changes.append("more chips or another mesh (--tpu a larger slice, --fsdp / --tp)")
-    changes.append(f"a shorter max_length (rows of {seq_len} tokens)")
-    return "to fit: " + "; or ".join(changes)
 
 
 # libtpu's device kinds ("TPU v5p", "TPU v5 lite", "TPU v6 lite", "TPU v4") -> HBM's chip names
@@ -127,12 +114,7 @@ def dry_run(run: Any, *, hbm_bytes: int | None = None) -> DryRun:
         # found and what to change.
         if not refused(e):
             raise
-        remat = run.model.remat
-        raise BatchError(
-            f"the train step of {rows} rows x {seq_len} tokens per micro-batch on {_mesh_text(mesh)}, remat {remat}, "
-            f"does not fit the chips' memory (libtpu: {str(e).splitlines()[0]}); "
-            f"{_to_fit(remat, rows, seq_len, mesh, batch_size)}"
-        ) from None
+        raise does_not_fit(e, run.model.remat, rows, seq_len, mesh, batch_size) from None
     return DryRun(compiled.argument_bytes, compiled.temp_bytes, compiled.peak_bytes,
                   hbm_bytes if hbm_bytes is not None else _hbm(run.mesh), compiled.flops_per_token, rows, seq_len,
                   mesh, remat, run.mesh.devices.flat[0].platform, batch_size, described(remat, remats, refusals))

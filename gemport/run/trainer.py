@@ -38,7 +38,7 @@ from gemport._src.extras import require
 from gemport.lora import LoraSpec, dropout_key, lora_dropout
 from gemport.step.cross_entropy import nll_scopes
 from gemport.step.attention import check_segments
-from gemport.step.fit import described, first_fitting
+from gemport.step.fit import described, does_not_fit, first_fitting, refused
 from gemport.data.distributed import global_batch
 from gemport.run.preemption import Preemption
 from gemport.step.hf import LossFn, per_target, segment_loss
@@ -363,10 +363,10 @@ class HFPeftTrainer(upstream.peft_trainer_class()):
 
     def first_train_step(self, bind: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
         """The ``step(inputs)`` ``train()`` calls: ``bind()`` (``jitted_train_step()`` bound to the model and the
-        optimizer), and with ``remats`` to choose from, one whose first call sets each in turn until XLA compiles
-        the step (``step.fit.first_fitting``; a refused compile runs nothing, so nothing donated is lost)."""
-        if len(self.remats) < 2:
-            return bind()
+        optimizer), whose first call, with ``remats`` to choose from, sets each in turn until XLA compiles the step
+        (``step.fit.first_fitting``; a refused compile runs nothing, so nothing donated is lost). A step XLA
+        refuses under the last remat raises BatchError (``step.fit.does_not_fit``: the micro-batch, the mesh,
+        XLA's finding and what to change) rather than XLA's own error."""
         trainer = self
 
         class First:
@@ -381,9 +381,20 @@ class HFPeftTrainer(upstream.peft_trainer_class()):
                     self.step = bind()
                     return self.step(inputs)
 
-                out, trainer.remat, refusals = first_fitting(trainer.model, trainer.remats, attempt)
+                try:
+                    if len(trainer.remats) < 2:
+                        out, refusals = self.step(inputs), None
+                    else:
+                        out, trainer.remat, refusals = first_fitting(trainer.model, trainer.remats, attempt)
+                except Exception as e:
+                    if not refused(e):
+                        raise
+                    mesh = pxla.thread_resources.env.physical_mesh
+                    remat = getattr(trainer.model, "remat", trainer.remat)
+                    raise does_not_fit(e, remat, *np.shape(inputs["tokens"])[-2:],
+                                       {} if mesh.empty else dict(mesh.shape)) from None
                 self.chosen = True
-                if jax.process_index() == 0:
+                if refusals is not None and jax.process_index() == 0:
                     why = described(trainer.remat, trainer.remats, refusals)
                     print(f"gemport: the step trains under remat {trainer.remat} ({why})", flush=True)
                 return out

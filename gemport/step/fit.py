@@ -12,12 +12,13 @@ Both remats compute the same values and gradients (``tests/step/test_scan.py``);
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 import jax
 from flax import nnx
 
+from gemport.errors import BatchError
 from gemport.lora import LoraSpec
 from gemport.specs import GemmaSpec
 from gemport.step.remat import set_remat
@@ -72,6 +73,36 @@ def first_fitting(model: nnx.Module, remats: Sequence[str], attempt: Callable[[]
             refusals.append(f"{remat} refused: {str(e).splitlines()[0]}")
 
 
+def to_fit(remat: str, rows: int, seq_len: int, mesh: Mapping[str, int], batch_size: int | None = None) -> str:
+    """What to change so that a step of ``rows`` x ``seq_len`` tokens per micro-batch under ``remat`` on ``mesh``
+    (axis sizes, e.g. ``{"fsdp": 4, "tp": 1}``) fits the chips: ``batch_size``, the recipe's
+    ``per_device_train_batch_size`` (default ``rows``).
+
+    Example:
+      >>> to_fit("decoder", 1, 8192, {"fsdp": 1, "tp": 1})
+      'to fit: more chips or another mesh (a larger slice, --fsdp / --tp); or a shorter max_length (rows of 8192 tokens)'
+    """
+    changes = []
+    if remat == "none":
+        changes.append("set gradient_checkpointing: true (decoder remat keeps one layer's activations)")
+    if rows > mesh.get("fsdp", 1):
+        changes.append(f"fewer rows per micro-batch (per_device_train_batch_size {batch_size or rows}; raise "
+                       "gradient_accumulation_steps to keep the batch)")
+    changes.append("more chips or another mesh (a larger slice, --fsdp / --tp)")
+    changes.append(f"a shorter max_length (rows of {seq_len} tokens)")
+    return "to fit: " + "; or ".join(changes)
+
+
+def does_not_fit(error: BaseException, remat: str, rows: int, seq_len: int, mesh: Mapping[str, int],
+                 batch_size: int | None = None) -> BatchError:
+    """The error for a step XLA refused (`refused`) under ``remat``, the last the run could take: the micro-batch,
+    the mesh, XLA's first line and what to change (`to_fit`)."""
+    where = " ".join(f"{k}={v}" for k, v in mesh.items()) or "one device"
+    return BatchError(
+        f"the train step of {rows} rows x {seq_len} tokens per micro-batch on {where}, remat {remat}, does not fit "
+        f"the chips' memory (libtpu: {str(error).splitlines()[0]}); {to_fit(remat, rows, seq_len, mesh, batch_size)}")
+
+
 def described(remat: str, remats: Sequence[str], refusals: Sequence[str]) -> str:
     """Why the step takes ``remat`` (what `first_fitting` found): empty where ``remats`` left no choice.
 
@@ -84,4 +115,4 @@ def described(remat: str, remats: Sequence[str], refusals: Sequence[str]) -> str
     return "; ".join([f"gradient_checkpointing's first of {', '.join(remats)} to fit", *refusals])
 
 
-__all__ = ["FIT", "described", "first_fitting", "fit_remats", "refused"]
+__all__ = ["FIT", "described", "does_not_fit", "first_fitting", "fit_remats", "refused", "to_fit"]

@@ -91,3 +91,30 @@ def test_any_other_error_is_raised_at_once(hf_checkpoint, tmp_path, monkeypatch)
 ])
 def test_what_gradient_checkpointing_tries(preset, remat, platform, want):
     assert fit_remats(remat, GemmaSpec.preset(preset), LoraSpec(rank=16), platform) == want
+
+
+@pytest.mark.parametrize("remats", [FIT, ()], ids=["fit", "no choice"])
+def test_a_step_refused_under_every_remat_is_an_error_saying_what_to_change(hf_checkpoint, tmp_path, monkeypatch,
+                                                                           remats):
+    """Past the last remat (or with none to choose, as on CPU and GPU) XLA's refusal is a BatchError naming the
+    micro-batch, the mesh and what to change, as the dry run's (tests/plan/test_dry_run.py), not libtpu's error."""
+    from gemport.errors import BatchError
+
+    _, base = hf_checkpoint("gemma4_mesh")
+    tried = []
+
+    def refusing(self):
+        def train_step(model, optimizer, inputs):
+            tried.append(model.remat)
+            raise jax.errors.JaxRuntimeError(HBM)
+
+        return train_step
+
+    monkeypatch.setattr(HFPeftTrainer, "create_train_step_fn", refusing)
+    with pytest.raises(BatchError) as caught:
+        _losses(base, tmp_path, "refused", remats)
+    assert tried == list(remats or ["decoder"])
+    for said in ("2 rows x 64 tokens per micro-batch", "fsdp=1 tp=1", "remat decoder",
+                 "does not fit the chips' memory (libtpu: RESOURCE_EXHAUSTED", "per_device_train_batch_size 2",
+                 "a shorter max_length"):
+        assert said in str(caught.value), caught.value
