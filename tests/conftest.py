@@ -6,9 +6,12 @@ tests/check/test_peers_on_chip.py) runs on a TPU host with
 CPU's); elsewhere, as in CI, the tier is skipped and its recorded figures are checked (tests/test_on_chip_record.py).
 """
 
+import atexit
 import json
 import os
 import platform
+import shutil
+import tempfile
 
 ON_CHIP = os.environ.get("GEMPORT_TPU") == "1"
 if not ON_CHIP:
@@ -32,6 +35,11 @@ os.environ["XLA_FLAGS"] = " ".join((
     PINNED_XLA_FLAGS, os.environ.get("XLA_FLAGS", ""),
     "--xla_force_host_platform_device_count=8 --xla_cpu_collective_call_terminate_timeout_seconds=900",
 )).strip()
+# gemport sft/dpo keep compiled programs in ~/.cache/gemport/xla unless told otherwise: here, in the session's own
+# directory, removed at its end.
+_COMPILE_CACHE = tempfile.mkdtemp(prefix="gemport-xla-")
+atexit.register(shutil.rmtree, _COMPILE_CACHE, ignore_errors=True)
+os.environ.setdefault("GEMPORT_COMPILE_CACHE", _COMPILE_CACHE)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

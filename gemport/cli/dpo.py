@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 from gemport import recipe as trl_recipe
-from gemport.cli.training import check_resume_point, compile_for_dry_run, report_dry_run, write_adapter
+from gemport.cli.training import (add_compile_cache, check_resume_point, compile_for_dry_run, report_dry_run,
+                                  use_compile_cache, write_adapter)
 from gemport.errors import MeshError, RecipeError
 
 DESCRIPTION = """\
@@ -44,7 +45,7 @@ def add_parser(sub) -> None:
     """Register ``gemport dpo`` on the ``gemport`` subparsers."""
     c = sub.add_parser("dpo", help="run a `trl dpo --config` recipe (YAML + --key value overrides) on JAX devices",
                        usage="gemport dpo [--config dpo.yaml] [--key value ...] [--init-adapter DIR] [--merge] "
-                             "[--fsdp N] [--tp N] [--dry-run [--tpu SLICE]]",
+                             "[--fsdp N] [--tp N] [--dry-run [--tpu SLICE]] [--compile-cache DIR|off]",
                        description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
                        allow_abbrev=False)
     c.add_argument("--config", help="the recipe YAML, as `trl dpo --config` takes it")
@@ -62,6 +63,7 @@ def add_parser(sub) -> None:
                         "not fit. Nothing is written")
     c.add_argument("--tpu", metavar="SLICE", help="with --dry-run: compile for this TPU slice's chips (e.g. v5p-8; "
                                                   "libtpu's compiler on this host) instead of this host's devices")
+    add_compile_cache(c)
     c.set_defaults(run=run, overrides=True)
 
 
@@ -72,6 +74,7 @@ def run(args) -> int:
         raise MeshError(f"--tpu {args.tpu} compiles for a slice this host is not: give it with --dry-run")
     if args.dry_run:
         compile_for_dry_run(args)
+    cache = use_compile_cache(args)  # before anything compiles
     # Lazy: these load JAX (after --dry-run's environment), and --help stays cheap.
     from gemport.checkpoint.output import check_outside  # lazy: JAX; --help stays cheap
     from gemport.data.splits import load_splits  # lazy: JAX; --help stays cheap
@@ -130,6 +133,10 @@ def run(args) -> int:
     except Preempted as e:
         print(f"gemport dpo: {e}", file=sys.stderr, flush=True)
         return e.exit_code
+    finally:
+        if cache is not None:
+            print(cache, flush=True)
+            cache.close()
     print(f"trained to step {trainer.train_steps}; {output_dir / TRAINER_STATE}", flush=True)
 
     trained = dpo_run.lora_params()

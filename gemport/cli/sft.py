@@ -9,7 +9,8 @@ from pathlib import Path
 
 from gemport import recipe as trl_recipe
 from gemport._src.extras import require
-from gemport.cli.training import check_resume_point, compile_for_dry_run, report_dry_run, write_adapter
+from gemport.cli.training import (add_compile_cache, check_resume_point, compile_for_dry_run, report_dry_run,
+                                  use_compile_cache, write_adapter)
 from gemport.errors import MeshError, RecipeError
 
 DESCRIPTION = """\
@@ -61,6 +62,7 @@ def add_parser(sub) -> None:
     c = sub.add_parser("sft", help="run a `trl sft --config` recipe (YAML + --key value overrides) on JAX devices",
                        usage="gemport sft [--config sft.yaml] [--key value ...] [--init-adapter DIR] [--merge] "
                              "[--plot] [--fsdp N] [--tp N] [--dry-run [--tpu SLICE]] "
+                             "[--compile-cache DIR|off] "
                              "[--coordinator-address HOST:PORT --num-processes N "
                              "--process-id I | --distributed]",
                        description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -82,6 +84,7 @@ def add_parser(sub) -> None:
                         "Nothing is written")
     c.add_argument("--tpu", metavar="SLICE", help="with --dry-run: compile for this TPU slice's chips (e.g. v5p-8; "
                                                   "libtpu's compiler on this host) instead of this host's devices")
+    add_compile_cache(c)
     d = c.add_argument_group("several hosts (jax.distributed.initialize; one process per host)")
     d.add_argument("--coordinator-address", metavar="HOST:PORT",
                    help="process 0's address, the same on every host (default: $JAX_COORDINATOR_ADDRESS)")
@@ -111,6 +114,7 @@ def run(args) -> int:
     if args.dry_run:
         compile_for_dry_run(args)
     _initialize(args)
+    cache = use_compile_cache(args)  # before anything compiles
     # Lazy: these load JAX (after --dry-run's environment and jax.distributed), and --help stays cheap.
     import jax  # lazy: --help stays cheap
 
@@ -186,6 +190,10 @@ def run(args) -> int:
     except Preempted as e:
         print(f"gemport sft: {e}", file=sys.stderr, flush=True)
         return e.exit_code
+    finally:
+        if cache is not None:
+            say(str(cache))
+            cache.close()
     say(f"trained to step {trainer.train_steps}; {output_dir / TRAINER_STATE}")
 
     trained = sft_run.lora_params()  # on every process: gathered from all of them

@@ -7,7 +7,7 @@ import os
 import shutil
 from pathlib import Path
 
-from gemport.errors import CheckpointError
+from gemport.errors import CheckpointError, RecipeError
 
 
 def check_resume_point(value, root: Path) -> None:
@@ -70,6 +70,30 @@ def compile_for_dry_run(args) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} {CPU_MEMORY_SCHEDULER}".strip()
 
 
+def add_compile_cache(parser) -> None:
+    """``--compile-cache DIR|off`` on a training command's parser."""
+    parser.add_argument("--compile-cache", metavar="DIR",
+                        help="keep the run's compiled programs in DIR and load them from there when a later run "
+                             "(a resume, a rerun of the recipe) compiles the same: JAX's persistent compilation "
+                             "cache; 'off': none (default: $GEMPORT_COMPILE_CACHE, else JAX_COMPILATION_CACHE_DIR, "
+                             "else ~/.cache/gemport/xla). Not with --dry-run")
+
+
+def use_compile_cache(args):
+    """The ``run.compile_cache.CacheUse`` of a training command's ``--compile-cache`` (its default where not given;
+    None when "off"), set before anything compiles. Raises RecipeError for ``--compile-cache`` with ``--dry-run``:
+    a dry run compiles for another host or with CPU flags of its own, never the run's program."""
+    from gemport.run.compile_cache import OFF, compile_cache, default_dir  # lazy: JAX; --help stays cheap
+
+    if args.dry_run:
+        if args.compile_cache is not None:
+            raise RecipeError(f"--compile-cache {args.compile_cache}: a dry run compiles without the cache (its "
+                              "program is not the run's); drop --compile-cache or --dry-run")
+        return None
+    path = default_dir() if args.compile_cache is None else args.compile_cache
+    return None if path in (None, OFF) else compile_cache(path)
+
+
 def report_dry_run(run, tpu: str | None, rows: str, say) -> int:
     """``gemport.plan.dry_run`` of ``run`` (an abstract ``SFTRun`` or ``DPORun``) said; 1 when it does not fit."""
     from gemport.mesh import TpuSlice  # lazy: JAX; --help stays cheap
@@ -82,4 +106,5 @@ def report_dry_run(run, tpu: str | None, rows: str, say) -> int:
     return 1 if report.fits is False else 0
 
 
-__all__ = ["check_resume_point", "compile_for_dry_run", "report_dry_run", "write_adapter"]
+__all__ = ["add_compile_cache", "check_resume_point", "compile_for_dry_run", "report_dry_run", "use_compile_cache",
+           "write_adapter"]

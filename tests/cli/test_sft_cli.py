@@ -180,3 +180,39 @@ def test_a_recipe_leaving_lora_dropout_at_trls_default_trains(sft_workdir, tmp_p
     (logged,) = [e for e in state["log_history"] if "loss" in e]
     assert logged["step"] == 1 and np.isfinite(logged["loss"]) and np.isfinite(logged["grad_norm"])
     assert json.loads((out / "adapter_config.json").read_text())["lora_dropout"] == 0.05
+
+
+def test_a_rerun_loads_the_step_its_first_run_compiled_and_trains_the_same(sft_workdir, tmp_path, caplog):
+    """`gemport sft` keeps its compiled programs (``--compile-cache``): a second run of the recipe (as a resume
+    after a preemption is) loads its train step from the cache instead of compiling it, says so, and trains the
+    same adapter, bit for bit."""
+    import logging
+
+    import jax
+    from safetensors.numpy import load_file
+
+    cache = tmp_path / "xla"
+    config = write_recipe(tmp_path / "sft.yaml", sft_workdir, use_peft=True, lora_r=4,
+                          lora_target_modules=["q_proj", "down_proj"], max_steps=2, eval_strategy="no",
+                          save_strategy="no", max_length=64)
+    kept, before = jax.config.jax_persistent_cache_min_compile_time_secs, jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # a tiny step may compile in under 1 s
+    try:
+        first = gemport("sft", "--config", config, "--output_dir", tmp_path / "a", "--compile-cache", cache)
+        with caplog.at_level(logging.DEBUG, logger="jax._src.compiler"):
+            second = gemport("sft", "--config", config, "--output_dir", tmp_path / "b", "--compile-cache", cache)
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", kept)
+    assert jax.config.jax_compilation_cache_dir == before  # the command gives JAX's cache back as it was
+    assert f"compile cache {cache}: nothing loaded" in first.stdout, first.stdout
+    (said,) = [line for line in second.stdout.splitlines() if line.startswith(f"compile cache {cache}: ")]
+    assert int(said.split(": ")[1].split()[0]) >= 1, said
+    assert any("cache hit for 'jit_train_step'" in r.getMessage() for r in caplog.records), caplog.text
+    a, b = (load_file(tmp_path / d / "adapter_model.safetensors") for d in "ab")
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_a_dry_run_refuses_a_compile_cache(sft_workdir, tmp_path):
+    config = write_recipe(tmp_path / "sft.yaml", sft_workdir, use_peft=True, lora_target_modules=["q_proj"])
+    one_line_error(gemport("sft", "--config", config, "--dry-run", "--compile-cache", tmp_path / "xla", ok=False),
+                   "--compile-cache", "a dry run compiles without the cache")
