@@ -24,6 +24,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import os
 import subprocess
 import sys
 import time
@@ -257,7 +258,8 @@ def compile_60() -> dict:
 
     jax.config.update("jax_platforms", "cpu")  # libtpu compiles for the slice; nothing runs on the chip
 
-    return bench_compile.compile_seconds(60, 1024, "v5p-8", scanned=True)
+    # On the TPU host or this one: which, by its cores (libtpu's compiler runs on the host's CPU).
+    return dict(bench_compile.compile_seconds(60, 1024, "v5p-8", scanned=True), host_cpus=os.cpu_count())
 
 
 def run_case(name: str, compile_only: bool = False, profile: Path | None = None) -> dict:
@@ -278,10 +280,12 @@ def run_case(name: str, compile_only: bool = False, profile: Path | None = None)
                                      profile=profile / name if profile else None), splash_blocks=SPLASH_BLOCKS)
 
 
-def in_process(name: str, timeout: float, compile_only: bool = False, profile: Path | None = None) -> dict:
+def in_process(name: str, timeout: float, compile_only: bool = False, profile: Path | None = None,
+               cache: Path | None = None) -> dict:
     """Case ``name`` in a child process: its result line, or what stopped it (out of HBM, a timeout)."""
     start = time.perf_counter()
-    flags = ["--compile-only"] * compile_only + (["--profile", str(profile)] if profile else [])
+    flags = (["--compile-only"] * compile_only + (["--profile", str(profile)] if profile else [])
+             + (["--compile-cache", str(cache)] if cache else []))
     try:
         child = subprocess.run([sys.executable, __file__, "--case", name, *flags], capture_output=True, text=True,
                                timeout=timeout)
@@ -322,17 +326,29 @@ def main():
                              "compiled peak beside its memory plan (bench/tpu_compiled.jsonl)")
     parser.add_argument("--profile", type=Path,
                         help="on the chip: a profile of one more step of each case under this folder (jax.profiler)")
+    parser.add_argument("--compile-cache", type=Path,
+                        help="on the chip: each case's programs kept in and loaded from this directory "
+                             "(gemport.run.compile_cache, as gemport sft keeps them): a case run a second time "
+                             "records the compile a rerun pays (cache_loaded: the programs it loaded)")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # the child's
     args = parser.parse_args()
     if args.case:
-        print(json.dumps({**run_case(args.case, args.compile_only, args.profile), **versions()}))
+        use = None
+        if args.compile_cache:
+            from gemport.run.compile_cache import compile_cache
+
+            use = compile_cache(args.compile_cache)
+        result = run_case(args.case, args.compile_only, args.profile)
+        if use is not None:
+            result["cache_loaded"] = use.loaded
+        print(json.dumps({**result, **versions()}))
         return
     results = {}
     for name in args.cases:
         # compile-only is of the step cases; a fit case's programs are its projections and decoder cases'
         if args.compile_only and (name not in CASES or CASES[name][5] == "fit"):
             continue
-        result = in_process(name, args.timeout, args.compile_only, args.profile)
+        result = in_process(name, args.timeout, args.compile_only, args.profile, args.compile_cache)
         results[name] = result
         lines = [result] + ([] if args.compile_only else layers_only(results, name))
         for line in lines:
