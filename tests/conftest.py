@@ -24,11 +24,6 @@ if not ON_CHIP:
 # failure does. A variable set in the environment, or an XLA flag in XLA_FLAGS, overrides the pin.
 PINNED_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 PINNED_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false"
-# Compiling the suite's tiny programs is most of its time. LLVM at level 1 compiles them with about 14% less CPU than
-# the default level and computes the same bits (tests/test_compile_level.py); level 0 would save more but moves the
-# last bits of a step, so the suite would not run what users run.
-LLVM_LEVEL = "--xla_backend_optimization_level=1"
-PINNED_XLA_FLAGS += " " + LLVM_LEVEL
 if platform.machine().lower() in ("x86_64", "amd64"):
     PINNED_ENV |= {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
     PINNED_XLA_FLAGS += " --xla_cpu_max_isa=AVX2"
