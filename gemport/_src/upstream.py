@@ -1,4 +1,5 @@
-"""Every touch of Tunix's and Qwix's internals, in one place, checked against the versions it was written for.
+"""Every touch of Tunix's, Qwix's and JAX's internals, in one place; Tunix's and Qwix's checked against the versions
+they were written for (JAX's is one error text, `tracer_errors_without_origin`).
 
 Qwix 0.1.x keeps its einsum interception, LoRA parameter creation, 4-bit arrays and NF4 buckets private
 (``qwix._src``); Tunix 0.1.7's ``PeftTrainer`` keeps its mode, metric buffers, progress bar and the hooks it calls
@@ -291,6 +292,28 @@ def expert_collect(out, *, xs_reverse_argsort, xs_combine_weights):
     return moe._expert_collect(out, xs_reverse_argsort=xs_reverse_argsort, xs_combine_weights=xs_combine_weights)
 
 
+# JAX ---------------------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def tracer_errors_without_origin():
+    """While open, the text of an error about a traced value omits the operations it came from.
+
+    ``getattr(tracer, "sharding", None)``, which Qwix asks of each base weight it adapts and flax of each variable
+    it sets, raises an AttributeError that getattr swallows, and JAX writes that error's text first: finding the
+    value's origin walks every equation traced so far. Under ``nnx.eval_shape`` (an abstract model, as the plan and
+    the dry run build it) that made LoRA's application quadratic in depth: Gemma 4 31B's 60 layers took minutes.
+    The text is thrown away unread, so nothing a user sees changes but errors raised inside, which lose that one
+    paragraph."""
+    from jax._src.interpreters import partial_eval  # JAX's private tracer; only its error text is replaced
+
+    saved = partial_eval.DynamicJaxprTracer._origin_msg
+    partial_eval.DynamicJaxprTracer._origin_msg = lambda self: ""
+    try:
+        yield
+    finally:
+        partial_eval.DynamicJaxprTracer._origin_msg = saved
+
+
 @contextlib.contextmanager
 def tunix_shard_on(mesh):
     """While open, Tunix's models constrain activations (``tunix.utils.sharding_utils.shard`` and Gemma 4's
@@ -347,6 +370,7 @@ __all__ = [
     "ptq_einsum",
     "quantize_array",
     "query_norm",
+    "tracer_errors_without_origin",
     "tunix_rope",
     "tunix_shard_on",
     "with_aux",

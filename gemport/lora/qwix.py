@@ -311,7 +311,8 @@ def apply_lora(model, spec: GemmaSpec, lora: LoraSpec | LoraParams, *, seed: int
     positions = jnp.arange(2)[None]
     mask = jnp.tril(jnp.ones((1, 2, 2), bool))
     rules = provider(layout, weight_qtype=qlora.qtype if qlora is not None else None)
-    lora_model = qwix.apply_lora_to_model(model, rules, tokens, positions, None, mask, rngs=nnx.Rngs(seed))
+    with upstream.tracer_errors_without_origin():  # an abstract model's depth is otherwise squared here
+        lora_model = qwix.apply_lora_to_model(model, rules, tokens, positions, None, mask, rngs=nnx.Rngs(seed))
     experts.attach(lora_model, layout, seed=seed)  # PEFT's target_parameters: gemport's own LoRA, not Qwix's
     if params is not None:
         given = flat_params(params)
