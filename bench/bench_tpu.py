@@ -178,6 +178,7 @@ def step(preset: str, layers: int | None, rows: int, seq_len: int, loss: str, re
 
     from gemport.mesh import make_mesh
     from gemport.plan.compiled import Compiled
+    from gemport.plan.flops import product_flops
     from gemport.step.fit import FIT, first_fitting
 
     start = time.perf_counter()
@@ -205,7 +206,8 @@ def step(preset: str, layers: int | None, rows: int, seq_len: int, loss: str, re
             progress(f"call {len(times)}: {times[-1]:.1f} s")
         # The program the calls ran (JAX's cache gives it back without compiling again): its peak as XLA
         # compiled it for this chip, which the runtime's peak_bytes_in_use leaves the temporaries out of.
-        ran = Compiled.of(train_step.lower(model, optimizer, batch).compile(), rows * seq_len, 1)
+        traced = train_step.trace(model, optimizer, batch)
+        ran = Compiled.of(traced.lower().compile(), rows * seq_len, product_flops(traced.jaxpr))
         if profile is not None:
             profile.mkdir(parents=True, exist_ok=True)
             with jax.profiler.trace(str(profile)):

@@ -23,6 +23,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from gemport.errors import MeshError
+from gemport.plan.flops import ProductFlops, product_flops
 from gemport.lora import LoraSpec, QLoraSpec
 from gemport.mesh.context import use_mesh
 from gemport._src import upstream
@@ -69,9 +70,10 @@ def _placed(graph, mesh):
     return nnx.merge(graphdef, jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
-def lower_step(trainer: Any, mesh, rows: int, seq_len: int, *,
-               micro_batch: Mapping[str, Any] | None = None) -> jax.stages.Lowered:
-    """``trainer.jitted_train_step()`` lowered for a micro-batch of ``rows`` x ``seq_len`` tokens on ``mesh``.
+def trace_step(trainer: Any, mesh, rows: int, seq_len: int, *,
+               micro_batch: Mapping[str, Any] | None = None) -> Any:
+    """``trainer.jitted_train_step()`` traced (flax's ``Traced``) for a micro-batch of ``rows`` x ``seq_len`` tokens
+    on ``mesh``: its ``.traced.jaxpr`` (what `product_flops` counts) and ``.lower()`` (`lower_step`).
 
     trainer: an ``HFPeftTrainer`` (``SFTRun.make_trainer()``, on a loaded or an abstract run). Its model and
     optimizer state enter as shapes in their annotations' shardings, the micro-batch sharded over the trainer's
@@ -86,7 +88,13 @@ def lower_step(trainer: Any, mesh, rows: int, seq_len: int, *,
               if k != ACCUMULATION}  # a check's field, which the trainer drops before the step
     model, optimizer = _placed(trainer.model, mesh), _placed(trainer.optimizer, mesh)
     with use_mesh(mesh), upstream.tunix_shard_on(mesh):
-        return trainer.jitted_train_step().lower(model, optimizer, inputs)
+        return trainer.jitted_train_step().trace(model, optimizer, inputs)
+
+
+def lower_step(trainer: Any, mesh, rows: int, seq_len: int, *,
+               micro_batch: Mapping[str, Any] | None = None) -> jax.stages.Lowered:
+    """`trace_step` lowered: the program ``train()`` compiles (``tests/plan/test_one_step.py``)."""
+    return trace_step(trainer, mesh, rows, seq_len, micro_batch=micro_batch).lower()
 
 
 def fingerprint(program: str) -> str:
@@ -101,29 +109,27 @@ def fingerprint(program: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Compiled:
-    """Per-device bytes of the compiled train step (XLA's ``memory_analysis``), its FLOPs (``cost_analysis``) and
-    the executable.
+    """Per-device bytes of the compiled train step (XLA's ``memory_analysis``), its products' FLOPs (counted from
+    the traced program, `gemport.plan.flops`: XLA's cost analysis counts a loop's body once) and the executable.
 
-    tokens: the micro-batch's tokens (all devices); devices: the mesh's.
+    tokens: the micro-batch's tokens (all devices).
     """
 
     argument_bytes: int
     output_bytes: int
     temp_bytes: int
     alias_bytes: int
-    flops: float
+    products: ProductFlops
     tokens: int
-    devices: int
     executable: object
 
     @classmethod
-    def of(cls, executable, tokens: int, devices: int) -> "Compiled":
-        """The figures of ``executable`` (a ``jax.stages.Compiled``) for a micro-batch of ``tokens`` on ``devices``."""
+    def of(cls, executable, tokens: int, products: ProductFlops) -> "Compiled":
+        """The figures of ``executable`` (a ``jax.stages.Compiled``) for a micro-batch of ``tokens``, whose
+        program's products are ``products`` (`product_flops` of its trace's ``.jaxpr``)."""
         m = executable.memory_analysis()
-        cost = executable.cost_analysis()
-        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
         return cls(m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes, m.alias_size_in_bytes,
-                   float((cost or {}).get("flops", 0.0)), tokens, devices, executable)
+                   products, tokens, executable)
 
     @property
     def peak_bytes(self) -> int:
@@ -132,8 +138,8 @@ class Compiled:
 
     @property
     def flops_per_token(self) -> float:
-        """XLA's FLOPs of one device's program, times the devices, per token of the micro-batch."""
-        return self.flops * self.devices / self.tokens
+        """The step's products' FLOPs (the whole mesh's) per token of the micro-batch."""
+        return self.products.flops / self.tokens
 
 
 def compile_step(trainer: Any, mesh, rows: int, seq_len: int, *,
@@ -142,8 +148,9 @@ def compile_step(trainer: Any, mesh, rows: int, seq_len: int, *,
     """``lower_step`` compiled: what one device holds and computes for a micro-batch of ``rows`` x ``seq_len``
     (``micro_batch``: as ``lower_step``'s). compiler_options: XLA's, as ``Lowered.compile`` takes them (e.g.
     ``{"xla_dump_to": dir, "xla_dump_hlo_as_text": True}`` writes the buffer assignment and memory-usage report)."""
-    executable = lower_step(trainer, mesh, rows, seq_len, micro_batch=micro_batch).compile(compiler_options)
-    return Compiled.of(executable, rows * seq_len, mesh.size)
+    traced = trace_step(trainer, mesh, rows, seq_len, micro_batch=micro_batch)
+    executable = traced.lower().compile(compiler_options)
+    return Compiled.of(executable, rows * seq_len, product_flops(traced.traced.jaxpr))
 
 
 def step_trainer(model: nnx.Module, args: Mapping[str, Any] | None = None, *, loss_fn: LossFn = segment_loss):
@@ -192,4 +199,5 @@ def compiled_peak(spec: GemmaSpec, lora_spec: LoraSpec, fsdp: int, tp: int, *, b
 
 
 __all__ = ["CPU_MEMORY_SCHEDULER", "Compiled", "compile_step", "compiled_peak", "fingerprint", "lower_step",
-           "micro_batch_shapes", "step_trainer"]
+           "micro_batch_shapes", "step_trainer",
+           "trace_step"]

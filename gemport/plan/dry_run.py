@@ -30,12 +30,15 @@ class DryRun:
         optimizer state and micro-batch; temporaries: the step's activations, gradients and workspace; peak:
         arguments + outputs + temporaries, donated buffers once).
       hbm_bytes: the chip's HBM (``gemport.plan.HBM``), or None on a host whose memory gemport does not know.
-      flops_per_token: XLA's cost analysis of the step, per token of the micro-batch (all chips).
+      flops_per_token: the step's products' FLOPs (``gemport.plan.flops``: counted from its program, each loop
+        times its trips, the remat's recomputation included), per token of the micro-batch (all chips).
       rows, seq_len: the micro-batch (all chips); mesh: the mesh's axis sizes; remat: the model's remat;
       platform: what compiled it ("tpu": libtpu; "cpu": XLA:CPU, bfloat16 computed in float32, an upper bound).
       batch_size: the recipe's ``per_device_train_batch_size`` (a DPO micro-batch has two rows per pair; None:
         ``rows``).
       choice: why ``remat``, where ``gradient_checkpointing`` chose it (``step.fit.described``); else empty.
+      uncounted: products ``flops_per_token`` leaves out (``ProductFlops.uncounted``: on TPU, splash attention's
+        "Pallas kernels").
     """
 
     argument_bytes: int
@@ -50,6 +53,7 @@ class DryRun:
     platform: str
     batch_size: int | None = None
     choice: str = ""
+    uncounted: frozenset[str] = frozenset()
 
     @property
     def fits(self) -> bool | None:
@@ -71,7 +75,8 @@ class DryRun:
                 f"{self.temp_bytes / GiB:.2f} GiB, peak {self.peak_bytes / GiB:.2f} GiB")
         if self.hbm_bytes is not None:
             text += f" of {self.hbm_bytes / GiB:.2f} GiB HBM: {'fits' if self.fits else 'does not fit'}"
-        text += f"; {self.flops_per_token / 1e9:.3f} GFLOPs per token (XLA's cost analysis)"
+        text += f"; {self.flops_per_token / 1e9:.3f} GFLOPs per token in products"
+        text += f" ({', '.join(sorted(self.uncounted))} not counted)" if self.uncounted else ""
         return text + (f"\n{self.advice()}" if self.advice() else "")
 
 
@@ -117,7 +122,8 @@ def dry_run(run: Any, *, hbm_bytes: int | None = None) -> DryRun:
         raise does_not_fit(e, run.model.remat, rows, seq_len, mesh, batch_size) from None
     return DryRun(compiled.argument_bytes, compiled.temp_bytes, compiled.peak_bytes,
                   hbm_bytes if hbm_bytes is not None else _hbm(run.mesh), compiled.flops_per_token, rows, seq_len,
-                  mesh, remat, run.mesh.devices.flat[0].platform, batch_size, described(remat, remats, refusals))
+                  mesh, remat, run.mesh.devices.flat[0].platform, batch_size, described(remat, remats, refusals),
+                  compiled.products.uncounted)
 
 
 __all__ = ["DryRun", "dry_run"]

@@ -41,7 +41,8 @@ def test_the_recipe_compiles_for_the_slice_from_config_json_alone(hf_checkpoint,
     assert (report.rows, report.seq_len) == (4, 128) and report.mesh == {"fsdp": 4, "tp": 1}
     assert 0 < report.argument_bytes < report.peak_bytes and report.fits and report.flops_per_token > 0
     out = result.stdout
-    assert "of 95.00 GiB HBM: fits" in out and "GFLOPs per token" in out and "libtpu" in out, out
+    assert "of 95.00 GiB HBM: fits" in out and "GFLOPs per token in products" in out and "libtpu" in out, out
+    assert report.uncounted == {"Pallas kernels"} and "(Pallas kernels not counted)" in out, out  # splash's
     assert "remat projections (libtpu; gradient_checkpointing's first of projections, decoder to fit)" in out, out
     assert not (tmp_path / "out").exists()  # nothing written
     # Past a chip's HBM the report says what to change, and the command exits 1.

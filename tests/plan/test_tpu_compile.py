@@ -99,7 +99,7 @@ def test_the_fast_step_compiles_for_the_slice_on_splash_kernels_without_scores(c
     assert fast.count('custom_call_target="tpu_custom_call"') >= per_layer * 2
     assert not _scores(fast, 256)
     assert 'custom_call_target="tpu_custom_call"' not in tunix and _scores(tunix, 256)  # its [B, T, N, S] scores
-    assert all(c.peak_bytes > 0 and c.flops > 0 for c in compiled_for_v5p.values())
+    assert all(c.peak_bytes > 0 and c.products.flops > 0 for c in compiled_for_v5p.values())
 
 
 def test_the_platform_a_trace_compiles_for_is_the_meshs():
