@@ -24,13 +24,15 @@ from gemport.lora.qwix import PROJECTION
 from gemport.step.precision import backward_at, traced
 
 
-def rematerialize(f):
+def rematerialize(f, frozen: tuple[int, ...] = ()):
     """``f`` with the same values and derivatives, differentiated by recomputing ``f`` in the backward pass once
     the cotangent of its output exists, all of its input cotangents computed together.
 
     f: a function of pytrees of arrays (integer arrays get float0 cotangents). The forward pass keeps only
     the arguments; the backward pass's products take the precision of the products traced where ``f`` is
     wrapped (``step.precision.traced``).
+    frozen: positions of arguments the backward pass does not differentiate: their cotangent is zero (None), and
+    no product of it is computed (a layer's frozen weights: their gradients would cost 2N FLOPs a token).
     """
     precision = traced()
 
@@ -43,8 +45,14 @@ def rematerialize(f):
 
     def backward(args, cotangent):
         args, cotangent = jax.lax.optimization_barrier((args, cotangent))
+        moving = [i for i in range(len(args)) if i not in frozen]
+
+        def of_moving(*values):
+            return f(*[values[moving.index(i)] if i in moving else a for i, a in enumerate(args)])
+
         with backward_at(precision):
-            return jax.lax.optimization_barrier(jax.vjp(f, *args)[1](cotangent))
+            moved = jax.lax.optimization_barrier(jax.vjp(of_moving, *[args[i] for i in moving])[1](cotangent))
+        return tuple(moved[moving.index(i)] if i in moving else None for i in range(len(args)))
 
     g.defvjp(forward, backward)
     return g
@@ -58,16 +66,18 @@ def _tied(layer_cls: type) -> type:
         # Tunix's layers take the enum or its value.
         if cache is not None or self.config.remat_config not in (decoder, decoder.value):
             return layer_cls.__call__(self, x, segment_pos, cache, attn_mask, *args, **kwargs)
-        graphdef, state = nnx.split(self)
+        # The frozen weights (everything but LoRA's factors) enter undifferentiated: the train step never asks
+        # their gradients, and inside the custom_vjp nothing else would say so.
+        graphdef, lora, weights = nnx.split(self, nnx.LoRAParam, ...)
 
-        def layer(state, x, segment_pos, attn_mask, args, kwargs):
-            return nnx.merge(graphdef, state).block(x, segment_pos, None, attn_mask, *args, **kwargs)
+        def layer(weights, lora, x, segment_pos, attn_mask, args, kwargs):
+            return nnx.merge(graphdef, lora, weights).block(x, segment_pos, None, attn_mask, *args, **kwargs)
 
-        primal = (nnx.as_pure(state), x, segment_pos, attn_mask, args, kwargs)
+        primal = (nnx.as_pure(weights), nnx.as_pure(lora), x, segment_pos, attn_mask, args, kwargs)
         # custom_vjp differentiates its arguments only, and a layer with Qwix's LoRA also reads traced values
         # it closes over (without this their gradients were zero): closure_convert makes them arguments.
         converted, consts = jax.closure_convert(layer, *primal)
-        return rematerialize(converted)(*primal, *consts)
+        return rematerialize(converted, frozen=(0,))(*primal, *consts)
 
     return type(f"Tied{layer_cls.__name__}", (layer_cls,), {"__call__": __call__, "__module__": __name__})
 

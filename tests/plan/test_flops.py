@@ -90,13 +90,14 @@ def _products(jaxpr) -> int:
 PATTERNS = {"gemma3-1b": ("sliding",) * 5 + ("global",), "gemma4-31b": ("sliding", "global")}
 
 
-@pytest.mark.parametrize("preset", ["gemma3-1b"])
+@pytest.mark.parametrize("preset", ["gemma3-1b", "gemma4-31b"])
 def test_the_scanned_steps_products_are_the_unrolled_steps(preset, monkeypatch):
     """The train step ``SFTRun`` trains (decoder remat: whole blocks of the attention pattern scanned, one layer
     past them) counts the products of the unrolled decoder it replaces, from fewer product equations:
-    the loop's trips restore them (XLA's cost analysis counts that loop's body once). The scan computes a little
-    more: its body is every block's, so it takes the first layer's input gradient, which the unrolled step drops
-    (the embedding is frozen), a part of one layer's backward pass."""
+    the loop's trips restore them (XLA's cost analysis counts that loop's body once). On Gemma 4 the two are
+    equal; on Gemma 3 the scan computes a little more: its body is every block's, so it takes the first layer's
+    input gradient, which Tunix's unrolled remat drops (the embedding is frozen), a part of one layer's backward
+    pass. Neither computes the frozen weights' gradients (``step.remat.rematerialize``'s ``frozen``)."""
     layers = PATTERNS[preset] * (2 if preset == "gemma3-1b" else 3) + ("sliding",)
     spec = dataclasses.replace(GemmaSpec.preset(preset), num_layers=len(layers), layer_types=layers, hidden=32,
                                mlp=48, num_heads=4, num_kv_heads=2, head_dim=8, vocab=96, sliding_window=4,
@@ -113,6 +114,6 @@ def test_the_scanned_steps_products_are_the_unrolled_steps(preset, monkeypatch):
 
     scanned, unrolled = step(True), step(False)
     more = product_flops(scanned).flops - product_flops(unrolled).flops
-    assert 0 < more < product_flops(unrolled).flops / len(layers)
+    assert (more == 0) if preset == "gemma4-31b" else (0 < more < product_flops(unrolled).flops / len(layers))
     assert product_flops(scanned).uncounted == product_flops(unrolled).uncounted == frozenset()
     assert _products(scanned.jaxpr) < _products(unrolled.jaxpr)  # one block's equations: the loop is there
