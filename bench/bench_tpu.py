@@ -207,7 +207,7 @@ def step(preset: str, layers: int | None, rows: int, seq_len: int, loss: str, re
         # The program the calls ran (JAX's cache gives it back without compiling again): its peak as XLA
         # compiled it for this chip, which the runtime's peak_bytes_in_use leaves the temporaries out of.
         traced = train_step.trace(model, optimizer, batch)
-        ran = Compiled.of(traced.lower().compile(), rows * seq_len, product_flops(traced.jaxpr))
+        ran = Compiled.of(traced.lower().compile(), rows * seq_len, product_flops(traced.traced.jaxpr))
         if profile is not None:
             profile.mkdir(parents=True, exist_ok=True)
             with jax.profiler.trace(str(profile)):
