@@ -16,7 +16,7 @@ import jax
 
 from gemport.plan.compiled import compile_step
 from gemport.plan.memory import HBM
-from gemport.step.fit import described, does_not_fit, first_fitting, refused, to_fit
+from gemport.step.fit import described, does_not_fit, first_fitting, mesh_text, refused, to_fit
 
 GiB = 2**30
 
@@ -67,7 +67,7 @@ class DryRun:
         return to_fit(self.remat, self.rows, self.seq_len, self.mesh, self.batch_size)
 
     def __str__(self) -> str:
-        mesh = _mesh_text(self.mesh)
+        mesh = mesh_text(self.mesh)
         compiler = "libtpu" if self.platform == "tpu" else f"XLA:{self.platform.upper()}"
         compiler += f"; {self.choice}" if self.choice else ""
         text = (f"train step, {self.rows} rows x {self.seq_len} tokens per micro-batch on {mesh}, remat {self.remat} "
@@ -78,10 +78,6 @@ class DryRun:
         text += f"; {self.flops_per_token / 1e9:.3f} GFLOPs per token in products"
         text += f" ({', '.join(sorted(self.uncounted))} not counted)" if self.uncounted else ""
         return text + (f"\n{self.advice()}" if self.advice() else "")
-
-
-def _mesh_text(mesh: dict[str, int]) -> str:
-    return " ".join(f"{k}={v}" for k, v in mesh.items())
 
 
 # libtpu's device kinds ("TPU v5p", "TPU v5 lite", "TPU v6 lite", "TPU v4") -> HBM's chip names

@@ -93,13 +93,22 @@ def to_fit(remat: str, rows: int, seq_len: int, mesh: Mapping[str, int], batch_s
     return "to fit: " + "; or ".join(changes)
 
 
+def mesh_text(mesh: Mapping[str, int]) -> str:
+    """A mesh's axes as the messages name them.
+
+    Example:
+      >>> mesh_text({"fsdp": 1, "tp": 4})
+      'fsdp=1 tp=4'
+    """
+    return " ".join(f"{k}={v}" for k, v in mesh.items()) or "one device"
+
+
 def does_not_fit(error: BaseException, remat: str, rows: int, seq_len: int, mesh: Mapping[str, int],
                  batch_size: int | None = None) -> BatchError:
     """The error for a step XLA refused (`refused`) under ``remat``, the last the run could take: the micro-batch,
     the mesh, XLA's first line and what to change (`to_fit`)."""
-    where = " ".join(f"{k}={v}" for k, v in mesh.items()) or "one device"
     return BatchError(
-        f"the train step of {rows} rows x {seq_len} tokens per micro-batch on {where}, remat {remat}, does not fit "
+        f"the train step of {rows} rows x {seq_len} tokens per micro-batch on {mesh_text(mesh)}, remat {remat}, does not fit "
         f"the chips' memory (libtpu: {str(error).splitlines()[0]}); {to_fit(remat, rows, seq_len, mesh, batch_size)}")
 
 
@@ -115,4 +124,4 @@ def described(remat: str, remats: Sequence[str], refusals: Sequence[str]) -> str
     return "; ".join([f"gradient_checkpointing's first of {', '.join(remats)} to fit", *refusals])
 
 
-__all__ = ["FIT", "described", "does_not_fit", "first_fitting", "fit_remats", "refused", "to_fit"]
+__all__ = ["FIT", "described", "does_not_fit", "first_fitting", "fit_remats", "mesh_text", "refused", "to_fit"]
