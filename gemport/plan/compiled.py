@@ -199,5 +199,4 @@ def compiled_peak(spec: GemmaSpec, lora_spec: LoraSpec, fsdp: int, tp: int, *, b
 
 
 __all__ = ["CPU_MEMORY_SCHEDULER", "Compiled", "compile_step", "compiled_peak", "fingerprint", "lower_step",
-           "micro_batch_shapes", "step_trainer",
-           "trace_step"]
+           "micro_batch_shapes", "step_trainer", "trace_step"]

@@ -108,8 +108,9 @@ def does_not_fit(error: BaseException, remat: str, rows: int, seq_len: int, mesh
     """The error for a step XLA refused (`refused`) under ``remat``, the last the run could take: the micro-batch,
     the mesh, XLA's first line and what to change (`to_fit`)."""
     return BatchError(
-        f"the train step of {rows} rows x {seq_len} tokens per micro-batch on {mesh_text(mesh)}, remat {remat}, does not fit "
-        f"the chips' memory (libtpu: {str(error).splitlines()[0]}); {to_fit(remat, rows, seq_len, mesh, batch_size)}")
+        f"the train step of {rows} rows x {seq_len} tokens per micro-batch on {mesh_text(mesh)}, remat {remat}, "
+        f"does not fit the chips' memory (libtpu: {str(error).splitlines()[0]}); "
+        f"{to_fit(remat, rows, seq_len, mesh, batch_size)}")
 
 
 def described(remat: str, remats: Sequence[str], refusals: Sequence[str]) -> str:
