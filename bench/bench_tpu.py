@@ -331,7 +331,8 @@ def main():
     parser.add_argument("--compile-cache", type=Path,
                         help="on the chip: each case's programs kept in and loaded from this directory "
                              "(gemport.run.compile_cache, as gemport sft keeps them): a case run a second time "
-                             "records the compile a rerun pays (cache_loaded: the programs it loaded)")
+                             "records the compile a rerun pays (cache_loaded: the programs it loaded; "
+                             "cache_recalled: the refusals it recalled instead of compiling)")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # the child's
     args = parser.parse_args()
     if args.case:
@@ -342,7 +343,7 @@ def main():
             use = compile_cache(args.compile_cache)
         result = run_case(args.case, args.compile_only, args.profile)
         if use is not None:
-            result["cache_loaded"] = use.loaded
+            result["cache_loaded"], result["cache_recalled"] = use.loaded, use.recalled
         print(json.dumps({**result, **versions()}))
         return
     results = {}

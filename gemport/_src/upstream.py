@@ -1,5 +1,6 @@
 """Every touch of Tunix's, Qwix's and JAX's internals, in one place; Tunix's and Qwix's checked against the versions
-they were written for (JAX's is one error text, `tracer_errors_without_origin`).
+they were written for (JAX's are one error text, `tracer_errors_without_origin`, and the persistent cache's compile,
+`refusals_kept`).
 
 Qwix 0.1.x keeps its einsum interception, LoRA parameter creation, 4-bit arrays and NF4 buckets private
 (``qwix._src``); Tunix 0.1.7's ``PeftTrainer`` keeps its mode, metric buffers, progress bar and the hooks it calls
@@ -14,6 +15,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.metadata
+import json
+import time
+from collections.abc import Callable
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -315,6 +319,46 @@ def tracer_errors_without_origin():
 
 
 @contextlib.contextmanager
+def refusals_kept(refused: Callable[[BaseException], bool], recalled: Callable[[float], None]):
+    """While open, a program JAX's persistent compilation cache misses and XLA refuses (``refused(error)``, e.g.
+    libtpu's RESOURCE_EXHAUSTED past the chips' HBM) is kept in that cache under the program's key, and a later
+    compile of the same program, in this process or another, raises the kept refusal at once, its first line
+    saying so, and calls ``recalled(seconds)`` with what the refused compile took.
+
+    JAX caches executables only, so a refusal was compiled again by every run: under ``gradient_checkpointing:
+    true`` on a TPU, a rerun whose first remat was refused paid that compile before loading the one that fits. The
+    key is JAX's own (the program, devices, compile options, XLA flags and versions), so what is recalled is what
+    the compiler would say again. Only process 0 writes, as JAX does for executables."""
+    from jax._src import compilation_cache, compiler  # JAX's private compile path: where a cache key meets XLA
+
+    compile_and_write = compiler._compile_and_write_cache
+
+    def kept(backend, computation, executable_devices, compile_options, host_callbacks, module_name, cache_key):
+        cache, key = compilation_cache._get_cache(backend), f"{cache_key}-refused"
+        recorded = cache.get(key) if cache is not None else None
+        if recorded is not None:
+            refusal = json.loads(recorded)
+            recalled(refusal["seconds"])
+            first, _, rest = refusal["error"].partition("\n")
+            raise jax.errors.JaxRuntimeError(
+                f"{first} (recalled: the compile cache kept this program's refusal by an earlier compile)\n{rest}")
+        start = time.monotonic()
+        try:
+            return compile_and_write(backend, computation, executable_devices, compile_options, host_callbacks,
+                                     module_name, cache_key)
+        except Exception as e:
+            if refused(e) and cache is not None and jax.process_index() == 0:
+                cache.put(key, json.dumps({"error": str(e), "seconds": time.monotonic() - start}).encode())
+            raise
+
+    compiler._compile_and_write_cache = kept
+    try:
+        yield
+    finally:
+        compiler._compile_and_write_cache = compile_and_write
+
+
+@contextlib.contextmanager
 def tunix_shard_on(mesh):
     """While open, Tunix's models constrain activations (``tunix.utils.sharding_utils.shard`` and Gemma 4's
     ``shard``) on ``mesh`` whatever the process's own devices are: Tunix 0.1.7 constrains only when they are
@@ -370,6 +414,7 @@ __all__ = [
     "ptq_einsum",
     "quantize_array",
     "query_norm",
+    "refusals_kept",
     "tracer_errors_without_origin",
     "tunix_rope",
     "tunix_shard_on",

@@ -10,12 +10,16 @@ different recipe, mesh, remat, version or flag compiles afresh, so what loads is
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from pathlib import Path
 
 import jax
 from jax.experimental.compilation_cache import compilation_cache
+
+from gemport._src import upstream
+from gemport.step.fit import refused
 
 ENV = "GEMPORT_COMPILE_CACHE"
 """The environment variable naming the cache directory of ``gemport sft``/``dpo`` ("off": none)."""
@@ -38,14 +42,17 @@ def default_dir() -> str | None:
 
 @dataclasses.dataclass
 class CacheUse:
-    """What this process loaded from the cache: ``loaded`` programs, ``saved_s`` seconds of compiling they took
-    when first compiled (less the time to read them)."""
+    """What this process loaded from the cache: ``loaded`` programs, ``recalled`` refusals (programs XLA refused
+    to compile before, past the chips' memory: ``step.fit.refused``), ``saved_s`` seconds of compiling they took
+    when first compiled (less the time to read the programs)."""
 
     path: str
     previous: str | None = None  # JAX's cache directory before, which `close` gives back
     loaded: int = 0
+    recalled: int = 0
     saved_s: float = 0.0
     closed: bool = False
+    refusals: contextlib.ExitStack = dataclasses.field(default_factory=contextlib.ExitStack, repr=False)
 
     def _event(self, event: str, **_) -> None:
         if event == _HIT and not self.closed:
@@ -55,25 +62,33 @@ class CacheUse:
         if event == _SAVED and not self.closed:
             self.saved_s += seconds
 
+    def _recalled(self, seconds: float) -> None:
+        self.recalled += 1
+        self.saved_s += seconds
+
     def close(self) -> None:
         """Stop keeping programs in ``path`` and counting: JAX's cache directory back to what it was before
         `compile_cache` (so a command run in a longer process, a notebook's or a test's, leaves it as it was)."""
         # Its listeners stay registered, ignoring what comes (a library may clear JAX's listeners: Tunix's do).
         self.closed = True
+        self.refusals.close()
         compilation_cache.set_cache_dir(self.previous)
         compilation_cache.reset_cache()
 
     def __str__(self) -> str:
-        if not self.loaded:
+        if not self.loaded and not self.recalled:
             return f"compile cache {self.path}: nothing loaded; what compiled is kept for a rerun"
-        return (f"compile cache {self.path}: {self.loaded} program{'s' * (self.loaded > 1)} loaded, "
-                f"{max(self.saved_s, 0.0):.0f} s of compiling saved")
+        found = [f"{n} {what}{'s' * (n > 1)} {how}" for n, what, how in
+                 ((self.loaded, "program", "loaded"), (self.recalled, "refusal", "recalled")) if n]
+        return f"compile cache {self.path}: {' and '.join(found)}, {max(self.saved_s, 0.0):.0f} s of compiling saved"
 
 
 def compile_cache(path: str | os.PathLike) -> CacheUse:
     """Keep every program this process compiles from now on in the directory ``path`` (a local one is created if
     missing; a ``gs://`` one, shared by several hosts, is JAX's to reach), and load it from there when a later
-    process compiles the same program (JAX's persistent compilation cache). Programs that compile in under
+    process compiles the same program (JAX's persistent compilation cache); a program XLA refused for the devices'
+memory (``step.fit.refused``) is kept as that refusal, which a later compile of it raises at once
+(``_src.upstream.refusals_kept``). Programs that compile in under
     ``jax_persistent_cache_min_compile_time_secs`` (1 s by default) are not kept; under ``jax.distributed`` only
     process 0 writes, so the other hosts load only from a directory they share with it. The directory is
     trusted: whoever can write to it runs code in the processes that load from it.
@@ -97,6 +112,7 @@ def compile_cache(path: str | os.PathLike) -> CacheUse:
     compilation_cache.reset_cache()
     jax.monitoring.register_event_listener(use._event)
     jax.monitoring.register_event_duration_secs_listener(use._duration)
+    use.refusals.enter_context(upstream.refusals_kept(refused, use._recalled))
     return use
 
 
