@@ -76,6 +76,19 @@ def test_a_rerun_loads_the_program_its_first_run_compiled_and_computes_the_same(
             assert first[field] == rerun[field], field
 
 
+def test_a_rerun_recalls_the_refusal_its_first_run_met_and_compiles_nothing_else():
+    """Under "fit", a rerun of a case whose first remat libtpu refused (``cache_recalled``, ``run.compile_cache``)
+    meets the same refusal, recalled from the cache rather than compiled, says so, and loads the rest."""
+    reruns = [i for i, r in enumerate(RECORDS) if r.get("cache_recalled")]
+    assert reruns
+    for i in reruns:
+        rerun, first = RECORDS[i], RECORDS[i - 1]
+        assert first["case"] == rerun["case"] and first.get("cache_recalled") == 0, (first, rerun)
+        assert rerun["cache_recalled"] == len(first["refused"]) == len(rerun["refused"]) and rerun["cache_loaded"]
+        for was, again in zip(first["refused"], rerun["refused"]):
+            assert again == f"{was} (recalled: the compile cache kept this program's refusal by an earlier compile)"
+
+
 def program(r: dict) -> tuple:
     """What decides a step's compiled program besides the tree: its case, libtpu and splash attention's tiles (a
     record without them ran JAX's default tiles)."""
