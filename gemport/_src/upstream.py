@@ -318,6 +318,15 @@ def tracer_errors_without_origin():
         partial_eval.DynamicJaxprTracer._origin_msg = saved
 
 
+def _kept_refusal(recorded: bytes | None) -> dict | None:
+    # A record cut short (its writer killed: JAX's cache writes in place) is no record: the program compiles.
+    try:
+        refusal = json.loads(recorded) if recorded is not None else None
+        return refusal if isinstance(refusal["error"], str) and float(refusal["seconds"]) >= 0 else None
+    except (ValueError, TypeError, KeyError):
+        return None
+
+
 @contextlib.contextmanager
 def refusals_kept(refused: Callable[[BaseException], bool], recalled: Callable[[float], None]):
     """While open, a program JAX's persistent compilation cache misses and XLA refuses (``refused(error)``, e.g.
@@ -335,9 +344,8 @@ def refusals_kept(refused: Callable[[BaseException], bool], recalled: Callable[[
 
     def kept(backend, computation, executable_devices, compile_options, host_callbacks, module_name, cache_key):
         cache, key = compilation_cache._get_cache(backend), f"{cache_key}-refused"
-        recorded = cache.get(key) if cache is not None else None
-        if recorded is not None:
-            refusal = json.loads(recorded)
+        refusal = _kept_refusal(cache.get(key)) if cache is not None else None
+        if refusal is not None:
             recalled(refusal["seconds"])
             first, _, rest = refusal["error"].partition("\n")
             raise jax.errors.JaxRuntimeError(

@@ -59,6 +59,14 @@ def test_a_refused_program_is_recalled_not_compiled_again(tmp_path, monkeypatch)
         assert str(again.value).splitlines()[1] == "Total hbm usage >= 17.51G"
         assert use.recalled == 1 and use.loaded == 0 and "1 refusal recalled" in str(use), str(use)
         np.testing.assert_array_equal(step(np.ones(8, np.float32)), np.full(8, 4.0))  # another program compiles
+        kept, = tmp_path.glob("*-refused*")
+        kept.write_bytes(b'{"error": "RESOURCE_EX')  # its writer killed: no record, so the program compiles again
+        with monkeypatch.context() as patched:
+            patched.setattr(compiler, "backend_compile_and_load", refusing)
+            jax.clear_caches()
+            with pytest.raises(jax.errors.JaxRuntimeError) as cut:
+                step(seven)
+        assert len(compiles) == 2 and "recalled" not in str(cut.value) and use.recalled == 1
 
         def failing(*args, **kwargs):
             compiles.append(1)
@@ -71,7 +79,7 @@ def test_a_refused_program_is_recalled_not_compiled_again(tmp_path, monkeypatch)
                 with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
                     other(seven)
                 jax.clear_caches()
-        assert len(compiles) == 3  # not a refusal: compiled, and failed, each time
+        assert len(compiles) == 4  # not a refusal: compiled, and failed, each time
     finally:
         use.close()
     with monkeypatch.context() as patched:  # closed: nothing is recalled any more
@@ -79,4 +87,4 @@ def test_a_refused_program_is_recalled_not_compiled_again(tmp_path, monkeypatch)
         jax.clear_caches()
         with pytest.raises(jax.errors.JaxRuntimeError):
             step(seven)
-    assert len(compiles) == 4
+    assert len(compiles) == 5
