@@ -318,11 +318,12 @@ def tracer_errors_without_origin():
         partial_eval.DynamicJaxprTracer._origin_msg = saved
 
 
-def _kept_refusal(recorded: bytes | None) -> dict | None:
+def _kept_refusal(recorded: bytes | None) -> tuple[str, float] | None:
+    """A kept refusal's (error text, seconds its compile took); None where none is kept."""
     # A record cut short (its writer killed: JAX's cache writes in place) is no record: the program compiles.
     try:
-        refusal = json.loads(recorded) if recorded is not None else None
-        return refusal if isinstance(refusal["error"], str) and float(refusal["seconds"]) >= 0 else None
+        refusal = json.loads(recorded)
+        return str(refusal["error"]), float(refusal["seconds"])
     except (ValueError, TypeError, KeyError):
         return None
 
@@ -346,8 +347,9 @@ def refusals_kept(refused: Callable[[BaseException], bool], recalled: Callable[[
         cache, key = compilation_cache._get_cache(backend), f"{cache_key}-refused"
         refusal = _kept_refusal(cache.get(key)) if cache is not None else None
         if refusal is not None:
-            recalled(refusal["seconds"])
-            first, _, rest = refusal["error"].partition("\n")
+            error, seconds = refusal
+            recalled(seconds)
+            first, _, rest = error.partition("\n")
             raise jax.errors.JaxRuntimeError(
                 f"{first} (recalled: the compile cache kept this program's refusal by an earlier compile)\n{rest}")
         start = time.monotonic()

@@ -87,8 +87,8 @@ def compile_cache(path: str | os.PathLike) -> CacheUse:
     """Keep every program this process compiles from now on in the directory ``path`` (a local one is created if
     missing; a ``gs://`` one, shared by several hosts, is JAX's to reach), and load it from there when a later
     process compiles the same program (JAX's persistent compilation cache); a program XLA refused for the devices'
-memory (``step.fit.refused``) is kept as that refusal, which a later compile of it raises at once
-(``_src.upstream.refusals_kept``). Programs that compile in under
+    memory (``step.fit.refused``) is kept as that refusal, which a later compile of it raises at once
+    (``_src.upstream.refusals_kept``). Programs that compile in under
     ``jax_persistent_cache_min_compile_time_secs`` (1 s by default) are not kept; under ``jax.distributed`` only
     process 0 writes, so the other hosts load only from a directory they share with it. The directory is
     trusted: whoever can write to it runs code in the processes that load from it.

@@ -217,8 +217,8 @@ def test_factor_axes_is_qwix_rule(weight, x, stack, a, b):
 def test_lora_on_an_abstract_model_never_searches_the_trace(monkeypatch):
     """LoRA's application to a model of shapes only (``nnx.eval_shape``: what the plan and the dry run compile)
     never walks the trace for a value's origin. JAX does so to word the error ``getattr(tracer, "sharding", None)``
-    swallows, which Qwix and flax ask once per factor: Gemma 4 31B's 60 layers took 130 s to build so, and 2 s
-    without (docs/tpu.md, "Compile once")."""
+    swallows, which Qwix and flax ask once per factor: Gemma 4 31B's 60 layers took 152.3 s to build so, and 3.1 s
+    without (docs/tpu.md, "Speed")."""
     from jax._src.interpreters import partial_eval  # JAX's private frame: the search this test counts
 
     from gemport.run.model import lora_model
