@@ -95,8 +95,21 @@ def prepared_parts(job: Job, *, workers: int, part_size: int = PART_SIZE) -> Ite
     global _JOB
     _JOB = job
     try:
-        with _quiet_fork(), multiprocessing.get_context("fork").Pool(workers) as pool:
-            yield from pool.imap(_forked, itertools.chain(head, parts))
+        with _quiet_fork():
+            pool = multiprocessing.get_context("fork").Pool(workers)
+            finished = False
+            try:
+                yield from pool.imap(_forked, itertools.chain(head, parts))
+                finished = True
+            finally:
+                # Every part back, the workers leave on close's sentinel. terminate() stops them with SIGTERM,
+                # which libtpu (loaded on every TPU host) answers in each forked worker with a stack dump, or a
+                # segfault where the signal lands in malloc: only a run stopped early pays that.
+                if finished:
+                    pool.close()
+                else:
+                    pool.terminate()
+                pool.join()
     finally:
         _JOB = None
 

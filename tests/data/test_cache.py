@@ -7,6 +7,8 @@ record by its file and line from inside a worker.
 """
 
 import json
+import multiprocessing.pool
+import multiprocessing.util
 import os
 import shutil
 import time
@@ -51,6 +53,28 @@ def test_packed_rows_beyond_1000_examples_are_trls(hf_checkpoint, tmp_path, num_
     from gemport.data import pack
 
     assert rows_of(pack(examples, 128)) != expected
+
+
+def test_the_workers_end_on_their_own_once_every_part_is_back(tmp_path, monkeypatch):
+    """A pool's terminate() stops its workers with SIGTERM, which libtpu's handler (loaded on every TPU host, and in
+    this suite by the compile-only tests) answers in each forked worker with a stack dump, or a segfault where the
+    signal lands in malloc: with every part back, the workers leave on the pool's close, exit code 0."""
+    pools = []
+    init = multiprocessing.pool.Pool.__init__
+
+    def recorded(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        pools.append(self)
+
+    monkeypatch.setattr(multiprocessing.pool.Pool, "__init__", recorded)
+    # A worker leaving takes a second (a busy machine's timing), so a pool that does not wait for it stops it.
+    leave = multiprocessing.util._exit_function
+    monkeypatch.setattr(multiprocessing.util, "_exit_function", lambda *a, **k: (time.sleep(1), leave(*a, **k)))
+    prepared = from_sft_config(CONFIG, tokenizer()).prepared(chats(N), tokenizer(), root=tmp_path, workers=2,
+                                                             progress=False)
+    assert len(prepared.examples) > 0
+    (pool,) = pools
+    assert [worker.exitcode for worker in pool._pool] == [0, 0]  # -15: stopped by SIGTERM
 
 
 def test_cached_batches_are_the_batches_laid_out_in_memory(tmp_path):
