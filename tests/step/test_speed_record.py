@@ -140,3 +140,22 @@ def test_the_steps_splash_tiles_are_the_recorded_fastest():
                for t in bench_splash.CANDIDATES}
     ours = next(t for t, blocks in bench_splash.CANDIDATES.items() if blocks == SPLASH_BLOCKS)
     assert max(speedup, key=speedup.get) == ours, speedup
+
+
+def test_the_compile_profile_is_of_the_chips_compile_at_two_depths():
+    """bench/compile_profile.jsonl (``tools/tpu/compile_profile.py`` on the chip): where libtpu's compile of the
+    step goes (docs/tpu.md, "Where the compile goes"). Each record is a case the bench runs, compiled for a TPU, its
+    phases measured and its passes libtpu's, ranked by their CPU seconds; the two depths in one run of the same
+    versions, so their difference is the layers' (read, not judged: rerun the tool on a TPU to renew them)."""
+    profiles = [json.loads(line) for line in (BENCH / "compile_profile.jsonl").read_text().splitlines()]
+    assert {r["case"] for r in profiles} >= {"1b-14", "1b-26"}
+    for r in profiles:
+        assert r["case"] in bench_tpu.CASES and "TPU" in r["target"] and r["libtpu"], r["case"]
+        assert min(r["tracing_s"], r["lowering_s"], r["compiling_s"]) > 0
+        seconds = [p["cpu_s"] for p in r["passes"]]
+        assert seconds == sorted(seconds, reverse=True) and any(p["name"].startswith("XLA::TPU") for p in r["passes"])
+    by_case = {r["case"]: r for r in profiles}
+    shallow, deep = by_case["1b-14"], by_case["1b-26"]
+    assert (shallow["libtpu"], shallow["date"]) == (deep["libtpu"], deep["date"])
+    assert bench_tpu.spec_of(*bench_tpu.CASES["1b-14"][:2]).num_layers < bench_tpu.spec_of(
+        *bench_tpu.CASES["1b-26"][:2]).num_layers
