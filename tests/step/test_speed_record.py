@@ -144,9 +144,10 @@ def test_the_steps_splash_tiles_are_the_recorded_fastest():
 
 def test_the_compile_profile_is_of_the_chips_compile_at_two_depths():
     """bench/compile_profile.jsonl (``tools/tpu/compile_profile.py`` on the chip): where libtpu's compile of the
-    step goes (docs/tpu.md, "The compile on the chip, at two depths"). Each record is a case the bench runs, compiled for a TPU, its
-    phases measured and its passes libtpu's, ranked by their CPU seconds; the two depths in one run of the same
-    versions, so their difference is the layers' (read, not judged: rerun the tool on a TPU to renew them)."""
+    step goes (docs/tpu.md, "The compile on the chip, at two depths"). Each record is a case the bench runs,
+    compiled for a TPU, its phases measured and its passes libtpu's, ranked by their CPU seconds; the two depths in
+    one run of the same versions, so their difference is the layers' (read, not judged: rerun the tool on a TPU to
+    renew them)."""
     profiles = [json.loads(line) for line in (BENCH / "compile_profile.jsonl").read_text().splitlines()]
     assert {r["case"] for r in profiles} >= {"1b-14", "1b-26"}
     for r in profiles:
