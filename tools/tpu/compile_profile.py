@@ -34,17 +34,14 @@ def cpu_by_pass(path: Path) -> collections.Counter:
         for line in plane.lines:
             events = sorted((e for e in line.events if not e.name.startswith("$")),
                             key=lambda e: (e.start_ns, -e.duration_ns))
-            open_ = []  # [name, end, children's ns] of the events enclosing the current one
+            enclosing = []  # (name, end) of the events the current one lies within, innermost last
             for event in events:
-                while open_ and open_[-1][1] <= event.start_ns:
-                    name, _, inner = open_.pop()
-                    cpu[name] -= inner
-                if open_:
-                    open_[-1][2] += event.duration_ns
+                while enclosing and enclosing[-1][1] <= event.start_ns:
+                    enclosing.pop()
+                if enclosing:  # a child's time is its own, not its parent's
+                    cpu[enclosing[-1][0]] -= event.duration_ns
                 cpu[event.name] += event.duration_ns
-                open_.append([event.name, event.start_ns + event.duration_ns, 0])
-            for name, _, inner in open_:
-                cpu[name] -= inner
+                enclosing.append((event.name, event.start_ns + event.duration_ns))
     return cpu
 
 
@@ -82,7 +79,7 @@ def main(case: str, out: Path, tpu: str | None = None) -> None:
         f.write(json.dumps(result) + "\n")
     print({k: round(v, 1) for k, v in phases.items()})
     print("CPU seconds by pass:")
-    for p in passes[:30]:
+    for p in passes:
         print(f"{p['cpu_s']:8.2f}  {p['name']}")
 
 
